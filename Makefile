@@ -1,0 +1,23 @@
+# Two commands on a fresh machine (see README):  make demo   and   make test
+# Both create .venv inside the checkout when it is missing, then reuse it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: setup demo test explore bench-deps
+setup: $(BIN)/.installed
+
+demo: $(BIN)/.installed
+	$(BIN)/rlalign demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+bench-deps: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[bench]'

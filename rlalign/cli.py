@@ -1,0 +1,64 @@
+"""The one entry point: ``rlalign <command> [options] [key.sub=value ...]``.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
+only the module of the command that runs is imported, so ``rlalign --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from rlalign.config import ConfigError
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("rlalign.demo", "the embedded offline demo: SFT -> GRPO and SFT -> RM -> PPO on a tiny model"),
+    "explore": ("rlalign.explore.cli", "the seeds' explorers as figures (PNG + the numbers behind them)"),
+    "classic": ("rlalign.classic.cli", "textbook RL on Gymnasium: value iteration, Q-learning, DQN, VPG, TRPO, PPO"),
+    "sft": ("rlalign.train.sft", "supervised fine-tuning (completion-only loss)"),
+    "rm": ("rlalign.train.reward_model", "Bradley-Terry reward-model training on preference pairs"),
+    "grpo": ("rlalign.train.grpo", "GRPO on a causal LM"),
+    "ppo": ("rlalign.train.ppo", "RLHF PPO on a causal LM (policy, reference, reward model, critic)"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="rlalign",
+        description="Reinforcement learning for language models.",
+        epilog=f"commands:\n{lines}\n\nrun 'rlalign COMMAND --help' for a command's options",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from rlalign import __version__
+
+        print(__version__)
+        return 0
+    command = top.parse_args(argv[:1]).command
+    module_name, text = COMMANDS[command]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"rlalign {command}", description=text)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as err:
+        print(f"rlalign {command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

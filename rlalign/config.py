@@ -1,0 +1,128 @@
+"""Typed configs: one pydantic class per command, loaded from YAML with dotted overrides.
+
+    cfg = load_config(GRPOConfig, "configs/grpo_arithmetic.yaml", ["optim.lr=1e-4", "seed=3"])
+
+Every config class derives from :class:`Config`, which forbids unknown keys. Errors are raised as
+:class:`ConfigError` naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = ["Config", "ConfigError", "load_config", "parse_overrides", "apply_overrides"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what is allowed."""
+
+
+class Config(BaseModel):
+    """Base of every command's config: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+C = TypeVar("C", bound=Config)
+
+
+def _parse_value(text: str) -> Any:
+    """'3' -> 3, '1e-4' -> 0.0001, 'true' -> True, '[1, 2]' -> [1, 2], 'abc' -> 'abc' (YAML scalars)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ['a.b=1', 'c=x'] into {'a': {'b': 1}, 'c': 'x'}."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.lr=1e-4)")
+        key, text = item.split("=", 1)
+        apply_overrides(tree, {key.strip(): _parse_value(text)})
+    return tree
+
+
+def apply_overrides(tree: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys of ``flat`` inside the nested dict ``tree`` (in place) and return it."""
+    for dotted, value in flat.items():
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return tree
+
+
+def _allowed_fields(cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names allowed at ``loc`` (the parent of the offending key)."""
+    model: Any = cls
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        model = fields[part].annotation
+    fields = getattr(model, "model_fields", None)
+    return sorted(fields) if fields else []
+
+
+def _format_error(cls: type[BaseModel], err: ValidationError, source: str) -> str:
+    lines = [f"invalid {cls.__name__} config ({source}):"]
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_fields(cls, loc[:-1])
+            near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            lines.append(f"  unknown key {key!r}.{hint} Allowed here: {', '.join(allowed)}")
+        else:
+            lines.append(f"  {key} = {e.get('input')!r}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | dict | None = None) -> C:
+    """Load ``cls`` from an optional YAML file, then apply dotted overrides, then validate."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level, got {type(loaded).__name__}")
+        data = loaded
+        source = str(path)
+    if overrides:
+        flat = overrides if isinstance(overrides, dict) else None
+        if flat is None:
+            data = _merge(data, parse_overrides(list(overrides)))
+        else:
+            data = apply_overrides(data, dict(flat))
+        source += " + overrides"
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(cls, err, source)) from None
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,39 @@
+"""The maths: pure functions on tensors (no modules, no I/O, no configs). See each module."""
+
+from rlalign.core.advantages import (
+    gae,
+    group_advantages,
+    kl_shaped_rewards,
+    last_token_index,
+    reward_to_go,
+    rloo_advantages,
+    td_residuals,
+    token_gae,
+    total_returns,
+)
+from rlalign.core.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    adaptive_kl_coef,
+    categorical_kl,
+    entropy_from_logits,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+)
+from rlalign.core.logprobs import token_logprobs
+from rlalign.core.losses import (
+    AGGREGATION_MODES,
+    aggregate,
+    bradley_terry_loss,
+    clipped_surrogate_loss,
+    entropy_loss,
+    explained_variance,
+    kl_penalty_loss,
+    policy_gradient_loss,
+    sft_loss,
+    value_loss,
+)
+from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,232 @@
+"""Returns and advantage estimators.
+
+Two layouts:
+- environment time is **time-major** ``(T, N)`` (T steps of N parallel environments), with
+  explicit ``terminated`` (no bootstrap: the next state is terminal) and ``episode_ends``
+  (terminated or truncated: the recursion stops, the next row belongs to a new episode);
+- token sequences are **batch-major** ``(B, C)``, right-padded, with ``mask`` = 1 on valid tokens.
+  The episode ends at the last valid token and is terminal there (value after it is 0).
+
+There is one GAE (:func:`gae`); :func:`token_gae` maps the token layout onto it. Whitening is a
+separate step (:func:`rlalign.core.masks.masked_whiten`), never hidden inside an estimator.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "reward_to_go",
+    "total_returns",
+    "td_residuals",
+    "gae",
+    "token_gae",
+    "kl_shaped_rewards",
+    "last_token_index",
+    "group_advantages",
+    "rloo_advantages",
+]
+
+
+def reward_to_go(rewards: Tensor, episode_ends: Tensor, gamma: float, bootstrap: Tensor | None = None) -> Tensor:
+    """Discounted reward-to-go G_t = r_t + gamma * (1 - end_t) * G_{t+1}, with G_T = bootstrap (0).
+
+    Seed 002, "Reward-to-Go": Psi_t = sum_{i>=t} gamma^(i-t) r_i within the episode.
+
+    Args:
+        rewards: Shape: (T, N).
+        episode_ends: 1 where the episode ends after step t. Shape: (T, N).
+        gamma: discount factor.
+        bootstrap: value of the state after the last row, for rows whose episode goes on. Shape: (N,).
+    Returns:
+        Shape: (T, N).
+    """
+    T = rewards.shape[0]
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[0]) if bootstrap is None else bootstrap.to(rewards.dtype)
+    not_end = 1.0 - episode_ends.to(rewards.dtype)
+    for t in reversed(range(T)):
+        running = rewards[t] + gamma * not_end[t] * running
+        out[t] = running
+    return out
+
+
+def total_returns(rewards: Tensor, episode_ends: Tensor, gamma: float) -> Tensor:
+    """R(tau) = sum_k gamma^k r_k of the whole episode, given to every step of that episode.
+
+    Seed 002, "Basic Policy Gradient": Psi_t = R(tau). An episode cut by the end of the batch
+    counts only the rewards it has.
+
+    Args:
+        rewards, episode_ends: Shape: (T, N).
+    Returns:
+        Shape: (T, N).
+    """
+    to_go = reward_to_go(rewards, episode_ends, gamma)  # (T, N)
+    out = torch.empty_like(to_go)
+    start_value = to_go[0]
+    ends = episode_ends.bool()
+    for t in range(rewards.shape[0]):
+        if t > 0:
+            start_value = torch.where(ends[t - 1], to_go[t], start_value)
+        out[t] = start_value
+    return out
+
+
+def td_residuals(rewards: Tensor, values: Tensor, next_values: Tensor, terminated: Tensor, gamma: float) -> Tensor:
+    """delta_t = r_t + gamma * (1 - terminated_t) * V(s_{t+1}) - V(s_t).
+
+    Schulman et al. 2016 (GAE), eq. 9; the seeds' "one-step TD error".
+
+    Args:
+        rewards, values, next_values, terminated: Shape: (T, N). ``next_values[t]`` is V of the
+            true next state, also for a truncated step (the final observation, not the reset one).
+    """
+    not_terminal = 1.0 - terminated.to(rewards.dtype)
+    return rewards + gamma * not_terminal * next_values - values
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    next_values: Tensor,
+    terminated: Tensor,
+    episode_ends: Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[Tensor, Tensor]:
+    """Generalised Advantage Estimation.
+
+    A_t = sum_l (gamma*lam)^l delta_{t+l}, computed backwards as
+    A_t = delta_t + gamma * lam * (1 - end_t) * A_{t+1}.     Schulman et al. 2016, eq. 16.
+
+    Bootstrapping is decided by ``terminated`` (truncated steps still bootstrap from V(s_{t+1})),
+    the recursion is cut by ``episode_ends`` (terminated or truncated). lam=0 gives the TD residual;
+    lam=1 gives the Monte-Carlo return minus V(s_t).
+
+    Args:
+        rewards, values, next_values, terminated, episode_ends: Shape: (T, N).
+    Returns:
+        (advantages, returns) with returns = advantages + values (the value-loss target). Shape: (T, N).
+    """
+    deltas = td_residuals(rewards, values, next_values, terminated, gamma)  # (T, N)
+    not_end = 1.0 - episode_ends.to(rewards.dtype)
+    advantages = torch.zeros_like(deltas)
+    running = torch.zeros_like(deltas[0])
+    for t in reversed(range(deltas.shape[0])):
+        running = deltas[t] + gamma * lam * not_end[t] * running
+        advantages[t] = running
+    return advantages, advantages + values
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """Index of the last position with mask = 1 in each row (0 for an empty row). Shape: (B,)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    return (mask.to(torch.long) * positions).amax(dim=-1)
+
+
+def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """GAE over right-padded completions: the episode ends (terminally) at the last valid token.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t with V after the last valid token = 0 (seed 003, PPO for
+    LLMs: per-token rewards, score on the last token). Padded positions return 0.
+
+    Args:
+        rewards: per-token rewards, e.g. from :func:`kl_shaped_rewards`. Shape: (B, C).
+        values: critic values V(s_t) per completion token. Shape: (B, C).
+        mask: 1 on valid completion tokens (up to and including EOS). Shape: (B, C).
+    Returns:
+        (advantages, returns), both zero on padding. Shape: (B, C).
+    """
+    mask = mask.to(rewards.dtype)
+    next_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)  # (B, C)
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1) * next_mask
+    episode_end = mask * (1.0 - next_mask)  # 1 at the last valid token
+    advantages, returns = gae(
+        (rewards * mask).T, (values * mask).T, next_values.T, episode_end.T, episode_end.T, gamma, lam
+    )
+    return advantages.T * mask, returns.T * mask
+
+
+def kl_shaped_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float | Tensor) -> Tensor:
+    """Per-token RLHF reward: r_t = -beta * KL_t, plus the sequence score at the last valid token.
+
+    Ziegler et al. 2019 / InstructGPT (Ouyang et al. 2022, eq. 2); seed 003, "KL penalty in the reward".
+
+    Args:
+        scores: reward-model (or rule) score per completion. Shape: (B,).
+        kl: per-token KL estimate log pi(o_t) - log pi_ref(o_t) (k1) or k3. Shape: (B, C).
+        mask: 1 on valid completion tokens. Shape: (B, C).
+        beta: KL coefficient.
+    Returns:
+        Shape: (B, C), 0 on padding.
+    """
+    mask = mask.to(kl.dtype)
+    rewards = -beta * kl * mask  # (B, C)
+    last = last_token_index(mask)  # (B,)
+    has_tokens = mask.sum(-1) > 0
+    bonus = torch.where(has_tokens, scores.to(kl.dtype), torch.zeros_like(scores, dtype=kl.dtype))
+    return rewards.scatter_add(1, last[:, None], bonus[:, None])
+
+
+def _grouped(scores: Tensor, group_size: int) -> Tensor:
+    if not scores.is_floating_point():
+        scores = scores.to(torch.float32)
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
+    if scores.dim() != 1 or scores.numel() % group_size:
+        raise ValueError(f"scores must be 1-D with a length divisible by group_size={group_size}, got {tuple(scores.shape)}")
+    return scores.view(-1, group_size)  # (B/G, G)
+
+
+def group_advantages(
+    scores: Tensor,
+    group_size: int,
+    scale: Literal["group", "batch", "none"] = "group",
+    eps: float = 1e-6,
+) -> Tensor:
+    """GRPO group-relative advantage  A_i = (r_i - mean(r_group)) / std(...)  (Shao et al. 2024, eq. 3).
+
+    ``scale``: "group" divides by the group's std (DeepSeekMath), "batch" by the std of all scores
+    in the batch, "none" does not divide (Dr.GRPO, Liu et al. 2025). std is the unbiased one.
+    A group whose rewards all tie (std <= eps) gets advantage 0, never NaN.
+
+    Args:
+        scores: one scalar reward per completion, groups contiguous: [p0 x G, p1 x G, ...]. Shape: (B,).
+    Returns:
+        Shape: (B,).
+    """
+    grouped = _grouped(scores, group_size)  # (B/G, G)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    group_std = grouped.std(dim=1, keepdim=True)  # (B/G, 1)
+    tied = group_std <= eps
+    if scale == "group":
+        advantages = centred / group_std.clamp(min=eps)
+    elif scale == "batch":
+        batch_std = grouped.std()
+        advantages = centred / batch_std.clamp(min=eps)
+    elif scale == "none":
+        advantages = centred
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1)
+
+
+def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
+    """REINFORCE leave-one-out: A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean(r)).
+
+    Kool et al. 2019; Ahmadian et al. 2024. A tied group gives 0.
+
+    Args:
+        scores: groups contiguous. Shape: (B,).
+    Returns:
+        Shape: (B,).
+    """
+    grouped = _grouped(scores, group_size)  # (B/G, G)
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    advantages = grouped - others_mean
+    tied = grouped.std(dim=1, keepdim=True) == 0
+    return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1)

@@ -1,0 +1,94 @@
+"""Log-probabilities of chosen tokens without materialising a float32 (B, T, V) log-softmax.
+
+    log pi(y_t) = z_{t,y_t} / tau - logsumexp_v(z_{t,v} / tau)
+
+The naive ``log_softmax(logits.float() / tau).gather(...)`` holds the float32 copy, the scaled copy
+and the log-softmax output, each (B, T, V), and autograd keeps one of them for backward. Here the
+forward pass works on row chunks of at most ``chunk_elements`` float32 values and keeps only the
+(B, T) logsumexp for backward; the gradient
+
+    d log pi(y_t) / d z_{t,v} = (1[v = y_t] - softmax(z_t / tau)_v) / tau
+
+is recomputed chunk by chunk straight into a gradient of the logits' own dtype.
+
+Measured (``python benchmarks/logprobs_memory.py``, B=4, T=512, V=32000, float32 logits of 262 MB,
+peak RSS above the inputs, forward + backward): see the table in benchmarks/RESULTS.md; the naive
+path peaks at about 3.0x the logits' size, this one at about 1.1x (the logits' gradient itself).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["token_logprobs"]
+
+_DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4M float32 values = 16 MB per chunk
+
+
+def _rows_per_chunk(vocab: int, chunk_elements: int) -> int:
+    return max(1, chunk_elements // max(vocab, 1))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, chunk_elements: int) -> Tensor:
+        vocab = logits.shape[-1]
+        flat_logits = logits.reshape(-1, vocab)  # (N, V)
+        flat_tokens = tokens.reshape(-1, 1)  # (N, 1)
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64
+        logp = torch.empty(flat_logits.shape[0], dtype=compute_dtype, device=logits.device)  # (N,)
+        logsumexp = torch.empty_like(logp)  # (N,)
+        rows = _rows_per_chunk(vocab, chunk_elements)
+        for start in range(0, flat_logits.shape[0], rows):
+            scaled = flat_logits[start : start + rows].to(compute_dtype, copy=True)  # (n, V), a fresh copy: modified in place below
+            if temperature != 1.0:
+                scaled.div_(temperature)
+            chunk_lse = torch.logsumexp(scaled, dim=-1)
+            logsumexp[start : start + rows] = chunk_lse
+            logp[start : start + rows] = scaled.gather(1, flat_tokens[start : start + rows]).squeeze(1) - chunk_lse
+        ctx.save_for_backward(logits, tokens, logsumexp)
+        ctx.temperature = temperature
+        ctx.chunk_elements = chunk_elements
+        return logp.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        logits, tokens, logsumexp = ctx.saved_tensors
+        temperature = ctx.temperature
+        vocab = logits.shape[-1]
+        flat_logits = logits.reshape(-1, vocab)
+        flat_tokens = tokens.reshape(-1, 1)
+        flat_grad_out = grad_output.reshape(-1, 1).to(logsumexp.dtype) / temperature  # (N, 1)
+        grad_logits = torch.empty_like(flat_logits)  # (N, V), the logits' dtype
+        rows = _rows_per_chunk(vocab, ctx.chunk_elements)
+        for start in range(0, flat_logits.shape[0], rows):
+            end = start + rows
+            probs = flat_logits[start:end].to(logsumexp.dtype, copy=True)
+            if temperature != 1.0:
+                probs.div_(temperature)
+            probs.sub_(logsumexp[start:end, None]).exp_()  # softmax(z / tau)
+            g = flat_grad_out[start:end]  # (n, 1)
+            probs.mul_(-g).scatter_add_(1, flat_tokens[start:end], g)  # g * (onehot - softmax)
+            grad_logits[start:end] = probs
+        return grad_logits.view_as(logits), None, None, None
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, chunk_elements: int = _DEFAULT_CHUNK_ELEMENTS) -> Tensor:
+    """log pi(y_t) of the chosen tokens under softmax(logits / temperature), in float32.
+
+    Equal to ``log_softmax(logits.float() / temperature, -1).gather(-1, tokens[..., None])[..., 0]``
+    (to float32 round-off) with gradients, at a fraction of the memory (module docstring).
+
+    Args:
+        logits: Shape: (B, T, V), any float dtype; logits[b, t] predicts tokens[b, t].
+        tokens: valid token ids (mask padding separately, never with -100). Shape: (B, T).
+        temperature: tau > 0, the sampling temperature, so log-probs match the sampling distribution.
+    Returns:
+        Shape: (B, T), float32 (float64 for float64 logits).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on (B, T)")
+    return _TokenLogprobs.apply(logits, tokens.long(), float(temperature), int(chunk_elements))

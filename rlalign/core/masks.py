@@ -1,0 +1,73 @@
+"""Masked reductions. One convention everywhere: ``mask`` is 1 (or True) where a position counts.
+
+``mask=None`` means every position counts, so the same functions serve flat environment batches
+(N,) and right-padded token batches (B, C).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+
+
+def _as_weight(x: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is None:
+        return torch.ones_like(x)
+    if mask.shape != x.shape:
+        mask = mask.expand_as(x)
+    return mask.to(x.dtype)
+
+
+def masked_sum(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -> Tensor:
+    """sum_i m_i x_i over ``dim`` (all dimensions when None).
+
+    Args:
+        x: values. Shape: any, e.g. (B, C).
+        mask: 1 where a position counts, same shape as ``x`` (or broadcastable).
+    """
+    weight = _as_weight(x, mask)
+    return (x * weight).sum() if dim is None else (x * weight).sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -> Tensor:
+    """sum_i m_i x_i / sum_i m_i. An all-zero mask gives 0, never NaN.
+
+    Args:
+        x: values. Shape: any, e.g. (B, C).
+        mask: 1 where a position counts, same shape as ``x``.
+        dim: reduce this dimension only (e.g. ``dim=-1`` gives per-sequence means (B,)).
+    """
+    weight = _as_weight(x, mask)
+    total = weight.sum() if dim is None else weight.sum(dim)
+    return masked_sum(x, weight, dim) / total.clamp(min=1.0)
+
+
+def masked_var(x: Tensor, mask: Tensor | None = None, unbiased: bool = True) -> Tensor:
+    """Variance of the counted positions: sum m (x - mean)^2 / (n - 1) (or / n when not unbiased).
+
+    With fewer than two counted positions the unbiased variance is defined as 0.
+    """
+    weight = _as_weight(x, mask)
+    mean = masked_mean(x, weight)
+    n = weight.sum()
+    sq = masked_sum((x - mean) ** 2, weight)
+    if unbiased:
+        return torch.where(n > 1, sq / (n - 1).clamp(min=1.0), torch.zeros_like(sq))
+    return sq / n.clamp(min=1.0)
+
+
+def masked_whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the counted positions; padded positions come back as 0.
+
+    With ``shift_mean=False`` the mean is added back: x' = (x - mean) / std + mean, i.e. only the
+    scale changes (as TRL/OpenRLHF do for rewards). Uses the unbiased variance.
+    """
+    weight = _as_weight(x, mask)
+    mean = masked_mean(x, weight)
+    var = masked_var(x, weight, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * weight

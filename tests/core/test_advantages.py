@@ -1,0 +1,201 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlalign.core.advantages import (
+    gae,
+    group_advantages,
+    kl_shaped_rewards,
+    last_token_index,
+    reward_to_go,
+    rloo_advantages,
+    td_residuals,
+    token_gae,
+    total_returns,
+)
+
+
+def col(*values):
+    """A (T, 1) time-major column."""
+    return torch.tensor(values, dtype=torch.float64)[:, None]
+
+
+def test_reward_to_go_hand_values():
+    # gamma = 0.5, episode ends after step 1, bootstrap 10 after the last (unfinished) step:
+    # G3 = 4 + 0.5*10 = 9;  G2 = 3 + 0.5*9 = 7.5;  G1 = 2 (end);  G0 = 1 + 0.5*2 = 2
+    rewards, ends = col(1, 2, 3, 4), col(0, 1, 0, 0)
+    out = reward_to_go(rewards, ends, 0.5, bootstrap=torch.tensor([10.0], dtype=torch.float64))
+    torch.testing.assert_close(out, col(2, 2, 7.5, 9))
+
+
+def test_total_returns_gives_each_step_its_episode_return():
+    # episode 1 = steps 0-1: 1 + 0.5*2 = 2; episode 2 = steps 2-3 (no bootstrap): 3 + 0.5*4 = 5
+    out = total_returns(col(1, 2, 3, 4), col(0, 1, 0, 1), 0.5)
+    torch.testing.assert_close(out, col(2, 2, 5, 5))
+
+
+def test_td_residuals_hand_values():
+    # delta0 = 1 + 0.9*2 - 0.5 = 2.3 ;  delta1 = 1 + 0 (terminated) - 0.5 = 0.5
+    out = td_residuals(col(1, 1), col(0.5, 0.5), col(2, 7), col(0, 1), 0.9)
+    torch.testing.assert_close(out, col(2.3, 0.5))
+
+
+def gae_reference(rewards, values, next_values, terminated, ends, gamma, lam):
+    """The definition, A_t = sum_l (gamma*lam)^l delta_{t+l} up to the episode end, as a plain loop."""
+    T, N = rewards.shape
+    out = torch.zeros_like(rewards)
+    for n in range(N):
+        for t in range(T):
+            total, weight = 0.0, 1.0
+            for k in range(t, T):
+                delta = rewards[k, n] + gamma * (1 - terminated[k, n]) * next_values[k, n] - values[k, n]
+                total += weight * delta
+                if ends[k, n]:
+                    break
+                weight *= gamma * lam
+            out[t, n] = total
+    return out
+
+
+def random_rollout(seed, T=12, N=3):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(T, N, generator=g, dtype=torch.float64)
+    values = torch.randn(T, N, generator=g, dtype=torch.float64)
+    next_values = torch.randn(T, N, generator=g, dtype=torch.float64)
+    ends = (torch.rand(T, N, generator=g) < 0.25).to(torch.float64)
+    truncated = ends * (torch.rand(T, N, generator=g) < 0.5).to(torch.float64)
+    terminated = ends - truncated
+    return rewards, values, next_values, terminated, ends
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (1.0, 1.0), (0.9, 0.0), (0.5, 0.7)])
+def test_gae_equals_the_definition_with_terminations_and_truncations(seed, gamma, lam):
+    r, v, nv, term, ends = random_rollout(seed)
+    adv, ret = gae(r, v, nv, term, ends, gamma, lam)
+    torch.testing.assert_close(adv, gae_reference(r, v, nv, term, ends, gamma, lam))
+    torch.testing.assert_close(ret, adv + v)
+
+
+def test_gae_lambda_zero_is_the_td_residual():
+    r, v, nv, term, ends = random_rollout(7)
+    adv, _ = gae(r, v, nv, term, ends, 0.97, 0.0)
+    torch.testing.assert_close(adv, td_residuals(r, v, nv, term, 0.97))
+
+
+def test_gae_lambda_one_is_monte_carlo_return_minus_value():
+    # every episode terminates (no truncation), so the bootstrap never enters; within an episode
+    # V(s_{t+1}) is the next row's value, so the TD residuals telescope
+    r, v, _, _, ends = random_rollout(3)
+    ends[-1] = 1.0
+    nv = torch.cat([v[1:], torch.zeros_like(v[:1])])
+    adv, _ = gae(r, v, nv, ends, ends, 0.95, 1.0)
+    torch.testing.assert_close(adv, reward_to_go(r, ends, 0.95) - v)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.99])
+@pytest.mark.parametrize("lam", [1.0, 0.9])
+def test_gae_closed_form_single_terminal_reward(gamma, lam):
+    # r = (0, ..., 0, R), terminal at T-1. With n = T-1-t:
+    # A_t = (gamma*lam)^n R - V_t + (1 - lam) * sum_{k=1..n} gamma^k lam^(k-1) V_{t+k}
+    T, R = 6, 3.0
+    values = torch.tensor([0.2, -0.4, 1.1, 0.3, 0.9, -0.7], dtype=torch.float64)
+    rewards = torch.zeros(T, dtype=torch.float64)
+    rewards[-1] = R
+    ends = torch.zeros(T, dtype=torch.float64)
+    ends[-1] = 1
+    next_values = torch.cat([values[1:], torch.zeros(1, dtype=torch.float64)])
+    adv, _ = gae(rewards[:, None], values[:, None], next_values[:, None], ends[:, None], ends[:, None], gamma, lam)
+    for t in range(T):
+        n = T - 1 - t
+        expected = (gamma * lam) ** n * R - values[t].item()
+        expected += (1 - lam) * sum(gamma**k * lam ** (k - 1) * values[t + k].item() for k in range(1, n + 1))
+        assert adv[t, 0].item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_token_gae_hand_example():
+    # gamma = 1, lam = 0.5, score 1 on the last valid token (index 2), padding at index 3:
+    # delta2 = 1 - 0.7 = 0.3;  delta1 = 0 + 0.7 - 0.6 = 0.1;  delta0 = 0.6 - 0.5 = 0.1
+    # A2 = 0.3;  A1 = 0.1 + 0.5*0.3 = 0.25;  A0 = 0.1 + 0.5*0.25 = 0.225
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    adv, ret = token_gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    torch.testing.assert_close(adv, torch.tensor([[0.225, 0.25, 0.3, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(ret, torch.tensor([[0.725, 0.85, 1.0, 0.0]], dtype=torch.float64))
+    # lam = 1: A_t = 1 - V_t on valid tokens
+    adv1, _ = token_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv1, torch.tensor([[0.5, 0.4, 0.3, 0.0]], dtype=torch.float64))
+
+
+def test_token_gae_equals_env_gae_per_sequence():
+    g = torch.Generator().manual_seed(0)
+    B, C = 5, 9
+    lengths = torch.tensor([9, 1, 4, 6, 2])
+    mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    rewards = torch.randn(B, C, generator=g, dtype=torch.float64)
+    values = torch.randn(B, C, generator=g, dtype=torch.float64)
+    adv, _ = token_gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    for b in range(B):
+        n = lengths[b].item()
+        r, v = rewards[b, :n, None], values[b, :n, None]
+        nv = torch.cat([v[1:], torch.zeros(1, 1, dtype=torch.float64)])
+        end = torch.zeros(n, 1, dtype=torch.float64)
+        end[-1] = 1
+        expected, _ = gae(r, v, nv, end, end, 0.97, 0.9)
+        torch.testing.assert_close(adv[b, :n], expected[:, 0])
+        assert (adv[b, n:] == 0).all()
+
+
+def test_kl_shaped_rewards_hand_example():
+    # beta = 0.5: r_t = -0.5*KL_t, plus the score on the last valid token
+    # row 0 (2 tokens): [-0.05, -0.1 + 2, 0];  row 1 (3 tokens): [-0.2, -0.25, -0.3 + 5]
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    out = kl_shaped_rewards(torch.tensor([2.0, 5.0]), kl, mask, beta=0.5)
+    torch.testing.assert_close(out, torch.tensor([[-0.05, 1.9, 0.0], [-0.2, -0.25, 4.7]], dtype=torch.float64))
+    assert last_token_index(mask).tolist() == [1, 2]
+
+
+def test_group_advantages_hand_values_and_ties():
+    scores = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    # group 1: mean 2, unbiased std sqrt((1 + 0 + 1)/2) = 1 -> (-1, 0, 1); group 2 ties -> 0
+    torch.testing.assert_close(group_advantages(scores, 3, "group"), torch.tensor([-1.0, 0, 1, 0, 0, 0]))
+    torch.testing.assert_close(group_advantages(scores, 3, "none"), torch.tensor([-1.0, 0, 1, 0, 0, 0]))
+    # batch std: mean 3.5, squared deviations 6.25+2.25+0.25+3*2.25 = 15.5, /5 = 3.1
+    expected = torch.tensor([-1.0, 0, 1, 0, 0, 0]) / math.sqrt(3.1)
+    torch.testing.assert_close(group_advantages(scores, 3, "batch"), expected)
+    assert not group_advantages(torch.full((8,), 0.1), 4).isnan().any()
+
+
+def test_rloo_hand_values():
+    # A_i = r_i - mean of the others: 1 - 2.5, 2 - 2, 3 - 1.5
+    torch.testing.assert_close(rloo_advantages(torch.tensor([1.0, 2.0, 3.0]), 3), torch.tensor([-1.5, 0.0, 1.5]))
+    assert (rloo_advantages(torch.tensor([4.0, 4.0]), 2) == 0).all()
+
+
+def test_group_advantages_reject_bad_shapes():
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        group_advantages(torch.ones(4), 1)
+    with pytest.raises(ValueError, match="divisible"):
+        group_advantages(torch.ones(5), 2)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.arange(4.0), 2, "bogus")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 9), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_group_advantages_have_mean_zero_std_one_per_group(group_size, n_groups, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 3, (group_size * n_groups,), generator=g).to(torch.float64)
+    adv = group_advantages(scores, group_size).view(n_groups, group_size)
+    grouped = scores.view(n_groups, group_size)
+    for row, raw in zip(adv, grouped):
+        if raw.std() == 0:
+            assert (row == 0).all()
+        else:
+            assert abs(row.mean().item()) < 1e-12
+            assert abs(row.std().item() - 1.0) < 1e-12

@@ -1,0 +1,50 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten
+
+X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
+M = torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+
+def test_masked_sum_and_mean_ignore_padding():
+    # counted: 1 + 2 + 3 + 4 = 10 over 4 positions
+    assert masked_sum(X, M).item() == 10.0
+    assert masked_mean(X, M).item() == 2.5
+    # per row: (1+2+3)/3 = 2, 4/1 = 4
+    torch.testing.assert_close(masked_mean(X, M, dim=-1), torch.tensor([2.0, 4.0]))
+
+
+def test_masked_mean_of_empty_mask_is_zero_not_nan():
+    assert masked_mean(X, torch.zeros_like(M)).item() == 0.0
+
+
+def test_masked_var_hand_values():
+    # values 1, 2, 3, 4: mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5
+    assert masked_var(X, M).item() == pytest.approx(5.0 / 3.0, rel=1e-7)
+    assert masked_var(X, M, unbiased=False).item() == 5.0 / 4.0
+    assert masked_var(torch.tensor([7.0]), None).item() == 0.0  # one value: unbiased var defined as 0
+
+
+def test_masked_whiten_hand_values():
+    # (x - 2.5) / sqrt(5/3): x = 1 -> -1.5 / 1.2910 = -1.161895
+    out = masked_whiten(X, M, eps=0.0)
+    torch.testing.assert_close(out[0, 0], torch.tensor(-1.5 / (5.0 / 3.0) ** 0.5))
+    assert out[1, 1].item() == 0.0 and out[1, 2].item() == 0.0  # padding comes back as 0
+    kept = masked_whiten(X, M, shift_mean=False, eps=0.0)
+    torch.testing.assert_close(kept[0, 0], torch.tensor(-1.5 / (5.0 / 3.0) ** 0.5 + 2.5))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=3, max_size=40), st.integers(0, 2**31 - 1))
+def test_whitened_values_have_mean_zero_and_unit_std(values, seed):
+    x = torch.tensor(values, dtype=torch.float64)
+    mask = (torch.rand(len(values), generator=torch.Generator().manual_seed(seed)) < 0.7).to(torch.float64)
+    mask[:2] = 1.0
+    if masked_var(x, mask) < 1e-6:
+        return
+    w = masked_whiten(x, mask, eps=0.0)
+    assert abs(masked_mean(w, mask).item()) < 1e-9
+    assert abs(masked_var(w, mask).item() - 1.0) < 1e-9
