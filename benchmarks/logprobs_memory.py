@@ -1,0 +1,65 @@
+"""Peak memory of token log-probs: rlalign.core.token_logprobs vs log_softmax + gather.
+
+Each variant runs in a fresh subprocess (peak RSS cannot be reset in-process); the number reported
+is the peak RSS growth above the inputs (logits + tokens + the upstream gradient), forward and
+backward, relative to the size of the logits.
+
+    python benchmarks/logprobs_memory.py [--batch 4 --length 512 --vocab 32000 --dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+
+
+def _measure(variant: str, batch: int, length: int, vocab: int, dtype: str, temperature: float) -> dict:
+    import torch
+
+    from rlalign.core.logprobs import token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(batch, length, vocab, dtype=getattr(torch, dtype)).requires_grad_()
+    tokens = torch.randint(0, vocab, (batch, length))
+    weights = torch.randn(batch, length)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if variant == "naive":
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
+    else:
+        logp = token_logprobs(logits, tokens, temperature)
+    (logp * weights).sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    logits_bytes = logits.numel() * logits.element_size()
+    return {"variant": variant, "peak_growth_mb": (peak - base) / 2**20, "logits_mb": logits_bytes / 2**20,
+            "ratio_to_logits": (peak - base) / logits_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--child", choices=["naive", "rlalign"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_measure(args.child, args.batch, args.length, args.vocab, args.dtype, args.temperature)))
+        return
+    rows = []
+    for variant in ("naive", "rlalign"):
+        cmd = [sys.executable, __file__, "--child", variant] + [f"--{k}={getattr(args, k)}" for k in ("batch", "length", "vocab", "dtype", "temperature")]
+        rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
+    print(f"B={args.batch} T={args.length} V={args.vocab} {args.dtype} logits, temperature {args.temperature}, forward + backward")
+    print("| variant | peak RSS growth (MB) | x logits size |")
+    print("|---|---|---|")
+    for row in rows:
+        print(f"| {row['variant']} | {row['peak_growth_mb']:.0f} | {row['ratio_to_logits']:.2f} |")
+    print(f"rlalign / naive peak: {rows[1]['peak_growth_mb'] / rows[0]['peak_growth_mb']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
