@@ -1,5 +1,6 @@
 """The maths: pure functions on tensors (no modules, no I/O, no configs). See each module."""
 
+from rlalign.core.bellman import double_q_target, polyak_update_, q_learning_target, q_learning_update
 from rlalign.core.advantages import (
     gae,
     group_advantages,
