@@ -50,10 +50,11 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 def categorical_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     """Exact KL(p || q) = sum_v p_v (log p_v - log q_v) between categoricals given by logits.
 
-    Shapes: (..., V), (..., V) -> (...).
+    Computed in float32, or float64 when an input is float64. Shapes: (..., V), (..., V) -> (...).
     """
-    p_logp = F.log_softmax(p_logits.float(), dim=-1)
-    q_logp = F.log_softmax(q_logits.float(), dim=-1)
+    dtype = torch.promote_types(torch.promote_types(p_logits.dtype, q_logits.dtype), torch.float32)
+    p_logp = F.log_softmax(p_logits.to(dtype), dim=-1)
+    q_logp = F.log_softmax(q_logits.to(dtype), dim=-1)
     return (p_logp.exp() * (p_logp - q_logp)).sum(-1)
 
 
@@ -66,12 +67,12 @@ def entropy_from_logits(logits: Tensor, chunk_rows: int = 1024) -> Tensor:
     Args:
         logits: Shape: (..., V), any float dtype.
     Returns:
-        entropy in nats, float32. Shape: (...).
+        entropy in nats, float32 (float64 for float64 logits). Shape: (...).
     """
     flat = logits.reshape(-1, logits.shape[-1])  # (N, V)
     pieces = []
     for start in range(0, flat.shape[0], chunk_rows):
-        chunk = flat[start : start + chunk_rows].float()
+        chunk = flat[start : start + chunk_rows].to(torch.promote_types(flat.dtype, torch.float32))
         probs = torch.softmax(chunk, dim=-1)
         pieces.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(-1))
     entropy = torch.cat(pieces) if pieces else flat.new_zeros(0, dtype=torch.float32)

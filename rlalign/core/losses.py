@@ -75,7 +75,8 @@ def aggregate(token_values: Tensor, mask: Tensor | None = None, mode: Aggregatio
     has_tokens = (seq_len > 0).to(values_2d.dtype)
     n_seqs = has_tokens.sum().clamp(min=1.0)
     if mode == "seq-mean-token-mean":
-        return (seq_sum / seq_len.clamp(min=1.0) * has_tokens).sum() / n_seqs
+        safe_len = torch.where(seq_len > 0, seq_len, torch.ones_like(seq_len))
+        return (seq_sum / safe_len * has_tokens).sum() / n_seqs
     if mode == "seq-mean-token-sum":
         return seq_sum.sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":
@@ -263,6 +264,13 @@ def kl_penalty_loss(
 
     GRPO puts beta * L_KL in the loss with the k3 estimator (Shao et al. 2024, eq. 3-4); the
     trainer multiplies by beta. Returned unscaled so the coefficient stays visible in the loop.
+
+    Note on gradients (Tang & Munos 2025, "On a few pitfalls in KL gradient estimation"): with
+    o ~ pi, differentiating k3 through log pi gives grad k3 = -(pi_ref/pi - 1) grad log pi, whose
+    expectation is grad KL(pi_ref || pi) -- the *forward* KL, not KL(pi || pi_ref); k1 in the loss
+    has zero expected gradient. The value of the term estimates KL(pi || pi_ref) all the same.
+    ``rlalign explore kl-penalty-tradeoff`` shows the two optima side by side. To optimise the
+    reverse KL exactly, put k1 in the reward instead (PPO, :func:`rlalign.core.advantages.kl_shaped_rewards`).
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"KL estimator must be one of {sorted(_ESTIMATORS)}, got {estimator!r}")

@@ -34,6 +34,8 @@ def masked_sum(x: Tensor, mask: Tensor | None = None, dim: int | None = None) ->
 def masked_mean(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -> Tensor:
     """sum_i m_i x_i / sum_i m_i. An all-zero mask gives 0, never NaN.
 
+    The mask may hold fractional weights (e.g. probabilities): the result is then the weighted mean.
+
     Args:
         x: values. Shape: any, e.g. (B, C).
         mask: 1 where a position counts, same shape as ``x``.
@@ -41,7 +43,8 @@ def masked_mean(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -
     """
     weight = _as_weight(x, mask)
     total = weight.sum() if dim is None else weight.sum(dim)
-    return masked_sum(x, weight, dim) / total.clamp(min=1.0)
+    summed = masked_sum(x, weight, dim)
+    return torch.where(total > 0, summed / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(summed))
 
 
 def masked_var(x: Tensor, mask: Tensor | None = None, unbiased: bool = True) -> Tensor:

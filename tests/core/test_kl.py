@@ -106,3 +106,11 @@ def test_controllers_update_and_round_trip():
     for _ in range(50):
         ctl.update(100.0, 1000)
     assert ctl.value > 0.1002
+
+
+def test_categorical_kl_keeps_float64():
+    p = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    q = torch.log(torch.tensor([0.25, 0.75], dtype=torch.float64))
+    out = categorical_kl(p, q)
+    assert out.dtype == torch.float64
+    assert out.item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), abs=1e-15)

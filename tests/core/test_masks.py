@@ -48,3 +48,8 @@ def test_whitened_values_have_mean_zero_and_unit_std(values, seed):
     w = masked_whiten(x, mask, eps=0.0)
     assert abs(masked_mean(w, mask).item()) < 1e-9
     assert abs(masked_var(w, mask).item() - 1.0) < 1e-9
+
+
+def test_fractional_weights_give_the_weighted_mean():
+    # weights 0.2 and 0.3 (sum 0.5 < 1): (0.2*1 + 0.3*3) / 0.5 = 2.2
+    assert masked_mean(torch.tensor([1.0, 3.0]), torch.tensor([0.2, 0.3])).item() == pytest.approx(2.2)
