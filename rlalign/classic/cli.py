@@ -1,0 +1,137 @@
+"""``rlalign classic ALGO --env ID [--config recipe.yaml] [--seed N] [--out DIR] [key=value ...]``
+
+Trains one classic algorithm with a progress bar, writes the episodic returns, per-update metrics
+and evaluations as JSONL under ``--out`` (returns.jsonl, metrics.jsonl, evals.jsonl, config.yaml,
+and the networks as safetensors), and prints the final evaluation.
+
+    rlalign classic ppo --env CartPole-v1 --config configs/classic/ppo_cartpole.yaml --seed 2
+    rlalign classic q_learning --env rlalign/Maze2x3-v0 total_steps=2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rlalign.classic.common import RunLog
+from rlalign.config import load_config
+
+# algorithm -> (module, config class)
+ALGORITHMS: dict[str, tuple[str, str]] = {
+    "value_iteration": ("rlalign.classic.value_iteration", "ValueIterationConfig"),
+    "q_learning": ("rlalign.classic.q_learning", "QLearningConfig"),
+    "dqn": ("rlalign.classic.dqn", "DQNConfig"),
+    "vpg": ("rlalign.classic.vpg", "VPGConfig"),
+    "trpo": ("rlalign.classic.trpo", "TRPOConfig"),
+    "ppo": ("rlalign.classic.ppo", "PPOConfig"),
+}
+ALIASES = {"vi": "value_iteration", "q": "q_learning", "reinforce": "vpg"}
+
+
+class CLILog(RunLog):
+    """RunLog that also writes JSONL lines and drives a rich progress bar."""
+
+    def __init__(self, out: Path, progress: Progress, task: Any) -> None:
+        super().__init__()
+        self.files: dict[str, IO[str]] = {name: open(out / f"{name}.jsonl", "w") for name in ("returns", "metrics", "evals")}
+        self.bar, self.task = progress, task
+
+    def _write(self, name: str, record: dict[str, Any]) -> None:
+        self.files[name].write(json.dumps(record) + "\n")
+
+    def episode(self, step: int, ret: float) -> None:
+        super().episode(step, ret)
+        self._write("returns", {"step": step, "return": ret})
+
+    def update(self, step: int, stats: dict[str, float]) -> None:
+        super().update(step, stats)
+        self._write("metrics", {"step": step, **stats})
+
+    def evaluation(self, step: int, mean_return: float) -> None:
+        super().evaluation(step, mean_return)
+        self._write("evals", {"step": step, "mean_return": mean_return, "train_seconds": self.train_seconds()})
+
+    def progress(self, step: int) -> None:
+        recent = self.returns[-20:]
+        text = f"return(last 20) {np.mean(recent):8.2f}" if recent else "no episode yet"
+        self.bar.update(self.task, completed=step, description=text)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One sub-command per algorithm, so ``key=value`` overrides may follow the options."""
+    sub = parser.add_subparsers(dest="algo", required=True, metavar="ALGO")
+    for name in sorted(ALGORITHMS) + sorted(ALIASES):
+        canonical = ALIASES.get(name, name)
+        p = sub.add_parser(
+            name,
+            help=canonical if name in ALIASES else importlib.import_module(ALGORITHMS[name][0]).__doc__.splitlines()[0],
+            epilog="config keys (key=value):\n" + _describe(canonical),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("--env", required=True, help="Gymnasium id, e.g. CartPole-v1, FrozenLake-v1, rlalign/Maze2x3-v0")
+        p.add_argument("--config", default=None, help="YAML recipe (configs/classic/*.yaml)")
+        p.add_argument("--seed", type=int, default=None, help="overrides the recipe's seed")
+        p.add_argument("--out", default=None, help="output folder (default runs/classic/ALGO_ENV_sSEED)")
+        p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. lr=3e-4 hidden=[128,128]")
+
+
+def _describe(algo: str) -> str:
+    module_name, cls_name = ALGORITHMS[algo]
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return "\n".join(f"  {k:<24} {f.description} (default {f.default})" for k, f in cls.model_fields.items())
+
+
+def run(args: argparse.Namespace) -> int:
+    algo = ALIASES.get(args.algo, args.algo)
+    module_name, cls_name = ALGORITHMS[algo]
+    module = importlib.import_module(module_name)
+    overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
+    cfg = load_config(getattr(module, cls_name), args.config, overrides)
+    safe_env = args.env.replace("/", "_")
+    out = Path(args.out or f"runs/classic/{algo}_{safe_env}_s{cfg.seed}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump({"algo": algo, "env": args.env, **cfg.model_dump()}))
+
+    console = Console()
+    total = getattr(cfg, "total_steps", 1)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as progress:
+        log = CLILog(out, progress, progress.add_task("starting", total=total))
+        result = module.train(cfg, args.env, log)
+        log.close()
+    _save_agent(result.agent, out)
+    evals = ", ".join(f"{s}: {m:.1f}" for s, m in result.log.evals)
+    if evals:
+        console.print(f"evaluations (step: mean return): {evals}")
+    console.print(
+        f"[bold]{algo} on {args.env}[/bold]: final evaluation {result.eval_return:.2f} "
+        f"(mean of {len(result.eval_returns)} greedy episodes), {len(result.episode_returns)} training episodes, "
+        f"{result.log.train_seconds():.1f}s training; logs in {out}"
+    )
+    return 0
+
+
+def _save_agent(agent: Any, out: Path) -> None:
+    """Networks as safetensors, tables as .npy."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    if isinstance(agent, np.ndarray):
+        np.save(out / "table.npy", agent)
+        return
+    nets = agent if isinstance(agent, dict) else {"q_network": agent}
+    for name, net in nets.items():
+        if isinstance(net, nn.Module):
+            save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(out / f"{name}.safetensors"))

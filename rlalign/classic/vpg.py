@@ -1,0 +1,154 @@
+"""REINFORCE / vanilla policy gradient with the seed's four choices of Psi.
+
+    grad J = E[ sum_t grad log pi(a_t | s_t) * Psi_t ]
+
+Williams (1992); seed 002, section 4.4, with
+
+    total_return           Psi_t = R(tau), the discounted return of the whole episode
+    reward_to_go           Psi_t = sum_{i >= t} gamma^(i-t) r_i
+    reward_to_go_baseline  Psi_t = reward-to-go - V(s_t), V a learned baseline
+    gae                    Psi_t = GAE(gamma, lambda) advantage (Schulman et al. 2016)
+
+Deliberate simplification: only episodes that end inside a rollout count (``complete_mask``), so
+every Psi is an honest Monte-Carlo quantity (no bootstrap at the cut); the unfinished tail of each
+environment's rollout is dropped from the loss. One gradient step per rollout, no advantage
+whitening by default (whitening subtracts the batch mean: a baseline, which would blur the
+comparison). The baseline V is fitted after the policy step by regression to the reward-to-go
+(or to the GAE returns for ``gae``).
+
+``gradient_variance`` measures the estimator's variance: the trace of the covariance, across the
+episodes of a rollout, of each episode's gradient sum_t grad log pi(a_t | s_t) Psi_t.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector
+
+from rlalign.classic.common import (
+    ClassicConfig,
+    EpisodeTracker,
+    Result,
+    Rollout,
+    RunLog,
+    categorical_logp,
+    collect_rollout,
+    finish,
+    make_vec_env,
+    maybe_evaluate,
+    mlp,
+    obs_size,
+    seed_everything,
+    torch_act,
+)
+from rlalign.core.advantages import gae, reward_to_go, total_returns
+from rlalign.core.losses import policy_gradient_loss, value_loss
+from rlalign.core.masks import masked_whiten
+
+__all__ = ["VPGConfig", "PSI_CHOICES", "complete_mask", "compute_psi", "gradient_variance", "train"]
+
+Psi = Literal["total_return", "reward_to_go", "reward_to_go_baseline", "gae"]
+PSI_CHOICES: tuple[str, ...] = ("total_return", "reward_to_go", "reward_to_go_baseline", "gae")
+
+
+class VPGConfig(ClassicConfig):
+    """REINFORCE / VPG."""
+
+    total_steps: int = Field(100_000, ge=1, description="environment steps to train for (all envs together)")
+    psi: Psi = Field("gae", description="the weight Psi_t of grad log pi (seed 002, section 4.4)")
+    num_envs: int = Field(4, ge=1, description="parallel environments")
+    num_steps: int = Field(500, ge=1, description="steps per environment per rollout")
+    lr: float = Field(1e-2, gt=0.0, description="Adam learning rate of the policy")
+    critic_lr: float = Field(1e-2, gt=0.0, description="Adam learning rate of the baseline")
+    critic_updates: int = Field(20, ge=0, description="full-batch regression steps of the baseline per rollout")
+    gamma: float = Field(0.99, gt=0.0, le=1.0, description="discount factor")
+    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (psi=gae)")
+    norm_adv: bool = Field(False, description="whiten Psi over the counted steps")
+    measure_variance: bool = Field(False, description="log the gradient variance of all four Psi every rollout")
+    hidden: list[int] = Field([64, 64], description="hidden sizes of the policy and of the baseline (tanh)")
+
+
+def complete_mask(episode_ends: Tensor) -> Tensor:
+    """1 on steps whose episode ends inside the rollout: some end at t' >= t in the same column.
+
+    Shape: (T, N) -> (T, N).
+    """
+    return episode_ends.flip(0).cummax(0).values.flip(0)
+
+
+def compute_psi(psi: str, ro: Rollout, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """(Psi_t, the baseline's regression target), both (T, N); ``ro.values`` must hold V(s_t)."""
+    to_go = reward_to_go(ro.rewards, ro.episode_ends, gamma)  # (T, N)
+    if psi == "total_return":
+        return total_returns(ro.rewards, ro.episode_ends, gamma), to_go
+    if psi == "reward_to_go":
+        return to_go, to_go
+    if psi == "reward_to_go_baseline":
+        return to_go - ro.values, to_go
+    if psi == "gae":
+        return gae(ro.rewards, ro.values, ro.next_values, ro.terminated, ro.episode_ends, gamma, lam)
+    raise ValueError(f"psi must be one of {PSI_CHOICES}, got {psi!r}")
+
+
+def gradient_variance(actor: nn.Module, ro: Rollout, psi: Tensor, mask: Tensor) -> float:
+    """tr Cov_i[g_i] with g_i = sum_{t in episode i} grad log pi(a_t|s_t) Psi_t, over the complete
+    episodes of the rollout (at least two needed; otherwise 0)."""
+    grads = []
+    for n in range(ro.obs.shape[1]):
+        ends = torch.nonzero(ro.episode_ends[:, n]).flatten().tolist()
+        for start, end in zip([0] + [e + 1 for e in ends[:-1]], ends):
+            sl = slice(start, end + 1)
+            logp, _ = categorical_logp(actor, ro.obs[sl, n], ro.actions[sl, n])
+            g = torch.autograd.grad((logp * psi[sl, n] * mask[sl, n]).sum(), list(actor.parameters()))
+            grads.append(parameters_to_vector(g))
+    if len(grads) < 2:
+        return 0.0
+    return torch.stack(grads).var(dim=0).sum().item()
+
+
+def train(cfg: VPGConfig, env_id: str, log: RunLog | None = None) -> Result:
+    """Train a policy with REINFORCE; the agent is ``{"actor": ..., "critic": ...}``."""
+    seed_everything(cfg.seed)
+    torch.set_num_threads(cfg.torch_threads)
+    log = log or RunLog()
+    envs = make_vec_env(env_id, cfg.num_envs, cfg.seed)
+    dim, n_actions = obs_size(envs.single_observation_space), int(envs.single_action_space.n)
+    actor = mlp([dim, *cfg.hidden, n_actions], out_gain=0.01)
+    critic = mlp([dim, *cfg.hidden, 1], out_gain=1.0)
+    actor_opt = torch.optim.Adam(actor.parameters(), lr=cfg.lr, fused=True)
+    critic_opt = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, fused=True)
+    tracker, greedy = EpisodeTracker(cfg.num_envs), torch_act(actor)
+    obs, _ = envs.reset(seed=cfg.seed)
+    step = last_eval = 0
+
+    while step < cfg.total_steps:
+        ro, obs, step = collect_rollout(envs, obs, actor, critic, cfg.num_steps, tracker, log, step)
+        mask = complete_mask(ro.episode_ends)  # (T, N)
+        psi, target = compute_psi(cfg.psi, ro, cfg.gamma, cfg.gae_lambda)  # (T, N)
+        if cfg.norm_adv:
+            psi = masked_whiten(psi, mask)
+        stats: dict[str, float] = {"counted_frac": mask.mean().item()}
+        if cfg.measure_variance:
+            for name in PSI_CHOICES:
+                stats[f"grad_var/{name}"] = gradient_variance(actor, ro, compute_psi(name, ro, cfg.gamma, cfg.gae_lambda)[0], mask)
+
+        logp, _ = categorical_logp(actor, ro.obs, ro.actions)  # (T, N)
+        pg_loss, _ = policy_gradient_loss(logp, psi, mask)
+        actor_opt.zero_grad()
+        pg_loss.backward()
+        actor_opt.step()
+        for _ in range(cfg.critic_updates if cfg.psi in ("reward_to_go_baseline", "gae") else 0):
+            v_loss, _ = value_loss(critic(ro.obs).squeeze(-1), target, mask)
+            critic_opt.zero_grad()
+            v_loss.backward()
+            critic_opt.step()
+        log.update(step, {"loss/policy": pg_loss.item(), **stats})
+        last_eval = maybe_evaluate(cfg, env_id, greedy, log, step, last_eval)
+        if log.stop:
+            break
+    envs.close()
+    return finish(cfg, env_id, {"actor": actor, "critic": critic}, greedy, log)
