@@ -1,0 +1,268 @@
+"""Load a policy, a frozen reference, a critic and a reward model from any HF causal-LM checkpoint.
+
+    policy = load_policy("runs/sft/final", dtype="bfloat16", lora=LoraConfig(r=16))
+    with reference_policy(policy) as ref:         # LoRA: the same weights with adapters disabled
+        ref_logp = completion_logprobs(ref, rollout)
+    reward_model = load_reward_model("runs/rm/final")           # backbone + scalar head, frozen
+    critic = load_critic("runs/rm/final")                       # critic initialised from the RM
+
+Value and reward are a scalar head ``nn.Linear(hidden, 1)`` on the last hidden state of the
+backbone (``AutoModel``: the causal LM without its vocabulary projection; seed 003, sections 4 and
+7). A sequence's reward is the head's output at its last non-padding token. The head runs in
+float32 whatever the backbone's dtype.
+
+A :class:`ScalarHeadModel` saves as an ordinary backbone checkpoint (``save_pretrained``,
+safetensors) plus ``value_head.safetensors``; loading a directory without that file (an SFT or base
+checkpoint) starts a fresh head, which is how a reward model or critic is initialised from an SFT
+model, and a critic from a reward model.
+
+Dropout is switched off everywhere (config fields and modules): RL compares log-probs of the
+same tokens across forward passes (ratio = 1 on the first minibatch), which dropout would break.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlalign.config import Config
+from rlalign.core.advantages import last_token_index
+
+__all__ = [
+    "DType",
+    "LoraConfig",
+    "HEAD_FILE",
+    "torch_dtype",
+    "load_tokenizer",
+    "disable_dropout",
+    "load_policy",
+    "load_reference",
+    "apply_lora",
+    "reference_policy",
+    "unwrap_causal_lm",
+    "position_ids_from_mask",
+    "ScalarHeadModel",
+    "load_reward_model",
+    "load_critic",
+]
+
+DType = Literal["float32", "bfloat16", "float16"]
+HEAD_FILE = "value_head.safetensors"
+_ADAPTER_FILE = "adapter_config.json"
+
+
+class LoraConfig(Config):
+    """Low-rank adapters (Hu et al. 2021) through peft: W' = W + (alpha / r) * B A."""
+
+    r: int = Field(16, ge=1, description="rank of the update B A")
+    alpha: float = Field(32.0, gt=0, description="scale numerator: the update is multiplied by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0 keeps RL ratios exact)")
+    target_modules: list[str] | str = Field("all-linear", description="module names to adapt, or 'all-linear'")
+
+
+def torch_dtype(name: DType | torch.dtype) -> torch.dtype:
+    """'float32' -> torch.float32, 'bfloat16' -> torch.bfloat16, 'float16' -> torch.float16."""
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(table)}")
+    return table[name]
+
+
+def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, with a pad token (EOS when it has none) and left padding."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer of {path} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _zero_dropout_config(config: PretrainedConfig) -> PretrainedConfig:
+    for key, value in list(config.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+    return config
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability to 0 (nn.Dropout modules, config fields, attention attributes)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout"):  # attention modules keep a float copy of the config value
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.0)
+    config = getattr(model, "config", None)
+    if isinstance(config, PretrainedConfig):
+        _zero_dropout_config(config)
+    return model
+
+
+def _load_config(path: str | Path, gguf_file: str | None) -> PretrainedConfig:
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return _zero_dropout_config(AutoConfig.from_pretrained(str(path), **kwargs))
+
+
+def _from_pretrained(auto_cls, path: str | Path, dtype: DType, device: str, gguf_file: str | None) -> PreTrainedModel:
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = auto_cls.from_pretrained(str(path), config=_load_config(path, gguf_file), dtype=torch_dtype(dtype), **kwargs)
+    return disable_dropout(model).to(device)
+
+
+def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> nn.Module:
+    """Wrap ``model`` in a peft LoRA model; only adapter weights are trainable afterwards."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_config = PeftLoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, peft_config)
+
+
+def load_policy(
+    path: str | Path,
+    dtype: DType = "float32",
+    device: str = "cpu",
+    lora: LoraConfig | None = None,
+    gguf_file: str | None = None,
+) -> nn.Module:
+    """A trainable causal LM (dropout off). ``lora`` adds fresh adapters; a directory holding a
+    saved adapter (``adapter_config.json``) reloads the base named there with that adapter, trainable.
+    """
+    path = Path(path)
+    if (path / _ADAPTER_FILE).is_file():
+        from peft import PeftModel
+
+        base_path = json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"]
+        base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file)
+        return disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file)
+    if lora is not None:
+        model = disable_dropout(apply_lora(model, lora))
+    model.train()  # dropout is 0, so train mode only matters for modules like batch norm (none in LMs)
+    return model
+
+
+def load_reference(path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None) -> PreTrainedModel:
+    """A frozen copy of a causal LM: eval mode, no parameter requires grad."""
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+@contextlib.contextmanager
+def reference_policy(policy: nn.Module, reference: nn.Module | None = None) -> Iterator[nn.Module]:
+    """The module whose log-probs are the reference log-probs, for the duration of the block.
+
+    With a separate frozen ``reference`` it is that model. Without one, a LoRA ``policy`` serves
+    as its own reference with adapters disabled (peft ``disable_adapter``), so no second copy of
+    the weights is held. Anything else is an error: comparing the policy with itself gives KL = 0.
+    """
+    if reference is not None:
+        yield reference
+    elif _is_peft(policy):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise ValueError("no reference: pass a frozen reference model, or use a LoRA policy (the base with adapters disabled)")
+
+
+def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The transformers causal LM inside ``model`` (a peft model's base model, with its adapters)."""
+    return model.get_base_model() if _is_peft(model) else model
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position of each token among the real tokens of its row; 0 on padding (as HF generate). Shape: (B, T)."""
+    positions = attention_mask.long().cumsum(-1) - 1  # (B, T)
+    return positions.clamp(min=0)
+
+
+class ScalarHeadModel(nn.Module):
+    """A backbone (transformer without LM head) and ``head = nn.Linear(hidden, 1)`` in float32.
+
+    ``forward`` gives one scalar per token (critic values V(s_t)); :meth:`sequence_scores` reads the
+    scalar at each row's last non-padding token (reward r(x, y), seed 003 section 4).
+    """
+
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear | None = None, init_std: float | None = None):
+        super().__init__()
+        hidden = backbone.config.get_text_config().hidden_size
+        self.backbone = backbone
+        if head is None:
+            head = nn.Linear(hidden, 1, dtype=torch.float32)
+            nn.init.normal_(head.weight, std=init_std if init_std is not None else 1.0 / (hidden + 1) ** 0.5)
+            nn.init.zeros_(head.bias)
+        self.head = head.to(device=next(backbone.parameters()).device, dtype=torch.float32)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.backbone.config
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Per-token scalars. input_ids, attention_mask: (B, T), left or right padded. Returns (B, T) float32."""
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state  # (B, T, H)
+        return self.head(hidden.float()).squeeze(-1)  # (B, T)
+
+    def sequence_scores(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The scalar at each row's last non-padding token. Returns (B,) float32."""
+        values = self(input_ids, attention_mask)  # (B, T)
+        last = last_token_index(attention_mask)  # (B,)
+        return values.gather(1, last[:, None]).squeeze(1)  # (B,)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Backbone via ``save_pretrained`` (safetensors) and the head in ``value_head.safetensors``."""
+        path = Path(path)
+        self.backbone.save_pretrained(path)
+        head = {"weight": self.head.weight.detach().cpu().contiguous(), "bias": self.head.bias.detach().cpu().contiguous()}
+        save_file(head, str(path / HEAD_FILE), metadata={"format": "rlalign-scalar-head"})
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None, init_std: float | None = None
+    ) -> ScalarHeadModel:
+        """Backbone from any causal-LM or backbone checkpoint; head from ``value_head.safetensors``
+        when ``path`` holds one (a saved reward model or critic), else freshly initialised."""
+        backbone = _from_pretrained(AutoModel, path, dtype, device, gguf_file)
+        model = cls(backbone, init_std=init_std)
+        head_file = Path(path) / HEAD_FILE
+        if head_file.is_file():
+            state = load_file(str(head_file))
+            model.head.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+        return model.to(device)
+
+
+def load_reward_model(path: str | Path, dtype: DType = "float32", device: str = "cpu", trainable: bool = False, gguf_file: str | None = None) -> ScalarHeadModel:
+    """A reward model; frozen (eval, no grad) unless ``trainable`` (reward-model training)."""
+    model = ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def load_critic(path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None) -> ScalarHeadModel:
+    """A trainable critic initialised from ``path``: a reward model keeps its head, an SFT model gets a fresh one."""
+    return ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file).train()

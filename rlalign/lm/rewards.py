@@ -1,0 +1,156 @@
+"""Reward functions: ``fn(prompts: list[str], completions: list[str]) -> list[float]``, one score a pair.
+
+Rule-based (verifiable) rewards and a wrapper that turns a reward model into a reward function:
+
+    reward_fns = [math_answer({"What is 2+2?": "4"}), format_check(r"\\d+")]
+    scores = score_completions(reward_fns, prompts, completions, weights=[1.0, 0.1])   # (B,)
+
+:func:`score_completions` is the one place where reward functions are called: it checks that a
+function returns one finite float per completion, and turns an exception or a NaN into a
+:class:`RewardFunctionError` naming the function and the prompt concerned (a batch that raises is
+re-run one pair at a time to find the prompt that triggers it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from rlalign.lm.data import PreferenceExample, collate_preferences
+
+__all__ = [
+    "RewardFn",
+    "RewardFunctionError",
+    "exact_match",
+    "math_answer",
+    "format_check",
+    "RewardModelReward",
+    "reward_fn_name",
+    "score_completions",
+]
+
+
+class RewardFn(Protocol):
+    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]: ...
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, returned the wrong number of scores, or returned NaN/inf."""
+
+
+def reward_fn_name(fn: Callable) -> str:
+    """A function's ``name`` attribute, else its qualified name, else its type's name."""
+    return getattr(fn, "name", None) or getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _lookup(references: Mapping[str, str], prompt: str, name: str) -> str:
+    if prompt not in references:
+        raise KeyError(f"{name}: no reference answer for prompt {prompt!r}")
+    return references[prompt]
+
+
+def exact_match(references: Mapping[str, str], strip: bool = True) -> RewardFn:
+    """1.0 when the completion equals the prompt's reference (whitespace-stripped), else 0.0."""
+
+    def exact_match_reward(prompts: list[str], completions: list[str]) -> list[float]:
+        out = []
+        for p, c in zip(prompts, completions, strict=True):
+            ref = _lookup(references, p, "exact_match")
+            out.append(float(c.strip() == ref.strip()) if strip else float(c == ref))
+        return out
+
+    return exact_match_reward
+
+
+def math_answer(references: Mapping[str, str]) -> RewardFn:
+    """1.0 when ``math_verify`` finds the completion's answer equal to the reference (e.g. "1/2" vs
+    "0.5", "\\boxed{4}" vs "4"), else 0.0. An unparsable completion scores 0."""
+    from math_verify import parse, verify
+
+    def math_answer_reward(prompts: list[str], completions: list[str]) -> list[float]:
+        out = []
+        for p, c in zip(prompts, completions, strict=True):
+            gold = parse(_lookup(references, p, "math_answer"))
+            answer = parse(c)
+            out.append(1.0 if gold and answer and verify(gold, answer) else 0.0)
+        return out
+
+    return math_answer_reward
+
+
+def format_check(pattern: str, full_match: bool = True) -> RewardFn:
+    """1.0 when the completion matches the regular expression ``pattern`` (whole string by default)."""
+    regex = re.compile(pattern, re.DOTALL)
+    match = regex.fullmatch if full_match else regex.search
+
+    def format_reward(prompts: list[str], completions: list[str]) -> list[float]:
+        return [1.0 if match(c) else 0.0 for c in completions]
+
+    return format_reward
+
+
+class RewardModelReward:
+    """A reward model as a reward function: r(x, y) read at the EOS of prompt + completion.
+
+    Scores are computed without gradients in batches of ``batch_size`` pairs.
+    """
+
+    def __init__(self, model, tokenizer: PreTrainedTokenizerBase, batch_size: int = 32, max_length: int = 1024):
+        self.model, self.tokenizer, self.batch_size, self.max_length = model, tokenizer, batch_size, max_length
+        self.name = f"RewardModelReward({getattr(model.config, 'name_or_path', '') or type(model).__name__})"
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+        device = next(self.model.parameters()).device
+        scores: list[float] = []
+        for start in range(0, len(prompts), self.batch_size):
+            pairs = [PreferenceExample(p, c, c) for p, c in zip(prompts[start : start + self.batch_size], completions[start : start + self.batch_size], strict=True)]
+            batch = collate_preferences(self.tokenizer, pairs, self.max_length)
+            n = batch.num_pairs
+            ids, mask = batch.input_ids[:n].to(device), batch.attention_mask[:n].to(device)  # (n, T): the "chosen" half
+            scores.extend(self.model.sequence_scores(ids, mask).tolist())
+        return scores
+
+
+def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str]) -> list[float]:
+    try:
+        scores = list(fn(prompts, completions))
+    except Exception as err:  # find which prompt makes it raise
+        if len(prompts) > 1:
+            for p, c in zip(prompts, completions):
+                _call_one(fn, name, [p], [c])
+        raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {err} (prompt {prompts[0]!r})") from err
+    if len(scores) != len(prompts):
+        raise RewardFunctionError(f"reward function {name} returned {len(scores)} scores for {len(prompts)} completions")
+    for p, s in zip(prompts, scores):
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise RewardFunctionError(f"reward function {name} returned {s!r} (expected a finite float) for prompt {p!r}")
+    return [float(s) for s in scores]
+
+
+def score_completions(
+    reward_fns: Sequence[RewardFn], prompts: list[str], completions: list[str], weights: Sequence[float] | None = None
+) -> Tensor:
+    """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32.
+
+    Raises:
+        RewardFunctionError: naming the function and the prompt, when one raises or returns
+        something other than one finite number per completion.
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if not reward_fns:
+        raise ValueError("no reward functions")
+    weights = [1.0] * len(reward_fns) if weights is None else list(weights)
+    if len(weights) != len(reward_fns):
+        raise ValueError(f"{len(weights)} weights for {len(reward_fns)} reward functions")
+    total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
+    for fn, weight in zip(reward_fns, weights):
+        total += weight * torch.tensor(_call_one(fn, reward_fn_name(fn), list(prompts), list(completions)), dtype=torch.float32)
+    return total

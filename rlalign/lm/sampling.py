@@ -1,0 +1,217 @@
+"""Batched sampling with a pre-allocated KV cache, written as a plain decode loop.
+
+    rollout = sample(policy, prompt_ids, SamplingParams(max_new_tokens=16, temperature=1.0),
+                     pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id], group_size=8)
+
+Each prompt is repeated G times (rows of a group are adjacent; ``group_index`` says which prompt).
+Prompts of different lengths are left-padded; position ids count real tokens only (cumsum of the
+mask minus 1, as ``generate`` does), so a padded prompt gives the same tokens as the unpadded one.
+
+Why it beats ``model.generate`` (benchmarks/RESULTS_lm.md): the KV cache is a ``StaticCache``
+allocated once for P + max_new_tokens positions, and the attention mask is one additive 4-D
+tensor (B, 1, 1, P + N) updated in place (one column per step) and handed to the model as-is, so
+no mask is rebuilt and no tensor is concatenated per step; logits are computed for the last
+position only; there are no logits-processor or stopping-criteria objects. Per step the loop
+does one forward, one softmax and one draw.
+
+Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
+set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw.
+``temperature=0`` is greedy (argmax, the same tokens as ``generate(do_sample=False)``).
+The recorded log-prob is log softmax(z / tau)[y] over the full vocabulary (tau = 1 when greedy):
+the same quantity the training pass computes with ``token_logprobs(logits, y, tau)``, so before
+the first update the PPO ratio is exactly 1 (top-k / top-p only decide which tokens are drawn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import StaticCache
+
+from rlalign.lm.models import unwrap_causal_lm
+from rlalign.lm.rollout import Rollout
+
+__all__ = ["SamplingParams", "left_pad", "filter_logits", "sample"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw completions. ``temperature=0`` means greedy; ``top_k=0`` and ``top_p=1`` are off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Left-pad token lists to one length. Returns (ids, mask), each (B, P); mask is 1 on real tokens."""
+    if not sequences:
+        raise ValueError("no sequences to pad")
+    if any(len(s) == 0 for s in sequences):
+        raise ValueError("an empty prompt cannot be sampled from (no token to condition on)")
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)  # (B, P)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)  # (B, P)
+    for row, seq in enumerate(sequences):
+        ids[row, length - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, length - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def filter_logits(scaled_logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Set logits outside the top-k / top-p (nucleus) set to -inf. Shape: (B, V) -> (B, V).
+
+    Top-p keeps token i when the probability mass of the tokens ranked strictly above it is < p,
+    so the most likely token always stays.
+    """
+    out = scaled_logits
+    if top_k > 0 and top_k < out.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_above = torch.cumsum(probs, dim=-1) - probs  # (B, V)
+        drop_sorted = mass_above >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype) -> Tensor:
+    """Additive mask (B, 1, P, L) over the L = P + N cache slots: query q sees key k <= q when k is
+    a real prompt token (0 where allowed, the dtype's minimum elsewhere).
+
+    A padding query also sees itself, so no softmax row is empty (its output is never used).
+    """
+    prompt_len = prompt_valid.shape[1]
+    key_valid = torch.ones((prompt_valid.shape[0], total), dtype=torch.bool, device=prompt_valid.device)  # (B, L)
+    key_valid[:, :prompt_len] = prompt_valid
+    q = torch.arange(prompt_len, device=prompt_valid.device)[:, None]  # (P, 1)
+    k = torch.arange(total, device=prompt_valid.device)[None, :]  # (1, L)
+    allowed = ((k <= q)[None] & key_valid[:, None, :]) | (k == q)[None]  # (B, P, L)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=prompt_valid.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # (B, 1, P, L)
+
+
+def _draw(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Next token (B,) and its log-prob under softmax(logits / tau) (B,), from logits (B, V)."""
+    logits = logits.float()
+    if params.greedy:
+        token = logits.argmax(-1)  # (B,)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / params.temperature  # (B, V)
+    log_probs = torch.log_softmax(scaled, -1)  # (B, V)
+    drawn_from = filter_logits(scaled, params.top_k, params.top_p) if (params.top_k or params.top_p < 1) else scaled
+    token = torch.multinomial(torch.softmax(drawn_from, -1), 1, generator=generator).squeeze(-1)  # (B,)
+    return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]] | tuple[Tensor, Tensor],
+    params: SamplingParams,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    group_size: int = 1,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample ``group_size`` completions per prompt. Returns a :class:`Rollout` of B = prompts x G rows.
+
+    Args:
+        model: a causal LM (transformers or peft-wrapped) taking ``past_key_values`` and ``logits_to_keep``.
+        prompts: token lists, or (ids, mask) already left-padded, each (N, P).
+        params: temperature / top-k / top-p / max_new_tokens.
+        pad_token_id: id written after a row stops and in prompt padding.
+        eos_token_ids: ids that end a completion (the EOS is kept, mask 1).
+        group_size: G samples per prompt.
+        generator: torch RNG for the draws (None = the global one).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if not eos_token_ids:
+        raise ValueError("eos_token_ids is empty: every completion would run to max_new_tokens")
+    device = next(model.parameters()).device
+    if isinstance(prompts, tuple):
+        prompt_ids, prompt_mask = (t.to(device) for t in prompts)
+    else:
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
+    group_index = torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(group_size)  # (B,)
+    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, P)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0).long()  # (B, P)
+    batch, prompt_len = prompt_ids.shape
+    steps = params.max_new_tokens
+    total = prompt_len + steps
+    check_every = 8 if device.type == "cuda" else 1  # "all rows finished?" costs a device sync on GPUs
+
+    causal_lm = unwrap_causal_lm(model)
+    dtype = next(causal_lm.parameters()).dtype
+    cache = StaticCache(config=causal_lm.config, max_cache_len=total)
+    key_valid = prompt_mask.bool()  # (B, P)
+    step_mask = torch.full((batch, 1, 1, total), torch.finfo(dtype).min, dtype=dtype, device=device)  # (B, 1, 1, L)
+    step_mask[:, 0, 0, :prompt_len].masked_fill_(key_valid, 0.0)
+    eos = torch.as_tensor(list(eos_token_ids), device=device)
+
+    completion_ids = torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device)  # (B, N)
+    completion_mask = torch.zeros((batch, steps), dtype=torch.long, device=device)  # (B, N)
+    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)  # (B, N)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
+    next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
+
+    logits = model(
+        input_ids=prompt_ids,
+        attention_mask=_prefill_mask(key_valid, total, dtype),
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1, :]  # (B, V)
+    for t in range(steps):
+        token, token_logp = _draw(logits, params, generator)  # (B,), (B,)
+        alive = ~finished  # (B,)
+        token = torch.where(alive, token, pad_token_id)
+        completion_ids[:, t] = token
+        completion_mask[:, t] = alive.long()
+        logprobs[:, t] = torch.where(alive, token_logp, 0.0)
+        finished = finished | torch.isin(token, eos)
+        if t == steps - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
+            break
+        step_mask[:, 0, 0, prompt_len + t] = 0.0  # the token just drawn becomes a visible key
+        logits = model(
+            input_ids=token[:, None],
+            attention_mask=step_mask,
+            position_ids=next_position + t,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]  # (B, V)
+
+    used = int(completion_mask.any(0).nonzero().max()) + 1  # drop trailing all-padding columns
+    return Rollout(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids[:, :used],
+        completion_mask=completion_mask[:, :used],
+        logprobs=logprobs[:, :used],
+        group_index=group_index,
+        truncated=~finished,
+    )

@@ -1,0 +1,708 @@
+"""GRPO on a causal LM: G completions per prompt, group-relative advantages, no critic.
+
+    J(theta) = E_q 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i)
+                                              - beta * k3(pi_theta, pi_ref)_it ]
+    r_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t),     A_i = (R_i - mean(R_group)) / std(R_group)
+
+Shao et al. 2024 (DeepSeekMath), eq. 3-4; seeds 003 (section 8) and 004. The maths lives in
+:mod:`rlalign.core`; this file composes it. One step, top to bottom (:func:`grpo_step`):
+
+    prompts --sample G each (policy, KV cache, no grad)--> Rollout (+ sampling log-probs = log pi_old)
+    Rollout --weighted reward functions / reward models--> scores (B,)
+    scores  --group z-score | batch std | mean only (Dr.GRPO) | RLOO--> A (B,), broadcast to tokens
+    ref_logp = frozen reference, or the LoRA base with adapters off; none when beta = 0
+    mu passes x minibatches: logp = policy(prompt + completion) at completion positions only;
+        loss = aggregate(clipped surrogate) + beta * aggregate(k3); backward, clip, step
+
+Deliberate simplifications, stated:
+- pi_old is the sampling policy for all mu passes, so old log-probs are always the sampler's
+  (``Rollout.logprobs``, same temperature) and no extra forward pass is ever made. On CPU float32
+  they match the training pass to ~5e-7 (``ratio_dev/first`` logs the largest |r - 1| of the
+  first minibatch, before any update).
+- advantages are computed once per rollout over the whole batch, so minibatches are contiguous
+  row slices (whole groups when the minibatch size is a multiple of G).
+- one optimiser step per minibatch, learning-rate schedule per optimiser step.
+
+Metrics (one metrics.jsonl line per step; minibatch statistics are means over the step's updates):
+    reward/mean, reward/std, reward/<term>/mean|std   total and per-term (unweighted) rewards
+    kl                    mean per-token k3 to the reference (absent when beta = 0)
+    clip_frac, clip_frac/low, clip_frac/high, approx_kl, ratio_mean   clipped-surrogate diagnostics
+    ratio_dev, ratio_dev/first   max |r - 1|: over each update / on the first minibatch only (~0)
+    entropy               mean per-token entropy of softmax(logits / temperature)
+    completion_len/mean|max, completion_len/clipped_frac   lengths; share without EOS
+    frac_zero_std_groups  share of groups whose rewards all tie (they carry no gradient)
+    adv/std, loss/policy, grad_norm, lr
+    time/generate, time/score, time/train, tokens_per_s (completion tokens / step wall time)
+
+Python use (see also the README):
+
+    from rlalign.config import load_config
+    from rlalign.train import grpo
+    cfg = load_config(grpo.GRPOConfig, "configs/grpo_arithmetic.yaml", ["steps=20"])
+    result = grpo.train(cfg)                     # result.history: one metrics dict per step
+
+The pieces marked "shared" are imported by :mod:`rlalign.train.ppo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from rlalign.config import Config, ConfigError, load_config
+from rlalign.core.advantages import group_advantages, rloo_advantages
+from rlalign.core.kl import entropy_from_logits
+from rlalign.core.logprobs import token_logprobs
+from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, kl_penalty_loss
+from rlalign.core.masks import masked_mean
+from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
+from rlalign.lm.logprobs import rollout_logprobs
+from rlalign.lm.models import load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
+from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
+from rlalign.lm.rollout import Rollout
+from rlalign.lm.sampling import SamplingParams, sample
+from rlalign.tasks import TASKS
+from rlalign.train.common import (
+    Checkpoint,
+    MetricsLogger,
+    ModelConfig,
+    OptimConfig,
+    batch_order,
+    load_checkpoint,
+    make_optimizer,
+    plot_metrics,
+    prepare_model_path,
+    restore_rng_state,
+    save_checkpoint,
+    set_seed,
+)
+
+__all__ = [
+    "DataConfig",
+    "RewardConfig",
+    "SamplingConfig",
+    "RLOptimConfig",
+    "GRPOConfig",
+    "GRPOResult",
+    "RewardTerm",
+    "Updater",
+    "ADVANTAGE_ESTIMATORS",
+    "load_prompt_set",
+    "prompt_batch",
+    "build_rewards",
+    "score_rollout",
+    "completion_logits",
+    "reference_logprobs",
+    "loss_mask",
+    "ratio_deviation",
+    "grpo_loss",
+    "grpo_step",
+    "train",
+    "add_arguments",
+    "run",
+]
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+if set(Aggregation.__args__) != set(AGGREGATION_MODES):  # keep the Literal in step with core
+    raise ImportError(f"grpo.Aggregation {Aggregation.__args__} is out of date with core AGGREGATION_MODES {AGGREGATION_MODES}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Config (DataConfig, RewardConfig, SamplingConfig are shared with ppo.py)
+# ----------------------------------------------------------------------------------------------
+
+
+class DataConfig(Config):
+    """Where the training prompts come from: an embedded task or a file (exactly one)."""
+
+    task: Literal["arithmetic", "preference"] | None = Field(None, description="embedded offline task (rlalign.tasks) giving the prompts")
+    path: str | None = Field(None, description="JSONL / JSON / Parquet of prompt records (a 'prompt' column; other columns kept, e.g. 'answer')")
+    num_prompts: int = Field(1024, ge=1, description="training prompts drawn from an embedded task")
+    seed: int = Field(0, description="seed of the embedded task's prompt draw")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError(f"set exactly one of data.task or data.path (got task={self.task!r}, path={self.path!r})")
+        return self
+
+
+BUILTIN_REWARDS = ("arithmetic", "preference", "exact_match", "math_answer", "format")
+
+
+class RewardConfig(Config):
+    """One weighted term of the reward: a reward function or a reward model (exactly one)."""
+
+    function: str | None = Field(
+        None,
+        description="arithmetic | preference (the task's reward) | exact_match | math_answer (vs the prompts' 'answer' column, "
+        "math_answer through math-verify) | format (regex 'pattern') | 'package.module:function' taking (prompts, completions)",
+    )
+    reward_model: str | None = Field(None, description="reward-model checkpoint (backbone + value_head.safetensors); its score is the reward")
+    pattern: str | None = Field(None, description="regular expression the whole completion must match (function: format)")
+    weight: float = Field(1.0, description="coefficient of this term in the total reward")
+    name: str | None = Field(None, description="metric name, reward/<name>/mean; defaults to the function name or 'rm'")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if (self.function is None) == (self.reward_model is None):
+            raise ValueError(f"set exactly one of function or reward_model (got function={self.function!r}, reward_model={self.reward_model!r})")
+        if self.function is not None and ":" not in self.function and self.function not in BUILTIN_REWARDS:
+            raise ValueError(f"function {self.function!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'package.module:function'")
+        if (self.function == "format") != (self.pattern is not None):
+            raise ValueError("'pattern' goes with function: format, and format needs a pattern")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return "rm" if self.reward_model else str(self.function).split(":")[-1]
+
+
+class SamplingConfig(Config):
+    """How completions are drawn during training."""
+
+    max_new_tokens: int = Field(32, ge=1, description="completion length cap; a completion without EOS by then is 'truncated'")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature (> 0: RL needs a stochastic policy); training log-probs use the same")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1 = off)")
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+
+
+class RLOptimConfig(OptimConfig):
+    """:class:`rlalign.train.common.OptimConfig` with RL defaults: a small, constant learning rate."""
+
+    lr: float = Field(1e-5, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(1.0, ge=0, le=1, description="final learning rate as a fraction of lr (cosine decay); 1 = constant")
+
+
+class GRPOConfig(Config):
+    """``rlalign grpo``: every field can be overridden on the command line as key.sub=value."""
+
+    output_dir: str = Field("runs/grpo", description="run directory: metrics.jsonl, samples.jsonl, checkpoints/, final/, curves.png")
+    seed: int = Field(0, description="seeds Python, NumPy, torch, the prompt order and the sampling generator")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy's starting checkpoint (e.g. an SFT run's final/), dtype, device, LoRA")
+    reference: str | None = Field(None, description="frozen reference checkpoint for the KL term; null = the policy's start (LoRA: the base with adapters off)")
+    data: DataConfig = Field(default_factory=lambda: DataConfig(task="arithmetic"), description="training prompts")
+    rewards: list[RewardConfig] = Field(default_factory=list, description="reward terms, summed with their weights (train() also takes Python reward functions)")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling during training")
+    optim: RLOptimConfig = Field(default_factory=RLOptimConfig, description="AdamW, schedule and gradient clipping")
+    steps: int = Field(100, ge=1, description="RL steps (one rollout each)")
+    prompts_per_step: int = Field(8, ge=1, description="prompts per rollout; the rollout has prompts_per_step * group_size completions")
+    group_size: int = Field(8, ge=2, description="G completions per prompt; at least 2, a group's mean and std need two samples")
+    mu: int = Field(1, ge=1, description="policy passes over each rollout (GRPO's mu); all use the sampling log-probs as pi_old")
+    num_minibatches: int = Field(1, ge=1, description="optimiser steps per pass; the rollout is cut into this many row slices")
+    advantage: Literal["group", "batch", "none", "rloo"] = Field(
+        "group", description="group: (R - mean_g) / std_g (DeepSeekMath); batch: / std of the batch; none: R - mean_g (Dr.GRPO); rloo: leave-one-out"
+    )
+    eps_low: float = Field(0.2, gt=0, lt=1, description="clip the ratio below at 1 - eps_low")
+    eps_high: float = Field(0.2, gt=0, description="clip the ratio above at 1 + eps_high (DAPO's clip-higher: 0.28)")
+    beta: float = Field(0.04, ge=0, description="coefficient of the k3 KL to the reference in the loss; 0 loads no reference")
+    aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
+    mask_truncated: bool = Field(False, description="leave completions that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)")
+    sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
+    num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
+    progress: bool = Field(True, description="show a progress bar with reward and KL")
+    tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
+    plots: bool = Field(True, description="write curves.png (reward, KL, entropy, length, clip fraction) at the end")
+
+    @model_validator(mode="after")
+    def _minibatches_divide(self) -> GRPOConfig:
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.num_minibatches:
+            raise ValueError(f"num_minibatches={self.num_minibatches} must divide prompts_per_step * group_size = {batch}")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts (shared)
+# ----------------------------------------------------------------------------------------------
+
+
+def load_prompt_set(data: DataConfig, records: Sequence[dict] | None = None) -> list[PromptExample]:
+    """Validated prompt examples from ``records`` when given, else the embedded task or the file."""
+    if records is not None:
+        return load_prompts(list(records))
+    if data.task is not None:
+        return load_prompts(TASKS[data.task].prompt_records("train", data.num_prompts, data.seed))
+    return load_prompts(data.path)
+
+
+def prompt_batch(prompts: Sequence[PromptExample], step: int, batch_size: int, seed: int) -> list[PromptExample]:
+    """The prompts of RL step ``step`` (0-based): data positions [step * n, (step + 1) * n) of a
+    per-epoch permutation, so a resumed run draws exactly the prompts of the uninterrupted one."""
+    return [prompts[i] for i in batch_order(len(prompts), step * batch_size, batch_size, seed)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards (shared)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardTerm:
+    """One weighted reward term, ``fn(prompts, completions) -> list[float]`` (rlalign.lm.rewards protocol)."""
+
+    name: str
+    weight: float
+    fn: Callable[[list[str], list[str]], Sequence[float]]
+
+
+def _references(prompts: Sequence[PromptExample], tokenizer, function: str) -> dict[str, str]:
+    missing = [i for i, ex in enumerate(prompts) if "answer" not in ex.metadata]
+    if missing:
+        raise ConfigError(f"reward function {function!r} needs an 'answer' column in the prompts; prompt record {missing[0]} has none")
+    return {render_prompt(tokenizer, ex.prompt): str(ex.metadata["answer"]) for ex in prompts}
+
+
+def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable[[list[str], list[str]], Sequence[float]]:
+    name = spec.function
+    if name in TASKS:
+        return TASKS[name].reward
+    if name == "exact_match":
+        return exact_match(_references(prompts, tokenizer, name))
+    if name == "math_answer":
+        return math_answer(_references(prompts, tokenizer, name))
+    if name == "format":
+        return format_check(spec.pattern)
+    module_name, attr = name.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"reward function {name!r} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward function {name!r} is not callable")
+    return fn
+
+
+def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer) -> RewardModelReward:
+    model = load_reward_model(spec.reward_model, model_cfg.dtype, model_cfg.device)
+    try:
+        rm_tokenizer = load_tokenizer(spec.reward_model)
+    except (OSError, ValueError):  # a reward model saved without its tokenizer shares the policy's
+        rm_tokenizer = tokenizer
+    return RewardModelReward(model, rm_tokenizer)
+
+
+def build_rewards(
+    specs: Sequence[RewardConfig], prompts: Sequence[PromptExample], tokenizer, model_cfg: ModelConfig, extra: Sequence[RewardTerm] = ()
+) -> list[RewardTerm]:
+    """Reward terms of the config (functions resolved, reward models loaded frozen) plus ``extra``."""
+    terms = [
+        RewardTerm(spec.label, spec.weight, _reward_model(spec, model_cfg, tokenizer) if spec.reward_model else _reward_function(spec, prompts, tokenizer))
+        for spec in specs
+    ]
+    terms.extend(extra)
+    if not terms:
+        raise ConfigError("no reward: add at least one term under 'rewards' (a function or a reward_model)")
+    names = [t.name for t in terms]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward names must be unique (set 'name' on a reward term), got {names}")
+    return terms
+
+
+def score_rollout(terms: Sequence[RewardTerm], prompts: list[str], completions: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Total reward sum_k w_k R_k per completion (B,) and each term's unweighted values.
+
+    Every call goes through :func:`rlalign.lm.rewards.score_completions`, so a function that
+    raises or returns NaN is an error naming it and the prompt.
+    """
+    per_term = {t.name: score_completions([t.fn], prompts, completions) for t in terms}  # name -> (B,)
+    total = torch.zeros(len(prompts))
+    for t in terms:
+        total = total + t.weight * per_term[t.name]
+    return total, per_term
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs, masks and statistics (shared)
+# ----------------------------------------------------------------------------------------------
+
+
+def completion_logits(model: nn.Module, rollout: Rollout) -> Tensor:
+    """Logits predicting each completion token, the LM head applied at those positions only. Shape: (B, C, V).
+
+    Same slicing as :func:`rlalign.lm.logprobs.completion_logprobs`; the trainer needs the logits
+    themselves for the entropy. Position P - 1 + t predicts completion token t.
+    """
+    device = next(model.parameters()).device
+    c = rollout.completion_ids.shape[1]
+    out = model(
+        input_ids=rollout.input_ids().to(device),
+        attention_mask=rollout.attention_mask().to(device),
+        position_ids=rollout.position_ids().to(device),
+        logits_to_keep=c + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1, :]  # (B, C, V)
+
+
+@torch.no_grad()
+def reference_logprobs(policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int) -> Tensor:
+    """Completion log-probs under the frozen reference (or the LoRA base, adapters off). Shape: (B, C)."""
+    with reference_policy(policy, reference) as ref:
+        return torch.cat([rollout_logprobs(ref, mb.to(next(ref.parameters()).device), temperature).cpu() for mb in rollout.minibatches(batch_size)])
+
+
+def loss_mask(rollout: Rollout, mask_truncated: bool) -> Tensor:
+    """1 on completion tokens that count in the loss; rows without EOS zeroed when ``mask_truncated``. Shape: (B, C)."""
+    mask = rollout.completion_mask.float()  # (B, C)
+    if mask_truncated:
+        mask = mask * (~rollout.truncated).float()[:, None]
+    return mask
+
+
+def ratio_deviation(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """max |pi / pi_old - 1| over counted tokens (detached). On the first minibatch, before any
+    update, it is the mismatch between the sampler's log-probs and the training pass's."""
+    with torch.no_grad():
+        deviation = (torch.exp(logp - old_logp) - 1.0).abs() * mask  # (B, C)
+        return deviation.max() if deviation.numel() else deviation.new_zeros(())
+
+
+def completion_stats(rollout: Rollout) -> dict[str, float]:
+    """completion_len/mean, completion_len/max, completion_len/clipped_frac (share without EOS)."""
+    lengths = rollout.completion_lengths().float()  # (B,)
+    return {
+        "completion_len/mean": lengths.mean().item(),
+        "completion_len/max": lengths.max().item(),
+        "completion_len/clipped_frac": rollout.truncated.float().mean().item(),
+    }
+
+
+def reward_stats(total: Tensor, per_term: dict[str, Tensor]) -> dict[str, float]:
+    """reward/mean, reward/std and reward/<name>/mean|std of each term."""
+    std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # noqa: E731
+    stats = {"reward/mean": total.mean().item(), "reward/std": std(total)}
+    for name, values in per_term.items():
+        stats[f"reward/{name}/mean"] = values.mean().item()
+        stats[f"reward/{name}/std"] = std(values)
+    return stats
+
+
+def sample_rows(step: int, prompts: list[str], completions: list[str], per_term: dict[str, Tensor], total: Tensor, n: int) -> list[dict]:
+    """The first ``n`` completions with their rewards (seed 003: watch the outputs, not only the reward)."""
+    return [
+        {"step": step, "prompt": prompts[i], "completion": completions[i], "reward": total[i].item(), **{k: v[i].item() for k, v in per_term.items()}}
+        for i in range(min(n, len(prompts)))
+    ]
+
+
+def write_samples(run_dir: Path, rows: list[dict]) -> None:
+    """Append to ``samples.jsonl``."""
+    with (run_dir / "samples.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimisation and checkpoints (shared)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Updater:
+    """A trainable model with its AdamW, schedule and gradient clipping: one call, one update."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    grad_clip: float | None
+
+    @classmethod
+    def create(cls, model: nn.Module, cfg: OptimConfig, total_updates: int) -> Updater:
+        optimizer, scheduler = make_optimizer(model.parameters(), cfg, total_updates)
+        return cls(model, optimizer, scheduler, cfg.grad_clip)
+
+    def step(self, loss: Tensor) -> float:
+        """zero_grad, backward, clip, step; returns the gradient norm before clipping."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf")) if params else torch.zeros(())
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(norm)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+class SavedModels:
+    """What a checkpoint's ``model/`` holds: the policy, and other models in named subdirectories
+    (PPO's critic), so one atomic :func:`rlalign.train.common.save_checkpoint` writes them all."""
+
+    def __init__(self, policy: nn.Module, **others: nn.Module):
+        self.policy, self.others = policy, others
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.policy.save_pretrained(path)
+        for name, model in self.others.items():
+            model.save_pretrained(Path(path) / name)
+
+
+@dataclass
+class TrainState:
+    """Restored by a checkpoint besides weights and optimisers: steps done (the data position is
+    step * prompts_per_step) and the generator that draws samples and minibatch orders."""
+
+    step: int
+    generator: torch.Generator
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+
+def open_checkpoint(resume: str | Path | None) -> Checkpoint | None:
+    """The checkpoint to resume from (a checkpoint dir, or a run dir's latest), or None."""
+    return None if resume is None else load_checkpoint(resume)
+
+
+def _plain(obj: Any) -> Any:
+    """NumPy scalars -> Python numbers, recursively, so ``torch.load(weights_only=True)`` reads it back.
+
+    Private workaround, to move into rlalign.train.common: its ``make_optimizer`` schedule returns
+    NumPy floats, which LambdaLR stores in its state_dict and a weights-only load then refuses.
+    """
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    return obj.item() if isinstance(obj, np.generic) else obj
+
+
+def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater]) -> TrainState:
+    """A fresh TrainState, or the checkpoint's: optimisers, schedules, RNGs, generator, step."""
+    state = TrainState(step=0, generator=torch.Generator().manual_seed(seed))
+    if ckpt is not None:
+        for name, updater in updaters.items():
+            updater.load_state_dict(ckpt.extra[f"updater/{name}"])
+        restore_rng_state(ckpt.rng)
+        state.generator.set_state(ckpt.extra["generator"])
+        state.step = ckpt.step
+    return state
+
+
+def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: SavedModels, updaters: dict[str, Updater], tokenizer, extra: dict[str, Any]) -> Path:
+    """Checkpoint after ``state.step`` steps (named by it): weights, optimisers and schedules of
+    every updater, RNGs, the generator, and ``extra`` (e.g. the KL controller)."""
+    extra = {**extra, **state.state_dict(), **{f"updater/{name}": _plain(u.state_dict()) for name, u in updaters.items()}}
+    return save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, state.step * cfg.prompts_per_step, extra, cfg.keep_last)
+
+
+def save_final(run_dir: Path, models: SavedModels, tokenizer) -> Path:
+    """The trained policy as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final``."""
+    final = run_dir / "final"
+    models.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    return final
+
+
+def write_plots(run_dir: Path, keys: Sequence[str]) -> Path:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    present = [k for k in keys if any(k in r for r in records)]
+    return plot_metrics(run_dir / "metrics.jsonl", present, run_dir / "curves.png")
+
+
+# ----------------------------------------------------------------------------------------------
+# The GRPO loss and step
+# ----------------------------------------------------------------------------------------------
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
+    "group": partial(group_advantages, scale="group"),
+    "batch": partial(group_advantages, scale="batch"),
+    "none": partial(group_advantages, scale="none"),
+    "rloo": rloo_advantages,
+}
+
+
+def grpo_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None, cfg: GRPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """L = aggregate(clipped surrogate) + beta * aggregate(k3(logp, ref_logp)) on one minibatch.
+
+    Args:
+        rollout: the minibatch; ``rollout.logprobs`` is log pi_old. Shapes: (B, C).
+        advantages: one per completion, broadcast over its tokens. Shape: (B,).
+        mask: 1 on tokens that count. Shape: (B, C).
+        ref_logp: reference log-probs, or None when beta = 0. Shape: (B, C).
+    Returns:
+        (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy.
+    """
+    logits = completion_logits(policy, rollout)  # (B, C, V)
+    device = logits.device
+    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C)
+    old_logp, mask = rollout.logprobs.to(device), mask.to(device)
+    max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm (Dr.GRPO), not this batch's C
+    pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps_low, cfg.eps_high, mode=cfg.aggregation, max_len=max_len)
+    loss = pg_loss
+    stats = {
+        "loss/policy": pg_loss.detach(),
+        "clip_frac": clip.clip_frac,
+        "clip_frac/low": clip.clip_frac_low,
+        "clip_frac/high": clip.clip_frac_high,
+        "approx_kl": clip.approx_kl,
+        "ratio_mean": clip.ratio_mean,
+        "ratio_dev": ratio_deviation(logp, old_logp, mask),
+    }
+    if ref_logp is not None:
+        kl_loss, kl = kl_penalty_loss(logp, ref_logp.to(device), mask, "k3", mode=cfg.aggregation, max_len=max_len)
+        loss = loss + cfg.beta * kl_loss
+        stats["kl"] = kl.kl
+    with torch.no_grad():
+        stats["entropy"] = masked_mean(entropy_from_logits(logits / cfg.sampling.temperature), mask)
+    return loss, stats
+
+
+def grpo_step(
+    updater: Updater, reference: nn.Module | None, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], state: TrainState, cfg: GRPOConfig
+) -> tuple[dict[str, float], list[dict]]:
+    """One GRPO step (0-based ``state.step``): sample, score, advantages, mu x minibatch updates.
+
+    Returns:
+        (metrics, a few samples with their rewards).
+    """
+    policy = updater.model
+    # 1. sample G completions per prompt (no grad, KV cache); the sampling log-probs are log pi_old
+    t0 = time.perf_counter()
+    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]
+    rollout = sample(
+        policy, encode_prompts(tokenizer, batch), cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], cfg.group_size, state.generator
+    ).to("cpu")
+    prompt_texts = [render_prompt(tokenizer, p) for p in batch for _ in range(cfg.group_size)]  # (B,), groups adjacent
+    completions = rollout.decode_completions(tokenizer)
+    t1 = time.perf_counter()
+
+    # 2. score: the weighted sum of the reward terms
+    scores, per_term = score_rollout(rewards, prompt_texts, completions)  # (B,)
+    t2 = time.perf_counter()
+
+    # 3. group-relative advantages, one per completion (broadcast over its tokens by the loss)
+    advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scores, cfg.group_size)  # (B,)
+    mask = loss_mask(rollout, cfg.mask_truncated)  # (B, C)
+    minibatch = rollout.batch_size // cfg.num_minibatches
+    ref_logp = reference_logprobs(policy, reference, rollout, cfg.sampling.temperature, minibatch) if cfg.beta > 0 else None  # (B, C)
+
+    # 4. mu passes x minibatches of clipped-surrogate updates against the sampling log-probs
+    sums: dict[str, float] = {}
+    updates, first_ratio_dev = 0, None
+    for _ in range(cfg.mu):
+        for start in range(0, rollout.batch_size, minibatch):
+            rows = slice(start, start + minibatch)
+            loss, stats = grpo_loss(policy, rollout.select(rows), advantages[rows], mask[rows], None if ref_logp is None else ref_logp[rows], cfg)
+            stats["grad_norm"] = updater.step(loss)
+            first_ratio_dev = float(stats["ratio_dev"]) if first_ratio_dev is None else first_ratio_dev
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            updates += 1
+    t3 = time.perf_counter()
+
+    metrics = {key: value / updates for key, value in sums.items()}
+    metrics.update(reward_stats(scores, per_term))
+    metrics.update(completion_stats(rollout))
+    metrics["frac_zero_std_groups"] = (scores.view(-1, cfg.group_size).std(dim=1) <= 1e-6).float().mean().item()
+    metrics["adv/std"] = advantages.std().item()
+    metrics["ratio_dev/first"] = first_ratio_dev
+    metrics["lr"] = float(updater.scheduler.get_last_lr()[0])
+    metrics["time/generate"] = t1 - t0
+    metrics["time/score"] = t2 - t1
+    metrics["time/train"] = t3 - t2
+    metrics["tokens_per_s"] = rollout.completion_lengths().sum().item() / max(t3 - t0, 1e-9)
+    return metrics, sample_rows(state.step, prompt_texts, completions, per_term, scores, cfg.num_samples_logged)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GRPOResult:
+    """What :func:`train` returns."""
+
+    policy: nn.Module
+    history: list[dict[str, float]] = field(default_factory=list)  # one metrics dict per step run by this call
+    output_dir: Path | None = None
+    final_dir: Path | None = None
+
+
+def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> GRPOResult:
+    """Run GRPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
+
+    Args:
+        reward_functions: extra reward terms from Python, added to ``cfg.rewards``.
+        prompts: prompt records (``{"prompt": ..., "answer"?: ...}``) to use instead of ``cfg.data``.
+    """
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prompt_set = load_prompt_set(cfg.data, prompts)
+    ckpt = open_checkpoint(resume)
+    base_path = prepare_model_path(cfg.model, run_dir)
+    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions)
+    policy = load_policy(ckpt.model_dir if ckpt else base_path, cfg.model.dtype, cfg.model.device, None if ckpt else cfg.model.lora, cfg.model.gguf_file)
+    reference = None
+    if cfg.beta > 0 and (cfg.model.lora is None or cfg.reference is not None):  # LoRA alone: the base, adapters off
+        reference = load_reference(cfg.reference or base_path, cfg.model.dtype, cfg.model.device, cfg.model.gguf_file)
+    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches)
+    state = resume_state(ckpt, cfg.seed, {"policy": updater})
+
+    result = GRPOResult(policy=policy, output_dir=run_dir)
+    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "grpo", state.step) as log:
+        while state.step < cfg.steps:
+            metrics, samples = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
+            log.log(state.step, metrics, summary_keys=("reward/mean", "kl", "completion_len/mean"))
+            if (state.step + 1) % cfg.sample_every == 0:
+                write_samples(run_dir, samples)
+            result.history.append({"step": state.step, **metrics})
+            state.step += 1
+            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == cfg.steps:
+                write_checkpoint(run_dir, cfg, state, SavedModels(policy), {"policy": updater}, tokenizer, {})
+    result.final_dir = save_final(run_dir, SavedModels(policy), tokenizer)
+    if cfg.plots:
+        write_plots(run_dir, ("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups"))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI: rlalign grpo --config configs/grpo_arithmetic.yaml steps=50 optim.lr=1e-4 [--resume DIR]
+# ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML recipe, e.g. configs/grpo_arithmetic.yaml")
+    parser.add_argument("--resume", metavar="DIR", help="checkpoint directory (or run directory: its latest checkpoint) to continue from")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. optim.lr=1e-4 steps=50")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(GRPOConfig, args.config, args.overrides)
+    result = train(cfg, resume=args.resume)
+    last = result.history[-1] if result.history else {}
+    summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps_run": len(result.history)}
+    summary.update({k: round(last[k], 4) for k in ("reward/mean", "kl", "completion_len/mean") if k in last})
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,405 @@
+"""RLHF PPO on a causal LM: policy, frozen reference, reward model (or rule rewards), critic.
+
+Per-token reward with the KL penalty inside it (Ziegler et al. 2019; InstructGPT, Ouyang et al.
+2022, eq. 2; seed 003 sections 5-7):
+
+    r_t = -beta * KL_t  (+ score(q, o) at the last completion token),  KL_t = k1 or k3 of (pi_old, pi_ref)
+    A_t = GAE(gamma, lambda) over completion tokens with V from the critic   (Schulman et al. 2016)
+    L_pi = aggregate(-min(r A, clip(r, 1-eps, 1+eps) A)) - c2 * aggregate(H)       (Schulman et al. 2017)
+    L_V  = 1/2 aggregate(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))
+
+One step, top to bottom (:func:`ppo_step`):
+
+    prompts --sample one completion each (policy, no grad)--> Rollout (+ sampling log-probs = log pi_old)
+    Rollout --reward terms (reward model, rules)--> score (B,)   (- penalty when no EOS, optional)
+    ref_logp (frozen reference or LoRA base), V_old (critic)   --> r_t, A_t, R_t   (:func:`ppo_advantages`)
+    epochs x shuffled minibatches: policy step on L_pi, critic step on L_V (each clipped)
+    beta <- KL controller (fixed, or adaptive towards a target KL)
+
+Metrics (one metrics.jsonl line per step; minibatch statistics are means over the step's updates):
+    score                 mean sequence score (reward terms minus the missing-EOS penalty)
+    kl                    mean per-sequence sum of the KL estimator at pi_old; beta: the coefficient used
+    non_score_reward      mean per-sequence sum of -beta * KL_t
+    approx_kl, clip_frac, ratio_mean, ratio_dev, ratio_dev/first   policy-update diagnostics
+    loss/policy, loss/value, value_clip_frac, explained_variance, entropy, adv/std, returns/mean
+    reward/mean|std, reward/<term>/mean|std, completion_len/*, grad_norm/policy|critic, lr, time/*, tokens_per_s
+
+Deliberate simplifications, stated:
+- the critic is a separate model with its own AdamW, so the value loss needs no coefficient c1:
+  its learning rate (``critic.optim.lr``) plays that role.
+- pi_old is the sampling policy: its log-probs come from the sampler (no extra forward pass), so
+  the first minibatch of the first epoch has ratio 1 up to float round-off (logged as
+  ``ratio_dev/first``, the largest |r - 1| there).
+- the KL in the reward and in the metrics is measured once per rollout, at pi_old.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from rlalign.config import Config, load_config
+from rlalign.core.advantages import kl_shaped_rewards, token_gae
+from rlalign.core.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_k1, kl_k3
+from rlalign.core.logprobs import token_logprobs
+from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, entropy_loss, value_loss
+from rlalign.core.masks import masked_mean, masked_whiten
+from rlalign.lm.data import PromptExample, encode_prompts, render_prompt
+from rlalign.lm.models import load_critic, load_policy, load_reference, load_tokenizer
+from rlalign.lm.rollout import Rollout
+from rlalign.lm.sampling import sample
+from rlalign.train.common import MetricsLogger, ModelConfig, prepare_model_path, set_seed
+from rlalign.train.grpo import (
+    Aggregation,
+    DataConfig,
+    RewardConfig,
+    RewardTerm,
+    RLOptimConfig,
+    SamplingConfig,
+    SavedModels,
+    TrainState,
+    Updater,
+    build_rewards,
+    completion_logits,
+    completion_stats,
+    load_prompt_set,
+    open_checkpoint,
+    prompt_batch,
+    ratio_deviation,
+    reference_logprobs,
+    resume_state,
+    reward_stats,
+    sample_rows,
+    save_final,
+    score_rollout,
+    write_checkpoint,
+    write_plots,
+    write_samples,
+)
+
+__all__ = [
+    "CriticConfig", "PPOConfig", "PPOResult", "KL_ESTIMATORS", "ppo_advantages", "critic_values", "policy_loss", "critic_loss", "ppo_step", "train",
+    "add_arguments", "run",
+]
+
+KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+
+
+class CriticConfig(Config):
+    """The value model V(s_t): a backbone with a scalar head, trained alongside the policy."""
+
+    path: str | None = Field(
+        None, description="initialisation: a reward-model dir keeps its head, an SFT/base dir gets a fresh one; null = the first reward model, else the policy's start"
+    )
+    optim: RLOptimConfig = Field(
+        default_factory=lambda: RLOptimConfig(lr=1e-4), description="the critic's own AdamW (its lr plays the role of the value-loss coefficient)"
+    )
+
+
+class PPOConfig(Config):
+    """``rlalign ppo``: every field can be overridden on the command line as key.sub=value."""
+
+    output_dir: str = Field("runs/ppo", description="run directory: metrics.jsonl, samples.jsonl, checkpoints/, final/ (critic in final/critic), curves.png")
+    seed: int = Field(0, description="seeds Python, NumPy, torch, the prompt order and the sampling / shuffling generator")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy's starting checkpoint (e.g. an SFT run's final/), dtype, device, LoRA")
+    reference: str | None = Field(None, description="frozen reference checkpoint; null = the policy's start (LoRA: the base with adapters off)")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model and its optimiser")
+    data: DataConfig = Field(default_factory=lambda: DataConfig(task="preference"), description="training prompts")
+    rewards: list[RewardConfig] = Field(default_factory=list, description="score terms summed with weights, typically one reward_model (train() also takes Python reward functions)")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling during training")
+    optim: RLOptimConfig = Field(default_factory=RLOptimConfig, description="the policy's AdamW, schedule and gradient clipping")
+    steps: int = Field(100, ge=1, description="PPO steps (one rollout each)")
+    prompts_per_step: int = Field(16, ge=1, description="rollout size B (one completion per prompt)")
+    ppo_epochs: int = Field(4, ge=1, description="passes over each rollout")
+    num_minibatches: int = Field(2, ge=1, description="shuffled minibatches per pass; one policy and one critic update each")
+    eps: float = Field(0.2, gt=0, lt=1, description="policy ratio clip range: clip(r, 1 - eps, 1 + eps)")
+    value_clip: float | None = Field(0.2, gt=0, description="clip V - V_old to +-value_clip in the value loss (null = unclipped)")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount over completion tokens")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda")
+    whiten_advantages: bool = Field(True, description="whiten advantages over the rollout's completion tokens")
+    kl_coef: float = Field(0.05, ge=0, description="beta: KL penalty coefficient in the per-token reward (the initial value when adaptive)")
+    kl_estimator: Literal["k1", "k3"] = Field("k1", description="per-token KL in the reward: k1 = log pi - log pi_ref; k3 = e^x - x - 1, x = log pi_ref - log pi")
+    kl_target: float | None = Field(None, gt=0, description="adaptive beta (Ziegler et al. 2019): steer the per-sequence KL to this target; null = fixed beta")
+    kl_horizon: float = Field(10000.0, gt=0, description="adaptive controller horizon, in sequences")
+    missing_eos_penalty: float | None = Field(None, ge=0, description="subtract this from the score of completions without EOS; null = no penalty")
+    entropy_coef: float = Field(0.0, ge=0, description="c2: weight of the entropy bonus")
+    aggregation: Aggregation = Field("token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
+    sample_every: int = Field(10, ge=1, description="log a few completions with their scores every N steps (samples.jsonl)")
+    num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
+    progress: bool = Field(True, description="show a progress bar with score, KL and beta")
+    tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
+    plots: bool = Field(True, description="write curves.png (score, KL, beta, entropy, value loss, explained variance) at the end")
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> PPOConfig:
+        if self.num_minibatches > self.prompts_per_step:
+            raise ValueError(f"num_minibatches={self.num_minibatches} exceeds prompts_per_step={self.prompts_per_step}: a minibatch would be empty")
+        return self
+
+    def kl_controller(self) -> FixedKLController | AdaptiveKLController:
+        if self.kl_target is None:
+            return FixedKLController(self.kl_coef)
+        return AdaptiveKLController(self.kl_coef, self.kl_target, self.kl_horizon)
+
+
+# ----------------------------------------------------------------------------------------------
+# The pieces of a step
+# ----------------------------------------------------------------------------------------------
+
+
+def ppo_advantages(
+    scores: Tensor,
+    logp: Tensor,
+    ref_logp: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    beta: float,
+    estimator: Literal["k1", "k3"],
+    gamma: float,
+    lam: float,
+    whiten: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """KL-shaped per-token rewards, then token GAE, then optional whitening.
+
+    Args:
+        scores: sequence scores. Shape: (B,).
+        logp, ref_logp: log pi_old and log pi_ref of the completion tokens. Shape: (B, C).
+        values: V_old(s_t) for each completion token's state. Shape: (B, C).
+        mask: 1 on completion tokens. Shape: (B, C).
+    Returns:
+        (rewards, advantages, returns, kl), each (B, C) and 0 on padding; returns are the value
+        targets (A + V, before whitening).
+    """
+    kl = KL_ESTIMATORS[estimator](logp, ref_logp) * mask  # (B, C)
+    rewards = kl_shaped_rewards(scores, kl, mask, beta)  # (B, C)
+    advantages, returns = token_gae(rewards, values, mask, gamma, lam)  # (B, C)
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return rewards, advantages, returns, kl
+
+
+def critic_values(critic: nn.Module, rollout: Rollout) -> Tensor:
+    """V(s_t) for each completion token: the critic's scalar at position P - 1 + t (the state
+    before token t is drawn). Shape: (B, C)."""
+    device = next(critic.parameters()).device
+    p = rollout.prompt_ids.shape[1]
+    values = critic(rollout.input_ids().to(device), rollout.attention_mask().to(device), rollout.position_ids().to(device))  # (B, P + C)
+    return values[:, p - 1 : -1]  # (B, C)
+
+
+def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """L_pi = aggregate(clipped surrogate) + c2 * L_H on one minibatch (``rollout.logprobs`` = log pi_old)."""
+    logits = completion_logits(policy, rollout)  # (B, C, V)
+    device = logits.device
+    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C)
+    old_logp, mask = rollout.logprobs.to(device), mask.to(device)
+    max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
+    pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, mode=cfg.aggregation, max_len=max_len)
+    with torch.set_grad_enabled(cfg.entropy_coef > 0):
+        entropy = entropy_from_logits(logits / cfg.sampling.temperature)  # (B, C)
+    ent_loss, ent = entropy_loss(entropy, mask, mode=cfg.aggregation, max_len=max_len)
+    loss = pg_loss + cfg.entropy_coef * ent_loss if cfg.entropy_coef > 0 else pg_loss
+    stats = {
+        "loss/policy": pg_loss.detach(),
+        "clip_frac": clip.clip_frac,
+        "approx_kl": clip.approx_kl,
+        "ratio_mean": clip.ratio_mean,
+        "ratio_dev": ratio_deviation(logp, old_logp, mask),
+        "entropy": ent.entropy,
+    }
+    return loss, stats
+
+
+def critic_loss(critic: nn.Module, rollout: Rollout, returns: Tensor, old_values: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """L_V on one minibatch, clipped around the rollout-time values when ``value_clip`` is set."""
+    values = critic_values(critic, rollout)  # (B, C)
+    device = values.device
+    loss, stats = value_loss(
+        values, returns.to(device), mask.to(device), old_values.to(device), cfg.value_clip, mode=cfg.aggregation, max_len=cfg.sampling.max_new_tokens
+    )
+    return loss, {"loss/value": loss.detach(), "value_clip_frac": stats.clip_frac, "explained_variance": stats.explained_variance}
+
+
+def ppo_step(
+    policy: Updater,
+    critic: Updater,
+    reference: nn.Module | None,
+    kl_ctl: FixedKLController | AdaptiveKLController,
+    tokenizer,
+    rewards: Sequence[RewardTerm],
+    prompts: Sequence[PromptExample],
+    state: TrainState,
+    cfg: PPOConfig,
+) -> tuple[dict[str, float], list[dict]]:
+    """One PPO step (0-based ``state.step``): sample, score, KL-shaped rewards + GAE, epochs x minibatches.
+
+    Returns:
+        (metrics, a few samples with their scores).
+    """
+    # 1. sample one completion per prompt; the sampling log-probs are log pi_old
+    t0 = time.perf_counter()
+    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]
+    rollout = sample(
+        policy.model, encode_prompts(tokenizer, batch), cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], 1, state.generator
+    ).to("cpu")
+    prompt_texts = [render_prompt(tokenizer, p) for p in batch]
+    completions = rollout.decode_completions(tokenizer)
+    t1 = time.perf_counter()
+
+    # 2. score (reward model and/or rules), minus a penalty when the completion never ended
+    scores, per_term = score_rollout(rewards, prompt_texts, completions)  # (B,)
+    if cfg.missing_eos_penalty is not None:
+        scores = scores - cfg.missing_eos_penalty * rollout.truncated.float()
+    t2 = time.perf_counter()
+
+    # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
+    mask = rollout.completion_mask.float()  # (B, C)
+    minibatch = -(-rollout.batch_size // cfg.num_minibatches)
+    ref_logp = reference_logprobs(policy.model, reference, rollout, cfg.sampling.temperature, minibatch)  # (B, C)
+    with torch.no_grad():
+        old_values = torch.cat([critic_values(critic.model, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
+    beta = kl_ctl.value
+    _, advantages, returns, kl = ppo_advantages(
+        scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages
+    )  # (B, C) each
+
+    # 4. ppo_epochs x shuffled minibatches: one policy update and one critic update each
+    sums: dict[str, float] = {}
+    updates, first_ratio_dev = 0, None
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(rollout.batch_size, generator=state.generator)  # (B,)
+        for start in range(0, rollout.batch_size, minibatch):
+            rows = order[start : start + minibatch]
+            mb = rollout.select(rows)
+            loss_pi, stats = policy_loss(policy.model, mb, advantages[rows], mask[rows], cfg)
+            stats["grad_norm/policy"] = policy.step(loss_pi)
+            loss_v, value_stats = critic_loss(critic.model, mb, returns[rows], old_values[rows], mask[rows], cfg)
+            stats.update(value_stats)
+            stats["grad_norm/critic"] = critic.step(loss_v)
+            first_ratio_dev = float(stats["ratio_dev"]) if first_ratio_dev is None else first_ratio_dev
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            updates += 1
+    t3 = time.perf_counter()
+
+    # 5. the KL coefficient for the next step (adaptive: towards kl_target)
+    seq_kl = kl.sum(-1)  # (B,)
+    kl_ctl.update(seq_kl.mean().item(), rollout.batch_size)
+
+    metrics = {key: value / updates for key, value in sums.items()}
+    metrics.update(reward_stats(scores, per_term))
+    metrics.update(completion_stats(rollout))
+    metrics["score"] = scores.mean().item()
+    metrics["kl"] = seq_kl.mean().item()
+    metrics["non_score_reward"] = (-beta * seq_kl).mean().item()
+    metrics["beta"] = beta
+    metrics["ratio_dev/first"] = first_ratio_dev
+    metrics["adv/std"] = advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0
+    metrics["returns/mean"] = masked_mean(returns, mask).item()
+    metrics["lr"] = float(policy.scheduler.get_last_lr()[0])
+    metrics["time/generate"] = t1 - t0
+    metrics["time/score"] = t2 - t1
+    metrics["time/train"] = t3 - t2
+    metrics["tokens_per_s"] = rollout.completion_lengths().sum().item() / max(t3 - t0, 1e-9)
+    return metrics, sample_rows(state.step, prompt_texts, completions, per_term, scores, cfg.num_samples_logged)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PPOResult:
+    """What :func:`train` returns."""
+
+    policy: nn.Module
+    critic: nn.Module
+    history: list[dict[str, float]] = field(default_factory=list)  # one metrics dict per step run by this call
+    output_dir: Path | None = None
+    final_dir: Path | None = None
+
+
+def _critic_init(cfg: PPOConfig, base_path: Path) -> str | Path:
+    if cfg.critic.path is not None:
+        return cfg.critic.path
+    reward_models = [r.reward_model for r in cfg.rewards if r.reward_model is not None]
+    return reward_models[0] if reward_models else base_path
+
+
+def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> PPOResult:
+    """Run PPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
+
+    Args:
+        reward_functions: extra score terms from Python, added to ``cfg.rewards``.
+        prompts: prompt records to use instead of ``cfg.data``.
+    """
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prompt_set = load_prompt_set(cfg.data, prompts)
+    ckpt = open_checkpoint(resume)
+    base_path = prepare_model_path(cfg.model, run_dir)
+    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions)
+    m = cfg.model
+    policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, m.device, None if ckpt else m.lora, m.gguf_file)
+    reference = None if m.lora is not None and cfg.reference is None else load_reference(cfg.reference or base_path, m.dtype, m.device, m.gguf_file)
+    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, base_path), m.dtype, m.device)
+    updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
+    updaters = {"policy": Updater.create(policy, cfg.optim, updates), "critic": Updater.create(critic, cfg.critic.optim, updates)}
+    state = resume_state(ckpt, cfg.seed, updaters)
+    kl_ctl = cfg.kl_controller()
+    if ckpt is not None:
+        kl_ctl.load_state_dict(ckpt.extra["kl_controller"])
+
+    result = PPOResult(policy=policy, critic=critic, output_dir=run_dir)
+    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "ppo", state.step) as log:
+        while state.step < cfg.steps:
+            metrics, samples = ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, tokenizer, rewards, prompt_set, state, cfg)
+            log.log(state.step, metrics, summary_keys=("score", "kl", "beta"))
+            if (state.step + 1) % cfg.sample_every == 0:
+                write_samples(run_dir, samples)
+            result.history.append({"step": state.step, **metrics})
+            state.step += 1
+            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == cfg.steps:
+                write_checkpoint(run_dir, cfg, state, SavedModels(policy, critic=critic), updaters, tokenizer, {"kl_controller": kl_ctl.state_dict()})
+    result.final_dir = save_final(run_dir, SavedModels(policy, critic=critic), tokenizer)
+    if cfg.plots:
+        write_plots(run_dir, ("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac"))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI: rlalign ppo --config configs/ppo_preference.yaml steps=50 kl_coef=0.1 [--resume DIR]
+# ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML recipe, e.g. configs/ppo_preference.yaml")
+    parser.add_argument("--resume", metavar="DIR", help="checkpoint directory (or run directory: its latest checkpoint) to continue from")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. kl_coef=0.1 steps=50")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(PPOConfig, args.config, args.overrides)
+    result = train(cfg, resume=args.resume)
+    last = result.history[-1] if result.history else {}
+    summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps_run": len(result.history)}
+    summary.update({k: round(last[k], 4) for k in ("score", "kl", "beta") if k in last})
+    print(json.dumps(summary))
+    return 0

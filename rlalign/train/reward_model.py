@@ -1,0 +1,206 @@
+"""Bradley-Terry reward-model training: ``rlalign rm --config configs/rm_preference.yaml``.
+
+    P(chosen > rejected) = sigmoid(r(x, y_c) - r(x, y_r))
+    L = -mean log sigmoid(r_c - r_r - m) + c * mean((r_c + r_r)^2)
+
+(seed 003, section 4; ``rlalign.core.losses.bradley_terry_loss``). r is a scalar head on the
+backbone's last hidden state read at the EOS closing prompt + response (:class:`ScalarHeadModel`).
+The margin m is the pair's ``margin`` column when ``use_margin`` (Llama 2, Touvron et al. 2023);
+c > 0 is reward centring (Eisenstein et al. 2023), which pins the mean reward near 0 so later PPO
+sees rewards on a stable scale. Chosen and rejected responses go through one forward pass.
+
+Held-out metrics: ``eval/accuracy`` (fraction of pairs with r_c > r_r) and ``eval/margin``
+(mean r_c - r_r). The model is saved to ``<output_dir>/final`` (backbone + ``value_head.safetensors``
++ tokenizer), which :func:`rlalign.lm.models.load_reward_model` and ``load_critic`` read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from rlalign.config import Config, load_config
+from rlalign.core.losses import bradley_terry_loss
+from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
+from rlalign.lm.models import ScalarHeadModel, load_reward_model, load_tokenizer
+from rlalign.tasks import TASKS
+from rlalign.train.common import (
+    MetricsLogger,
+    ModelConfig,
+    OptimConfig,
+    batch_order,
+    load_checkpoint,
+    make_optimizer,
+    prepare_model_path,
+    restore_rng_state,
+    save_checkpoint,
+    set_seed,
+)
+
+__all__ = ["RMDataConfig", "RMConfig", "pair_rewards", "evaluate_pairs", "train", "add_arguments", "run"]
+
+
+class RMDataConfig(Config):
+    """Where the preference pairs come from."""
+
+    task: Literal["preference"] | None = Field("preference", description="built-in task used when train_file is null")
+    train_file: str | None = Field(None, description="JSONL/JSON/Parquet of {prompt, chosen, rejected, margin?}; overrides task")
+    eval_file: str | None = Field(None, description="held-out pairs (required with train_file)")
+    num_train: int = Field(4000, ge=1, description="number of built-in training pairs")
+    num_eval: int = Field(500, ge=1, description="number of built-in held-out pairs")
+    max_length: int = Field(64, ge=2, description="longest prompt + response in tokens (longer ones keep their end)")
+
+    @model_validator(mode="after")
+    def _source(self) -> RMDataConfig:
+        if self.train_file is None and self.task is None:
+            raise ValueError("give data.task or data.train_file")
+        if self.train_file is not None and self.eval_file is None:
+            raise ValueError("data.eval_file is required with data.train_file")
+        return self
+
+
+class RMConfig(Config):
+    """``rlalign rm``: every field can be overridden on the command line as key.sub=value."""
+
+    output_dir: str = Field("runs/rm_preference", description="run directory: metrics.jsonl, checkpoints/, final/")
+    seed: int = Field(0, description="seed of Python, NumPy and torch, and of the data order")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="backbone checkpoint (e.g. the SFT model), dtype, device")
+    data: RMDataConfig = Field(default_factory=RMDataConfig, description="training and held-out pairs")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20), description="AdamW and schedule")
+    batch_size: int = Field(32, ge=1, description="pairs per step")
+    max_steps: int = Field(150, ge=1, description="optimizer steps")
+    use_margin: bool = Field(False, description="subtract each pair's margin inside the sigmoid")
+    center_coef: float = Field(0.0, ge=0, description="reward centring: weight of mean((r_c + r_r)^2)")
+    eval_every: int = Field(100, ge=1, description="evaluate on held-out pairs every this many steps (and at the end)")
+    eval_batch_size: int = Field(128, ge=1, description="pairs per forward at eval")
+    save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept")
+    resume_from: str | None = Field(None, description="checkpoint dir (or run dir) to resume from")
+    progress: bool = Field(True, description="show a progress bar")
+    tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
+
+    @model_validator(mode="after")
+    def _no_lora(self) -> RMConfig:
+        if self.model.lora is not None:
+            raise ValueError("model.lora is not supported for reward models (the head and backbone are trained in full)")
+        return self
+
+
+def pair_rewards(model: ScalarHeadModel, tokenizer, examples: list[PreferenceExample], max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(r_chosen (B,), r_rejected (B,), margin (B,) or None) from one forward over 2B sequences."""
+    device = next(model.parameters()).device
+    batch = collate_preferences(tokenizer, examples, max_length)
+    rewards = model.sequence_scores(batch.input_ids.to(device), batch.attention_mask.to(device))  # (2B,)
+    n = batch.num_pairs
+    margin = None if batch.margin is None else batch.margin.to(device)
+    return rewards[:n], rewards[n:], margin
+
+
+@torch.no_grad()
+def evaluate_pairs(model: ScalarHeadModel, tokenizer, examples: list[PreferenceExample], max_length: int, batch_size: int = 128) -> dict[str, float]:
+    """Held-out ``eval/accuracy`` (r_c > r_r) and ``eval/margin`` (mean r_c - r_r) and ``eval/loss``."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    for start in range(0, len(examples), batch_size):
+        r_c, r_r, _ = pair_rewards(model, tokenizer, examples[start : start + batch_size], max_length)
+        chosen.append(r_c)
+        rejected.append(r_r)
+    model.train(was_training)
+    loss, stats = bradley_terry_loss(torch.cat(chosen), torch.cat(rejected))
+    return {"eval/accuracy": float(stats.accuracy), "eval/margin": float(stats.margin_mean), "eval/loss": float(loss), "eval/reward_mean": float(stats.reward_mean)}
+
+
+def _datasets(cfg: RMConfig) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
+    data = cfg.data
+    if data.train_file is not None:
+        return load_preferences(data.train_file), load_preferences(data.eval_file)
+    task = TASKS[data.task]
+    return (
+        load_preferences(task.preference_records("train", data.num_train, cfg.seed)),
+        load_preferences(task.preference_records("eval", data.num_eval, cfg.seed)),
+    )
+
+
+def train(cfg: RMConfig) -> dict[str, float]:
+    """Train the reward model; returns the final held-out metrics and ``eval/accuracy_initial``, ``time/total``."""
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    base_path = prepare_model_path(cfg.model, run_dir)
+    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+    train_set, eval_set = _datasets(cfg)
+
+    start_step, data_position, resumed = 0, 0, None
+    if cfg.resume_from is not None:
+        resumed = load_checkpoint(cfg.resume_from)
+        start_step, data_position = resumed.step + 1, resumed.data_position
+    model = load_reward_model(resumed.model_dir if resumed else base_path, cfg.model.dtype, cfg.model.device, trainable=True, gguf_file=cfg.model.gguf_file)
+    model.train()
+    optimizer, scheduler = make_optimizer(model.parameters(), cfg.optim, cfg.max_steps)
+    if resumed:
+        optimizer.load_state_dict(resumed.optimizer_state)
+        scheduler.load_state_dict(resumed.scheduler_state)
+        restore_rng_state(resumed.rng)
+    initial = resumed.extra.get("eval/accuracy_initial") if resumed else None
+    if initial is None:
+        initial = evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)["eval/accuracy"]
+
+    metrics: dict[str, float] = {}
+    started = time.perf_counter()
+    with MetricsLogger(run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, "rm", start_step) as log:
+        log.log(start_step - 1, {"eval/accuracy": initial})
+        for step in range(start_step, cfg.max_steps):
+            t0 = time.perf_counter()
+            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)
+            data_position += cfg.batch_size
+            r_c, r_r, margin = pair_rewards(model, tokenizer, [train_set[i] for i in indices], cfg.data.max_length)
+            loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+            optimizer.step()
+            scheduler.step()
+            metrics = {
+                "loss/rm": float(loss.detach()),
+                "accuracy": float(stats.accuracy),
+                "margin": float(stats.margin_mean),
+                "reward/mean": float(stats.reward_mean),
+                "grad_norm": float(grad_norm),
+                "lr": scheduler.get_last_lr()[0],
+                "time/train": time.perf_counter() - t0,
+            }
+            last = step == cfg.max_steps - 1
+            if (step + 1) % cfg.eval_every == 0 or last:
+                metrics.update(evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size))
+            log.log(step, metrics, summary_keys=("loss/rm", "eval/accuracy"))
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
+                save_checkpoint(
+                    run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/accuracy_initial": initial}, cfg.keep_last
+                )
+    final_dir = run_dir / "final"
+    model.save_pretrained(final_dir)
+    tokenizer.save_pretrained(final_dir)
+    result = {"eval/accuracy_initial": initial, "time/total": time.perf_counter() - started}
+    result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML recipe, e.g. configs/rm_preference.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. optim.lr=1e-3 max_steps=50")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(RMConfig, args.config, args.overrides)
+    result = train(cfg)
+    print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
+    return 0

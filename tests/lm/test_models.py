@@ -1,0 +1,123 @@
+"""Model loading: scalar heads read the last real token, heads survive save/reload, LoRA reference, dropout off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlalign.lm.models import (
+    HEAD_FILE,
+    LoraConfig,
+    ScalarHeadModel,
+    apply_lora,
+    load_critic,
+    load_policy,
+    load_reference,
+    load_reward_model,
+    load_tokenizer,
+    reference_policy,
+)
+
+from .conftest import make_gpt2
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def checkpoint(request, llama_checkpoint, gpt2_checkpoint):
+    return llama_checkpoint if request.param == "llama" else gpt2_checkpoint
+
+
+def test_reward_is_read_at_the_last_non_pad_token(checkpoint):
+    rm = load_reward_model(checkpoint)
+    ids = torch.tensor([[1, 14, 15, 16, 2], [1, 20, 2, 0, 0]])  # row 1 is right-padded after its EOS
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    scores = rm.sequence_scores(ids, mask)  # (2,)
+    values = rm(ids, mask)  # (2, 5)
+    assert scores[0] == values[0, 4] and scores[1] == values[1, 2]
+    alone = rm.sequence_scores(ids[1:, :3], mask[1:, :3])  # the same sequence without padding
+    torch.testing.assert_close(scores[1:], alone, rtol=0, atol=1e-5)
+    garbage = ids.clone()
+    garbage[1, 3:] = 50  # what sits in the padding does not matter
+    torch.testing.assert_close(rm.sequence_scores(garbage, mask), scores, rtol=0, atol=1e-6)
+    left = rm.sequence_scores(torch.tensor([[0, 0, 1, 20, 2]]), torch.tensor([[0, 0, 1, 1, 1]]))  # left padding too
+    torch.testing.assert_close(left, alone, rtol=0, atol=1e-5)
+
+
+def test_saved_reward_model_reloads_with_its_head(checkpoint, tmp_path):
+    rm = load_reward_model(checkpoint, trainable=True)
+    with torch.no_grad():
+        rm.head.weight.add_(0.5)
+        rm.head.bias.fill_(3.0)
+    rm.save_pretrained(tmp_path / "rm")
+    assert (tmp_path / "rm" / HEAD_FILE).is_file() and (tmp_path / "rm" / "model.safetensors").is_file()
+    again = load_reward_model(tmp_path / "rm")
+    ids, mask = torch.tensor([[1, 14, 15, 2]]), torch.ones(1, 4, dtype=torch.long)
+    torch.testing.assert_close(again.sequence_scores(ids, mask), rm.sequence_scores(ids, mask), rtol=0, atol=1e-6)
+    assert not any(p.requires_grad for p in again.parameters())  # a loaded reward model is frozen
+    critic = load_critic(tmp_path / "rm")  # critic initialised from the reward model keeps its head
+    assert critic.head.bias.item() == 3.0 and all(p.requires_grad for p in critic.parameters())
+
+
+def test_critic_from_an_sft_checkpoint_gets_a_fresh_head(llama_checkpoint):
+    critic = load_critic(llama_checkpoint)
+    assert critic.head.bias.item() == 0.0
+    policy = load_policy(llama_checkpoint)
+    # the backbone is the causal LM's own transformer
+    torch.testing.assert_close(critic.backbone.embed_tokens.weight, policy.model.embed_tokens.weight)
+
+
+def test_lora_reference_is_the_base_model(llama_checkpoint):
+    base = load_reference(llama_checkpoint)
+    policy = load_policy(llama_checkpoint, lora=LoraConfig(r=4, alpha=8))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # move the adapters away from their zero init
+    ids = torch.tensor([[1, 14, 15, 16, 17]])
+    assert (policy(ids).logits - base(ids).logits).abs().max() > 1e-2
+    with reference_policy(policy) as ref:
+        torch.testing.assert_close(ref(ids).logits, base(ids).logits, rtol=0, atol=1e-6)
+    assert (policy(ids).logits - base(ids).logits).abs().max() > 1e-2  # adapters are back on
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora" in n for n in trainable)
+
+
+def test_reference_policy_needs_a_reference_or_lora(tiny_llama):
+    with reference_policy(tiny_llama, reference=tiny_llama) as ref:
+        assert ref is tiny_llama
+    with pytest.raises(ValueError, match="no reference"):
+        with reference_policy(tiny_llama):
+            pass
+
+
+def test_saved_lora_policy_reloads_with_its_adapter(llama_checkpoint, tmp_path):
+    policy = apply_lora(load_policy(llama_checkpoint), LoraConfig(r=2))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    policy.save_pretrained(tmp_path / "adapter")
+    again = load_policy(tmp_path / "adapter")
+    ids = torch.tensor([[1, 14, 15]])
+    torch.testing.assert_close(again(ids).logits, policy(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_dropout_is_disabled(tmp_path, tokenizer):
+    make_gpt2(vocab=len(tokenizer), resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3).save_pretrained(tmp_path)
+    policy = load_policy(tmp_path)
+    assert policy.training and policy.config.resid_pdrop == 0.0 and policy.config.attn_pdrop == 0.0
+    ids = torch.tensor([[1, 14, 15, 16]])
+    torch.testing.assert_close(policy(ids).logits, policy(ids).logits, rtol=0, atol=0)  # no randomness in train mode
+
+
+def test_dtype_and_tokenizer_options(llama_checkpoint):
+    policy = load_policy(llama_checkpoint, dtype="bfloat16")
+    assert next(policy.parameters()).dtype == torch.bfloat16
+    rm = ScalarHeadModel.from_pretrained(llama_checkpoint, dtype="bfloat16")
+    assert rm.head.weight.dtype == torch.float32  # the head stays float32
+    assert rm.sequence_scores(torch.tensor([[1, 14, 2]]), torch.ones(1, 3, dtype=torch.long)).dtype == torch.float32
+    tok = load_tokenizer(llama_checkpoint)
+    assert tok.pad_token_id == 0 and tok.padding_side == "left"
+    with pytest.raises(ValueError, match="dtype"):
+        load_policy(llama_checkpoint, dtype="float8")

@@ -1,0 +1,57 @@
+"""Reward functions: rule-based scores, reward-model wrapper, errors that name the function and prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlalign.lm.models import load_reward_model
+from rlalign.lm.rewards import RewardFunctionError, RewardModelReward, exact_match, format_check, math_answer, score_completions
+
+
+def test_rule_based_rewards():
+    refs = {"1+1=": "2", "half?": "0.5"}
+    assert exact_match(refs)(["1+1=", "1+1="], [" 2 ", "3"]) == [1.0, 0.0]
+    assert math_answer(refs)(["half?", "half?", "half?"], ["$\\frac{1}{2}$", "\\boxed{0.5}", "$0.6$"]) == [1.0, 1.0, 0.0]
+    assert format_check(r"-?\d+")(["p", "p", "p"], ["12", "-3", "1 2"]) == [1.0, 1.0, 0.0]
+
+
+def test_score_completions_weights_and_sums():
+    # 1.0 * [1, 0] + 0.5 * [1, 1] = [1.5, 0.5]
+    scores = score_completions([exact_match({"q": "a"}), format_check("[a-z]")], ["q", "q"], ["a", "b"], weights=[1.0, 0.5])
+    assert scores.tolist() == [1.5, 0.5] and scores.dtype == torch.float32
+
+
+def test_raising_reward_function_names_itself_and_the_prompt():
+    def picky(prompts, completions):
+        for p in prompts:
+            if p == "bad prompt":
+                raise ZeroDivisionError("boom")
+        return [1.0] * len(prompts)
+
+    with pytest.raises(RewardFunctionError, match=r"reward function .*picky raised ZeroDivisionError: boom \(prompt 'bad prompt'\)"):
+        score_completions([picky], ["fine", "bad prompt", "also fine"], ["x", "y", "z"])
+    with pytest.raises(RewardFunctionError, match=r"exact_match_reward raised KeyError.*'unknown'"):
+        score_completions([exact_match({"q": "a"})], ["q", "unknown"], ["a", "b"])
+
+
+def test_nan_or_wrong_length_is_an_error_naming_the_prompt():
+    def nan_on_second(prompts, completions):
+        return [0.0, float("nan")][: len(prompts)]
+
+    with pytest.raises(RewardFunctionError, match=r"nan_on_second returned nan \(expected a finite float\) for prompt 'two'"):
+        score_completions([nan_on_second], ["one", "two"], ["a", "b"])
+    with pytest.raises(RewardFunctionError, match="returned 1 scores for 2 completions"):
+        score_completions([lambda p, c: [1.0]], ["one", "two"], ["a", "b"])
+
+
+def test_reward_model_as_reward_function(llama_checkpoint, tokenizer):
+    rm = load_reward_model(llama_checkpoint)
+    fn = RewardModelReward(rm, tokenizer, batch_size=2)
+    prompts, completions = ["ab", "c", "de"], ["x", "yy", ""]
+    scores = fn(prompts, completions)
+    for p, c, s in zip(prompts, completions, scores):
+        ids = torch.tensor([tokenizer(p + c)["input_ids"] + [tokenizer.eos_token_id]])  # <bos> prompt completion <eos>
+        expected = rm.sequence_scores(ids, torch.ones_like(ids))
+        assert s == pytest.approx(expected.item(), abs=1e-5)
+    assert fn.name.startswith("RewardModelReward(")

