@@ -67,6 +67,7 @@ from rlalign.core.kl import entropy_from_logits
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, kl_penalty_loss
 from rlalign.core.masks import masked_mean
+from rlalign.lm.code_execution import code_execution
 from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm.models import load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
@@ -139,7 +140,7 @@ class DataConfig(Config):
         return self
 
 
-BUILTIN_REWARDS = ("arithmetic", "preference", "exact_match", "math_answer", "format")
+BUILTIN_REWARDS = ("arithmetic", "preference", "exact_match", "math_answer", "format", "code_execution")
 
 
 class RewardConfig(Config):
@@ -148,7 +149,8 @@ class RewardConfig(Config):
     function: str | None = Field(
         None,
         description="arithmetic | preference (the task's reward) | exact_match | math_answer (vs the prompts' 'answer' column, "
-        "math_answer through math-verify) | format (regex 'pattern') | 'package.module:function' taking (prompts, completions)",
+        "math_answer through math-verify) | format (regex 'pattern') | code_execution (runs the completion's code with the prompts' "
+        "'tests' column in a sandbox: time, memory and network limits) | 'package.module:function' taking (prompts, completions)",
     )
     reward_model: str | None = Field(None, description="reward-model checkpoint (backbone + value_head.safetensors); its score is the reward")
     pattern: str | None = Field(None, description="regular expression the whole completion must match (function: format)")
@@ -266,11 +268,11 @@ class RewardTerm:
     fn: Callable[[list[str], list[str]], Sequence[float]]
 
 
-def _references(prompts: Sequence[PromptExample], tokenizer, function: str) -> dict[str, str]:
-    missing = [i for i, ex in enumerate(prompts) if "answer" not in ex.metadata]
+def _references(prompts: Sequence[PromptExample], tokenizer, function: str, column: str = "answer") -> dict[str, str]:
+    missing = [i for i, ex in enumerate(prompts) if column not in ex.metadata]
     if missing:
-        raise ConfigError(f"reward function {function!r} needs an 'answer' column in the prompts; prompt record {missing[0]} has none")
-    return {render_prompt(tokenizer, ex.prompt): str(ex.metadata["answer"]) for ex in prompts}
+        raise ConfigError(f"reward function {function!r} needs a {column!r} column in the prompts; prompt record {missing[0]} has none")
+    return {render_prompt(tokenizer, ex.prompt): str(ex.metadata[column]) for ex in prompts}
 
 
 def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable[[list[str], list[str]], Sequence[float]]:
@@ -283,6 +285,8 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
         return math_answer(_references(prompts, tokenizer, name))
     if name == "format":
         return format_check(spec.pattern)
+    if name == "code_execution":
+        return code_execution(_references(prompts, tokenizer, name, column="tests"))
     module_name, attr = name.split(":", 1)
     try:
         fn = getattr(importlib.import_module(module_name), attr)

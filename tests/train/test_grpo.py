@@ -290,3 +290,14 @@ def test_dr_grpo_normalises_by_the_fixed_max_length(tiny_path, tmp_path):
     loss, _ = grpo.grpo_loss(policy, rollout, advantages, rollout.completion_mask.float(), None, cfg)
     expected = -(advantages * rollout.completion_lengths()).sum() / (8 * 10)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
+    # the prompts' 'tests' column is run against each completion's program in the sandbox
+    cfg = make_cfg(tiny_path, tmp_path, steps=1, beta=0.0, rewards=[{"function": "code_execution"}])
+    prompts = [grpo.PromptExample("2+3=", {"tests": "assert f() == 5"})]
+    terms = grpo.build_rewards(cfg.rewards, prompts, grpo.load_tokenizer(tiny_path), cfg.model)
+    total, _ = grpo.score_rollout(terms, ["2+3=", "2+3="], ["def f():\n    return 5", "def f():\n    return 6"])
+    assert total.tolist() == [1.0, 0.0]
+    with pytest.raises(ConfigError, match="'tests' column"):
+        grpo.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {})], grpo.load_tokenizer(tiny_path), cfg.model)
