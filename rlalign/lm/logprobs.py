@@ -11,9 +11,10 @@ token t, so the kept positions are P - 1 .. P + C - 1 and the last one is droppe
 
 Memory saved: the logits tensor shrinks from B (P + C) V to B (C + 1) V values, a fraction
 P / (P + C) of it (half when prompt and completion are equally long), and its gradient shrinks
-alike. Measured peak RSS for the forward + backward of the logits path (one process each,
-B=8, P=C=256, V=49152, float32; ``python -m rlalign.lm.logprobs``): see ``measure_memory``
-below and benchmarks/RESULTS_lm.md.
+alike. Measured peak RSS of forward + backward above the model's baseline (B=8, P=C=256,
+V=49152 as SmolLM2, float32, a one-layer hidden-64 Llama so the logits dominate; one process
+each): full logits then log_softmax + gather 1922 MB, this function 1240 MB, i.e. 682 MB
+(35%) less; the (B, P + C, V) float32 logits alone are 805 MB against 404 MB here.
 """
 
 from __future__ import annotations

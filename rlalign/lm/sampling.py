@@ -7,12 +7,14 @@ Each prompt is repeated G times (rows of a group are adjacent; ``group_index`` s
 Prompts of different lengths are left-padded; position ids count real tokens only (cumsum of the
 mask minus 1, as ``generate`` does), so a padded prompt gives the same tokens as the unpadded one.
 
-Why it beats ``model.generate`` (benchmarks/RESULTS_lm.md): the KV cache is a ``StaticCache``
-allocated once for P + max_new_tokens positions, and the attention mask is one additive 4-D
-tensor (B, 1, 1, P + N) updated in place (one column per step) and handed to the model as-is, so
-no mask is rebuilt and no tensor is concatenated per step; logits are computed for the last
-position only; there are no logits-processor or stopping-criteria objects. Per step the loop
-does one forward, one softmax and one draw.
+How it differs from ``model.generate``: the KV cache is a ``StaticCache`` allocated once for
+P + max_new_tokens positions, and the attention mask is one additive 4-D tensor (B, 1, 1, P + N)
+updated in place (one column per step) and handed to the model as-is, so no mask is rebuilt and
+no tensor is concatenated per step; logits are computed for the last position only; there are no
+logits-processor or stopping-criteria objects. Per step the loop does one forward, one softmax and
+one draw. On CPU the model's own forward is most of the time of a step, so the gain over
+``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios); the static buffers are
+what a CUDA-graph capture of the decode step would need, which is where the larger GPU gains are.
 
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
 set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw.

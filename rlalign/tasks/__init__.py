@@ -29,11 +29,12 @@ class Task:
     reward_name: str  # what the mean reward means: "accuracy" or "hidden_score"
     max_new_tokens: int  # enough for any reference completion plus EOS
     preference_records: Callable[..., list[dict]] | None = None
+    eval_temperature: float = 0.0  # 0 = greedy; 1 where references are random draws (greedy would collapse to one word)
 
 
 TASKS: dict[str, Task] = {
     "arithmetic": Task("arithmetic", arithmetic.sft_records, arithmetic.prompt_records, arithmetic.reward, "accuracy", 6),
     "preference": Task(
-        "preference", preference.sft_records, preference.prompt_records, preference.hidden_reward, "hidden_score", 12, preference.preference_records
+        "preference", preference.sft_records, preference.prompt_records, preference.hidden_reward, "hidden_score", 12, preference.preference_records, eval_temperature=1.0
     ),
 }

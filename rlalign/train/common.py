@@ -39,7 +39,10 @@ from pydantic import Field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlalign.config import Config
+from rlalign.lm.data import encode_prompts, render_prompt
 from rlalign.lm.models import LoraConfig
+from rlalign.lm.rewards import score_completions
+from rlalign.lm.sampling import SamplingParams, sample
 
 __all__ = [
     "OptimConfig",
@@ -61,6 +64,8 @@ __all__ = [
     "is_checkpoint",
     "list_checkpoints",
     "latest_checkpoint",
+    "generation_eval",
+    "greedy_eval",
 ]
 
 CHECKPOINT_MARKER = "checkpoint.json"
@@ -360,10 +365,10 @@ def prepare_model_path(cfg: ModelConfig, output_dir: str | Path) -> Path:
         path = Path(cfg.path)
         if not path.is_dir():
             raise FileNotFoundError(f"model.path {cfg.path!r} is not a directory")
-        return path
+        return path.resolve()  # absolute: a saved LoRA adapter records its base by this path
     from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 
-    path = Path(output_dir) / "base_model"
+    path = Path(output_dir).resolve() / "base_model"
     if not (path / "config.json").is_file():
         t = cfg.tiny
         spec = TinyModelSpec(hidden_size=t.hidden_size, num_layers=t.num_layers, num_heads=t.num_heads, num_kv_heads=t.num_heads, intermediate_size=t.intermediate_size)
@@ -388,20 +393,29 @@ def batch_order(num_examples: int, position: int, batch_size: int, seed: int) ->
 
 
 @torch.no_grad()
-def greedy_eval(model, tokenizer, prompts: list, reward_fn, max_new_tokens: int, batch_size: int = 64) -> tuple[float, list[str]]:
-    """Mean ``reward_fn`` of greedy completions of ``prompts`` (text or messages), and the completions."""
-    from rlalign.lm.data import encode_prompts, render_prompt
-    from rlalign.lm.rewards import score_completions
-    from rlalign.lm.sampling import SamplingParams, sample
+def generation_eval(
+    model, tokenizer, prompts: list, reward_fn, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 64, seed: int = 0
+) -> tuple[float, list[str]]:
+    """Mean ``reward_fn`` of completions of ``prompts`` (text or messages), and the completions.
 
+    ``temperature=0`` is greedy; otherwise draws use a private generator seeded with ``seed``, so
+    an evaluation neither consumes nor depends on the global RNG (a resumed run stays identical).
+    """
     was_training = model.training
     model.eval()
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     texts = [render_prompt(tokenizer, p) for p in prompts]
     completions: list[str] = []
     for start in range(0, len(prompts), batch_size):
         ids = encode_prompts(tokenizer, prompts[start : start + batch_size])
-        rollout = sample(model, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+        rollout = sample(model, ids, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], generator=generator)
         completions.extend(rollout.decode_completions(tokenizer))
     model.train(was_training)
     scores = score_completions([reward_fn], texts, completions)
     return float(scores.mean()), completions
+
+
+def greedy_eval(model, tokenizer, prompts: list, reward_fn, max_new_tokens: int, batch_size: int = 64) -> tuple[float, list[str]]:
+    """:func:`generation_eval` with greedy decoding."""
+    return generation_eval(model, tokenizer, prompts, reward_fn, max_new_tokens, 0.0, batch_size)

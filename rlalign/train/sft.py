@@ -5,8 +5,10 @@
 (seed 003, section 1; ``rlalign.core.losses.sft_loss`` with token-mean aggregation over the batch).
 Each step: a batch of (prompt, completion) pairs, one row each (or packed end to end with
 ``data.packing``), one forward, the loss on the completion positions, AdamW. Every
-``eval_every`` steps: the eval loss, and the task reward of greedy completions of the eval prompts
-(for arithmetic: accuracy; for files: exact match with the reference completion).
+``eval_every`` steps: the eval loss, and ``eval/reward``, the task reward of completions of the
+eval prompts (arithmetic: accuracy of greedy answers; preference: mean hidden score of completions
+sampled at temperature 1, since greedy decoding of a random-word distribution collapses to one
+word; files: exact match of greedy completions with the reference completions).
 
 Data come from a built-in task (``data.task``) or from files (``data.train_file`` /
 ``data.eval_file``; formats in :mod:`rlalign.lm.data`). With no ``model.path`` the tiny recipe
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -27,7 +31,7 @@ from pydantic import Field, model_validator
 from rlalign.config import Config, load_config
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
-from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft
+from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft, render_prompt
 from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
@@ -36,7 +40,7 @@ from rlalign.train.common import (
     ModelConfig,
     OptimConfig,
     batch_order,
-    greedy_eval,
+    generation_eval,
     load_checkpoint,
     make_optimizer,
     prepare_model_path,
@@ -78,10 +82,10 @@ class SFTConfig(Config):
     data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="training and eval pairs")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=20), description="AdamW and schedule")
     batch_size: int = Field(64, ge=1, description="pairs per step (rows per step when packing)")
-    max_steps: int = Field(600, ge=1, description="optimizer steps")
-    eval_every: int = Field(100, ge=1, description="evaluate every this many steps (and at the start and end)")
+    max_steps: int = Field(1500, ge=1, description="optimizer steps")
+    eval_every: int = Field(250, ge=1, description="evaluate every this many steps (and at the start and end)")
     eval_batch_size: int = Field(128, ge=1, description="pairs per forward / prompts per sampling batch at eval")
-    max_new_tokens: int | None = Field(None, ge=1, description="greedy tokens per eval prompt; null = the task's default (32 for files)")
+    max_new_tokens: int | None = Field(None, ge=1, description="tokens generated per eval prompt; null = the task's default (32 for files)")
     save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
     keep_last: int = Field(2, ge=1, description="checkpoints kept")
     resume_from: str | None = Field(None, description="checkpoint dir (or run dir) to resume from")
@@ -89,16 +93,22 @@ class SFTConfig(Config):
     tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
 
 
-def _datasets(cfg: SFTConfig) -> tuple[list[SFTExample], list[SFTExample], object, int]:
-    """(train pairs, eval pairs, eval reward function, eval max_new_tokens)."""
+@dataclass(frozen=True)
+class _EvalSpec:
+    reward_fn: Callable | None  # None: exact match with the eval pairs' completions
+    max_new_tokens: int
+    temperature: float  # 0 = greedy
+
+
+def _datasets(cfg: SFTConfig) -> tuple[list[SFTExample], list[SFTExample], _EvalSpec]:
+    """(train pairs, eval pairs, how generations are scored at eval)."""
     data = cfg.data
     if data.train_file is not None:
-        train_set, eval_set = load_sft(data.train_file), load_sft(data.eval_file)
-        return train_set, eval_set, None, cfg.max_new_tokens or 32
+        return load_sft(data.train_file), load_sft(data.eval_file), _EvalSpec(None, cfg.max_new_tokens or 32, 0.0)
     task = TASKS[data.task]
     train_set = load_sft(task.sft_records("train", data.num_train, cfg.seed))
     eval_set = load_sft(task.sft_records("eval", data.num_eval, cfg.seed))
-    return train_set, eval_set, task.reward, cfg.max_new_tokens or task.max_new_tokens
+    return train_set, eval_set, _EvalSpec(task.reward, cfg.max_new_tokens or task.max_new_tokens, task.eval_temperature)
 
 
 def _batch_loss(model, tokenizer, examples: list[SFTExample], max_length: int, packing: bool):
@@ -130,13 +140,11 @@ def _eval_loss(model, tokenizer, examples: list[SFTExample], cfg: SFTConfig) -> 
     return total / max(tokens, 1.0)
 
 
-def _evaluate(model, tokenizer, eval_set: list[SFTExample], reward_fn, max_new_tokens: int, cfg: SFTConfig) -> dict[str, float]:
-    if reward_fn is None:
-        from rlalign.lm.data import render_prompt
-
-        reward_fn = exact_match({render_prompt(tokenizer, ex.prompt): ex.completion for ex in eval_set})
-    accuracy, _ = greedy_eval(model, tokenizer, [ex.prompt for ex in eval_set], reward_fn, max_new_tokens, cfg.eval_batch_size)
-    return {"eval/loss": _eval_loss(model, tokenizer, eval_set, cfg), "eval/reward": accuracy}
+def _evaluate(model, tokenizer, eval_set: list[SFTExample], spec: _EvalSpec, cfg: SFTConfig) -> dict[str, float]:
+    reward_fn = spec.reward_fn or exact_match({render_prompt(tokenizer, ex.prompt): ex.completion for ex in eval_set})
+    prompts = [ex.prompt for ex in eval_set]
+    reward, _ = generation_eval(model, tokenizer, prompts, reward_fn, spec.max_new_tokens, spec.temperature, cfg.eval_batch_size, cfg.seed)
+    return {"eval/loss": _eval_loss(model, tokenizer, eval_set, cfg), "eval/reward": reward}
 
 
 def train(cfg: SFTConfig) -> dict[str, float]:
@@ -148,7 +156,7 @@ def train(cfg: SFTConfig) -> dict[str, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     base_path = prepare_model_path(cfg.model, run_dir)
     tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
-    train_set, eval_set, reward_fn, max_new_tokens = _datasets(cfg)
+    train_set, eval_set, eval_spec = _datasets(cfg)
 
     start_step, data_position, resumed = 0, 0, None
     if cfg.resume_from is not None:
@@ -163,7 +171,7 @@ def train(cfg: SFTConfig) -> dict[str, float]:
         restore_rng_state(resumed.rng)
     initial = resumed.extra.get("eval/reward_initial") if resumed else None
     if initial is None:
-        initial = _evaluate(model, tokenizer, eval_set, reward_fn, max_new_tokens, cfg)["eval/reward"]
+        initial = _evaluate(model, tokenizer, eval_set, eval_spec, cfg)["eval/reward"]
 
     metrics: dict[str, float] = {}
     started = time.perf_counter()
@@ -188,7 +196,7 @@ def train(cfg: SFTConfig) -> dict[str, float]:
             }
             last = step == cfg.max_steps - 1
             if (step + 1) % cfg.eval_every == 0 or last:
-                metrics.update(_evaluate(model, tokenizer, eval_set, reward_fn, max_new_tokens, cfg))
+                metrics.update(_evaluate(model, tokenizer, eval_set, eval_spec, cfg))
             log.log(step, metrics, summary_keys=("loss/sft", "eval/reward"))
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
                 save_checkpoint(

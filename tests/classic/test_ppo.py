@@ -63,11 +63,14 @@ def test_vector_env_uses_same_step_autoreset():
 
 
 def test_first_minibatch_of_first_epoch_has_ratio_exactly_one():
-    # The policy has not moved yet: log pi(a|s) recomputed on the minibatch equals the sampling one
-    # bit for bit, so the ratio is exactly 1 (logged as the max |log ratio|) at every iteration.
+    # The policy has not moved yet: log pi(a|s) recomputed on the minibatch equals the sampling one,
+    # so the ratio is 1 (logged as the max |log ratio|) at every iteration. Not always bit for bit:
+    # the rollout runs the MLP on 4 rows, the minibatch on 64, and the matmul kernels of the two
+    # shapes may round differently (seen: 6e-8, one float32 ulp of log 0.5); a misaligned action or
+    # observation would give ~0.1.
     result = train(PPOConfig(total_steps=1_024, num_envs=4, num_steps=64, num_minibatches=4, update_epochs=2), "CartPole-v1")
     devs = [u["ratio/first_minibatch_max_log_dev"] for u in result.log.updates]
-    assert len(devs) == 4 and devs == [0.0] * 4
+    assert len(devs) == 4 and max(devs) <= 5e-7, devs
     assert all(u["approx_kl"] > 0 for u in result.log.updates)  # later minibatches did move
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -121,3 +119,16 @@ def test_dtype_and_tokenizer_options(llama_checkpoint):
     assert tok.pad_token_id == 0 and tok.padding_side == "left"
     with pytest.raises(ValueError, match="dtype"):
         load_policy(llama_checkpoint, dtype="float8")
+
+
+def test_sampling_runs_on_lora_and_bfloat16_policies(llama_checkpoint):
+    from rlalign.lm.sampling import SamplingParams, sample
+
+    base = load_reference(llama_checkpoint)
+    policy = load_policy(llama_checkpoint, lora=LoraConfig(r=4))
+    prompts, params = [[1, 14, 15], [1, 20]], SamplingParams(max_new_tokens=8, temperature=0.0)
+    with reference_policy(policy) as ref:  # adapters off: the base model's greedy tokens
+        assert torch.equal(sample(ref, prompts, params, 0, [2]).completion_ids, sample(base, prompts, params, 0, [2]).completion_ids)
+    half = load_policy(llama_checkpoint, dtype="bfloat16")
+    rollout = sample(half, prompts, SamplingParams(max_new_tokens=8), 0, [2], generator=torch.Generator().manual_seed(0))
+    assert rollout.logprobs.dtype == torch.float32 and torch.isfinite(rollout.logprobs).all()

@@ -71,3 +71,12 @@ def test_bad_config_and_resume_path_are_errors(tmp_path):
 
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         train(load_config(SFTConfig, None, TINY + [f"output_dir={tmp_path}", f"resume_from={tmp_path}", "data.num_train=8", "data.num_eval=2"]))
+
+
+def test_lora_sft_saves_an_adapter_that_reloads(tmp_path):
+    from rlalign.lm.models import load_policy
+
+    assert main(["sft", f"output_dir={tmp_path}", *TINY, "max_steps=2", "eval_every=2", "data.num_train=16", "data.num_eval=4", "batch_size=4", "model.lora.r=4"]) == 0
+    assert (tmp_path / "final" / "adapter_config.json").is_file()
+    policy = load_policy(tmp_path / "final")
+    assert any("lora" in name for name, p in policy.named_parameters() if p.requires_grad)
