@@ -51,7 +51,7 @@ class DemoConfig(Config):
     hidden_size: int = Field(128, ge=8, description="tiny Llama width")
     num_layers: int = Field(4, ge=1, description="tiny Llama depth")
     sft_arithmetic_steps: int = Field(1000, ge=1, description="SFT steps on arithmetic (batch 64)")
-    grpo_steps: int = Field(200, ge=1, description="GRPO steps (grpo_prompts_per_step prompts x 8 completions each)")
+    grpo_steps: int = Field(400, ge=1, description="GRPO steps (grpo_prompts_per_step prompts x 8 completions each)")
     grpo_prompts_per_step: int = Field(64, ge=1, description="GRPO prompts per step")
     sft_preference_steps: int = Field(200, ge=1, description="SFT steps on words with the natural vowel share")
     rm_steps: int = Field(300, ge=1, description="reward-model steps (batch 32 pairs)")

@@ -35,6 +35,6 @@ from rlalign.core.losses import (
     sft_loss,
     value_loss,
 )
-from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten
+from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten, whiten
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "whiten"]
 
 
 def _as_weight(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -68,8 +68,13 @@ def masked_whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True
     scale changes (as TRL/OpenRLHF do for rewards). Uses the unbiased variance.
     """
     weight = _as_weight(x, mask)
-    mean = masked_mean(x, weight)
-    var = masked_var(x, weight, unbiased=True)
+    return whiten(x, masked_mean(x, weight), masked_var(x, weight, unbiased=True), weight, shift_mean, eps)
+
+
+def whiten(x: Tensor, mean: Tensor, var: Tensor, mask: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) with given statistics (e.g. over several processes' batches);
+    :func:`masked_whiten` computes them from ``x``. Padded positions come back as 0."""
+    weight = _as_weight(x, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

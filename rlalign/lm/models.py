@@ -198,6 +198,12 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return positions.clamp(min=0)
 
 
+def last_token_values(values: Tensor, attention_mask: Tensor) -> Tensor:
+    """``values`` (B, T) read at each row's last non-padding token -> (B,): a sequence's reward
+    from :class:`ScalarHeadModel`'s per-token scalars (also when the model is wrapped in DDP)."""
+    return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+
+
 class ScalarHeadModel(nn.Module):
     """A backbone (transformer without LM head) and ``head = nn.Linear(hidden, 1)`` in float32.
 
@@ -228,9 +234,7 @@ class ScalarHeadModel(nn.Module):
 
     def sequence_scores(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """The scalar at each row's last non-padding token. Returns (B,) float32."""
-        values = self(input_ids, attention_mask)  # (B, T)
-        last = last_token_index(attention_mask)  # (B,)
-        return values.gather(1, last[:, None]).squeeze(1)  # (B,)
+        return last_token_values(self(input_ids, attention_mask), attention_mask)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Backbone via ``save_pretrained`` (safetensors) and the head in ``value_head.safetensors``."""

@@ -17,7 +17,12 @@ one draw. On CPU the model's own forward is most of the time of a step, so the g
 what a CUDA-graph capture of the decode step would need, which is where the larger GPU gains are.
 
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
-set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw.
+set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw by
+inverse CDF: token = the first y with F(y) > u * F(V), F the cumulative sum of the probabilities,
+u ~ U[0, 1) one number per row and step. The uniforms are drawn up front, (N, B) from the
+generator, or handed in as ``noise``: a trainer under torchrun draws them for the global batch
+and gives each rank its own rows' columns, so a row's completion does not depend on how the
+batch is split across processes (rlalign.train.distributed).
 ``temperature=0`` is greedy (argmax, the same tokens as ``generate(do_sample=False)``).
 The recorded log-prob is log softmax(z / tau)[y] over the full vocabulary (tau = 1 when greedy):
 the same quantity the training pass computes with ``token_logprobs(logits, y, tau)``, so before
@@ -114,8 +119,9 @@ def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype) -> Tenso
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # (B, 1, P, L)
 
 
-def _draw(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-    """Next token (B,) and its log-prob under softmax(logits / tau) (B,), from logits (B, V)."""
+def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Next token (B,) and its log-prob under softmax(logits / tau) (B,), from logits (B, V) and
+    one uniform in [0, 1) per row (B,) (None when greedy)."""
     logits = logits.float()
     if params.greedy:
         token = logits.argmax(-1)  # (B,)
@@ -123,7 +129,8 @@ def _draw(logits: Tensor, params: SamplingParams, generator: torch.Generator | N
     scaled = logits / params.temperature  # (B, V)
     log_probs = torch.log_softmax(scaled, -1)  # (B, V)
     drawn_from = filter_logits(scaled, params.top_k, params.top_p) if (params.top_k or params.top_p < 1) else scaled
-    token = torch.multinomial(torch.softmax(drawn_from, -1), 1, generator=generator).squeeze(-1)  # (B,)
+    cdf = torch.softmax(drawn_from, -1).cumsum(-1)  # (B, V); a zero-probability token has F(y) = F(y - 1) and is never drawn
+    token = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)  # (B,): first y with F(y) > u F(V)
     return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -136,6 +143,7 @@ def sample(
     eos_token_ids: Sequence[int],
     group_size: int = 1,
     generator: torch.Generator | None = None,
+    noise: Tensor | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions per prompt. Returns a :class:`Rollout` of B = prompts x G rows.
 
@@ -146,7 +154,9 @@ def sample(
         pad_token_id: id written after a row stops and in prompt padding.
         eos_token_ids: ids that end a completion (the EOS is kept, mask 1).
         group_size: G samples per prompt.
-        generator: torch RNG for the draws (None = the global one).
+        generator: torch RNG for the draws (None = the global one); it gives (max_new_tokens, B)
+            uniforms, drawn whether or not every row runs to the end.
+        noise: those uniforms given instead (then ``generator`` is unused). Shape: (max_new_tokens, B).
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -164,6 +174,13 @@ def sample(
     steps = params.max_new_tokens
     total = prompt_len + steps
     check_every = 8 if device.type == "cuda" else 1  # "all rows finished?" costs a device sync on GPUs
+    if params.greedy:
+        noise = None
+    elif noise is None:
+        noise = torch.rand((steps, batch), generator=generator)  # (N, B)
+    elif tuple(noise.shape) != (steps, batch):
+        raise ValueError(f"noise has shape {tuple(noise.shape)}, expected (max_new_tokens, B) = {(steps, batch)}")
+    noise = None if noise is None else noise.to(device)
 
     causal_lm = unwrap_causal_lm(model)
     dtype = next(causal_lm.parameters()).dtype
@@ -188,7 +205,7 @@ def sample(
         logits_to_keep=1,
     ).logits[:, -1, :]  # (B, V)
     for t in range(steps):
-        token, token_logp = _draw(logits, params, generator)  # (B,), (B,)
+        token, token_logp = _draw(logits, params, None if noise is None else noise[t])  # (B,), (B,)
         alive = ~finished  # (B,)
         token = torch.where(alive, token, pad_token_id)
         completion_ids[:, t] = token

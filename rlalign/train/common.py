@@ -138,9 +138,23 @@ def make_optimizer(params, cfg: OptimConfig, total_steps: int) -> tuple[torch.op
 
 class MetricsLogger:
     """Metrics to ``<run_dir>/metrics.jsonl`` (one ``{"step": s, name: value, ...}`` line per call),
-    a rich progress bar, and TensorBoard scalars when ``tensorboard=True`` and it is importable."""
+    a rich progress bar, and TensorBoard scalars when ``tensorboard=True`` and it is importable.
+    ``enabled=False`` (every rank but 0 under torchrun) writes and shows nothing."""
 
-    def __init__(self, run_dir: str | Path, total_steps: int, progress: bool = True, tensorboard: bool = False, description: str = "training", start_step: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        total_steps: int,
+        progress: bool = True,
+        tensorboard: bool = False,
+        description: str = "training",
+        start_step: int = 0,
+        enabled: bool = True,
+    ):
+        self.enabled = enabled
+        self._writer = self._progress = self._file = None
+        if not enabled:
+            return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -163,6 +177,8 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float], summary_keys: tuple[str, ...] = ()) -> None:
         """Append one line; advance the bar to ``step + 1`` and show ``summary_keys`` next to it."""
+        if not self.enabled:
+            return
         record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -179,7 +195,8 @@ class MetricsLogger:
             self._progress = None
         if self._writer is not None:
             self._writer.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

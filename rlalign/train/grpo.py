@@ -19,8 +19,9 @@ Deliberate simplifications, stated:
   (``Rollout.logprobs``, same temperature) and no extra forward pass is ever made. On CPU float32
   they match the training pass to ~5e-7 (``ratio_dev/first`` logs the largest |r - 1| of the
   first minibatch, before any update).
-- advantages are computed once per rollout over the whole batch, so minibatches are contiguous
-  row slices (whole groups when the minibatch size is a multiple of G).
+- advantages are computed once per rollout over the whole batch, so a minibatch need not hold
+  whole groups: minibatch k of M takes rows k, k + M, k + 2M, ... (interleaved, so every rank
+  under torchrun holds an equal share of every minibatch; see rlalign.train.distributed).
 - one optimiser step per minibatch, learning-rate schedule per optimiser step.
 
 Metrics (one metrics.jsonl line per step; minibatch statistics are means over the step's updates):
@@ -75,6 +76,7 @@ from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, mat
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks import TASKS
+from rlalign.train import distributed
 from rlalign.train.common import (
     Checkpoint,
     MetricsLogger,
@@ -110,6 +112,8 @@ __all__ = [
     "ratio_deviation",
     "grpo_loss",
     "grpo_step",
+    "sample_shard",
+    "check_world",
     "train",
     "add_arguments",
     "run",
@@ -382,13 +386,15 @@ def ratio_deviation(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
         return deviation.max() if deviation.numel() else deviation.new_zeros(())
 
 
-def completion_stats(rollout: Rollout) -> dict[str, float]:
-    """completion_len/mean, completion_len/max, completion_len/clipped_frac (share without EOS)."""
-    lengths = rollout.completion_lengths().float()  # (B,)
+def completion_stats(rollout: Rollout, world: distributed.World = distributed.World()) -> dict[str, float]:
+    """completion_len/mean, completion_len/max, completion_len/clipped_frac (share without EOS), over every rank's rows."""
+    lengths = distributed.gather_rows(rollout.completion_lengths().float(), world)  # (B global,)
+    truncated = distributed.gather_rows(rollout.truncated.float(), world)  # (B global,)
     return {
         "completion_len/mean": lengths.mean().item(),
         "completion_len/max": lengths.max().item(),
-        "completion_len/clipped_frac": rollout.truncated.float().mean().item(),
+        "completion_len/clipped_frac": truncated.mean().item(),
+        "tokens": lengths.sum().item(),
     }
 
 
@@ -432,9 +438,15 @@ class Updater:
     grad_clip: float | None
 
     @classmethod
-    def create(cls, model: nn.Module, cfg: OptimConfig, total_updates: int) -> Updater:
+    def create(cls, model: nn.Module, cfg: OptimConfig, total_updates: int, world: distributed.World = distributed.World()) -> Updater:
+        """``model`` wrapped in DDP under torchrun (gradients averaged over ranks), with its AdamW."""
         optimizer, scheduler = make_optimizer(model.parameters(), cfg, total_updates)
-        return cls(model, optimizer, scheduler, cfg.grad_clip)
+        return cls(distributed.wrap(model, world), optimizer, scheduler, cfg.grad_clip)
+
+    @property
+    def module(self) -> nn.Module:
+        """The model without its DDP wrapper: for sampling, reference passes, evaluation, saving."""
+        return distributed.unwrap(self.model)
 
     def step(self, loss: Tensor) -> float:
         """zero_grad, backward, clip, step; returns the gradient norm before clipping."""
@@ -470,10 +482,12 @@ class SavedModels:
 @dataclass
 class TrainState:
     """Restored by a checkpoint besides weights and optimisers: steps done (the data position is
-    step * prompts_per_step) and the generator that draws samples and minibatch orders."""
+    step * prompts_per_step) and the generator that draws samples and minibatch orders (in step on
+    every rank). ``world``: this process's place under torchrun (one process by default)."""
 
     step: int
     generator: torch.Generator
+    world: distributed.World = field(default_factory=distributed.World)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -497,9 +511,9 @@ def _plain(obj: Any) -> Any:
     return obj.item() if isinstance(obj, np.generic) else obj
 
 
-def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater]) -> TrainState:
+def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater], world: distributed.World = distributed.World()) -> TrainState:
     """A fresh TrainState, or the checkpoint's: optimisers, schedules, RNGs, generator, step."""
-    state = TrainState(step=0, generator=torch.Generator().manual_seed(seed))
+    state = TrainState(step=0, generator=torch.Generator().manual_seed(seed), world=world)
     if ckpt is not None:
         for name, updater in updaters.items():
             updater.load_state_dict(ckpt.extra[f"updater/{name}"])
@@ -509,19 +523,46 @@ def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater
     return state
 
 
-def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: SavedModels, updaters: dict[str, Updater], tokenizer, extra: dict[str, Any]) -> Path:
+def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: SavedModels, updaters: dict[str, Updater], tokenizer, extra: dict[str, Any]) -> None:
     """Checkpoint after ``state.step`` steps (named by it): weights, optimisers and schedules of
-    every updater, RNGs, the generator, and ``extra`` (e.g. the KL controller)."""
-    extra = {**extra, **state.state_dict(), **{f"updater/{name}": _plain(u.state_dict()) for name, u in updaters.items()}}
-    return save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, state.step * cfg.prompts_per_step, extra, cfg.keep_last)
+    every updater, RNGs, the generator, and ``extra`` (e.g. the KL controller). Rank 0 writes
+    (every rank holds the same weights and optimiser state under DDP); the others wait."""
+    if state.world.is_main:
+        extra = {**extra, **state.state_dict(), **{f"updater/{name}": _plain(u.state_dict()) for name, u in updaters.items()}}
+        save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, state.step * cfg.prompts_per_step, extra, cfg.keep_last)
+    state.world.barrier()
 
 
-def save_final(run_dir: Path, models: SavedModels, tokenizer) -> Path:
-    """The trained policy as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final``."""
+def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World()) -> Path:
+    """The trained policy as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final`` (rank 0 writes)."""
     final = run_dir / "final"
-    models.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    if world.is_main:
+        models.save_pretrained(final)
+        tokenizer.save_pretrained(final)
+    world.barrier()
     return final
+
+
+def check_world(world: distributed.World, prompts_per_step: int, rows_per_step: int, num_minibatches: int) -> None:
+    """Under torchrun each rank takes an equal share of the prompts, and of every minibatch."""
+    if prompts_per_step % world.size:
+        raise ConfigError(f"prompts_per_step={prompts_per_step} must be a multiple of the number of processes ({world.size})")
+    local_rows = rows_per_step // world.size
+    if local_rows % num_minibatches:
+        raise ConfigError(
+            f"num_minibatches={num_minibatches} must divide each process's {local_rows} rows ({rows_per_step} rows over {world.size} processes)"
+        )
+
+
+def sample_shard(policy: nn.Module, tokenizer, prompts: Sequence, cfg: GRPOConfig, group_size: int, state: TrainState) -> Rollout:
+    """This rank's rollout of the step's global prompt batch: its share of the prompts, G completions
+    each, with the uniforms drawn for the global batch (so the rows do not depend on the world size)."""
+    world = state.world
+    shard = world.shard(len(prompts), "prompts_per_step")
+    noise = torch.rand((cfg.sampling.max_new_tokens, len(prompts) * group_size), generator=state.generator)  # (N, B global)
+    rows = slice(shard.start * group_size, shard.stop * group_size)
+    ids = encode_prompts(tokenizer, list(prompts[shard]))
+    return sample(policy, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows]).to("cpu")
 
 
 def write_plots(run_dir: Path, keys: Sequence[str]) -> Path:
@@ -586,53 +627,58 @@ def grpo_step(
     Returns:
         (metrics, a few samples with their rewards).
     """
-    policy = updater.model
+    world = state.world  # one process, or this rank under torchrun: B below is this rank's share of the rows
     # 1. sample G completions per prompt (no grad, KV cache); the sampling log-probs are log pi_old
     t0 = time.perf_counter()
-    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]
-    rollout = sample(
-        policy, encode_prompts(tokenizer, batch), cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], cfg.group_size, state.generator
-    ).to("cpu")
-    prompt_texts = [render_prompt(tokenizer, p) for p in batch for _ in range(cfg.group_size)]  # (B,), groups adjacent
+    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
+    rollout = sample_shard(updater.module, tokenizer, batch, cfg, cfg.group_size, state)
+    shard = world.shard(len(batch))  # this rank's prompts, and below its rows
+    rows = slice(shard.start * cfg.group_size, shard.stop * cfg.group_size)
+    prompt_texts = [render_prompt(tokenizer, p) for p in batch[shard] for _ in range(cfg.group_size)]  # (B,), groups adjacent
     completions = rollout.decode_completions(tokenizer)
     t1 = time.perf_counter()
 
-    # 2. score: the weighted sum of the reward terms
-    scores, per_term = score_rollout(rewards, prompt_texts, completions)  # (B,)
+    # 2. score: the weighted sum of the reward terms; gathered from every rank for the statistics
+    local_scores, local_per_term = score_rollout(rewards, prompt_texts, completions)  # (B,)
+    scores = distributed.gather_rows(local_scores, world)  # (B global,)
+    per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
     t2 = time.perf_counter()
 
     # 3. group-relative advantages, one per completion (broadcast over its tokens by the loss)
-    advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scores, cfg.group_size)  # (B,)
+    all_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scores, cfg.group_size)  # (B global,)
+    advantages = all_advantages[rows]  # (B,)
     mask = loss_mask(rollout, cfg.mask_truncated)  # (B, C)
-    minibatch = rollout.batch_size // cfg.num_minibatches
-    ref_logp = reference_logprobs(policy, reference, rollout, cfg.sampling.temperature, minibatch) if cfg.beta > 0 else None  # (B, C)
+    m = cfg.num_minibatches
+    ref_logp = reference_logprobs(updater.module, reference, rollout, cfg.sampling.temperature, rollout.batch_size // m) if cfg.beta > 0 else None  # (B, C)
 
-    # 4. mu passes x minibatches of clipped-surrogate updates against the sampling log-probs
+    # 4. mu passes x minibatches (rows k, k + m, ...) of clipped-surrogate updates against the sampling log-probs
     sums: dict[str, float] = {}
     updates, first_ratio_dev = 0, None
     for _ in range(cfg.mu):
-        for start in range(0, rollout.batch_size, minibatch):
-            rows = slice(start, start + minibatch)
-            loss, stats = grpo_loss(policy, rollout.select(rows), advantages[rows], mask[rows], None if ref_logp is None else ref_logp[rows], cfg)
-            stats["grad_norm"] = updater.step(loss)
-            first_ratio_dev = float(stats["ratio_dev"]) if first_ratio_dev is None else first_ratio_dev
+        for k in range(m):
+            mb = slice(k, None, m)
+            loss, stats = grpo_loss(updater.model, rollout.select(mb), advantages[mb], mask[mb], None if ref_logp is None else ref_logp[mb], cfg)
+            scale = distributed.loss_scale(distributed.aggregation_count(mask[mb], cfg.aggregation), world)  # 1 in one process
+            stats = distributed.reduce_stats({key: float(v) for key, v in stats.items()}, float(mask[mb].sum()), scale, world)
+            stats["grad_norm"] = updater.step(loss * scale)
+            first_ratio_dev = stats["ratio_dev"] if first_ratio_dev is None else first_ratio_dev
             for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+                sums[key] = sums.get(key, 0.0) + value
             updates += 1
     t3 = time.perf_counter()
 
     metrics = {key: value / updates for key, value in sums.items()}
     metrics.update(reward_stats(scores, per_term))
-    metrics.update(completion_stats(rollout))
+    metrics.update(completion_stats(rollout, world))
     metrics["frac_zero_std_groups"] = (scores.view(-1, cfg.group_size).std(dim=1) <= 1e-6).float().mean().item()
-    metrics["adv/std"] = advantages.std().item()
+    metrics["adv/std"] = all_advantages.std().item()
     metrics["ratio_dev/first"] = first_ratio_dev
     metrics["lr"] = float(updater.scheduler.get_last_lr()[0])
     metrics["time/generate"] = t1 - t0
     metrics["time/score"] = t2 - t1
     metrics["time/train"] = t3 - t2
-    metrics["tokens_per_s"] = rollout.completion_lengths().sum().item() / max(t3 - t0, 1e-9)
-    return metrics, sample_rows(state.step, prompt_texts, completions, per_term, scores, cfg.num_samples_logged)
+    metrics["tokens_per_s"] = metrics["tokens"] / max(t3 - t0, 1e-9)
+    return metrics, sample_rows(state.step, prompt_texts, completions, local_per_term, local_scores, cfg.num_samples_logged)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,6 +703,8 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
         reward_functions: extra reward terms from Python, added to ``cfg.rewards``.
         prompts: prompt records (``{"prompt": ..., "answer"?: ...}``) to use instead of ``cfg.data``.
     """
+    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    check_world(world, cfg.prompts_per_step, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     set_seed(cfg.seed)
@@ -664,29 +712,31 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
     run_dir.mkdir(parents=True, exist_ok=True)
     prompt_set = load_prompt_set(cfg.data, prompts)
     ckpt = open_checkpoint(resume)
-    base_path = prepare_model_path(cfg.model, run_dir)
+    with world.main_first():
+        base_path = prepare_model_path(cfg.model, run_dir)
     tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
     rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions)
-    policy = load_policy(ckpt.model_dir if ckpt else base_path, cfg.model.dtype, cfg.model.device, None if ckpt else cfg.model.lora, cfg.model.gguf_file)
+    m, device = cfg.model, world.device(cfg.model.device)
+    policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, device, None if ckpt else m.lora, m.gguf_file)
     reference = None
-    if cfg.beta > 0 and (cfg.model.lora is None or cfg.reference is not None):  # LoRA alone: the base, adapters off
-        reference = load_reference(cfg.reference or base_path, cfg.model.dtype, cfg.model.device, cfg.model.gguf_file)
-    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches)
-    state = resume_state(ckpt, cfg.seed, {"policy": updater})
+    if cfg.beta > 0 and (m.lora is None or cfg.reference is not None):  # LoRA alone: the base, adapters off
+        reference = load_reference(cfg.reference or base_path, m.dtype, device, m.gguf_file)
+    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, world)
+    state = resume_state(ckpt, cfg.seed, {"policy": updater}, world)
 
     result = GRPOResult(policy=policy, output_dir=run_dir)
-    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "grpo", state.step) as log:
+    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "grpo", state.step, enabled=world.is_main) as log:
         while state.step < cfg.steps:
             metrics, samples = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
             log.log(state.step, metrics, summary_keys=("reward/mean", "kl", "completion_len/mean"))
-            if (state.step + 1) % cfg.sample_every == 0:
+            if (state.step + 1) % cfg.sample_every == 0 and world.is_main:
                 write_samples(run_dir, samples)
             result.history.append({"step": state.step, **metrics})
             state.step += 1
             if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == cfg.steps:
                 write_checkpoint(run_dir, cfg, state, SavedModels(policy), {"policy": updater}, tokenizer, {})
-    result.final_dir = save_final(run_dir, SavedModels(policy), tokenizer)
-    if cfg.plots:
+    result.final_dir = save_final(run_dir, SavedModels(policy), tokenizer, world)
+    if cfg.plots and world.is_main:
         write_plots(run_dir, ("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups"))
     return result
 

@@ -31,6 +31,8 @@ Deliberate simplifications, stated:
   the first minibatch of the first epoch has ratio 1 up to float round-off (logged as
   ``ratio_dev/first``, the largest |r - 1| there).
 - the KL in the reward and in the metrics is measured once per rollout, at pi_old.
+- under torchrun, explained_variance is the token-weighted mean of the ranks' values (the other
+  metrics are those of the global batch; rlalign.train.distributed).
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ from rlalign.core.advantages import kl_shaped_rewards, token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_k1, kl_k3
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, entropy_loss, value_loss
-from rlalign.core.masks import masked_mean, masked_whiten
-from rlalign.lm.data import PromptExample, encode_prompts, render_prompt
+from rlalign.core.masks import whiten as whiten_with
+from rlalign.lm.data import PromptExample, render_prompt
 from rlalign.lm.models import load_critic, load_policy, load_reference, load_tokenizer
 from rlalign.lm.rollout import Rollout
-from rlalign.lm.sampling import sample
+from rlalign.train import distributed
 from rlalign.train.common import MetricsLogger, ModelConfig, prepare_model_path, set_seed
 from rlalign.train.grpo import (
     Aggregation,
@@ -69,6 +71,7 @@ from rlalign.train.grpo import (
     TrainState,
     Updater,
     build_rewards,
+    check_world,
     completion_logits,
     completion_stats,
     load_prompt_set,
@@ -79,6 +82,7 @@ from rlalign.train.grpo import (
     resume_state,
     reward_stats,
     sample_rows,
+    sample_shard,
     save_final,
     score_rollout,
     write_checkpoint,
@@ -170,8 +174,9 @@ def ppo_advantages(
     gamma: float,
     lam: float,
     whiten: bool,
+    world: distributed.World = distributed.World(),
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """KL-shaped per-token rewards, then token GAE, then optional whitening.
+    """KL-shaped per-token rewards, then token GAE, then optional whitening (over every rank's tokens).
 
     Args:
         scores: sequence scores. Shape: (B,).
@@ -186,7 +191,8 @@ def ppo_advantages(
     rewards = kl_shaped_rewards(scores, kl, mask, beta)  # (B, C)
     advantages, returns = token_gae(rewards, values, mask, gamma, lam)  # (B, C)
     if whiten:
-        advantages = masked_whiten(advantages, mask)
+        mean, var = distributed.global_mean_var(advantages, mask, world)
+        advantages = whiten_with(advantages, mean, var, mask)
     return rewards, advantages, returns, kl
 
 
@@ -248,72 +254,81 @@ def ppo_step(
     Returns:
         (metrics, a few samples with their scores).
     """
+    world = state.world  # one process, or this rank under torchrun: B below is this rank's share of the rows
     # 1. sample one completion per prompt; the sampling log-probs are log pi_old
     t0 = time.perf_counter()
-    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]
-    rollout = sample(
-        policy.model, encode_prompts(tokenizer, batch), cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], 1, state.generator
-    ).to("cpu")
-    prompt_texts = [render_prompt(tokenizer, p) for p in batch]
+    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
+    rollout = sample_shard(policy.module, tokenizer, batch, cfg, 1, state)
+    shard = world.shard(len(batch))  # this rank's rows
+    prompt_texts = [render_prompt(tokenizer, p) for p in batch[shard]]
     completions = rollout.decode_completions(tokenizer)
     t1 = time.perf_counter()
 
     # 2. score (reward model and/or rules), minus a penalty when the completion never ended
-    scores, per_term = score_rollout(rewards, prompt_texts, completions)  # (B,)
+    local_scores, local_per_term = score_rollout(rewards, prompt_texts, completions)  # (B,)
     if cfg.missing_eos_penalty is not None:
-        scores = scores - cfg.missing_eos_penalty * rollout.truncated.float()
+        local_scores = local_scores - cfg.missing_eos_penalty * rollout.truncated.float()
+    scores = distributed.gather_rows(local_scores, world)  # (B global,)
+    per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
     t2 = time.perf_counter()
 
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
     mask = rollout.completion_mask.float()  # (B, C)
-    minibatch = -(-rollout.batch_size // cfg.num_minibatches)
-    ref_logp = reference_logprobs(policy.model, reference, rollout, cfg.sampling.temperature, minibatch)  # (B, C)
+    minibatch = -(-len(batch) // cfg.num_minibatches)  # global rows per minibatch
+    ref_logp = reference_logprobs(policy.module, reference, rollout, cfg.sampling.temperature, minibatch)  # (B, C)
     with torch.no_grad():
-        old_values = torch.cat([critic_values(critic.model, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
+        old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
     beta = kl_ctl.value
     _, advantages, returns, kl = ppo_advantages(
-        scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages
+        local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world
     )  # (B, C) each
 
-    # 4. ppo_epochs x shuffled minibatches: one policy update and one critic update each
+    # 4. ppo_epochs x shuffled minibatches: one policy update and one critic update each. The
+    #    permutation is of the global batch (the same on every rank); each rank trains on its rows
+    #    of the minibatch, or on one row weighted 0 when it has none (DDP needs every rank's backward).
     sums: dict[str, float] = {}
     updates, first_ratio_dev = 0, None
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(rollout.batch_size, generator=state.generator)  # (B,)
-        for start in range(0, rollout.batch_size, minibatch):
-            rows = order[start : start + minibatch]
-            mb = rollout.select(rows)
-            loss_pi, stats = policy_loss(policy.model, mb, advantages[rows], mask[rows], cfg)
-            stats["grad_norm/policy"] = policy.step(loss_pi)
-            loss_v, value_stats = critic_loss(critic.model, mb, returns[rows], old_values[rows], mask[rows], cfg)
-            stats.update(value_stats)
-            stats["grad_norm/critic"] = critic.step(loss_v)
-            first_ratio_dev = float(stats["ratio_dev"]) if first_ratio_dev is None else first_ratio_dev
+        order = torch.randperm(len(batch), generator=state.generator)  # (B global,)
+        for start in range(0, len(batch), minibatch):
+            rows = distributed.rows_of(order[start : start + minibatch], shard)  # this rank's rows of the minibatch
+            present = float(rows.numel() > 0)
+            rows = rows if present else torch.zeros(1, dtype=torch.long)
+            mb, mb_mask = rollout.select(rows), mask[rows] * present
+            scale = distributed.loss_scale(distributed.aggregation_count(mb_mask, cfg.aggregation) * present, world)  # 1 in one process
+            loss_pi, stats = policy_loss(policy.model, mb, advantages[rows], mb_mask, cfg)
+            grad_norm_pi = policy.step(loss_pi * scale)
+            loss_v, value_stats = critic_loss(critic.model, mb, returns[rows], old_values[rows], mb_mask, cfg)
+            grad_norm_v = critic.step(loss_v * scale)
+            stats = distributed.reduce_stats({k: float(v) for k, v in {**stats, **value_stats}.items()}, float(mb_mask.sum()), scale, world)
+            stats["grad_norm/policy"], stats["grad_norm/critic"] = grad_norm_pi, grad_norm_v
+            first_ratio_dev = stats["ratio_dev"] if first_ratio_dev is None else first_ratio_dev
             for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+                sums[key] = sums.get(key, 0.0) + value
             updates += 1
     t3 = time.perf_counter()
 
-    # 5. the KL coefficient for the next step (adaptive: towards kl_target)
-    seq_kl = kl.sum(-1)  # (B,)
-    kl_ctl.update(seq_kl.mean().item(), rollout.batch_size)
+    # 5. the KL coefficient for the next step (adaptive: towards kl_target), from the global batch
+    seq_kl = distributed.gather_rows(kl.sum(-1), world)  # (B global,)
+    kl_ctl.update(seq_kl.mean().item(), len(batch))
 
     metrics = {key: value / updates for key, value in sums.items()}
     metrics.update(reward_stats(scores, per_term))
-    metrics.update(completion_stats(rollout))
+    metrics.update(completion_stats(rollout, world))
+    adv_mean, adv_var = distributed.global_mean_var(advantages, mask, world)
     metrics["score"] = scores.mean().item()
     metrics["kl"] = seq_kl.mean().item()
     metrics["non_score_reward"] = (-beta * seq_kl).mean().item()
     metrics["beta"] = beta
     metrics["ratio_dev/first"] = first_ratio_dev
-    metrics["adv/std"] = advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0
-    metrics["returns/mean"] = masked_mean(returns, mask).item()
+    metrics["adv/std"] = adv_var.sqrt().item()
+    metrics["returns/mean"] = distributed.global_mean_var(returns, mask, world)[0].item()
     metrics["lr"] = float(policy.scheduler.get_last_lr()[0])
     metrics["time/generate"] = t1 - t0
     metrics["time/score"] = t2 - t1
     metrics["time/train"] = t3 - t2
-    metrics["tokens_per_s"] = rollout.completion_lengths().sum().item() / max(t3 - t0, 1e-9)
-    return metrics, sample_rows(state.step, prompt_texts, completions, per_term, scores, cfg.num_samples_logged)
+    metrics["tokens_per_s"] = metrics["tokens"] / max(t3 - t0, 1e-9)
+    return metrics, sample_rows(state.step, prompt_texts, completions, local_per_term, local_scores, cfg.num_samples_logged)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,6 +361,8 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         reward_functions: extra score terms from Python, added to ``cfg.rewards``.
         prompts: prompt records to use instead of ``cfg.data``.
     """
+    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    check_world(world, cfg.prompts_per_step, cfg.prompts_per_step, 1)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     set_seed(cfg.seed)
@@ -353,33 +370,34 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
     run_dir.mkdir(parents=True, exist_ok=True)
     prompt_set = load_prompt_set(cfg.data, prompts)
     ckpt = open_checkpoint(resume)
-    base_path = prepare_model_path(cfg.model, run_dir)
+    with world.main_first():
+        base_path = prepare_model_path(cfg.model, run_dir)
     tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
     rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions)
-    m = cfg.model
-    policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, m.device, None if ckpt else m.lora, m.gguf_file)
-    reference = None if m.lora is not None and cfg.reference is None else load_reference(cfg.reference or base_path, m.dtype, m.device, m.gguf_file)
-    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, base_path), m.dtype, m.device)
+    m, device = cfg.model, world.device(cfg.model.device)
+    policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, device, None if ckpt else m.lora, m.gguf_file)
+    reference = None if m.lora is not None and cfg.reference is None else load_reference(cfg.reference or base_path, m.dtype, device, m.gguf_file)
+    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, base_path), m.dtype, device)
     updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
-    updaters = {"policy": Updater.create(policy, cfg.optim, updates), "critic": Updater.create(critic, cfg.critic.optim, updates)}
-    state = resume_state(ckpt, cfg.seed, updaters)
+    updaters = {"policy": Updater.create(policy, cfg.optim, updates, world), "critic": Updater.create(critic, cfg.critic.optim, updates, world)}
+    state = resume_state(ckpt, cfg.seed, updaters, world)
     kl_ctl = cfg.kl_controller()
     if ckpt is not None:
         kl_ctl.load_state_dict(ckpt.extra["kl_controller"])
 
     result = PPOResult(policy=policy, critic=critic, output_dir=run_dir)
-    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "ppo", state.step) as log:
+    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "ppo", state.step, enabled=world.is_main) as log:
         while state.step < cfg.steps:
             metrics, samples = ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, tokenizer, rewards, prompt_set, state, cfg)
             log.log(state.step, metrics, summary_keys=("score", "kl", "beta"))
-            if (state.step + 1) % cfg.sample_every == 0:
+            if (state.step + 1) % cfg.sample_every == 0 and world.is_main:
                 write_samples(run_dir, samples)
             result.history.append({"step": state.step, **metrics})
             state.step += 1
             if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == cfg.steps:
                 write_checkpoint(run_dir, cfg, state, SavedModels(policy, critic=critic), updaters, tokenizer, {"kl_controller": kl_ctl.state_dict()})
-    result.final_dir = save_final(run_dir, SavedModels(policy, critic=critic), tokenizer)
-    if cfg.plots:
+    result.final_dir = save_final(run_dir, SavedModels(policy, critic=critic), tokenizer, world)
+    if cfg.plots and world.is_main:
         write_plots(run_dir, ("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac"))
     return result
 

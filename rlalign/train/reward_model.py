@@ -27,8 +27,9 @@ from pydantic import Field, model_validator
 from rlalign.config import Config, load_config
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
-from rlalign.lm.models import ScalarHeadModel, load_reward_model, load_tokenizer
+from rlalign.lm.models import ScalarHeadModel, last_token_values, load_reward_model, load_tokenizer
 from rlalign.tasks import TASKS
+from rlalign.train import distributed
 from rlalign.train.common import (
     MetricsLogger,
     ModelConfig,
@@ -93,10 +94,12 @@ class RMConfig(Config):
 
 
 def pair_rewards(model: ScalarHeadModel, tokenizer, examples: list[PreferenceExample], max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(r_chosen (B,), r_rejected (B,), margin (B,) or None) from one forward over 2B sequences."""
+    """(r_chosen (B,), r_rejected (B,), margin (B,) or None) from one forward over 2B sequences
+    (``model`` may be DDP-wrapped: the forward goes through it)."""
     device = next(model.parameters()).device
     batch = collate_preferences(tokenizer, examples, max_length)
-    rewards = model.sequence_scores(batch.input_ids.to(device), batch.attention_mask.to(device))  # (2B,)
+    mask = batch.attention_mask.to(device)
+    rewards = last_token_values(model(batch.input_ids.to(device), mask), mask)  # (2B,)
     n = batch.num_pairs
     margin = None if batch.margin is None else batch.margin.to(device)
     return rewards[:n], rewards[n:], margin
@@ -130,12 +133,15 @@ def _datasets(cfg: RMConfig) -> tuple[list[PreferenceExample], list[PreferenceEx
 
 def train(cfg: RMConfig) -> dict[str, float]:
     """Train the reward model; returns the final held-out metrics and ``eval/accuracy_initial``, ``time/total``."""
+    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    world.shard(cfg.batch_size, "batch_size")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     set_seed(cfg.seed)
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    base_path = prepare_model_path(cfg.model, run_dir)
+    with world.main_first():
+        base_path = prepare_model_path(cfg.model, run_dir)
     tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
     train_set, eval_set = _datasets(cfg)
 
@@ -143,52 +149,53 @@ def train(cfg: RMConfig) -> dict[str, float]:
     if cfg.resume_from is not None:
         resumed = load_checkpoint(cfg.resume_from)
         start_step, data_position = resumed.step + 1, resumed.data_position
-    model = load_reward_model(resumed.model_dir if resumed else base_path, cfg.model.dtype, cfg.model.device, trainable=True, gguf_file=cfg.model.gguf_file)
+    model = load_reward_model(resumed.model_dir if resumed else base_path, cfg.model.dtype, world.device(cfg.model.device), trainable=True, gguf_file=cfg.model.gguf_file)
     model.train()
+    trained = distributed.wrap(model, world)  # DDP under torchrun: the forward that needs gradient sync goes through it
     optimizer, scheduler = make_optimizer(model.parameters(), cfg.optim, cfg.max_steps)
     if resumed:
         optimizer.load_state_dict(resumed.optimizer_state)
         scheduler.load_state_dict(resumed.scheduler_state)
         restore_rng_state(resumed.rng)
     initial = resumed.extra.get("eval/accuracy_initial") if resumed else None
-    if initial is None:
+    if initial is None and world.is_main:  # evaluation, logging and saving: rank 0 alone
         initial = evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)["eval/accuracy"]
 
     metrics: dict[str, float] = {}
     started = time.perf_counter()
-    with MetricsLogger(run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, "rm", start_step) as log:
+    with MetricsLogger(run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, "rm", start_step, enabled=world.is_main) as log:
         log.log(start_step - 1, {"eval/accuracy": initial})
         for step in range(start_step, cfg.max_steps):
             t0 = time.perf_counter()
-            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)
+            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)  # the global batch
             data_position += cfg.batch_size
-            r_c, r_r, margin = pair_rewards(model, tokenizer, [train_set[i] for i in indices], cfg.data.max_length)
+            pairs = [train_set[i] for i in indices[world.shard(len(indices))]]  # this rank's share
+            r_c, r_r, margin = pair_rewards(trained, tokenizer, pairs, cfg.data.max_length)
             loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
+            scale = distributed.loss_scale(len(pairs), world)  # pair means: 1 with equal shares
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * scale).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
-            metrics = {
-                "loss/rm": float(loss.detach()),
-                "accuracy": float(stats.accuracy),
-                "margin": float(stats.margin_mean),
-                "reward/mean": float(stats.reward_mean),
-                "grad_norm": float(grad_norm),
-                "lr": scheduler.get_last_lr()[0],
-                "time/train": time.perf_counter() - t0,
-            }
+            local = {"loss/rm": float(loss.detach()), "accuracy": float(stats.accuracy), "margin": float(stats.margin_mean), "reward/mean": float(stats.reward_mean)}
+            metrics = distributed.reduce_stats(local, float(len(pairs)), scale, world)
+            metrics.update({"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "time/train": time.perf_counter() - t0})
             last = step == cfg.max_steps - 1
-            if (step + 1) % cfg.eval_every == 0 or last:
+            if ((step + 1) % cfg.eval_every == 0 or last) and world.is_main:
                 metrics.update(evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size))
             log.log(step, metrics, summary_keys=("loss/rm", "eval/accuracy"))
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                save_checkpoint(
-                    run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/accuracy_initial": initial}, cfg.keep_last
-                )
+                if world.is_main:
+                    save_checkpoint(
+                        run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/accuracy_initial": initial}, cfg.keep_last
+                    )
+                world.barrier()
     final_dir = run_dir / "final"
-    model.save_pretrained(final_dir)
-    tokenizer.save_pretrained(final_dir)
+    if world.is_main:
+        model.save_pretrained(final_dir)
+        tokenizer.save_pretrained(final_dir)
+    world.barrier()
     result = {"eval/accuracy_initial": initial, "time/total": time.perf_counter() - started}
     result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
     return result
@@ -202,5 +209,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(RMConfig, args.config, args.overrides)
     result = train(cfg)
-    print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
+    print("  ".join(f"{k}={v:.4g}" for k, v in result.items() if v is not None))  # under torchrun only rank 0 evaluates
     return 0

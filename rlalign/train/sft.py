@@ -35,6 +35,7 @@ from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft, render_
 from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
+from rlalign.train import distributed
 from rlalign.train.common import (
     MetricsLogger,
     ModelConfig,
@@ -149,12 +150,15 @@ def _evaluate(model, tokenizer, eval_set: list[SFTExample], spec: _EvalSpec, cfg
 
 def train(cfg: SFTConfig) -> dict[str, float]:
     """Run SFT; returns the final metrics (``eval/reward_initial``, ``eval/reward``, ``eval/loss``, ``time/total``)."""
+    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    world.shard(cfg.batch_size, "batch_size")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     set_seed(cfg.seed)
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    base_path = prepare_model_path(cfg.model, run_dir)
+    with world.main_first():
+        base_path = prepare_model_path(cfg.model, run_dir)
     tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
     train_set, eval_set, eval_spec = _datasets(cfg)
 
@@ -163,48 +167,55 @@ def train(cfg: SFTConfig) -> dict[str, float]:
         resumed = load_checkpoint(cfg.resume_from)
         start_step, data_position = resumed.step + 1, resumed.data_position
     model_path = resumed.model_dir if resumed else base_path
-    model = load_policy(model_path, cfg.model.dtype, cfg.model.device, None if resumed else cfg.model.lora, cfg.model.gguf_file)
+    model = load_policy(model_path, cfg.model.dtype, world.device(cfg.model.device), None if resumed else cfg.model.lora, cfg.model.gguf_file)
+    trained = distributed.wrap(model, world)  # DDP under torchrun: the forward that needs gradient sync goes through it
     optimizer, scheduler = make_optimizer(model.parameters(), cfg.optim, cfg.max_steps)
     if resumed:
         optimizer.load_state_dict(resumed.optimizer_state)
         scheduler.load_state_dict(resumed.scheduler_state)
         restore_rng_state(resumed.rng)
     initial = resumed.extra.get("eval/reward_initial") if resumed else None
-    if initial is None:
+    if initial is None and world.is_main:  # evaluation, logging and saving: rank 0 alone
         initial = _evaluate(model, tokenizer, eval_set, eval_spec, cfg)["eval/reward"]
 
     metrics: dict[str, float] = {}
     started = time.perf_counter()
-    with MetricsLogger(run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, "sft", start_step) as log:
+    with MetricsLogger(run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, "sft", start_step, enabled=world.is_main) as log:
         log.log(start_step - 1, {"eval/reward": initial})
         for step in range(start_step, cfg.max_steps):
             t0 = time.perf_counter()
-            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)
+            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)  # the global batch
             data_position += cfg.batch_size
-            loss, stats = _batch_loss(model, tokenizer, [train_set[i] for i in indices], cfg.data.max_length, cfg.data.packing)
+            examples = [train_set[i] for i in indices[world.shard(len(indices))]]  # this rank's share
+            loss, stats = _batch_loss(trained, tokenizer, examples, cfg.data.max_length, cfg.data.packing)
+            scale = distributed.loss_scale(stats.tokens, world)  # token-mean over every rank's tokens; 1 in one process
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * scale).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             optimizer.step()
             scheduler.step()
-            metrics = {
-                "loss/sft": float(loss.detach()),
+            metrics = distributed.reduce_stats({"loss/sft": float(loss.detach())}, float(stats.tokens), scale, world)
+            metrics.update({
                 "grad_norm": float(grad_norm),
                 "lr": scheduler.get_last_lr()[0],
-                "tokens": float(stats.tokens),
+                "tokens": float(distributed.all_sum(stats.tokens, world)),
                 "time/train": time.perf_counter() - t0,
-            }
+            })
             last = step == cfg.max_steps - 1
-            if (step + 1) % cfg.eval_every == 0 or last:
+            if ((step + 1) % cfg.eval_every == 0 or last) and world.is_main:
                 metrics.update(_evaluate(model, tokenizer, eval_set, eval_spec, cfg))
             log.log(step, metrics, summary_keys=("loss/sft", "eval/reward"))
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                save_checkpoint(
-                    run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/reward_initial": initial}, cfg.keep_last
-                )
+                if world.is_main:
+                    save_checkpoint(
+                        run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/reward_initial": initial}, cfg.keep_last
+                    )
+                world.barrier()
     final_dir = run_dir / "final"
-    model.save_pretrained(final_dir)
-    tokenizer.save_pretrained(final_dir)
+    if world.is_main:
+        model.save_pretrained(final_dir)
+        tokenizer.save_pretrained(final_dir)
+    world.barrier()
     result = {"eval/reward_initial": initial, "time/total": time.perf_counter() - started}
     result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
     return result
@@ -218,5 +229,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(SFTConfig, args.config, args.overrides)
     result = train(cfg)
-    print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
+    print("  ".join(f"{k}={v:.4g}" for k, v in result.items() if v is not None))  # under torchrun only rank 0 evaluates
     return 0

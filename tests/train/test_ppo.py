@@ -106,12 +106,13 @@ def test_first_minibatch_ratio_is_one_and_metrics_are_logged(tiny_path, tmp_path
 
 
 def test_missing_eos_penalty_is_subtracted_from_the_score(tiny_path, tmp_path):
-    # 3 new tokens: the random model never ends, every completion is truncated; constant reward 0.5
+    # 3 new tokens: the random model rarely ends (EOS ~1/40 per token), so most completions are
+    # truncated; constant reward 0.5, so score = mean(0.5 - 2 * truncated) = 0.5 - 2 * clipped_frac
     const = RewardTerm("const", 1.0, lambda p, c: [0.5] * len(p))
     cfg = make_cfg(tiny_path, tmp_path, steps=1, missing_eos_penalty=2.0, **{"sampling.max_new_tokens": 3})
     row = ppo.train(cfg, reward_functions=[const]).history[0]
-    assert row["completion_len/clipped_frac"] == 1.0
-    assert row["score"] == pytest.approx(0.5 - 2.0)
+    assert row["completion_len/clipped_frac"] >= 0.5
+    assert row["score"] == pytest.approx(0.5 - 2.0 * row["completion_len/clipped_frac"])
     assert row["reward/const/mean"] == 0.5
 
 

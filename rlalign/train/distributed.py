@@ -1,0 +1,222 @@
+"""The trainers under ``torchrun``: process group, shards of the global batch, DDP, global reductions.
+
+    torchrun --nproc-per-node 2 -m rlalign grpo --config configs/grpo_arithmetic.yaml
+
+Without torchrun (no ``WORLD_SIZE`` in the environment) :func:`init` returns the one-process
+:class:`World` and every function here is the identity, so a one-process run does exactly what it
+did before any of this existed.
+
+With N processes every trainer keeps the *global* batch of its config and gives each rank an
+equal, contiguous share of it (``World.shard``): in GRPO whole prompt groups, so group statistics
+need no communication. The rules that make N processes compute what one process computes:
+
+- Randomness that decides data is drawn for the global batch on every rank from generators that
+  stay in step (same seed, same number of draws): the prompt order, the sampling uniforms
+  (``rlalign.lm.sampling.sample(noise=...)``, each rank taking its own rows' columns), PPO's
+  minibatch permutation.
+- Gradients are averaged by DistributedDataParallel (gloo on CPU, NCCL on GPU). A loss whose
+  normaliser depends on the batch (token counts, sequences with tokens) is rescaled by
+  :func:`loss_scale` so that the average over ranks equals the one-process loss of the global batch.
+- Per-row numbers (rewards, lengths, per-sequence KL) are all-gathered, so advantages and metrics
+  are computed on the global batch; per-token statistics are token-weighted means over ranks.
+- Rank 0 alone writes: metrics, samples, checkpoints, plots; the others wait at a barrier.
+
+Models that fit on one device are wrapped in DDP. FSDP2 (``fully_shard``) for models that do not
+fit is not built yet (see the README's scale-out section).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rlalign.core.masks import masked_mean, masked_var
+
+__all__ = ["World", "init", "shutdown", "wrap", "unwrap", "gather_rows", "all_sum", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of"]
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ``size`` processes of the run (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def shard(self, n: int, what: str = "rows") -> slice:
+        """This rank's contiguous share of ``n`` items (``n`` must divide evenly)."""
+        if n % self.size:
+            raise ValueError(f"{what}: {n} cannot be split evenly across {self.size} processes; make it a multiple of the world size")
+        share = n // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. builds the tiny model on disk), then the others."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    def device(self, requested: str) -> str:
+        """The device of this rank: ``cuda`` becomes ``cuda:<local_rank>`` under torchrun."""
+        return f"cuda:{self.local_rank}" if self.distributed and requested == "cuda" else requested
+
+
+def init(device: str = "cpu") -> World:
+    """The World of this process; joins the process group when launched by torchrun (WORLD_SIZE > 1).
+
+    Backend: NCCL when ``device`` is CUDA, gloo otherwise. Idempotent.
+    """
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    world = World(rank=int(os.environ["RANK"]), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    return world
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, world: World) -> nn.Module:
+    """``model`` wrapped in DistributedDataParallel under torchrun; ``model`` itself otherwise.
+
+    Buffers are not re-broadcast at every forward (they are identical on every rank: rotary
+    frequencies, and nothing trains them), so rank 0 may run an evaluation forward alone.
+    """
+    if not world.distributed:
+        return model
+    device_ids = [world.local_rank] if next(model.parameters()).is_cuda else None
+    ddp = nn.parallel.DistributedDataParallel
+    no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
+    return ddp(model, device_ids=device_ids, **no_buffer_sync)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (for sampling, evaluation and saving, which need no gradient sync)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def gather_rows(x: Tensor, world: World) -> Tensor:
+    """Concatenate every rank's ``x`` along dim 0, in rank order (equal shapes on every rank)."""
+    if not world.distributed:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def all_sum(x: Tensor, world: World) -> Tensor:
+    """Sum of ``x`` over ranks (a new tensor; ``x`` is left alone)."""
+    if not world.distributed:
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out)
+    return out
+
+
+def aggregation_count(mask: Tensor, mode: str) -> Tensor:
+    """What ``rlalign.core.losses.aggregate`` divides by for this minibatch: tokens (token-mean),
+    sequences with at least one token (seq-mean-token-mean / -sum), rows (seq-mean-token-sum-norm).
+
+    Args:
+        mask: 1 on counted tokens. Shape: (B, C).
+    """
+    if mode == "token-mean":
+        return mask.sum()
+    if mode == "seq-mean-token-sum-norm":
+        return torch.tensor(float(mask.shape[0]))
+    return (mask.sum(-1) > 0).sum()
+
+
+def loss_scale(local_count: Tensor | float, world: World) -> float:
+    """Factor that turns this rank's aggregated loss into its share of the global one.
+
+    Rank r's loss is S_r / n_r (``n_r`` from :func:`aggregation_count`) and DDP averages the
+    gradients of the W ranks. Multiplying rank r's loss by W * n_r / sum_s n_s makes that average
+    the gradient of sum_r S_r / sum_s n_s, the loss of the global minibatch. One process: exactly 1.
+    """
+    if not world.distributed:
+        return 1.0
+    local = torch.as_tensor(local_count).detach().double().cpu()
+    total = all_sum(local, world)
+    return 0.0 if total <= 0 else float(local * world.size / total)
+
+
+MAX_STATS = ("ratio_dev",)  # reduced with max; loss/* are summed shares; the rest are token-weighted means
+
+
+def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world: World) -> dict[str, float]:
+    """Global values of one minibatch's statistics (identity in one process).
+
+    Args:
+        stats: this rank's values: per-token means (clip fractions, KL, entropy, ...), ``loss/*``
+            aggregated losses, and ``ratio_dev`` (a max).
+        weight: this rank's count of counted tokens (the weight of its means).
+        scale: this rank's :func:`loss_scale` (the share of a ``loss/*`` value in the global loss).
+    """
+    if not world.distributed:
+        return dict(stats)
+    names = sorted(stats)
+    summed = [n for n in names if n not in MAX_STATS]
+    values = torch.tensor(
+        [stats[n] * scale / world.size if n.startswith("loss/") else stats[n] * weight for n in summed] + [weight], dtype=torch.float64
+    )
+    values = all_sum(values, world)
+    total_weight = float(values[-1])
+    out = {n: float(v) if n.startswith("loss/") else (float(v) / total_weight if total_weight > 0 else 0.0) for n, v in zip(summed, values[:-1])}
+    for n in names:
+        if n in MAX_STATS:
+            m = torch.tensor([stats[n]], dtype=torch.float64)
+            if world.distributed:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX)
+            out[n] = float(m)
+    return out
+
+
+def global_mean_var(x: Tensor, mask: Tensor, world: World) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased variance of the counted entries of ``x`` over every rank (two all-reduces,
+    the same two-pass formula as :func:`rlalign.core.masks.masked_var`). Shapes: any -> (), ()."""
+    if not world.distributed:
+        return masked_mean(x, mask), masked_var(x, mask)
+    weight = mask.to(x.dtype)
+    sums = all_sum(torch.stack([(x * weight).sum(), weight.sum()]).double(), world)
+    n = sums[1]
+    mean = (sums[0] / n.clamp(min=1.0)).to(x.dtype)
+    sq = all_sum(((x - mean) ** 2 * weight).sum().double(), world)
+    var = torch.where(n > 1, sq / (n - 1).clamp(min=1.0), torch.zeros_like(sq)).to(x.dtype)
+    return mean, var
+
+
+def rows_of(index: Tensor, shard: slice) -> Tensor:
+    """The entries of global row ``index`` that fall in ``shard``, as local row numbers. Shape: (k,)."""
+    inside = (index >= shard.start) & (index < shard.stop)
+    return index[inside] - shard.start
