@@ -236,11 +236,17 @@ class ScalarHeadModel(nn.Module):
         """The scalar at each row's last non-padding token. Returns (B,) float32."""
         return last_token_values(self(input_ids, attention_mask), attention_mask)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Backbone via ``save_pretrained`` (safetensors) and the head in ``value_head.safetensors``."""
+    def save_pretrained(self, path: str | Path, state_dict: dict[str, Tensor] | None = None) -> None:
+        """Backbone via ``save_pretrained`` (safetensors) and the head in ``value_head.safetensors``;
+        from ``state_dict`` (keys ``backbone.*``, ``head.*``) when given, e.g. gathered from FSDP shards."""
         path = Path(path)
-        self.backbone.save_pretrained(path)
-        head = {"weight": self.head.weight.detach().cpu().contiguous(), "bias": self.head.bias.detach().cpu().contiguous()}
+        if state_dict is None:
+            self.backbone.save_pretrained(path)
+            weight, bias = self.head.weight, self.head.bias
+        else:
+            self.backbone.save_pretrained(path, state_dict={k.removeprefix("backbone."): v for k, v in state_dict.items() if k.startswith("backbone.")})
+            weight, bias = state_dict["head.weight"], state_dict["head.bias"]
+        head = {"weight": weight.detach().cpu().contiguous(), "bias": bias.detach().cpu().contiguous()}
         save_file(head, str(path / HEAD_FILE), metadata={"format": "rlalign-scalar-head"})
 
     @classmethod

@@ -286,11 +286,15 @@ def save_checkpoint(
     data_position: int = 0,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = 3,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict | None = None,
 ) -> Path:
     """Write ``<run_dir>/checkpoints/step_<step>`` atomically; keep the newest ``keep_last`` (None = all).
 
     ``model`` is anything with ``save_pretrained`` (a transformers or peft model, a
     :class:`rlalign.lm.models.ScalarHeadModel`). ``extra`` must hold tensors and plain containers.
+    ``model_state`` / ``optimizer_state``: weights and optimiser state gathered beforehand (a sharded
+    model's, :mod:`rlalign.train.distributed`), saved instead of the model's and optimizer's own.
     """
     root = _checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -300,13 +304,12 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp / "model")
+        model.save_pretrained(tmp / "model", **({} if model_state is None else {"state_dict": model_state}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
-        torch.save(
-            {"optimizer": optimizer.state_dict() if optimizer is not None else None, "scheduler": scheduler.state_dict() if scheduler is not None else None},
-            tmp / "optimizer.pt",
-        )
+        if optimizer_state is None and optimizer is not None:
+            optimizer_state = optimizer.state_dict()
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
         torch.save({"step": step, "data_position": data_position, "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
         config_dict = config.model_dump(mode="json") if isinstance(config, Config) else (config or {})
         (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
@@ -373,6 +376,9 @@ class ModelConfig(Config):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of all weights (policy models only)")
+    sharding: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="under torchrun: ddp = a full copy per process (DDP); fsdp = parameters, gradients and optimiser state sharded (FSDP2)"
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of the tiny model built when path is null")
 
 

@@ -21,8 +21,14 @@ need no communication. The rules that make N processes compute what one process 
   are computed on the global batch; per-token statistics are token-weighted means over ranks.
 - Rank 0 alone writes: metrics, samples, checkpoints, plots; the others wait at a barrier.
 
-Models that fit on one device are wrapped in DDP. FSDP2 (``fully_shard``) for models that do not
-fit is not built yet (see the README's scale-out section).
+Models that fit on one device are wrapped in DDP (``model.sharding: ddp``, the default). Models
+that do not fit are sharded with FSDP2 (``model.sharding: fsdp``): ``fully_shard`` on every
+decoder layer (the model's ``_no_split_modules``) and on the root, the frozen reference and reward
+models too. Then every forward is a collective, so every rank runs the evaluations (the same
+numbers; rank 0 logs them), parameters are gathered once around a sampling loop
+(:func:`gathered`), and checkpoints hold full (unsharded) weights and optimiser state gathered
+from every rank (:func:`model_state`, :func:`optimizer_state`), resumable on the same world size
+and sharding.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from rlalign.core.masks import masked_mean, masked_var
 
-__all__ = ["World", "init", "shutdown", "wrap", "unwrap", "gather_rows", "all_sum", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of"]
+__all__ = ["World", "init", "shutdown", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state", "gather_rows", "all_sum", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of"]
 
 
 @dataclass(frozen=True)
@@ -106,23 +114,105 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, world: World) -> nn.Module:
-    """``model`` wrapped in DistributedDataParallel under torchrun; ``model`` itself otherwise.
+SHARDINGS = ("ddp", "fsdp")
 
-    Buffers are not re-broadcast at every forward (they are identical on every rank: rotary
-    frequencies, and nothing trains them), so rank 0 may run an evaluation forward alone.
+
+def _fully_shard(model: nn.Module) -> nn.Module:
+    """FSDP2 in place: each decoder layer (the classes a transformers model lists in
+    ``_no_split_modules``), then the root (embeddings, final norm, heads)."""
+    layer_classes = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+    for module in list(model.modules()):
+        if type(module).__name__ in layer_classes and module is not model:
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def wrap(model: nn.Module, world: World, sharding: str = "ddp") -> nn.Module:
+    """A trainable model for torchrun: in DistributedDataParallel (``ddp``) or sharded in place
+    with FSDP2 (``fsdp``); ``model`` itself in one process. Build the optimiser after this call.
+
+    DDP does not re-broadcast buffers at every forward (they are identical on every rank: rotary
+    frequencies, and nothing trains them).
     """
     if not world.distributed:
         return model
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if sharding == "fsdp":
+        return _fully_shard(model)
     device_ids = [world.local_rank] if next(model.parameters()).is_cuda else None
     ddp = nn.parallel.DistributedDataParallel
     no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
     return ddp(model, device_ids=device_ids, **no_buffer_sync)
 
 
+def shard_frozen(model: nn.Module | None, world: World, sharding: str = "ddp") -> nn.Module | None:
+    """A frozen model (reference, reward model): sharded with FSDP2 under ``fsdp``, else as it is
+    (under DDP every rank holds a full copy; it needs no gradient sync)."""
+    if model is None or not world.distributed or sharding != "fsdp":
+        return model
+    return _fully_shard(model)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (for sampling, evaluation and saving, which need no gradient sync)."""
+    """The module inside a DDP wrapper (for sampling, evaluation and saving, which need no gradient
+    sync); an FSDP2 model is its own module."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _fsdp_modules(model: nn.Module | None) -> list[FSDPModule]:
+    return [] if model is None else [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(*models: nn.Module | None) -> Iterator[None]:
+    """FSDP2 models hold their full parameters for the block (one all-gather per layer, not one per
+    forward: a sampling loop runs a forward per token). No-op for any other model. Collective."""
+    modules = [m for model in models for m in _fsdp_modules(model)]
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def model_state(model: nn.Module) -> dict[str, Tensor] | None:
+    """The full weights of an FSDP2 model, gathered from every rank (collective; rank 0 receives
+    them, on CPU), to hand to ``save_pretrained(state_dict=...)``. None for any other model: it
+    saves its own parameters."""
+    if not _fsdp_modules(model):
+        return None
+    state = get_model_state_dict(model, options=_FULL)
+    # tied parameters (e.g. lm_head = embeddings) come back as two copies that transformers can no
+    # longer recognise as one; keep the first name, as save_pretrained does for a live model
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            state.pop(name, None)
+        seen.add(id(param))
+    return state
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()``, or for an FSDP2 model the full state keyed by parameter name
+    (collective; rank 0 receives it)."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL) if _fsdp_modules(model) else optimizer.state_dict()
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Inverse of :func:`optimizer_state`; every rank passes the full state it read from the checkpoint."""
+    if _fsdp_modules(model):
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
 
 
 def gather_rows(x: Tensor, world: World) -> Tensor:

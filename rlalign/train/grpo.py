@@ -301,8 +301,9 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
     return fn
 
 
-def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer) -> RewardModelReward:
-    model = load_reward_model(spec.reward_model, model_cfg.dtype, model_cfg.device)
+def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer, world: distributed.World) -> RewardModelReward:
+    model = load_reward_model(spec.reward_model, model_cfg.dtype, world.device(model_cfg.device))
+    model = distributed.shard_frozen(model, world, model_cfg.sharding)
     try:
         rm_tokenizer = load_tokenizer(spec.reward_model)
     except (OSError, ValueError):  # a reward model saved without its tokenizer shares the policy's
@@ -311,11 +312,16 @@ def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer) -> Rewa
 
 
 def build_rewards(
-    specs: Sequence[RewardConfig], prompts: Sequence[PromptExample], tokenizer, model_cfg: ModelConfig, extra: Sequence[RewardTerm] = ()
+    specs: Sequence[RewardConfig],
+    prompts: Sequence[PromptExample],
+    tokenizer,
+    model_cfg: ModelConfig,
+    extra: Sequence[RewardTerm] = (),
+    world: distributed.World = distributed.World(),
 ) -> list[RewardTerm]:
     """Reward terms of the config (functions resolved, reward models loaded frozen) plus ``extra``."""
     terms = [
-        RewardTerm(spec.label, spec.weight, _reward_model(spec, model_cfg, tokenizer) if spec.reward_model else _reward_function(spec, prompts, tokenizer))
+        RewardTerm(spec.label, spec.weight, _reward_model(spec, model_cfg, tokenizer, world) if spec.reward_model else _reward_function(spec, prompts, tokenizer))
         for spec in specs
     ]
     terms.extend(extra)
@@ -366,7 +372,7 @@ def completion_logits(model: nn.Module, rollout: Rollout) -> Tensor:
 @torch.no_grad()
 def reference_logprobs(policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int) -> Tensor:
     """Completion log-probs under the frozen reference (or the LoRA base, adapters off). Shape: (B, C)."""
-    with reference_policy(policy, reference) as ref:
+    with reference_policy(policy, reference) as ref, distributed.gathered(ref):
         return torch.cat([rollout_logprobs(ref, mb.to(next(ref.parameters()).device), temperature).cpu() for mb in rollout.minibatches(batch_size)])
 
 
@@ -438,10 +444,11 @@ class Updater:
     grad_clip: float | None
 
     @classmethod
-    def create(cls, model: nn.Module, cfg: OptimConfig, total_updates: int, world: distributed.World = distributed.World()) -> Updater:
-        """``model`` wrapped in DDP under torchrun (gradients averaged over ranks), with its AdamW."""
+    def create(cls, model: nn.Module, cfg: OptimConfig, total_updates: int, world: distributed.World = distributed.World(), sharding: str = "ddp") -> Updater:
+        """``model`` under torchrun in DDP or sharded by FSDP2 (gradients averaged over ranks), with its AdamW."""
+        model = distributed.wrap(model, world, sharding)
         optimizer, scheduler = make_optimizer(model.parameters(), cfg, total_updates)
-        return cls(distributed.wrap(model, world), optimizer, scheduler, cfg.grad_clip)
+        return cls(model, optimizer, scheduler, cfg.grad_clip)
 
     @property
     def module(self) -> nn.Module:
@@ -459,10 +466,11 @@ class Updater:
         return float(norm)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimiser (full, gathered from every rank under FSDP2: call it on every rank) and schedule."""
+        return {"optimizer": distributed.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -473,10 +481,15 @@ class SavedModels:
     def __init__(self, policy: nn.Module, **others: nn.Module):
         self.policy, self.others = policy, others
 
-    def save_pretrained(self, path: str | Path) -> None:
-        self.policy.save_pretrained(path)
+    def states(self) -> dict[str, dict | None]:
+        """Every model's full weights when FSDP2 shards it (collective: call on every rank), else None."""
+        return {"policy": distributed.model_state(self.policy), **{name: distributed.model_state(m) for name, m in self.others.items()}}
+
+    def save_pretrained(self, path: str | Path, states: dict[str, dict | None] | None = None) -> None:
+        states = states or {}
+        self.policy.save_pretrained(path, state_dict=states.get("policy"))
         for name, model in self.others.items():
-            model.save_pretrained(Path(path) / name)
+            model.save_pretrained(Path(path) / name, state_dict=states.get(name))
 
 
 @dataclass
@@ -527,20 +540,33 @@ def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: Save
     """Checkpoint after ``state.step`` steps (named by it): weights, optimisers and schedules of
     every updater, RNGs, the generator, and ``extra`` (e.g. the KL controller). Rank 0 writes
     (every rank holds the same weights and optimiser state under DDP); the others wait."""
+    states = models.states()  # collective under FSDP2, like the optimiser states below
+    extra = {**extra, **state.state_dict(), **{f"updater/{name}": _plain(u.state_dict()) for name, u in updaters.items()}}
     if state.world.is_main:
-        extra = {**extra, **state.state_dict(), **{f"updater/{name}": _plain(u.state_dict()) for name, u in updaters.items()}}
-        save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, state.step * cfg.prompts_per_step, extra, cfg.keep_last)
+        save_checkpoint(run_dir, state.step, _WithStates(models, states), None, None, tokenizer, cfg, state.step * cfg.prompts_per_step, extra, cfg.keep_last)
     state.world.barrier()
 
 
 def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World()) -> Path:
     """The trained policy as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final`` (rank 0 writes)."""
     final = run_dir / "final"
+    states = models.states()
     if world.is_main:
-        models.save_pretrained(final)
+        models.save_pretrained(final, states)
         tokenizer.save_pretrained(final)
     world.barrier()
     return final
+
+
+@dataclass
+class _WithStates:
+    """SavedModels with their gathered weights, for :func:`rlalign.train.common.save_checkpoint`."""
+
+    models: SavedModels
+    states: dict[str, dict | None]
+
+    def save_pretrained(self, path: str | Path, state_dict: None = None) -> None:
+        self.models.save_pretrained(path, self.states)
 
 
 def check_world(world: distributed.World, prompts_per_step: int, rows_per_step: int, num_minibatches: int) -> None:
@@ -562,7 +588,9 @@ def sample_shard(policy: nn.Module, tokenizer, prompts: Sequence, cfg: GRPOConfi
     noise = torch.rand((cfg.sampling.max_new_tokens, len(prompts) * group_size), generator=state.generator)  # (N, B global)
     rows = slice(shard.start * group_size, shard.stop * group_size)
     ids = encode_prompts(tokenizer, list(prompts[shard]))
-    return sample(policy, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows]).to("cpu")
+    with distributed.gathered(policy):  # FSDP2: full parameters for the whole decode loop
+        rollout = sample(policy, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows])
+    return rollout.to("cpu")
 
 
 def write_plots(run_dir: Path, keys: Sequence[str]) -> Path:
@@ -715,13 +743,13 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
     with world.main_first():
         base_path = prepare_model_path(cfg.model, run_dir)
     tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
-    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions)
+    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions, world)
     m, device = cfg.model, world.device(cfg.model.device)
     policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, device, None if ckpt else m.lora, m.gguf_file)
     reference = None
     if cfg.beta > 0 and (m.lora is None or cfg.reference is not None):  # LoRA alone: the base, adapters off
-        reference = load_reference(cfg.reference or base_path, m.dtype, device, m.gguf_file)
-    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, world)
+        reference = distributed.shard_frozen(load_reference(cfg.reference or base_path, m.dtype, device, m.gguf_file), world, m.sharding)
+    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, world, m.sharding)
     state = resume_state(ckpt, cfg.seed, {"policy": updater}, world)
 
     result = GRPOResult(policy=policy, output_dir=run_dir)

@@ -373,13 +373,17 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
     with world.main_first():
         base_path = prepare_model_path(cfg.model, run_dir)
     tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
-    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions)
+    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions, world)
     m, device = cfg.model, world.device(cfg.model.device)
     policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, device, None if ckpt else m.lora, m.gguf_file)
     reference = None if m.lora is not None and cfg.reference is None else load_reference(cfg.reference or base_path, m.dtype, device, m.gguf_file)
+    reference = distributed.shard_frozen(reference, world, m.sharding)
     critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, base_path), m.dtype, device)
     updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
-    updaters = {"policy": Updater.create(policy, cfg.optim, updates, world), "critic": Updater.create(critic, cfg.critic.optim, updates, world)}
+    updaters = {
+        "policy": Updater.create(policy, cfg.optim, updates, world, m.sharding),
+        "critic": Updater.create(critic, cfg.critic.optim, updates, world, m.sharding),
+    }
     state = resume_state(ckpt, cfg.seed, updaters, world)
     kl_ctl = cfg.kl_controller()
     if ckpt is not None:

@@ -151,14 +151,15 @@ def train(cfg: RMConfig) -> dict[str, float]:
         start_step, data_position = resumed.step + 1, resumed.data_position
     model = load_reward_model(resumed.model_dir if resumed else base_path, cfg.model.dtype, world.device(cfg.model.device), trainable=True, gguf_file=cfg.model.gguf_file)
     model.train()
-    trained = distributed.wrap(model, world)  # DDP under torchrun: the forward that needs gradient sync goes through it
-    optimizer, scheduler = make_optimizer(model.parameters(), cfg.optim, cfg.max_steps)
+    trained = distributed.wrap(model, world, cfg.model.sharding)  # under torchrun: DDP, or sharded in place by FSDP2
+    model = distributed.unwrap(trained)  # for evaluation and saving, which need no gradient sync
+    optimizer, scheduler = make_optimizer(trained.parameters(), cfg.optim, cfg.max_steps)
     if resumed:
-        optimizer.load_state_dict(resumed.optimizer_state)
+        distributed.load_optimizer_state(trained, optimizer, resumed.optimizer_state)
         scheduler.load_state_dict(resumed.scheduler_state)
         restore_rng_state(resumed.rng)
     initial = resumed.extra.get("eval/accuracy_initial") if resumed else None
-    if initial is None and world.is_main:  # evaluation, logging and saving: rank 0 alone
+    if initial is None:  # every rank evaluates (FSDP2 forwards are collective), the same numbers; rank 0 logs and saves
         initial = evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)["eval/accuracy"]
 
     metrics: dict[str, float] = {}
@@ -182,18 +183,21 @@ def train(cfg: RMConfig) -> dict[str, float]:
             metrics = distributed.reduce_stats(local, float(len(pairs)), scale, world)
             metrics.update({"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "time/train": time.perf_counter() - t0})
             last = step == cfg.max_steps - 1
-            if ((step + 1) % cfg.eval_every == 0 or last) and world.is_main:
+            if (step + 1) % cfg.eval_every == 0 or last:
                 metrics.update(evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size))
             log.log(step, metrics, summary_keys=("loss/rm", "eval/accuracy"))
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
+                model_state, optimizer_state = distributed.model_state(trained), distributed.optimizer_state(trained, optimizer)  # collective under FSDP2
                 if world.is_main:
                     save_checkpoint(
-                        run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/accuracy_initial": initial}, cfg.keep_last
+                        run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/accuracy_initial": initial}, cfg.keep_last,
+                        model_state, optimizer_state,
                     )
                 world.barrier()
     final_dir = run_dir / "final"
+    model_state = distributed.model_state(trained)
     if world.is_main:
-        model.save_pretrained(final_dir)
+        model.save_pretrained(final_dir, state_dict=model_state)
         tokenizer.save_pretrained(final_dir)
     world.barrier()
     result = {"eval/accuracy_initial": initial, "time/total": time.perf_counter() - started}
@@ -209,5 +213,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(RMConfig, args.config, args.overrides)
     result = train(cfg)
-    print("  ".join(f"{k}={v:.4g}" for k, v in result.items() if v is not None))  # under torchrun only rank 0 evaluates
+    print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
     return 0

@@ -1,6 +1,6 @@
 """The runs of tests/train/test_distributed.py, through the real CLI.
 
-    torchrun --standalone --nproc-per-node 2 tests/train/distributed_runs.py OUT TINY_MODEL
+    torchrun --standalone --nproc-per-node 2 tests/train/distributed_runs.py OUT TINY_MODEL   (DDP, then FSDP2)
     python tests/train/distributed_runs.py OUT TINY_MODEL          (the same runs in one process)
 
 SFT and the reward model build the tiny recipe model themselves (rank 0 first under torchrun);
@@ -10,6 +10,7 @@ of the completion), which varies between random completions, so every update car
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -19,24 +20,29 @@ from rlalign.cli import main
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "progress=false", "num_threads=1"]
 
 
-def commands(out: str, tiny: str) -> list[list[str]]:
-    rl = [f"model.path={tiny}", "data.task=arithmetic", "data.num_prompts=64", "rewards=[{function: preference}]", "sampling.max_new_tokens=6",
+def commands(out: str, tiny: str, sharding: str = "ddp") -> list[list[str]]:
+    """The runs, in output directories named ``<run>`` (DDP, or one process) or ``<run>_fsdp``."""
+    tag = "" if sharding == "ddp" else f"_{sharding}"
+    out_sft, out_rm, out_grpo, out_ppo = (f"{out}/{name}{tag}" for name in ("sft", "rm", "grpo", "ppo"))
+    rl = [f"model.sharding={sharding}", f"model.path={tiny}", "data.task=arithmetic", "data.num_prompts=64", "rewards=[{function: preference}]", "sampling.max_new_tokens=6",
           "optim.lr=3e-3", "progress=false", "plots=false", "num_threads=1"]
     grpo = ["grpo", *rl, "steps=3", "prompts_per_step=4", "group_size=4", "beta=0.1", "mu=2", "num_minibatches=2", "advantage=batch",
             "aggregation=token-mean", "save_every=1", "keep_last=5"]
     return [
-        ["sft", *TINY, f"output_dir={out}/sft", "data.task=arithmetic", "data.num_train=64", "data.num_eval=8", "batch_size=8", "max_steps=3",
+        ["sft", *TINY, f"model.sharding={sharding}", f"output_dir={out_sft}", "data.task=arithmetic", "data.num_train=64", "data.num_eval=8", "batch_size=8", "max_steps=3",
          "eval_every=3", "optim.lr=3e-3"],
-        ["rm", *TINY, f"output_dir={out}/rm", "data.num_train=64", "data.num_eval=8", "batch_size=8", "max_steps=3", "eval_every=3", "center_coef=0.01"],
-        [*grpo, f"output_dir={out}/grpo"],
-        [*grpo, f"output_dir={out}/grpo_resumed", "--resume", f"{out}/grpo/checkpoints/step_00000002"],
-        ["ppo", *rl, f"output_dir={out}/ppo", "steps=2", "prompts_per_step=8", "ppo_epochs=2", "num_minibatches=4", "critic.optim.lr=3e-3",
+        ["rm", *TINY, f"model.sharding={sharding}", f"output_dir={out_rm}", "data.num_train=64", "data.num_eval=8", "batch_size=8", "max_steps=3", "eval_every=3", "center_coef=0.01"],
+        [*grpo, f"output_dir={out_grpo}"],
+        [*grpo, f"output_dir={out_grpo}_resumed", "--resume", f"{out_grpo}/checkpoints/step_00000002"],
+        ["ppo", *rl, f"output_dir={out_ppo}", "steps=2", "prompts_per_step=8", "ppo_epochs=2", "num_minibatches=4", "critic.optim.lr=3e-3",
          "kl_coef=0.05", "kl_target=1.0", "kl_horizon=100", "aggregation=seq-mean-token-mean"],
     ]
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for argv in commands(sys.argv[1], sys.argv[2]):
-        if main(argv) != 0:
-            sys.exit(f"rlalign {' '.join(argv)} failed")
+    shardings = ("ddp", "fsdp") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ("ddp",)  # one process: sharding does nothing
+    for sharding in shardings:
+        for argv in commands(sys.argv[1], sys.argv[2], sharding):
+            if main(argv) != 0:
+                sys.exit(f"rlalign {' '.join(argv)} failed")

