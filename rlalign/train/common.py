@@ -43,6 +43,7 @@ from rlalign.lm.data import encode_prompts, render_prompt
 from rlalign.lm.models import LoraConfig
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
+from rlalign.train import distributed
 
 __all__ = [
     "OptimConfig",
@@ -66,6 +67,8 @@ __all__ = [
     "latest_checkpoint",
     "generation_eval",
     "greedy_eval",
+    "save_checkpoint_from_ranks",
+    "save_model_from_ranks",
 ]
 
 CHECKPOINT_MARKER = "checkpoint.json"
@@ -324,6 +327,26 @@ def save_checkpoint(
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old)
     return final
+
+
+def save_checkpoint_from_ranks(world, trained, model, optimizer, run_dir: str | Path, step: int, **kwargs: Any) -> None:
+    """:func:`save_checkpoint` of a model trained under torchrun: its weights and optimiser state
+    gathered from every rank (FSDP2; collective, so every rank calls this), written by rank 0 while
+    the others wait. ``trained``: the wrapped model; ``model``: the module to save."""
+    model_state, optimizer_state = distributed.model_state(trained), distributed.optimizer_state(trained, optimizer)
+    if world.is_main:
+        save_checkpoint(run_dir, step, model, optimizer, model_state=model_state, optimizer_state=optimizer_state, **kwargs)
+    world.barrier()
+
+
+def save_model_from_ranks(world, trained, model, tokenizer, path: str | Path) -> Path:
+    """``save_pretrained`` of ``model`` and ``tokenizer`` to ``path`` (weights gathered from every rank under FSDP2; rank 0 writes)."""
+    model_state = distributed.model_state(trained)
+    if world.is_main:
+        model.save_pretrained(path, **({} if model_state is None else {"state_dict": model_state}))
+        tokenizer.save_pretrained(path)
+    world.barrier()
+    return Path(path)
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -39,7 +39,8 @@ from rlalign.train.common import (
     make_optimizer,
     prepare_model_path,
     restore_rng_state,
-    save_checkpoint,
+    save_checkpoint_from_ranks,
+    save_model_from_ranks,
     set_seed,
 )
 
@@ -187,19 +188,10 @@ def train(cfg: RMConfig) -> dict[str, float]:
                 metrics.update(evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size))
             log.log(step, metrics, summary_keys=("loss/rm", "eval/accuracy"))
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                model_state, optimizer_state = distributed.model_state(trained), distributed.optimizer_state(trained, optimizer)  # collective under FSDP2
-                if world.is_main:
-                    save_checkpoint(
-                        run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/accuracy_initial": initial}, cfg.keep_last,
-                        model_state, optimizer_state,
-                    )
-                world.barrier()
-    final_dir = run_dir / "final"
-    model_state = distributed.model_state(trained)
-    if world.is_main:
-        model.save_pretrained(final_dir, state_dict=model_state)
-        tokenizer.save_pretrained(final_dir)
-    world.barrier()
+                extra = {"eval/accuracy_initial": initial}
+                save_checkpoint_from_ranks(world, trained, model, optimizer, run_dir, step, scheduler=scheduler, tokenizer=tokenizer, config=cfg,
+                                           data_position=data_position, extra=extra, keep_last=cfg.keep_last)
+    final_dir = save_model_from_ranks(world, trained, model, tokenizer, run_dir / "final")
     result = {"eval/accuracy_initial": initial, "time/total": time.perf_counter() - started}
     result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
     return result

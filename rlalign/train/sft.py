@@ -46,7 +46,8 @@ from rlalign.train.common import (
     make_optimizer,
     prepare_model_path,
     restore_rng_state,
-    save_checkpoint,
+    save_checkpoint_from_ranks,
+    save_model_from_ranks,
     set_seed,
 )
 
@@ -208,19 +209,10 @@ def train(cfg: SFTConfig) -> dict[str, float]:
                 metrics.update(_evaluate(model, tokenizer, eval_set, eval_spec, cfg))
             log.log(step, metrics, summary_keys=("loss/sft", "eval/reward"))
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                model_state, optimizer_state = distributed.model_state(trained), distributed.optimizer_state(trained, optimizer)  # collective under FSDP2
-                if world.is_main:
-                    save_checkpoint(
-                        run_dir, step, model, optimizer, scheduler, tokenizer, cfg, data_position, {"eval/reward_initial": initial}, cfg.keep_last,
-                        model_state, optimizer_state,
-                    )
-                world.barrier()
-    final_dir = run_dir / "final"
-    model_state = distributed.model_state(trained)
-    if world.is_main:
-        model.save_pretrained(final_dir, state_dict=model_state)
-        tokenizer.save_pretrained(final_dir)
-    world.barrier()
+                extra = {"eval/reward_initial": initial}
+                save_checkpoint_from_ranks(world, trained, model, optimizer, run_dir, step, scheduler=scheduler, tokenizer=tokenizer, config=cfg,
+                                           data_position=data_position, extra=extra, keep_last=cfg.keep_last)
+    final_dir = save_model_from_ranks(world, trained, model, tokenizer, run_dir / "final")
     result = {"eval/reward_initial": initial, "time/total": time.perf_counter() - started}
     result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
     return result
