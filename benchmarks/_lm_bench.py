@@ -125,10 +125,13 @@ def arithmetic_reward(prompts, completions, **_) -> list[float]:
 
 
 def chat_arithmetic_reward(prompts, completions, **_) -> list[float]:
-    """1 when the first integer of the completion is the value of the prompt's "a+b" problem, else 0.
+    """Closeness of the reply's last integer x to the value v of the prompt's "a+b" problem:
+    max(0, 1 - |x - v| / 100); 0 when the reply has no integer.
 
-    Works on rendered prompt text (rlalign passes the chat template's output) and on chat messages
-    (TRL's conversational format): the problem is the last "a+b" / "a-b" in the prompt.
+    Graded rather than exact because SmolLM2-135M almost never gets two-digit sums right (an exact
+    reward is 0 for nearly every completion, so every advantage would be 0). Works on rendered
+    prompt text (rlalign passes the chat template's output) and on chat messages (TRL's
+    conversational format): the problem is the last "a+b" / "a-b" in the prompt.
     """
     from rlalign.tasks.arithmetic import answer_of
 
@@ -136,8 +139,8 @@ def chat_arithmetic_reward(prompts, completions, **_) -> list[float]:
     for prompt, completion in zip(prompts, completions, strict=True):
         problems = _PROBLEM.findall(_text(prompt))
         value = answer_of(problems[-1] + "=") if problems else None
-        found = _INTEGER.search(_text(completion))
-        out.append(1.0 if value is not None and found is not None and int(found.group()) == value else 0.0)
+        found = _INTEGER.findall(_text(completion))
+        out.append(max(0.0, 1.0 - abs(int(found[-1]) - value) / 100) if value is not None and found else 0.0)
     return out
 
 

@@ -230,7 +230,8 @@ class ScalarHeadModel(nn.Module):
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state  # (B, T, H)
-        return self.head(hidden.float()).squeeze(-1)  # (B, T)
+        with torch.autocast(hidden.device.type, enabled=False):  # the scalar head stays float32 under a bfloat16 autocast
+            return self.head(hidden.float()).squeeze(-1)  # (B, T)
 
     def sequence_scores(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """The scalar at each row's last non-padding token. Returns (B,) float32."""

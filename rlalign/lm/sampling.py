@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from rlalign.lm.models import unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
@@ -184,7 +184,11 @@ def sample(
 
     causal_lm = unwrap_causal_lm(model)
     dtype = next(causal_lm.parameters()).dtype
-    cache = StaticCache(config=causal_lm.config, max_cache_len=total)
+    # Under torch.autocast keys (after RoPE) and values reach the cache in different dtypes, which a
+    # StaticCache (one dtype, allocated on first use) rejects; a DynamicCache grows with the sequence.
+    autocast = torch.is_autocast_enabled(device.type)
+    cache = DynamicCache() if autocast else StaticCache(config=causal_lm.config, max_cache_len=total)
+    visible = (lambda n: n) if autocast else (lambda n: total)  # key columns the mask hands the model: the cache's length
     key_valid = prompt_mask.bool()  # (B, P)
     step_mask = torch.full((batch, 1, 1, total), torch.finfo(dtype).min, dtype=dtype, device=device)  # (B, 1, 1, L)
     step_mask[:, 0, 0, :prompt_len].masked_fill_(key_valid, 0.0)
@@ -198,7 +202,7 @@ def sample(
 
     logits = model(
         input_ids=prompt_ids,
-        attention_mask=_prefill_mask(key_valid, total, dtype),
+        attention_mask=_prefill_mask(key_valid, total, dtype)[..., : visible(prompt_len)],
         position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
         past_key_values=cache,
         use_cache=True,
@@ -217,7 +221,7 @@ def sample(
         step_mask[:, 0, 0, prompt_len + t] = 0.0  # the token just drawn becomes a visible key
         logits = model(
             input_ids=token[:, None],
-            attention_mask=step_mask,
+            attention_mask=step_mask[..., : visible(prompt_len + t + 1)],
             position_ids=next_position + t,
             past_key_values=cache,
             use_cache=True,

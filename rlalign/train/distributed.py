@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from rlalign.core.masks import masked_mean, masked_var
 
-__all__ = ["World", "init", "shutdown", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state", "gather_rows", "all_sum", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of"]
+__all__ = ["World", "init", "shutdown", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state", "gather_rows", "all_sum", "all_max", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of"]
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,15 @@ def aggregation_count(mask: Tensor, mode: str) -> Tensor:
     return (mask.sum(-1) > 0).sum()
 
 
+def all_max(value: float, world: World) -> float:
+    """Largest ``value`` over ranks."""
+    if not world.distributed:
+        return value
+    out = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out)
+
+
 def loss_scale(local_count: Tensor | float, world: World) -> float:
     """Factor that turns this rank's aggregated loss into its share of the global one.
 
@@ -285,10 +294,7 @@ def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world:
     out = {n: float(v) if n.startswith("loss/") else (float(v) / total_weight if total_weight > 0 else 0.0) for n, v in zip(summed, values[:-1])}
     for n in names:
         if n in MAX_STATS:
-            m = torch.tensor([stats[n]], dtype=torch.float64)
-            if world.distributed:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX)
-            out[n] = float(m)
+            out[n] = all_max(stats[n], world)
     return out
 
 

@@ -15,10 +15,13 @@ Shao et al. 2024 (DeepSeekMath), eq. 3-4; seeds 003 (section 8) and 004. The mat
         loss = aggregate(clipped surrogate) + beta * aggregate(k3); backward, clip, step
 
 Deliberate simplifications, stated:
-- pi_old is the sampling policy for all mu passes, so old log-probs are always the sampler's
-  (``Rollout.logprobs``, same temperature) and no extra forward pass is ever made. On CPU float32
+- pi_old is the sampling policy for all mu passes, so old log-probs are the sampler's
+  (``Rollout.logprobs``, same temperature) and no extra forward pass is made. On CPU float32
   they match the training pass to ~5e-7 (``ratio_dev/first`` logs the largest |r - 1| of the
-  first minibatch, before any update).
+  first minibatch, before any update). With ``model.autocast: bfloat16`` the sampler's bfloat16
+  numerics differ from the training forward's by more than that (``logprob_mismatch`` logs the
+  largest |difference|), so pi_old is recomputed by the training forward, minibatch by minibatch
+  (one extra forward pass, no grad), and the first ratio is 1 again.
 - advantages are computed once per rollout over the whole batch, so a minibatch need not hold
   whole groups: minibatch k of M takes rows k, k + M, k + 2M, ... (interleaved, so every rank
   under torchrun holds an equal share of every minibatch; see rlalign.train.distributed).
@@ -28,6 +31,7 @@ Metrics (one metrics.jsonl line per step; minibatch statistics are means over th
     reward/mean, reward/std, reward/<term>/mean|std   total and per-term (unweighted) rewards
     kl                    mean per-token k3 to the reference (absent when beta = 0)
     clip_frac, clip_frac/low, clip_frac/high, approx_kl, ratio_mean   clipped-surrogate diagnostics
+    logprob_mismatch      max |sampler log-prob - training log-prob| (only with model.autocast)
     ratio_dev, ratio_dev/first   max |r - 1|: over each update / on the first minibatch only (~0)
     entropy               mean per-token entropy of softmax(logits / temperature)
     completion_len/mean|max, completion_len/clipped_frac   lengths; share without EOS
@@ -48,6 +52,7 @@ The pieces marked "shared" are imported by :mod:`rlalign.train.ppo`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import time
@@ -80,6 +85,7 @@ from rlalign.train import distributed
 from rlalign.train.common import (
     Checkpoint,
     MetricsLogger,
+    forward_precision,
     ModelConfig,
     OptimConfig,
     batch_order,
@@ -370,10 +376,24 @@ def completion_logits(model: nn.Module, rollout: Rollout) -> Tensor:
 
 
 @torch.no_grad()
-def reference_logprobs(policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int) -> Tensor:
+def reference_logprobs(
+    policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int, model_cfg: ModelConfig | None = None
+) -> Tensor:
     """Completion log-probs under the frozen reference (or the LoRA base, adapters off). Shape: (B, C)."""
-    with reference_policy(policy, reference) as ref, distributed.gathered(ref):
+    with reference_policy(policy, reference) as ref, distributed.gathered(ref), forward_precision(model_cfg or ModelConfig(), ref):
         return torch.cat([rollout_logprobs(ref, mb.to(next(ref.parameters()).device), temperature).cpu() for mb in rollout.minibatches(batch_size)])
+
+
+@torch.no_grad()
+def training_logprobs(policy: nn.Module, rollout: Rollout, temperature: float, minibatches: Sequence[Tensor | slice], model_cfg: ModelConfig) -> Tensor:
+    """log pi_old recomputed by the training forward, on the same minibatches (same shapes, so the
+    same kernels) as the updates that follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
+    logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
+    device = next(policy.parameters()).device
+    for rows in minibatches:
+        with forward_precision(model_cfg, policy):
+            logprobs[rows] = rollout_logprobs(policy, rollout.select(rows).to(device), temperature).float().cpu()
+    return logprobs
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> Tensor:
@@ -588,7 +608,7 @@ def sample_shard(policy: nn.Module, tokenizer, prompts: Sequence, cfg: GRPOConfi
     noise = torch.rand((cfg.sampling.max_new_tokens, len(prompts) * group_size), generator=state.generator)  # (N, B global)
     rows = slice(shard.start * group_size, shard.stop * group_size)
     ids = encode_prompts(tokenizer, list(prompts[shard]))
-    with distributed.gathered(policy):  # FSDP2: full parameters for the whole decode loop
+    with distributed.gathered(policy), forward_precision(cfg.model, policy):  # FSDP2: full parameters for the whole decode loop
         rollout = sample(policy, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows])
     return rollout.to("cpu")
 
@@ -622,9 +642,10 @@ def grpo_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Ten
     Returns:
         (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy.
     """
-    logits = completion_logits(policy, rollout)  # (B, C, V)
+    with forward_precision(cfg.model, policy):
+        logits = completion_logits(policy, rollout)  # (B, C, V), bfloat16 under autocast
     device = logits.device
-    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C)
+    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C), float32
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm (Dr.GRPO), not this batch's C
     pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps_low, cfg.eps_high, mode=cfg.aggregation, max_len=max_len)
@@ -677,14 +698,19 @@ def grpo_step(
     advantages = all_advantages[rows]  # (B,)
     mask = loss_mask(rollout, cfg.mask_truncated)  # (B, C)
     m = cfg.num_minibatches
-    ref_logp = reference_logprobs(updater.module, reference, rollout, cfg.sampling.temperature, rollout.batch_size // m) if cfg.beta > 0 else None  # (B, C)
+    minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
+    ref_logp = reference_logprobs(updater.module, reference, rollout, cfg.sampling.temperature, rollout.batch_size // m, cfg.model) if cfg.beta > 0 else None
+    mismatch = None
+    if cfg.model.autocast != "none":  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
+        old_logp = training_logprobs(updater.module, rollout, cfg.sampling.temperature, minibatches, cfg.model)  # (B, C)
+        mismatch = float(((old_logp - rollout.logprobs).abs() * rollout.completion_mask).max())
+        rollout = dataclasses.replace(rollout, logprobs=old_logp)
 
-    # 4. mu passes x minibatches (rows k, k + m, ...) of clipped-surrogate updates against the sampling log-probs
+    # 4. mu passes x minibatches of clipped-surrogate updates against log pi_old
     sums: dict[str, float] = {}
     updates, first_ratio_dev = 0, None
     for _ in range(cfg.mu):
-        for k in range(m):
-            mb = slice(k, None, m)
+        for mb in minibatches:
             loss, stats = grpo_loss(updater.model, rollout.select(mb), advantages[mb], mask[mb], None if ref_logp is None else ref_logp[mb], cfg)
             scale = distributed.loss_scale(distributed.aggregation_count(mask[mb], cfg.aggregation), world)  # 1 in one process
             stats = distributed.reduce_stats({key: float(v) for key, v in stats.items()}, float(mask[mb].sum()), scale, world)
@@ -701,6 +727,8 @@ def grpo_step(
     metrics["frac_zero_std_groups"] = (scores.view(-1, cfg.group_size).std(dim=1) <= 1e-6).float().mean().item()
     metrics["adv/std"] = all_advantages.std().item()
     metrics["ratio_dev/first"] = first_ratio_dev
+    if mismatch is not None:
+        metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["lr"] = float(updater.scheduler.get_last_lr()[0])
     metrics["time/generate"] = t1 - t0
     metrics["time/score"] = t2 - t1

@@ -31,6 +31,8 @@ Deliberate simplifications, stated:
   the first minibatch of the first epoch has ratio 1 up to float round-off (logged as
   ``ratio_dev/first``, the largest |r - 1| there).
 - the KL in the reward and in the metrics is measured once per rollout, at pi_old.
+- with ``model.autocast: bfloat16``, pi_old is recomputed by the training forward (as in
+  rlalign.train.grpo; ``logprob_mismatch`` logs how far the sampler's log-probs were from it).
 - under torchrun, explained_variance is the token-weighted mean of the ranks' values (the other
   metrics are those of the global batch; rlalign.train.distributed).
 """
@@ -38,6 +40,7 @@ Deliberate simplifications, stated:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -59,7 +62,7 @@ from rlalign.lm.data import PromptExample, render_prompt
 from rlalign.lm.models import load_critic, load_policy, load_reference, load_tokenizer
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
-from rlalign.train.common import MetricsLogger, ModelConfig, prepare_model_path, set_seed
+from rlalign.train.common import MetricsLogger, ModelConfig, forward_precision, prepare_model_path, set_seed
 from rlalign.train.grpo import (
     Aggregation,
     DataConfig,
@@ -85,6 +88,7 @@ from rlalign.train.grpo import (
     sample_shard,
     save_final,
     score_rollout,
+    training_logprobs,
     write_checkpoint,
     write_plots,
     write_samples,
@@ -207,9 +211,10 @@ def critic_values(critic: nn.Module, rollout: Rollout) -> Tensor:
 
 def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """L_pi = aggregate(clipped surrogate) + c2 * L_H on one minibatch (``rollout.logprobs`` = log pi_old)."""
-    logits = completion_logits(policy, rollout)  # (B, C, V)
+    with forward_precision(cfg.model, policy):
+        logits = completion_logits(policy, rollout)  # (B, C, V), bfloat16 under autocast
     device = logits.device
-    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C)
+    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C), float32
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
     pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, mode=cfg.aggregation, max_len=max_len)
@@ -230,7 +235,8 @@ def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: T
 
 def critic_loss(critic: nn.Module, rollout: Rollout, returns: Tensor, old_values: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """L_V on one minibatch, clipped around the rollout-time values when ``value_clip`` is set."""
-    values = critic_values(critic, rollout)  # (B, C)
+    with forward_precision(cfg.model, critic):
+        values = critic_values(critic, rollout)  # (B, C), float32 (the head is)
     device = values.device
     loss, stats = value_loss(
         values, returns.to(device), mask.to(device), old_values.to(device), cfg.value_clip, mode=cfg.aggregation, max_len=cfg.sampling.max_new_tokens
@@ -275,9 +281,15 @@ def ppo_step(
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
     mask = rollout.completion_mask.float()  # (B, C)
     minibatch = -(-len(batch) // cfg.num_minibatches)  # global rows per minibatch
-    ref_logp = reference_logprobs(policy.module, reference, rollout, cfg.sampling.temperature, minibatch)  # (B, C)
-    with torch.no_grad():
+    ref_logp = reference_logprobs(policy.module, reference, rollout, cfg.sampling.temperature, minibatch, cfg.model)  # (B, C)
+    with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
+    mismatch = None
+    if cfg.model.autocast != "none":  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
+        chunks = [slice(s, s + minibatch) for s in range(0, rollout.batch_size, minibatch)]
+        old_logp = training_logprobs(policy.module, rollout, cfg.sampling.temperature, chunks, cfg.model)  # (B, C)
+        mismatch = float(((old_logp - rollout.logprobs).abs() * rollout.completion_mask).max())
+        rollout = dataclasses.replace(rollout, logprobs=old_logp)
     beta = kl_ctl.value
     _, advantages, returns, kl = ppo_advantages(
         local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world
@@ -321,6 +333,8 @@ def ppo_step(
     metrics["non_score_reward"] = (-beta * seq_kl).mean().item()
     metrics["beta"] = beta
     metrics["ratio_dev/first"] = first_ratio_dev
+    if mismatch is not None:
+        metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["adv/std"] = adv_var.sqrt().item()
     metrics["returns/mean"] = distributed.global_mean_var(returns, mask, world)[0].item()
     metrics["lr"] = float(policy.scheduler.get_last_lr()[0])

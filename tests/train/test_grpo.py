@@ -302,3 +302,17 @@ def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
     assert total.tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match="'tests' column"):
         grpo.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {})], grpo.load_tokenizer(tiny_path), cfg.model)
+
+
+def test_bfloat16_autocast_recomputes_old_logprobs_and_learns(tiny_path, tmp_path):
+    # under autocast pi_old is recomputed by the training forward on the same minibatches, so the first
+    # ratio is 1; how far the sampler's bfloat16 log-probs were is logged (here ~5e-7: bfloat16 GEMMs
+    # accumulate in float32 and these shapes round alike); and the digit share still rises
+    cfg = make_cfg(tiny_path, tmp_path, steps=30, prompts_per_step=4, group_size=8, beta=0.0, num_minibatches=2,
+                   **{"sampling.max_new_tokens": 8, "model.autocast": "bfloat16"})
+    result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)])
+    for row in result.history:
+        assert row["ratio_dev/first"] <= 1e-5
+        assert 0 <= row["logprob_mismatch"] < 1e-2
+    share = [row["reward/digits/mean"] for row in result.history]
+    assert sum(share[-5:]) / 5 > sum(share[:5]) / 5 + 0.25, share

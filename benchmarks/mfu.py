@@ -1,0 +1,206 @@
+"""Model FLOPs utilisation of one rlalign GRPO step on this machine.
+
+    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --out runs/bench/mfu_smollm2.json
+    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --threads 2
+    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --autocast     # the same step inside torch.autocast(cpu, bfloat16)
+
+1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048), float32 and bfloat16, best of
+   ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's thread count.
+2. FLOPs of one GRPO step, counted analytically from the step's shapes (B rows = prompts x G, P the
+   left-padded prompt length, C completion tokens), with N_body the parameters of the decoder
+   layers' linear maps, N_head = V x H the LM head, L layers, d = heads x head_dim, and attention
+   counted as 4 L d T per token (QK^T and AV, T the context length, no causal halving: the PaLM
+   convention):
+       generation  prefill 2 N_body B P + 2 N_head B (logits at the last position only),
+                   then per decode step 2 (N_body + N_head) B + attention over the cache
+       reference   forward over B (P + C) positions: 2 N_body B (P + C) + 2 N_head B (C + 1)
+                   (``logits_to_keep`` = C + 1) + attention
+       policy      forward + backward = 3 x the reference forward
+   Every computed position counts (padding included: it is work the hardware does). Random
+   weights never emit EOS, so every row runs the full ``--new-tokens`` and C is fixed.
+3. The step: ``rlalign.train.grpo.grpo_step`` on a LlamaForCausalLM with SmolLM2-135M's shape and
+   random weights (``--shape tiny`` for the recipe's tiny Llama), the SmolLM2 tokenizer and chat
+   prompts, 2 prompts x G = 8 x 32 new tokens, beta 0.04 (so a reference pass runs), float32.
+   The first step is warm-up; the median of the others is reported, with its phases
+   (generate / score / reference + train, from the step's own metrics).
+
+MFU = FLOPs / time / peak, against both peaks (the float32 one is the fair ceiling of a float32 step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _lm_bench as lb  # noqa: E402
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    """Best GFLOP/s of ``a @ b`` (n x n) over ``repeats`` runs, after two warm-up runs."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(2):
+        torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def random_checkpoint(shape: str) -> Path:
+    """A random-weight checkpoint (model + tokenizer) of SmolLM2-135M's shape, or the tiny recipe model."""
+    if shape == "tiny":
+        return lb.tiny_checkpoint()
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = Path("/tmp/smollm2-shape-random")
+    if not (path / "config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(lb.smollm2_checkpoint()))
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**lb.SMOLLM2_SHAPE))
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def model_dims(config) -> dict:
+    h, layers = config.hidden_size, config.num_hidden_layers
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    ffn = config.intermediate_size
+    per_layer = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h + 3 * h * ffn  # q, k, v, o, gate/up/down
+    return {"n_body": layers * per_layer, "n_head": config.vocab_size * h, "layers": layers, "d_attn": heads * head_dim}
+
+
+def step_flops(dims: dict, batch: int, prompt_len: int, completion_len: int, decode_steps: int) -> dict[str, float]:
+    """Analytic FLOPs of one GRPO step's three phases (see the module docstring)."""
+    nb, nh, layers, d = dims["n_body"], dims["n_head"], dims["layers"], dims["d_attn"]
+    attn = lambda tokens, context: 4 * layers * d * tokens * context  # noqa: E731
+    gen = 2 * nb * batch * prompt_len + 2 * nh * batch + batch * attn(prompt_len, prompt_len)
+    for t in range(1, decode_steps):  # decode step t feeds token t-1 at context P + t
+        gen += 2 * (nb + nh) * batch + batch * attn(1, prompt_len + t)
+    total = prompt_len + completion_len
+    forward = 2 * nb * batch * total + 2 * nh * batch * (completion_len + 1) + batch * attn(total, total)
+    return {"generate": gen, "reference": forward, "policy_fwd_bwd": 3 * forward}
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    from rlalign.lm.data import encode_prompts
+    from rlalign.lm.models import load_policy, load_reference, load_tokenizer
+    from rlalign.tasks import TASKS
+    from rlalign.train.common import set_seed
+    from rlalign.train.grpo import GRPOConfig, RewardTerm, TrainState, Updater, build_rewards, grpo_step, load_prompt_set, prompt_batch
+
+    peaks = {"float32": matmul_peak(torch.float32, args.n, args.repeats), "bfloat16": matmul_peak(torch.bfloat16, args.n, args.repeats)}
+    path = random_checkpoint(args.shape)
+    if args.shape == "tiny":
+        records, reward = TASKS["arithmetic"].prompt_records("train", 256, 0), lb.arithmetic_reward
+    else:
+        records, reward = lb.chat_arithmetic_records(256, 0), lb.chat_arithmetic_reward
+    cfg = GRPOConfig.model_validate(
+        dict(
+            output_dir=tempfile.mkdtemp(prefix="bench_mfu_"), seed=0, num_threads=args.threads,
+            model=dict(path=str(path), dtype=args.dtype), sampling=dict(max_new_tokens=args.new_tokens, temperature=0.7),
+            optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
+            steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size, beta=args.beta, progress=False, plots=False,
+        )
+    )
+    set_seed(0)
+    prompt_set = load_prompt_set(cfg.data, records)
+    tokenizer = load_tokenizer(path)
+    rewards = build_rewards([], prompt_set, tokenizer, cfg.model, [RewardTerm("reward", 1.0, reward)])
+    policy = load_policy(path, args.dtype)
+    reference = load_reference(path, args.dtype) if args.beta > 0 else None
+    dims = model_dims(policy.config)
+    updater = Updater.create(policy, cfg.optim, cfg.steps)
+    state = TrainState(step=0, generator=torch.Generator().manual_seed(0))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
+
+    steps = []
+    for _ in range(args.steps):
+        batch = [ex.prompt for ex in prompt_batch(prompt_set, state.step, cfg.prompts_per_step, cfg.seed)]
+        prompt_len = max(len(ids) for ids in encode_prompts(tokenizer, batch))  # left-padded to the longest
+        t0 = time.perf_counter()
+        with autocast:
+            metrics, _ = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
+        dt = time.perf_counter() - t0
+        state.step += 1
+        rows = cfg.prompts_per_step * cfg.group_size
+        completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
+        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len)
+        steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
+                      "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"], "flops": flops,
+                      "ratio_dev_first": metrics["ratio_dev/first"], "kl": metrics.get("kl")})
+        print(f"step {len(steps)}: {dt:.2f} s (generate {metrics['time/generate']:.2f}, ref + train {metrics['time/train']:.2f}), P={prompt_len}, C={completion_len}, "
+              f"max |ratio - 1| before the update {metrics['ratio_dev/first']:.2e}", file=sys.stderr)
+
+    timed = steps[1:] or steps
+    med = lambda key: statistics.median(s[key] for s in timed)  # noqa: E731
+    flops_gen = statistics.median(s["flops"]["generate"] for s in timed)
+    flops_train = statistics.median(s["flops"]["reference"] + s["flops"]["policy_fwd_bwd"] for s in timed)
+    flops_total = flops_gen + flops_train
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "threads": args.threads, "dtype": args.dtype, "autocast_bf16": args.autocast, "shape": args.shape,
+        "peak_gflops": peaks, "dims": dims, "n_params": lb.count_parameters(policy), "load": lb.machine_load(),
+        "steps": steps, "median_step_s": med("time"), "median_generate_s": med("t_generate"), "median_ref_train_s": med("t_train"),
+        "flops_generate": flops_gen, "flops_ref_train": flops_train, "flops_step": flops_total,
+        "torch": torch.__version__,
+    }
+    result["achieved_gflops"] = {
+        "step": flops_total / result["median_step_s"] / 1e9,
+        "generate": flops_gen / result["median_generate_s"] / 1e9,
+        "ref_train": flops_train / result["median_ref_train_s"] / 1e9,
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype of policy and reference")
+    parser.add_argument("--autocast", action="store_true", help="run the step inside torch.autocast('cpu', dtype=torch.bfloat16)")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--n", type=int, default=2048, help="matmul size of the peak measurement")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    r = run(args)
+    g = r["achieved_gflops"]
+    print(f"\nMFU of one rlalign GRPO step, {r['shape']} shape ({r['n_params'] / 1e6:.1f}M parameters, {r['dtype']}"
+          f"{', bf16 autocast' if r['autocast_bf16'] else ''}), {args.prompts} x {args.group_size} x {args.new_tokens} new tokens, "
+          f"{r['threads']} thread(s), load {r['load']}\n")
+    print(f"matmul peak ({args.n}x{args.n}, best of {args.repeats}): float32 {r['peak_gflops']['float32']:.1f} GFLOP/s, "
+          f"bfloat16 {r['peak_gflops']['bfloat16']:.1f} GFLOP/s\n")
+    print("| phase | GFLOP | median s | GFLOP/s | MFU vs fp32 peak | MFU vs bf16 peak |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, flops, secs, rate in (
+        ("generate", r["flops_generate"], r["median_generate_s"], g["generate"]),
+        ("reference + policy fwd/bwd + AdamW", r["flops_ref_train"], r["median_ref_train_s"], g["ref_train"]),
+        ("whole step", r["flops_step"], r["median_step_s"], g["step"]),
+    ):
+        print(f"| {name} | {flops / 1e9:.1f} | {secs:.2f} | {rate:.1f} | {rate / r['peak_gflops']['float32']:.1%} | {rate / r['peak_gflops']['bfloat16']:.1%} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(r, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
