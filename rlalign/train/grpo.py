@@ -118,6 +118,9 @@ __all__ = [
     "ratio_deviation",
     "grpo_loss",
     "grpo_step",
+    "RunSetup",
+    "setup_run",
+    "run_steps",
     "sample_shard",
     "check_world",
     "train",
@@ -743,6 +746,83 @@ def grpo_step(
 
 
 @dataclass
+class RunSetup:
+    """What GRPO and PPO build before their first step (:func:`setup_run`)."""
+
+    world: distributed.World
+    run_dir: Path
+    prompts: list[PromptExample]
+    checkpoint: Checkpoint | None
+    base_path: Path  # the starting model (built when model.path is null)
+    tokenizer: Any
+    rewards: list[RewardTerm]
+    device: str  # this rank's device
+
+    def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
+        """The policy: from the checkpoint when resuming (LoRA adapters included), else the start with optional fresh LoRA."""
+        m, ckpt = model_cfg, self.checkpoint
+        return load_policy(ckpt.model_dir if ckpt else self.base_path, m.dtype, self.device, None if ckpt else m.lora, m.gguf_file)
+
+    def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
+        """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves."""
+        if model_cfg.lora is not None and path is None:
+            return None
+        reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file)
+        return distributed.shard_frozen(reference, self.world, model_cfg.sharding)
+
+
+def setup_run(cfg: GRPOConfig, resume: str | Path | None, prompts: Sequence[dict] | None, reward_functions: Sequence[RewardTerm], rows_per_step: int, minibatches: int) -> RunSetup:
+    """Process group, seeds, run directory, prompts, the checkpoint to resume from, the starting
+    model (rank 0 builds the tiny one first), tokenizer and reward terms. Shared by GRPO and PPO."""
+    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    check_world(world, cfg.prompts_per_step, rows_per_step, minibatches)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prompt_set = load_prompt_set(cfg.data, prompts)
+    ckpt = open_checkpoint(resume)
+    with world.main_first():
+        base_path = prepare_model_path(cfg.model, run_dir)
+    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions, world)
+    return RunSetup(world, run_dir, prompt_set, ckpt, base_path, tokenizer, rewards, world.device(cfg.model.device))
+
+
+def run_steps(
+    step_fn: Callable[[TrainState], tuple[dict[str, float], list[dict]]],
+    cfg: GRPOConfig,
+    run: RunSetup,
+    state: TrainState,
+    models: SavedModels,
+    updaters: dict[str, Updater],
+    checkpoint_extra: Callable[[], dict[str, Any]],
+    summary_keys: tuple[str, ...],
+    plot_keys: tuple[str, ...],
+) -> tuple[list[dict[str, float]], Path]:
+    """The outer loop GRPO and PPO share: ``step_fn`` until ``cfg.steps``, each step's metrics
+    logged, a few samples every ``sample_every`` steps, a checkpoint every ``save_every`` steps and
+    at the end, then the final model and the curves. Returns (this call's metrics, final dir)."""
+    history: list[dict[str, float]] = []
+    is_main = state.world.is_main
+    with MetricsLogger(run.run_dir, cfg.steps, cfg.progress, cfg.tensorboard, run.run_dir.name, state.step, enabled=is_main) as log:
+        while state.step < cfg.steps:
+            metrics, samples = step_fn(state)
+            log.log(state.step, metrics, summary_keys=summary_keys)
+            if (state.step + 1) % cfg.sample_every == 0 and is_main:
+                write_samples(run.run_dir, samples)
+            history.append({"step": state.step, **metrics})
+            state.step += 1
+            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == cfg.steps:
+                write_checkpoint(run.run_dir, cfg, state, models, updaters, run.tokenizer, checkpoint_extra())
+    final_dir = save_final(run.run_dir, models, run.tokenizer, state.world)
+    if cfg.plots and is_main:
+        write_plots(run.run_dir, plot_keys)
+    return history, final_dir
+
+
+@dataclass
 class GRPOResult:
     """What :func:`train` returns."""
 
@@ -759,42 +839,21 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
         reward_functions: extra reward terms from Python, added to ``cfg.rewards``.
         prompts: prompt records (``{"prompt": ..., "answer"?: ...}``) to use instead of ``cfg.data``.
     """
-    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
-    check_world(world, cfg.prompts_per_step, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    set_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    prompt_set = load_prompt_set(cfg.data, prompts)
-    ckpt = open_checkpoint(resume)
-    with world.main_first():
-        base_path = prepare_model_path(cfg.model, run_dir)
-    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
-    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions, world)
-    m, device = cfg.model, world.device(cfg.model.device)
-    policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, device, None if ckpt else m.lora, m.gguf_file)
-    reference = None
-    if cfg.beta > 0 and (m.lora is None or cfg.reference is not None):  # LoRA alone: the base, adapters off
-        reference = distributed.shard_frozen(load_reference(cfg.reference or base_path, m.dtype, device, m.gguf_file), world, m.sharding)
-    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, world, m.sharding)
-    state = resume_state(ckpt, cfg.seed, {"policy": updater}, world)
+    run = setup_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
+    policy = run.load_policy(cfg.model)
+    reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
+    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding)
+    state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
 
-    result = GRPOResult(policy=policy, output_dir=run_dir)
-    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "grpo", state.step, enabled=world.is_main) as log:
-        while state.step < cfg.steps:
-            metrics, samples = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
-            log.log(state.step, metrics, summary_keys=("reward/mean", "kl", "completion_len/mean"))
-            if (state.step + 1) % cfg.sample_every == 0 and world.is_main:
-                write_samples(run_dir, samples)
-            result.history.append({"step": state.step, **metrics})
-            state.step += 1
-            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == cfg.steps:
-                write_checkpoint(run_dir, cfg, state, SavedModels(policy), {"policy": updater}, tokenizer, {})
-    result.final_dir = save_final(run_dir, SavedModels(policy), tokenizer, world)
-    if cfg.plots and world.is_main:
-        write_plots(run_dir, ("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups"))
-    return result
+    def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
+        return grpo_step(updater, reference, run.tokenizer, run.rewards, run.prompts, state, cfg)
+
+    history, final_dir = run_steps(
+        step, cfg, run, state, SavedModels(policy), {"policy": updater}, dict,
+        summary_keys=("reward/mean", "kl", "completion_len/mean"),
+        plot_keys=("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups"),
+    )
+    return GRPOResult(policy=policy, history=history, output_dir=run.run_dir, final_dir=final_dir)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,10 +59,10 @@ from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.data import PromptExample, render_prompt
-from rlalign.lm.models import load_critic, load_policy, load_reference, load_tokenizer
+from rlalign.lm.models import load_critic
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
-from rlalign.train.common import MetricsLogger, ModelConfig, forward_precision, prepare_model_path, set_seed
+from rlalign.train.common import ModelConfig, forward_precision
 from rlalign.train.grpo import (
     Aggregation,
     DataConfig,
@@ -73,12 +73,8 @@ from rlalign.train.grpo import (
     SavedModels,
     TrainState,
     Updater,
-    build_rewards,
-    check_world,
     completion_logits,
     completion_stats,
-    load_prompt_set,
-    open_checkpoint,
     prompt_batch,
     ratio_deviation,
     reference_logprobs,
@@ -86,12 +82,10 @@ from rlalign.train.grpo import (
     reward_stats,
     sample_rows,
     sample_shard,
-    save_final,
     score_rollout,
+    setup_run,
+    run_steps,
     training_logprobs,
-    write_checkpoint,
-    write_plots,
-    write_samples,
 )
 
 __all__ = [
@@ -375,49 +369,30 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         reward_functions: extra score terms from Python, added to ``cfg.rewards``.
         prompts: prompt records to use instead of ``cfg.data``.
     """
-    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
-    check_world(world, cfg.prompts_per_step, cfg.prompts_per_step, 1)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    set_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    prompt_set = load_prompt_set(cfg.data, prompts)
-    ckpt = open_checkpoint(resume)
-    with world.main_first():
-        base_path = prepare_model_path(cfg.model, run_dir)
-    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
-    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions, world)
-    m, device = cfg.model, world.device(cfg.model.device)
-    policy = load_policy(ckpt.model_dir if ckpt else base_path, m.dtype, device, None if ckpt else m.lora, m.gguf_file)
-    reference = None if m.lora is not None and cfg.reference is None else load_reference(cfg.reference or base_path, m.dtype, device, m.gguf_file)
-    reference = distributed.shard_frozen(reference, world, m.sharding)
-    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, base_path), m.dtype, device)
+    run = setup_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step, 1)  # minibatches may hold any share of a rank's rows
+    m, ckpt = cfg.model, run.checkpoint
+    policy = run.load_policy(m)
+    reference = run.load_reference(m, cfg.reference)
+    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device)
     updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
     updaters = {
-        "policy": Updater.create(policy, cfg.optim, updates, world, m.sharding),
-        "critic": Updater.create(critic, cfg.critic.optim, updates, world, m.sharding),
+        "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding),
+        "critic": Updater.create(critic, cfg.critic.optim, updates, run.world, m.sharding),
     }
-    state = resume_state(ckpt, cfg.seed, updaters, world)
+    state = resume_state(ckpt, cfg.seed, updaters, run.world)
     kl_ctl = cfg.kl_controller()
     if ckpt is not None:
         kl_ctl.load_state_dict(ckpt.extra["kl_controller"])
 
-    result = PPOResult(policy=policy, critic=critic, output_dir=run_dir)
-    with MetricsLogger(run_dir, cfg.steps, cfg.progress, cfg.tensorboard, "ppo", state.step, enabled=world.is_main) as log:
-        while state.step < cfg.steps:
-            metrics, samples = ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, tokenizer, rewards, prompt_set, state, cfg)
-            log.log(state.step, metrics, summary_keys=("score", "kl", "beta"))
-            if (state.step + 1) % cfg.sample_every == 0 and world.is_main:
-                write_samples(run_dir, samples)
-            result.history.append({"step": state.step, **metrics})
-            state.step += 1
-            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == cfg.steps:
-                write_checkpoint(run_dir, cfg, state, SavedModels(policy, critic=critic), updaters, tokenizer, {"kl_controller": kl_ctl.state_dict()})
-    result.final_dir = save_final(run_dir, SavedModels(policy, critic=critic), tokenizer, world)
-    if cfg.plots and world.is_main:
-        write_plots(run_dir, ("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac"))
-    return result
+    def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
+        return ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, run.tokenizer, run.rewards, run.prompts, state, cfg)
+
+    history, final_dir = run_steps(
+        step, cfg, run, state, SavedModels(policy, critic=critic), updaters, lambda: {"kl_controller": kl_ctl.state_dict()},
+        summary_keys=("score", "kl", "beta"),
+        plot_keys=("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac"),
+    )
+    return PPOResult(policy=policy, critic=critic, history=history, output_dir=run.run_dir, final_dir=final_dir)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def train(cfg: RMConfig) -> dict[str, float]:
                 extra = {"eval/accuracy_initial": initial}
                 save_checkpoint_from_ranks(world, trained, model, optimizer, run_dir, step, scheduler=scheduler, tokenizer=tokenizer, config=cfg,
                                            data_position=data_position, extra=extra, keep_last=cfg.keep_last)
-    final_dir = save_model_from_ranks(world, trained, model, tokenizer, run_dir / "final")
+    save_model_from_ranks(world, trained, model, tokenizer, run_dir / "final")
     result = {"eval/accuracy_initial": initial, "time/total": time.perf_counter() - started}
     result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
     return result
