@@ -112,12 +112,33 @@ def step_prompt_indices(num_records: int, steps: int, per_step: int, seed: int) 
 # ----------------------------------------------------------------------------------------------
 
 
+class _timed:
+    """Replace ``owner.name`` (a module function or a bound method) by a wrapper that adds its wall time to ``total``."""
+
+    def __init__(self, owner, name: str):
+        inner = getattr(owner, name)
+        self.total = 0.0
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+
+    def reset(self) -> None:
+        self.total = 0.0
+
+
 def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
     from rlalign.lm.models import load_policy, load_reference, load_tokenizer
     from rlalign.train.common import set_seed
+    from rlalign.train import grpo
     from rlalign.train.grpo import GRPOConfig, RewardTerm, TrainState, Updater, build_rewards, grpo_step, load_prompt_set
 
     rss_import = lb.current_rss_mb()
@@ -142,6 +163,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
     reference = load_reference(path, "float32", "cpu") if cfg.beta > 0 else None
     updater = Updater.create(policy, cfg.optim, cfg.steps)
     state = TrainState(step=0, generator=torch.Generator().manual_seed(cfg.seed))
+    ref_time = _timed(grpo, "reference_logprobs")  # grpo_step looks the name up at call time
     chan.send({"ready": True, "rss_import_mb": rss_import, "rss_loaded_mb": lb.current_rss_mb(), "n_params": lb.count_parameters(policy)})
 
     while True:
@@ -150,13 +172,15 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             break
         records_out = []
         for _ in range(cmd["steps"]):
+            ref_time.reset()
             t0 = time.perf_counter()
             metrics, _ = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
             dt = time.perf_counter() - t0
             records_out.append(
                 {
                     "step": state.step, "time": dt, "tokens": metrics["tokens"], "reward": metrics["reward/mean"], "kl": metrics.get("kl"),
-                    "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"],
+                    "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_reference": ref_time.total,
+                    "t_train": metrics["time/train"] - ref_time.total,
                 }
             )
             state.step += 1
@@ -197,10 +221,12 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
         """Times each optimiser step, collects TRL's logged metrics, and pauses between blocks."""
 
         def __init__(self) -> None:
-            self.want, self.block = 0, []
+            self.want, self.block, self.phases = 0, [], {}
             self.t_resume = self.t_begin = self.t_end = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            for timer in self.phases.values():
+                timer.reset()
             self.t_begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -215,6 +241,9 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
                     "step": state.global_step - 1, "time": self.t_end - self.t_resume, "compute_time": self.t_end - self.t_begin,
                     "log_time": now - self.t_end, "tokens": logs["completions/mean_length"] * batch, "reward": logs["reward"],
                     "kl": logs.get("kl"), "trl_step_time": logs.get("step_time"),
+                    "t_generate": self.phases["generate"].total, "t_score": self.phases["score"].total,
+                    "t_reference": self.phases["gen_and_score"].total - self.phases["generate"].total - self.phases["score"].total,
+                    "t_train": (self.t_end - self.t_resume) - self.phases["gen_and_score"].total,
                 }
             )
             if len(self.block) == self.want:
@@ -231,6 +260,10 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
 
     pacer = Pacer()
     trainer = trl.GRPOTrainer(model=str(path), reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[pacer])
+    # phase split, measured by wrapping the trainer's own methods on this instance (TRL's code is not changed):
+    # generation, reward, and generate-and-score (= generation + reward + reference pass + advantages)
+    pacer.phases = {name: _timed(trainer, method) for name, method in
+                    (("generate", "_generate_single_turn"), ("score", "_calculate_rewards"), ("gen_and_score", "_generate_and_score_completions"))}
     n_params = lb.count_parameters(trainer.model)
     has_ref = trainer.ref_model is not None
     chan.send({"ready": True, "rss_import_mb": rss_import, "rss_loaded_mb": lb.current_rss_mb(), "n_params": n_params, "ref_model": has_ref, "trl": trl.__version__})
@@ -298,7 +331,7 @@ def summarise(side: str, records: list[dict], info: dict, last: int) -> dict:
         "rss_import_mb": info.get("rss_import_mb"),
         "n_params": info.get("n_params"),
     }
-    for key in ("t_generate", "t_score", "t_train", "compute_time", "log_time"):
+    for key in ("t_generate", "t_score", "t_reference", "t_train", "compute_time", "log_time"):
         if timed and key in timed[0]:
             out[f"median_{key}_s"] = statistics.median(r[key] for r in timed)
     return out
@@ -315,13 +348,12 @@ def markdown(summaries: list[dict]) -> str:
             f"{s['completion_tokens_per_s']:.1f} | {s['peak_rss_mb']:.0f} | {s['rss_loaded_mb']:.0f} | "
             f"{s['mean_reward_last']:.3f} (k={s['reward_last_steps']}) |"
         )
-    rl = next((s for s in summaries if s["side"] == "rlalign"), None)
-    if rl and "median_t_generate_s" in rl:
-        lines.append("")
-        lines.append(
-            f"rlalign median split: generate {rl['median_t_generate_s']:.3f} s, score {rl['median_t_score_s']:.4f} s, "
-            f"reference + train {rl['median_t_train_s']:.3f} s"
-        )
+    lines += ["", "Median phase times, s. train = policy forward/backward, clip, optimiser (TRL: plus its batch fetch); "
+              "TRL's reference column also holds its prompt tokenisation, completion decoding and advantages:", "",
+              "| side | generate | score | reference pass | train |", "|---|---:|---:|---:|---:|"]
+    for s in summaries:
+        if "median_t_generate_s" in s:
+            lines.append(f"| {s['side']} | {s['median_t_generate_s']:.3f} | {s['median_t_score_s']:.4f} | {s['median_t_reference_s']:.3f} | {s['median_t_train_s']:.3f} |")
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rlalign.config import Config
 from rlalign.lm.data import encode_prompts, render_prompt
-from rlalign.lm.models import LoraConfig
+from rlalign.lm.models import LoraConfig, load_tokenizer
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.train import distributed
@@ -69,6 +69,8 @@ __all__ = [
     "latest_checkpoint",
     "generation_eval",
     "greedy_eval",
+    "Run",
+    "start_run",
     "save_checkpoint_from_ranks",
     "save_model_from_ranks",
 ]
@@ -360,6 +362,34 @@ def save_model_from_ranks(world, trained, model, tokenizer, path: str | Path) ->
         tokenizer.save_pretrained(path)
     world.barrier()
     return Path(path)
+
+
+@dataclass
+class Run:
+    """A run's place and start: this process among the others, its directory, the starting model, its tokenizer."""
+
+    world: distributed.World
+    run_dir: Path
+    base_path: Path
+    tokenizer: Any
+    device: str  # this rank's device
+
+
+def start_run(cfg: Config, global_batch: int, batch_field: str) -> Run:
+    """Join the process group (under torchrun), check that ``global_batch`` (the config's
+    ``batch_field``) splits evenly across it, set threads and seeds, create the run directory, build
+    or find the starting model (rank 0 first) and load its tokenizer. ``cfg`` has output_dir, seed,
+    num_threads and model."""
+    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    world.shard(global_batch, batch_field)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with world.main_first():
+        base_path = prepare_model_path(cfg.model, run_dir)
+    return Run(world, run_dir, base_path, load_tokenizer(base_path, cfg.model.gguf_file), world.device(cfg.model.device))
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -85,6 +85,7 @@ from rlalign.train import distributed
 from rlalign.train.common import (
     Checkpoint,
     MetricsLogger,
+    Run,
     forward_precision,
     ModelConfig,
     OptimConfig,
@@ -92,10 +93,9 @@ from rlalign.train.common import (
     load_checkpoint,
     make_optimizer,
     plot_metrics,
-    prepare_model_path,
     restore_rng_state,
     save_checkpoint,
-    set_seed,
+    start_run,
 )
 
 __all__ = [
@@ -427,6 +427,11 @@ def completion_stats(rollout: Rollout, world: distributed.World = distributed.Wo
     }
 
 
+def step_timings(t0: float, t1: float, t2: float, t3: float, tokens: float) -> dict[str, float]:
+    """time/generate (t0..t1), time/score (t1..t2), time/train (t2..t3) and tokens_per_s (completion tokens over t0..t3)."""
+    return {"time/generate": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "tokens_per_s": tokens / max(t3 - t0, 1e-9)}
+
+
 def reward_stats(total: Tensor, per_term: dict[str, Tensor]) -> dict[str, float]:
     """reward/mean, reward/std and reward/<name>/mean|std of each term."""
     std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # noqa: E731
@@ -733,10 +738,7 @@ def grpo_step(
     if mismatch is not None:
         metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["lr"] = float(updater.scheduler.get_last_lr()[0])
-    metrics["time/generate"] = t1 - t0
-    metrics["time/score"] = t2 - t1
-    metrics["time/train"] = t3 - t2
-    metrics["tokens_per_s"] = metrics["tokens"] / max(t3 - t0, 1e-9)
+    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"]))
     return metrics, sample_rows(state.step, prompt_texts, completions, local_per_term, local_scores, cfg.num_samples_logged)
 
 
@@ -746,17 +748,13 @@ def grpo_step(
 
 
 @dataclass
-class RunSetup:
-    """What GRPO and PPO build before their first step (:func:`setup_run`)."""
+class RunSetup(Run):
+    """What GRPO and PPO build before their first step (:func:`setup_run`): a :class:`Run` with
+    the prompts, the checkpoint to resume from, and the reward terms."""
 
-    world: distributed.World
-    run_dir: Path
-    prompts: list[PromptExample]
-    checkpoint: Checkpoint | None
-    base_path: Path  # the starting model (built when model.path is null)
-    tokenizer: Any
-    rewards: list[RewardTerm]
-    device: str  # this rank's device
+    prompts: list[PromptExample] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+    rewards: list[RewardTerm] = field(default_factory=list)
 
     def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
         """The policy: from the checkpoint when resuming (LoRA adapters included), else the start with optional fresh LoRA."""
@@ -772,22 +770,13 @@ class RunSetup:
 
 
 def setup_run(cfg: GRPOConfig, resume: str | Path | None, prompts: Sequence[dict] | None, reward_functions: Sequence[RewardTerm], rows_per_step: int, minibatches: int) -> RunSetup:
-    """Process group, seeds, run directory, prompts, the checkpoint to resume from, the starting
-    model (rank 0 builds the tiny one first), tokenizer and reward terms. Shared by GRPO and PPO."""
-    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
-    check_world(world, cfg.prompts_per_step, rows_per_step, minibatches)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    set_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """:func:`rlalign.train.common.start_run` (process group, seeds, run directory, starting model,
+    tokenizer), then the prompts, the checkpoint to resume from and the reward terms. Shared by GRPO and PPO."""
+    check_world(distributed.init(cfg.model.device), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
+    run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step")
     prompt_set = load_prompt_set(cfg.data, prompts)
-    ckpt = open_checkpoint(resume)
-    with world.main_first():
-        base_path = prepare_model_path(cfg.model, run_dir)
-    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
-    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, reward_functions, world)
-    return RunSetup(world, run_dir, prompt_set, ckpt, base_path, tokenizer, rewards, world.device(cfg.model.device))
+    rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world)
+    return RunSetup(**vars(run), prompts=prompt_set, checkpoint=open_checkpoint(resume), rewards=rewards)
 
 
 def run_steps(

@@ -82,6 +82,7 @@ from rlalign.train.grpo import (
     reward_stats,
     sample_rows,
     sample_shard,
+    step_timings,
     score_rollout,
     setup_run,
     run_steps,
@@ -332,10 +333,7 @@ def ppo_step(
     metrics["adv/std"] = adv_var.sqrt().item()
     metrics["returns/mean"] = distributed.global_mean_var(returns, mask, world)[0].item()
     metrics["lr"] = float(policy.scheduler.get_last_lr()[0])
-    metrics["time/generate"] = t1 - t0
-    metrics["time/score"] = t2 - t1
-    metrics["time/train"] = t3 - t2
-    metrics["tokens_per_s"] = metrics["tokens"] / max(t3 - t0, 1e-9)
+    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"]))
     return metrics, sample_rows(state.step, prompt_texts, completions, local_per_term, local_scores, cfg.num_samples_logged)
 
 

@@ -17,8 +17,6 @@ Held-out metrics: ``eval/accuracy`` (fraction of pairs with r_c > r_r) and ``eva
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -27,22 +25,10 @@ from pydantic import Field, model_validator
 from rlalign.config import Config, load_config
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
-from rlalign.lm.models import ScalarHeadModel, last_token_values, load_reward_model, load_tokenizer
+from rlalign.lm.models import ScalarHeadModel, last_token_values, load_reward_model
 from rlalign.tasks import TASKS
-from rlalign.train import distributed
-from rlalign.train.common import (
-    MetricsLogger,
-    ModelConfig,
-    OptimConfig,
-    batch_order,
-    load_checkpoint,
-    make_optimizer,
-    prepare_model_path,
-    restore_rng_state,
-    save_checkpoint_from_ranks,
-    save_model_from_ranks,
-    set_seed,
-)
+from rlalign.train.common import ModelConfig, OptimConfig, start_run, load_checkpoint
+from rlalign.train.supervised import supervised_loop
 
 __all__ = ["RMDataConfig", "RMConfig", "pair_rewards", "evaluate_pairs", "train", "add_arguments", "run"]
 
@@ -134,67 +120,22 @@ def _datasets(cfg: RMConfig) -> tuple[list[PreferenceExample], list[PreferenceEx
 
 def train(cfg: RMConfig) -> dict[str, float]:
     """Train the reward model; returns the final held-out metrics and ``eval/accuracy_initial``, ``time/total``."""
-    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
-    world.shard(cfg.batch_size, "batch_size")
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    set_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with world.main_first():
-        base_path = prepare_model_path(cfg.model, run_dir)
-    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+    run = start_run(cfg, cfg.batch_size, "batch_size")
     train_set, eval_set = _datasets(cfg)
-
-    start_step, data_position, resumed = 0, 0, None
-    if cfg.resume_from is not None:
-        resumed = load_checkpoint(cfg.resume_from)
-        start_step, data_position = resumed.step + 1, resumed.data_position
-    model = load_reward_model(resumed.model_dir if resumed else base_path, cfg.model.dtype, world.device(cfg.model.device), trainable=True, gguf_file=cfg.model.gguf_file)
+    resumed = load_checkpoint(cfg.resume_from) if cfg.resume_from is not None else None
+    model = load_reward_model(resumed.model_dir if resumed else run.base_path, cfg.model.dtype, run.device, trainable=True, gguf_file=cfg.model.gguf_file)
     model.train()
-    trained = distributed.wrap(model, world, cfg.model.sharding)  # under torchrun: DDP, or sharded in place by FSDP2
-    model = distributed.unwrap(trained)  # for evaluation and saving, which need no gradient sync
-    optimizer, scheduler = make_optimizer(trained.parameters(), cfg.optim, cfg.max_steps)
-    if resumed:
-        distributed.load_optimizer_state(trained, optimizer, resumed.optimizer_state)
-        scheduler.load_state_dict(resumed.scheduler_state)
-        restore_rng_state(resumed.rng)
-    initial = resumed.extra.get("eval/accuracy_initial") if resumed else None
-    if initial is None:  # every rank evaluates (FSDP2 forwards are collective), the same numbers; rank 0 logs and saves
-        initial = evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)["eval/accuracy"]
 
-    metrics: dict[str, float] = {}
-    started = time.perf_counter()
-    with MetricsLogger(run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, "rm", start_step, enabled=world.is_main) as log:
-        log.log(start_step - 1, {"eval/accuracy": initial})
-        for step in range(start_step, cfg.max_steps):
-            t0 = time.perf_counter()
-            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)  # the global batch
-            data_position += cfg.batch_size
-            pairs = [train_set[i] for i in indices[world.shard(len(indices))]]  # this rank's share
-            r_c, r_r, margin = pair_rewards(trained, tokenizer, pairs, cfg.data.max_length)
-            loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
-            scale = distributed.loss_scale(len(pairs), world)  # pair means: 1 with equal shares
-            optimizer.zero_grad(set_to_none=True)
-            (loss * scale).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
-            optimizer.step()
-            scheduler.step()
-            local = {"loss/rm": float(loss.detach()), "accuracy": float(stats.accuracy), "margin": float(stats.margin_mean), "reward/mean": float(stats.reward_mean)}
-            metrics = distributed.reduce_stats(local, float(len(pairs)), scale, world)
-            metrics.update({"grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0], "time/train": time.perf_counter() - t0})
-            last = step == cfg.max_steps - 1
-            if (step + 1) % cfg.eval_every == 0 or last:
-                metrics.update(evaluate_pairs(model, tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size))
-            log.log(step, metrics, summary_keys=("loss/rm", "eval/accuracy"))
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                extra = {"eval/accuracy_initial": initial}
-                save_checkpoint_from_ranks(world, trained, model, optimizer, run_dir, step, scheduler=scheduler, tokenizer=tokenizer, config=cfg,
-                                           data_position=data_position, extra=extra, keep_last=cfg.keep_last)
-    save_model_from_ranks(world, trained, model, tokenizer, run_dir / "final")
-    result = {"eval/accuracy_initial": initial, "time/total": time.perf_counter() - started}
-    result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
-    return result
+    def batch_loss(trained, pairs: list[PreferenceExample]):
+        r_c, r_r, margin = pair_rewards(trained, run.tokenizer, pairs, cfg.data.max_length)
+        loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
+        local = {"loss/rm": float(loss.detach()), "accuracy": float(stats.accuracy), "margin": float(stats.margin_mean), "reward/mean": float(stats.reward_mean)}
+        return loss, local, float(len(pairs))  # a mean over pairs
+
+    def evaluate(model) -> dict[str, float]:
+        return evaluate_pairs(model, run.tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)
+
+    return supervised_loop(cfg, run, model, resumed, train_set, batch_loss, evaluate, "rm", "eval/accuracy", "pairs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

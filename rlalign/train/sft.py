@@ -19,10 +19,8 @@ model is built in ``<output_dir>/base_model``. The trained model is saved to ``<
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -32,24 +30,12 @@ from rlalign.config import Config, load_config
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
 from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft, render_prompt
-from rlalign.lm.models import load_policy, load_tokenizer
+from rlalign.lm.models import load_policy
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
-from rlalign.train.common import (
-    MetricsLogger,
-    ModelConfig,
-    OptimConfig,
-    batch_order,
-    generation_eval,
-    load_checkpoint,
-    make_optimizer,
-    prepare_model_path,
-    restore_rng_state,
-    save_checkpoint_from_ranks,
-    save_model_from_ranks,
-    set_seed,
-)
+from rlalign.train.common import ModelConfig, OptimConfig, start_run, generation_eval, load_checkpoint
+from rlalign.train.supervised import supervised_loop
 
 __all__ = ["SFTDataConfig", "SFTConfig", "train", "add_arguments", "run"]
 
@@ -152,70 +138,20 @@ def _evaluate(model, tokenizer, eval_set: list[SFTExample], spec: _EvalSpec, cfg
 
 def train(cfg: SFTConfig) -> dict[str, float]:
     """Run SFT; returns the final metrics (``eval/reward_initial``, ``eval/reward``, ``eval/loss``, ``time/total``)."""
-    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
-    world.shard(cfg.batch_size, "batch_size")
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    set_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with world.main_first():
-        base_path = prepare_model_path(cfg.model, run_dir)
-    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+    run = start_run(cfg, cfg.batch_size, "batch_size")
     train_set, eval_set, eval_spec = _datasets(cfg)
+    resumed = load_checkpoint(cfg.resume_from) if cfg.resume_from is not None else None
+    m = cfg.model
+    model = load_policy(resumed.model_dir if resumed else run.base_path, m.dtype, run.device, None if resumed else m.lora, m.gguf_file)
 
-    start_step, data_position, resumed = 0, 0, None
-    if cfg.resume_from is not None:
-        resumed = load_checkpoint(cfg.resume_from)
-        start_step, data_position = resumed.step + 1, resumed.data_position
-    model_path = resumed.model_dir if resumed else base_path
-    model = load_policy(model_path, cfg.model.dtype, world.device(cfg.model.device), None if resumed else cfg.model.lora, cfg.model.gguf_file)
-    trained = distributed.wrap(model, world, cfg.model.sharding)  # under torchrun: DDP, or sharded in place by FSDP2
-    model = distributed.unwrap(trained)  # for evaluation and saving, which need no gradient sync
-    optimizer, scheduler = make_optimizer(trained.parameters(), cfg.optim, cfg.max_steps)
-    if resumed:
-        distributed.load_optimizer_state(trained, optimizer, resumed.optimizer_state)
-        scheduler.load_state_dict(resumed.scheduler_state)
-        restore_rng_state(resumed.rng)
-    initial = resumed.extra.get("eval/reward_initial") if resumed else None
-    if initial is None:  # every rank evaluates (FSDP2 forwards are collective), the same numbers; rank 0 logs and saves
-        initial = _evaluate(model, tokenizer, eval_set, eval_spec, cfg)["eval/reward"]
+    def batch_loss(trained, examples: list[SFTExample]):
+        loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing)
+        return loss, {"loss/sft": float(loss.detach())}, float(stats.tokens)  # a mean over completion tokens
 
-    metrics: dict[str, float] = {}
-    started = time.perf_counter()
-    with MetricsLogger(run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, "sft", start_step, enabled=world.is_main) as log:
-        log.log(start_step - 1, {"eval/reward": initial})
-        for step in range(start_step, cfg.max_steps):
-            t0 = time.perf_counter()
-            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)  # the global batch
-            data_position += cfg.batch_size
-            examples = [train_set[i] for i in indices[world.shard(len(indices))]]  # this rank's share
-            loss, stats = _batch_loss(trained, tokenizer, examples, cfg.data.max_length, cfg.data.packing)
-            scale = distributed.loss_scale(stats.tokens, world)  # token-mean over every rank's tokens; 1 in one process
-            optimizer.zero_grad(set_to_none=True)
-            (loss * scale).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
-            optimizer.step()
-            scheduler.step()
-            metrics = distributed.reduce_stats({"loss/sft": float(loss.detach())}, float(stats.tokens), scale, world)
-            metrics.update({
-                "grad_norm": float(grad_norm),
-                "lr": scheduler.get_last_lr()[0],
-                "tokens": float(distributed.all_sum(stats.tokens, world)),
-                "time/train": time.perf_counter() - t0,
-            })
-            last = step == cfg.max_steps - 1
-            if (step + 1) % cfg.eval_every == 0 or last:
-                metrics.update(_evaluate(model, tokenizer, eval_set, eval_spec, cfg))
-            log.log(step, metrics, summary_keys=("loss/sft", "eval/reward"))
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                extra = {"eval/reward_initial": initial}
-                save_checkpoint_from_ranks(world, trained, model, optimizer, run_dir, step, scheduler=scheduler, tokenizer=tokenizer, config=cfg,
-                                           data_position=data_position, extra=extra, keep_last=cfg.keep_last)
-    save_model_from_ranks(world, trained, model, tokenizer, run_dir / "final")
-    result = {"eval/reward_initial": initial, "time/total": time.perf_counter() - started}
-    result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
-    return result
+    def evaluate(model) -> dict[str, float]:
+        return _evaluate(model, run.tokenizer, eval_set, eval_spec, cfg)
+
+    return supervised_loop(cfg, run, model, resumed, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
