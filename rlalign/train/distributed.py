@@ -48,7 +48,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from rlalign.core.masks import masked_mean, masked_var
 
-__all__ = ["World", "init", "shutdown", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state", "gather_rows", "all_sum", "all_max", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of"]
+__all__ = [
+    "World", "init", "shutdown", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
+    "gather_rows", "all_sum", "all_max", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of",
+]
 
 
 @dataclass(frozen=True)

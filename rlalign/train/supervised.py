@@ -27,6 +27,7 @@ from rlalign.train.common import (
     MetricsLogger,
     Run,
     batch_order,
+    forward_precision,
     make_optimizer,
     restore_rng_state,
     save_checkpoint_from_ranks,
@@ -77,7 +78,8 @@ def supervised_loop(
         start_step, data_position = resumed.step + 1, resumed.data_position
     initial = resumed.extra.get(f"{headline}_initial") if resumed else None
     if initial is None:
-        initial = evaluate(model)[headline]
+        with forward_precision(cfg.model, model):
+            initial = evaluate(model)[headline]
 
     metrics: dict[str, float] = {}
     started = time.perf_counter()
@@ -87,7 +89,8 @@ def supervised_loop(
             t0 = time.perf_counter()
             indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)  # the global batch
             data_position += cfg.batch_size
-            loss, stats, count = batch_loss(trained, [train_set[i] for i in indices[world.shard(len(indices))]])  # this rank's share
+            with forward_precision(cfg.model, trained):  # bfloat16 autocast when model.autocast asks for it
+                loss, stats, count = batch_loss(trained, [train_set[i] for i in indices[world.shard(len(indices))]])  # this rank's share
             scale = distributed.loss_scale(count, world)  # the mean over every rank's count; 1 in one process
             optimizer.zero_grad(set_to_none=True)
             (loss * scale).backward()
@@ -103,7 +106,8 @@ def supervised_loop(
             })
             last = step == cfg.max_steps - 1
             if (step + 1) % cfg.eval_every == 0 or last:
-                metrics.update(evaluate(model))
+                with forward_precision(cfg.model, model):
+                    metrics.update(evaluate(model))
             log.log(step, metrics, summary_keys=(f"loss/{name}", headline))
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
                 save_checkpoint_from_ranks(world, trained, model, optimizer, run.run_dir, step, scheduler=scheduler, tokenizer=run.tokenizer,

@@ -135,3 +135,16 @@ def test_resume_from_a_non_checkpoint_is_an_error(tmp_path):
     (half / "optimizer.pt").write_bytes(b"")
     with pytest.raises(CheckpointError):
         load_checkpoint(half)
+
+
+def test_forward_precision_runs_forwards_in_bfloat16_only_when_asked():
+    from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
+    from rlalign.train.common import ModelConfig, forward_precision
+
+    model = build_tiny_llama(build_char_tokenizer(), TinyModelSpec(hidden_size=32, num_layers=1, intermediate_size=64))
+    ids = torch.tensor([[1, 14, 15, 16]])
+    with forward_precision(ModelConfig(autocast="bfloat16"), model):
+        assert model(input_ids=ids).logits.dtype == torch.bfloat16
+    with forward_precision(ModelConfig(), model):
+        assert model(input_ids=ids).logits.dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.float32  # master weights untouched

@@ -80,3 +80,13 @@ def test_lora_sft_saves_an_adapter_that_reloads(tmp_path):
     assert (tmp_path / "final" / "adapter_config.json").is_file()
     policy = load_policy(tmp_path / "final")
     assert any("lora" in name for name, p in policy.named_parameters() if p.requires_grad)
+
+
+def test_bfloat16_autocast_trains(tmp_path):
+    # model.autocast is honoured by SFT too (forward under bfloat16 autocast, float32 master weights)
+    cfg = load_config(SFTConfig, None, TINY + [f"output_dir={tmp_path}", "max_steps=40", "eval_every=40", "data.num_train=256", "data.num_eval=8",
+                                                "model.autocast=bfloat16", "optim.lr=3e-3"])
+    train(cfg)
+    losses = [r["loss/sft"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss/sft" in r]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert next((tmp_path / "final").glob("*.safetensors")).is_file()
