@@ -117,8 +117,10 @@ def _load_config(path: str | Path, gguf_file: str | None) -> PretrainedConfig:
     return _zero_dropout_config(AutoConfig.from_pretrained(str(path), **kwargs))
 
 
-def _from_pretrained(auto_cls, path: str | Path, dtype: DType, device: str, gguf_file: str | None) -> PreTrainedModel:
+def _from_pretrained(auto_cls, path: str | Path, dtype: DType, device: str, gguf_file: str | None, attn_implementation: str | None = None) -> PreTrainedModel:
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if attn_implementation:  # e.g. "eager" (faster than SDPA for short sequences on CPU), "sdpa", "flash_attention_2"
+        kwargs["attn_implementation"] = attn_implementation
     model = auto_cls.from_pretrained(str(path), config=_load_config(path, gguf_file), dtype=torch_dtype(dtype), **kwargs)
     return disable_dropout(model).to(device)
 
@@ -140,27 +142,31 @@ def load_policy(
     device: str = "cpu",
     lora: LoraConfig | None = None,
     gguf_file: str | None = None,
+    attn_implementation: str | None = None,
 ) -> nn.Module:
     """A trainable causal LM (dropout off). ``lora`` adds fresh adapters; a directory holding a
     saved adapter (``adapter_config.json``) reloads the base named there with that adapter, trainable.
+    ``attn_implementation``: transformers' attention kernel (None = its default).
     """
     path = Path(path)
     if (path / _ADAPTER_FILE).is_file():
         from peft import PeftModel
 
         base_path = json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"]
-        base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file)
+        base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file, attn_implementation)
         return disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation)
     if lora is not None:
         model = disable_dropout(apply_lora(model, lora))
     model.train()  # dropout is 0, so train mode only matters for modules like batch norm (none in LMs)
     return model
 
 
-def load_reference(path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None) -> PreTrainedModel:
+def load_reference(
+    path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None, attn_implementation: str | None = None
+) -> PreTrainedModel:
     """A frozen copy of a causal LM: eval mode, no parameter requires grad."""
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -252,11 +258,17 @@ class ScalarHeadModel(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None, init_std: float | None = None
+        cls,
+        path: str | Path,
+        dtype: DType = "float32",
+        device: str = "cpu",
+        gguf_file: str | None = None,
+        init_std: float | None = None,
+        attn_implementation: str | None = None,
     ) -> ScalarHeadModel:
         """Backbone from any causal-LM or backbone checkpoint; head from ``value_head.safetensors``
         when ``path`` holds one (a saved reward model or critic), else freshly initialised."""
-        backbone = _from_pretrained(AutoModel, path, dtype, device, gguf_file)
+        backbone = _from_pretrained(AutoModel, path, dtype, device, gguf_file, attn_implementation)
         model = cls(backbone, init_std=init_std)
         head_file = Path(path) / HEAD_FILE
         if head_file.is_file():
@@ -265,15 +277,19 @@ class ScalarHeadModel(nn.Module):
         return model.to(device)
 
 
-def load_reward_model(path: str | Path, dtype: DType = "float32", device: str = "cpu", trainable: bool = False, gguf_file: str | None = None) -> ScalarHeadModel:
+def load_reward_model(
+    path: str | Path, dtype: DType = "float32", device: str = "cpu", trainable: bool = False, gguf_file: str | None = None, attn_implementation: str | None = None
+) -> ScalarHeadModel:
     """A reward model; frozen (eval, no grad) unless ``trainable`` (reward-model training)."""
-    model = ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file)
+    model = ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file, attn_implementation=attn_implementation)
     if not trainable:
         model.eval()
         model.requires_grad_(False)
     return model
 
 
-def load_critic(path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None) -> ScalarHeadModel:
+def load_critic(
+    path: str | Path, dtype: DType = "float32", device: str = "cpu", gguf_file: str | None = None, attn_implementation: str | None = None
+) -> ScalarHeadModel:
     """A trainable critic initialised from ``path``: a reward model keeps its head, an SFT model gets a fresh one."""
-    return ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file).train()
+    return ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file, attn_implementation=attn_implementation).train()

@@ -445,6 +445,9 @@ class ModelConfig(Config):
     autocast: Literal["none", "bfloat16"] = Field(
         "none", description="run forwards under torch.autocast in bfloat16 with float32 master weights (CPUs with AMX / AVX512-BF16, GPUs)"
     )
+    attn_implementation: str | None = Field(
+        None, description="transformers attention kernel for every model of the run (null = its default, sdpa); eager is faster for short sequences on CPU"
+    )
     sharding: Literal["ddp", "fsdp"] = Field(
         "ddp", description="under torchrun: ddp = a full copy per process (DDP); fsdp = parameters, gradients and optimiser state sharded (FSDP2)"
     )

@@ -311,7 +311,7 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
 
 
 def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer, world: distributed.World) -> RewardModelReward:
-    model = load_reward_model(spec.reward_model, model_cfg.dtype, world.device(model_cfg.device))
+    model = load_reward_model(spec.reward_model, model_cfg.dtype, world.device(model_cfg.device), attn_implementation=model_cfg.attn_implementation)
     model = distributed.shard_frozen(model, world, model_cfg.sharding)
     try:
         rm_tokenizer = load_tokenizer(spec.reward_model)
@@ -759,13 +759,15 @@ class RunSetup(Run):
     def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
         """The policy: from the checkpoint when resuming (LoRA adapters included), else the start with optional fresh LoRA."""
         m, ckpt = model_cfg, self.checkpoint
-        return load_policy(ckpt.model_dir if ckpt else self.base_path, m.dtype, self.device, None if ckpt else m.lora, m.gguf_file)
+        return load_policy(ckpt.model_dir if ckpt else self.base_path, m.dtype, self.device, None if ckpt else m.lora, m.gguf_file, m.attn_implementation)
 
     def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
-        """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves."""
+        """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
+        Under bfloat16 autocast it is held in bfloat16: the values autocast would cast it to, at half the memory and no cast per forward."""
         if model_cfg.lora is not None and path is None:
             return None
-        reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file)
+        dtype = "bfloat16" if model_cfg.autocast == "bfloat16" else model_cfg.dtype
+        reference = load_reference(path or self.base_path, dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
         return distributed.shard_frozen(reference, self.world, model_cfg.sharding)
 
 

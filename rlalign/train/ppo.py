@@ -371,7 +371,7 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
     m, ckpt = cfg.model, run.checkpoint
     policy = run.load_policy(m)
     reference = run.load_reference(m, cfg.reference)
-    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device)
+    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device, attn_implementation=m.attn_implementation)
     updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
     updaters = {
         "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding),

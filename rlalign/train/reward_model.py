@@ -123,7 +123,8 @@ def train(cfg: RMConfig) -> dict[str, float]:
     run = start_run(cfg, cfg.batch_size, "batch_size")
     train_set, eval_set = _datasets(cfg)
     resumed = load_checkpoint(cfg.resume_from) if cfg.resume_from is not None else None
-    model = load_reward_model(resumed.model_dir if resumed else run.base_path, cfg.model.dtype, run.device, trainable=True, gguf_file=cfg.model.gguf_file)
+    m = cfg.model
+    model = load_reward_model(resumed.model_dir if resumed else run.base_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)
     model.train()
 
     def batch_loss(trained, pairs: list[PreferenceExample]):

@@ -142,7 +142,7 @@ def train(cfg: SFTConfig) -> dict[str, float]:
     train_set, eval_set, eval_spec = _datasets(cfg)
     resumed = load_checkpoint(cfg.resume_from) if cfg.resume_from is not None else None
     m = cfg.model
-    model = load_policy(resumed.model_dir if resumed else run.base_path, m.dtype, run.device, None if resumed else m.lora, m.gguf_file)
+    model = load_policy(resumed.model_dir if resumed else run.base_path, m.dtype, run.device, None if resumed else m.lora, m.gguf_file, m.attn_implementation)
 
     def batch_loss(trained, examples: list[SFTExample]):
         loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing)

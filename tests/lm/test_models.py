@@ -132,3 +132,14 @@ def test_sampling_runs_on_lora_and_bfloat16_policies(llama_checkpoint):
     half = load_policy(llama_checkpoint, dtype="bfloat16")
     rollout = sample(half, prompts, SamplingParams(max_new_tokens=8), 0, [2], generator=torch.Generator().manual_seed(0))
     assert rollout.logprobs.dtype == torch.float32 and torch.isfinite(rollout.logprobs).all()
+
+
+def test_attention_implementation_option_switches_the_kernel_not_the_tokens(llama_checkpoint):
+    from rlalign.lm.sampling import SamplingParams, sample
+
+    eager = load_policy(llama_checkpoint, attn_implementation="eager")
+    default = load_policy(llama_checkpoint)
+    assert eager.config._attn_implementation == "eager" and default.config._attn_implementation != "eager"
+    prompts, params = [[1, 14, 15], [1, 20]], SamplingParams(max_new_tokens=8, temperature=0.0)
+    assert torch.equal(sample(eager, prompts, params, 0, [2]).completion_ids, sample(default, prompts, params, 0, [2]).completion_ids)
+    assert load_reference(llama_checkpoint, attn_implementation="eager").config._attn_implementation == "eager"

@@ -14,8 +14,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,13 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUNS), str(root / "two"), str(tiny)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        # Seen once in ~10 launches while four other benchmark processes loaded this 2-core machine: a
+        # rank aborted (SIGABRT) at start-up and was not reproducible (5 clean runs after). One retry,
+        # with the first failure kept visible: a real bug fails twice.
+        warnings.warn(f"2-process launch failed once (rc {done.returncode}), retrying:\n{done.stderr[-3000:]}")
+        shutil.rmtree(root / "two", ignore_errors=True)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     for argv in _load_runs().commands(str(root / "one"), str(tiny)):
         from rlalign.cli import main
