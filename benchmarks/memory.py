@@ -3,8 +3,10 @@
     /work/benchvenv/bin/python benchmarks/memory.py --model smollm2 --out runs/bench/memory_smollm2.json
     /work/benchvenv/bin/python benchmarks/memory.py --model tiny          # seconds; a check of the harness
 
-Variants (``--variants``), each run for ``--steps`` steps (default 1: the first step already
-allocates gradients, AdamW's two moments and the activations) in a fresh subprocess:
+Variants (``--variants``), each run for ``--steps`` steps (default 2) in a fresh subprocess. One
+step is not enough: AdamW's two moments are allocated by the first ``optimizer.step``, after the
+first backward, so only from the second step on does a backward run with weights, moments,
+gradients and activations all alive (measured on SmolLM2 GRPO: 3.6 GB peak after 1 step):
 
     grpo        policy + frozen reference, rule reward                        (rlalign.train.grpo)
     grpo-rm     policy + frozen reference + reward model (the seeds' GRPO)
@@ -54,11 +56,7 @@ def setting(model: str):
 
 
 def run_grpo(variant: str, args, path: Path, records, reward_fn) -> dict:
-    import torch
-
-    from rlalign.lm.models import load_policy, load_reference, load_tokenizer
-    from rlalign.train.common import set_seed
-    from rlalign.train.grpo import GRPOConfig, RewardTerm, TrainState, Updater, build_rewards, grpo_step, load_prompt_set
+    from rlalign.train.grpo import GRPOConfig
 
     lora = {"r": 16, "alpha": 32.0, "target_modules": "all-linear"} if variant == "grpo-lora" else None
     rewards_cfg = [{"reward_model": str(path), "name": "rm"}] if variant == "grpo-rm" else []
@@ -70,32 +68,13 @@ def run_grpo(variant: str, args, path: Path, records, reward_fn) -> dict:
             progress=False, plots=False,
         )
     )
-    set_seed(0)  # the setup of grpo.train(), without its checkpoint writing (which would add to the peak)
-    prompt_set = load_prompt_set(cfg.data, records)
-    tokenizer = load_tokenizer(path)
-    extra = [] if variant == "grpo-rm" else [RewardTerm("reward", 1.0, reward_fn)]
-    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model, extra)
-    policy = load_policy(path, "float32", "cpu", cfg.model.lora)
-    reference = None if lora else load_reference(path, "float32", "cpu")  # LoRA: the base with adapters off
-    updater = Updater.create(policy, cfg.optim, cfg.steps)
-    state = TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    info = {"trainable_params": sum(p.numel() for p in policy.parameters() if p.requires_grad), "rss_loaded_mb": lb.current_rss_mb()}
-    times = []
-    for _ in range(cfg.steps):
-        t0 = time.perf_counter()
-        grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
-        times.append(time.perf_counter() - t0)
-        state.step += 1
-    return {**info, "step_s": times}
+    # grpo.train()'s setup without its outer loop, whose checkpoint and final-model writing would add to the peak
+    setup = lb.GRPOSetup(cfg, records, None if variant == "grpo-rm" else reward_fn)  # LoRA: no reference copy, the base with adapters off
+    return measure_steps(setup, [setup.policy], args.steps)
 
 
 def run_ppo(args, path: Path, records, reward_fn) -> dict:
-    import torch
-
-    from rlalign.lm.models import load_critic, load_policy, load_reference, load_tokenizer
-    from rlalign.train.common import set_seed
-    from rlalign.train.grpo import TrainState, Updater, build_rewards, load_prompt_set
-    from rlalign.train.ppo import PPOConfig, ppo_step
+    from rlalign.train.ppo import PPOConfig
 
     cfg = PPOConfig.model_validate(
         dict(
@@ -105,25 +84,19 @@ def run_ppo(args, path: Path, records, reward_fn) -> dict:
             kl_coef=0.04, kl_target=None, progress=False, plots=False,
         )
     )
-    set_seed(0)  # the setup of ppo.train(), without its checkpoint writing
-    prompt_set = load_prompt_set(cfg.data, records)
-    tokenizer = load_tokenizer(path)
-    rewards = build_rewards(cfg.rewards, prompt_set, tokenizer, cfg.model)
-    policy = load_policy(path, "float32", "cpu")
-    reference = load_reference(path, "float32", "cpu")
-    critic = load_critic(path, "float32", "cpu")  # critic initialised from the reward model's backbone (here: the base)
-    updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
-    policy_u, critic_u = Updater.create(policy, cfg.optim, updates), Updater.create(critic, cfg.critic.optim, updates)
-    kl_ctl = cfg.kl_controller()
-    state = TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    info = {"trainable_params": sum(p.numel() for m in (policy, critic) for p in m.parameters() if p.requires_grad), "rss_loaded_mb": lb.current_rss_mb()}
-    times = []
-    for _ in range(cfg.steps):
+    setup = lb.PPOSetup(cfg, records)  # ppo.train()'s setup; the critic starts from the reward model's backbone (here: the base)
+    return measure_steps(setup, [setup.policy, setup.critic], args.steps)
+
+
+def measure_steps(setup, trained, steps: int) -> dict:
+    info = {"trainable_params": sum(p.numel() for m in trained for p in m.parameters() if p.requires_grad), "rss_loaded_mb": lb.current_rss_mb()}
+    times, peaks = [], []
+    for _ in range(steps):
         t0 = time.perf_counter()
-        ppo_step(policy_u, critic_u, reference, kl_ctl, tokenizer, rewards, prompt_set, state, cfg)
+        setup.step()
         times.append(time.perf_counter() - t0)
-        state.step += 1
-    return {**info, "step_s": times}
+        peaks.append(lb.peak_rss_mb())
+    return {**info, "step_s": times, "peak_after_step_mb": peaks}
 
 
 def worker(variant: str, args) -> dict:
@@ -147,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2, help="steps per variant; the second is the first with AdamW's moments allocated")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out")
@@ -169,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{variant} failed ({proc.returncode})")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(r)
-        print(f"{variant}: peak {r['peak_rss_mb']:.0f} MB, step(s) {[round(t, 1) for t in r['step_s']]} s", file=sys.stderr)
+        print(f"{variant}: peak {r['peak_rss_mb']:.0f} MB (after each step: {[round(m) for m in r['peak_after_step_mb']]}), "
+              f"step(s) {[round(t, 1) for t in r['step_s']]} s", file=sys.stderr)
 
     print(f"\nPeak RSS of one step, {args.model} ({results[0]['policy_params'] / 1e6:.1f}M parameters, float32: "
           f"W = {results[0]['policy_params'] * 4 / 2**20:.0f} MB per copy), {args.new_tokens} new tokens, 16 completions per update, "
-          f"load {lb.machine_load()}\n")
+          f"load {lb.machine_load()}, rlalign {lb.code_version()}\n")
     print("| variant | peak RSS MB | above imports MB | in W | seeds' estimate (weights) | weights + grads + AdamW, in W | trainable params |")
     print("|---|---:|---:|---:|---|---:|---:|")
     for r in results:
@@ -185,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{full}{' + adapters' if r['variant'] == 'grpo-lora' else ''} | {r['trainable_params'] / 1e6:.2f}M |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"command": " ".join([Path(sys.executable).name, *sys.argv]), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"command": " ".join([Path(sys.executable).name, *sys.argv]), "rlalign_commit": lb.code_version(), "results": results}, indent=1))
     return 0
 
 

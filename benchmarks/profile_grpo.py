@@ -1,7 +1,7 @@
 """Where the time of one rlalign GRPO step goes: cProfile by phase, then torch.profiler by operator.
 
     /work/benchvenv/bin/python benchmarks/profile_grpo.py --out runs/bench/profile_grpo_smollm2.json
-    /work/benchvenv/bin/python benchmarks/profile_grpo.py --autocast      # the same step inside torch.autocast(cpu, bfloat16)
+    /work/benchvenv/bin/python benchmarks/profile_grpo.py --autocast      # model.autocast=bfloat16 (float32 master weights)
     /work/benchvenv/bin/python benchmarks/profile_grpo.py --real          # SmolLM2-135M-Instruct's weights (EOS ends rows early)
 
 The step: ``rlalign.train.grpo.grpo_step`` on SmolLM2-135M's shape (random weights, so every row
@@ -16,6 +16,7 @@ Phases (cProfile cumulative time; nested entries are part of their parent):
     decode text         Rollout.decode_completions
     score               grpo.score_rollout (the reward function)
     reference pass      grpo.reference_logprobs (frozen model forward, no grad)
+    pi_old recompute    grpo.training_logprobs (only with model.autocast: bfloat16)
     loss (forward)      grpo.grpo_loss, of which:
       policy forward      grpo.completion_logits
       token log-probs     core.logprobs.token_logprobs
@@ -28,7 +29,6 @@ Phases (cProfile cumulative time; nested entries are part of their parent):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import json
@@ -50,6 +50,7 @@ PHASES = [
     ("decode text", "rlalign/lm/rollout.py", "decode_completions"),
     ("score", "rlalign/train/grpo.py", "score_rollout"),
     ("reference pass", "rlalign/train/grpo.py", "reference_logprobs"),
+    ("pi_old recompute", "rlalign/train/grpo.py", "training_logprobs"),
     ("loss (forward)", "rlalign/train/grpo.py", "grpo_loss"),
     ("  policy forward", "rlalign/train/grpo.py", "completion_logits"),
     ("  token log-probs", "rlalign/core/logprobs.py", "token_logprobs"),
@@ -60,30 +61,20 @@ PHASES = [
 ]
 
 
-def build(args):
+def build(args) -> lb.GRPOSetup:
     torch.set_num_threads(args.threads)
-    from rlalign.lm.models import load_policy, load_reference, load_tokenizer
-    from rlalign.train.common import set_seed
-    from rlalign.train.grpo import GRPOConfig, RewardTerm, TrainState, Updater, build_rewards, load_prompt_set
+    from rlalign.train.grpo import GRPOConfig
 
     path = lb.smollm2_checkpoint() if args.real else random_checkpoint("smollm2")
-    records = lb.chat_arithmetic_records(256, 0)
     cfg = GRPOConfig.model_validate(
         dict(
-            output_dir=tempfile.mkdtemp(prefix="bench_profile_"), seed=0, num_threads=args.threads, model=dict(path=str(path)),
+            output_dir=tempfile.mkdtemp(prefix="bench_profile_"), seed=0, num_threads=args.threads,
+            model=dict(path=str(path), autocast="bfloat16" if args.autocast else "none"),
             sampling=dict(max_new_tokens=args.new_tokens, temperature=0.7), optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0),
             steps=4, prompts_per_step=args.prompts, group_size=args.group_size, beta=args.beta, progress=False, plots=False,
         )
     )
-    set_seed(0)
-    prompt_set = load_prompt_set(cfg.data, records)
-    tokenizer = load_tokenizer(path)
-    rewards = build_rewards([], prompt_set, tokenizer, cfg.model, [RewardTerm("reward", 1.0, lb.chat_arithmetic_reward)])
-    policy = load_policy(path)
-    reference = load_reference(path) if args.beta > 0 else None
-    updater = Updater.create(policy, cfg.optim, cfg.steps)
-    state = TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    return cfg, updater, reference, tokenizer, rewards, prompt_set, state
+    return lb.GRPOSetup(cfg, lb.chat_arithmetic_records(256, 0), lb.chat_arithmetic_reward)  # grpo.train()'s setup, no outer loop
 
 
 def phase_times(stats: pstats.Stats) -> dict[str, float]:
@@ -100,7 +91,7 @@ def phase_times(stats: pstats.Stats) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct's weights instead of random ones")
-    parser.add_argument("--autocast", action="store_true", help="run the steps inside torch.autocast('cpu', dtype=torch.bfloat16)")
+    parser.add_argument("--autocast", action="store_true", help="model.autocast=bfloat16: forwards in bfloat16 autocast, float32 master weights")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
@@ -111,16 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
 
-    from rlalign.train.grpo import grpo_step
-
-    cfg, updater, reference, tokenizer, rewards, prompt_set, state = build(args)
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.autocast else contextlib.nullcontext
+    setup = build(args)
 
     def step() -> tuple[float, dict]:
         t0 = time.perf_counter()
-        with autocast():
-            metrics, _ = grpo_step(updater, reference, tokenizer, rewards, prompt_set, state, cfg)
-        state.step += 1
+        metrics = setup.step()
         return time.perf_counter() - t0, metrics
 
     warm, _ = step()
@@ -153,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nOne rlalign GRPO step, SmolLM2-135M {'(real weights)' if args.real else 'shape (random weights)'}, {args.prompts} x {args.group_size} x "
           f"{args.new_tokens} new tokens, beta {args.beta}, float32{' + bf16 autocast' if args.autocast else ''}, {args.threads} thread(s), "
-          f"load {lb.machine_load()}\n")
+          f"load {lb.machine_load()}, rlalign {lb.code_version()}\n")
     print(f"plain step {plain:.2f} s; under cProfile {profiled:.2f} s\n")
     print("| phase (cProfile, cumulative) | s | share of the profiled step |")
     print("|---|---:|---:|")
@@ -168,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(40)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "command": " ".join([Path(sys.executable).name, *sys.argv]), "warmup_s": warm, "plain_s": plain, "profiled_s": profiled,
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "rlalign_commit": lb.code_version(), "warmup_s": warm, "plain_s": plain, "profiled_s": profiled,
             "plain_metrics": metrics, "phases": phases, "ops": ops, "cprofile_top": buf.getvalue(),
         }, indent=1))
     return 0

@@ -763,11 +763,11 @@ class RunSetup(Run):
 
     def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
         """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
-        Under bfloat16 autocast it is held in bfloat16: the values autocast would cast it to, at half the memory and no cast per forward."""
+        Held in ``model.dtype`` also under bfloat16 autocast: a bfloat16-held copy was measured slower (its LM head over the
+        kept positions ran as one weight copy per row: reference pass 0.8 s -> 2.6 s on SmolLM2-135M, benchmarks/RESULTS_speed.md)."""
         if model_cfg.lora is not None and path is None:
             return None
-        dtype = "bfloat16" if model_cfg.autocast == "bfloat16" else model_cfg.dtype
-        reference = load_reference(path or self.base_path, dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
+        reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
         return distributed.shard_frozen(reference, self.world, model_cfg.sharding)
 
 
