@@ -25,7 +25,8 @@ Configurations (``--config``):
 
 Sides (``--sides``): ``rlalign`` (float32), ``rlalign-bf16`` (``model.autocast: bfloat16``: forwards
 under bfloat16 autocast, float32 master weights, log pi_old recomputed by the training forward),
-``rlalign-bf16-eager`` (the same with ``model.attn_implementation: eager``),
+``rlalign-bf16-eager`` (the same with ``model.attn_implementation: eager`` for the training
+forwards and ``sampling.attn_implementation: sdpa`` for the decode loop),
 ``trl`` (``bf16=False``, float32 throughout) and ``trl-bf16`` (``bf16=True``: float32 weights,
 bfloat16 autocast, which TRL enables on CPU too).
 
@@ -165,7 +166,8 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
         dict(
             output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
             model=dict(path=str(path), dtype="float32", device="cpu", autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
-            sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0),
+            sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
+                          attn_implementation="sdpa" if spec["attn"] else None),
             optim=dict(lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], mu=1, num_minibatches=1,
             advantage="group", eps_low=0.2, eps_high=0.2, beta=spec["beta"], aggregation="seq-mean-token-mean",

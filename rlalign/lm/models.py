@@ -49,6 +49,7 @@ __all__ = [
     "apply_lora",
     "reference_policy",
     "unwrap_causal_lm",
+    "attention_kernel",
     "position_ids_from_mask",
     "ScalarHeadModel",
     "load_reward_model",
@@ -191,6 +192,22 @@ def reference_policy(policy: nn.Module, reference: nn.Module | None = None) -> I
             yield policy
     else:
         raise ValueError("no reference: pass a frozen reference model, or use a LoRA policy (the base with adapters disabled)")
+
+
+@contextlib.contextmanager
+def attention_kernel(model: nn.Module, attn_implementation: str | None) -> Iterator[nn.Module]:
+    """``model`` with transformers' attention kernel set to ``attn_implementation`` for the block
+    (None: unchanged), then set back: e.g. SDPA for a decode loop and eager for training forwards."""
+    causal_lm = unwrap_causal_lm(model)
+    before = causal_lm.config._attn_implementation
+    if attn_implementation is None or attn_implementation == before:
+        yield model
+        return
+    causal_lm.set_attn_implementation(attn_implementation)
+    try:
+        yield model
+    finally:
+        causal_lm.set_attn_implementation(before)
 
 
 def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:

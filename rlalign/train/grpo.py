@@ -76,7 +76,7 @@ from rlalign.core.masks import masked_mean
 from rlalign.lm.code_execution import code_execution
 from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.logprobs import rollout_logprobs
-from rlalign.lm.models import load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
+from rlalign.lm.models import attention_kernel, load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
 from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams, sample
@@ -194,6 +194,9 @@ class SamplingConfig(Config):
     temperature: float = Field(1.0, gt=0, description="softmax temperature (> 0: RL needs a stochastic policy); training log-probs use the same")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1 = off)")
+    attn_implementation: str | None = Field(
+        None, description="attention kernel for the decode loop only (null = model.attn_implementation); e.g. sdpa with eager for training on CPU"
+    )
 
     def params(self) -> SamplingParams:
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
@@ -616,7 +619,7 @@ def sample_shard(policy: nn.Module, tokenizer, prompts: Sequence, cfg: GRPOConfi
     noise = torch.rand((cfg.sampling.max_new_tokens, len(prompts) * group_size), generator=state.generator)  # (N, B global)
     rows = slice(shard.start * group_size, shard.stop * group_size)
     ids = encode_prompts(tokenizer, list(prompts[shard]))
-    with distributed.gathered(policy), forward_precision(cfg.model, policy):  # FSDP2: full parameters for the whole decode loop
+    with distributed.gathered(policy), forward_precision(cfg.model, policy), attention_kernel(policy, cfg.sampling.attn_implementation):
         rollout = sample(policy, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows])
     return rollout.to("cpu")
 

@@ -143,3 +143,15 @@ def test_attention_implementation_option_switches_the_kernel_not_the_tokens(llam
     prompts, params = [[1, 14, 15], [1, 20]], SamplingParams(max_new_tokens=8, temperature=0.0)
     assert torch.equal(sample(eager, prompts, params, 0, [2]).completion_ids, sample(default, prompts, params, 0, [2]).completion_ids)
     assert load_reference(llama_checkpoint, attn_implementation="eager").config._attn_implementation == "eager"
+
+
+def test_attention_kernel_switches_for_a_block_and_back(llama_checkpoint):
+    from rlalign.lm.models import attention_kernel
+
+    policy = load_policy(llama_checkpoint, attn_implementation="eager", lora=LoraConfig(r=4))  # through peft too
+    config = policy.get_base_model().config
+    with attention_kernel(policy, "sdpa"):
+        assert config._attn_implementation == "sdpa"
+    assert config._attn_implementation == "eager"
+    with attention_kernel(policy, None):
+        assert config._attn_implementation == "eager"

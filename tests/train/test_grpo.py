@@ -316,3 +316,12 @@ def test_bfloat16_autocast_recomputes_old_logprobs_and_learns(tiny_path, tmp_pat
         assert 0 <= row["logprob_mismatch"] < 1e-2
     share = [row["reward/digits/mean"] for row in result.history]
     assert sum(share[-5:]) / 5 > sum(share[:5]) / 5 + 0.25, share
+
+
+def test_sampling_may_use_another_attention_kernel_than_training(tiny_path, tmp_path):
+    # eager attention for the training forwards, SDPA for the decode loop: the kernels agree to
+    # float32 round-off, so the sampler's log-probs are still pi_old (ratio 1 on the first minibatch)
+    cfg = make_cfg(tiny_path, tmp_path, steps=2, **{"model.attn_implementation": "eager", "sampling.attn_implementation": "sdpa"})
+    result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)])
+    assert all(row["ratio_dev/first"] <= 1e-5 for row in result.history)
+    assert result.policy.config._attn_implementation == "eager"  # set back after each decode loop
