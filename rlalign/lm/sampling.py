@@ -206,7 +206,7 @@ def sample(
         position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=torch.tensor([prompt_len - 1], device=device),  # an index, not 1: a contiguous LM-head input (rlalign.lm.logprobs)
     ).logits[:, -1, :]  # (B, V)
     for t in range(steps):
         token, token_logp = _draw(logits, params, None if noise is None else noise[t])  # (B,), (B,)

@@ -273,7 +273,7 @@ def loss_scale(local_count: Tensor | float, world: World) -> float:
     return 0.0 if total <= 0 else float(local * world.size / total)
 
 
-MAX_STATS = ("ratio_dev",)  # reduced with max; loss/* are summed shares; the rest are token-weighted means
+MAX_STATS = ("ratio_dev", "logprob_mismatch")  # reduced with max; loss/* are summed shares; the rest are token-weighted means
 
 
 def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world: World) -> dict[str, float]:

@@ -15,13 +15,15 @@ Shao et al. 2024 (DeepSeekMath), eq. 3-4; seeds 003 (section 8) and 004. The mat
         loss = aggregate(clipped surrogate) + beta * aggregate(k3); backward, clip, step
 
 Deliberate simplifications, stated:
-- pi_old is the sampling policy for all mu passes, so old log-probs are the sampler's
-  (``Rollout.logprobs``, same temperature) and no extra forward pass is made. On CPU float32
-  they match the training pass to ~5e-7 (``ratio_dev/first`` logs the largest |r - 1| of the
-  first minibatch, before any update). With ``model.autocast: bfloat16`` the sampler's bfloat16
-  numerics differ from the training forward's by more than that (``logprob_mismatch`` logs the
-  largest |difference|), so pi_old is recomputed by the training forward, minibatch by minibatch
-  (one extra forward pass, no grad), and the first ratio is 1 again.
+- pi_old is the sampling policy for all mu passes. With one update per rollout (mu = 1, one
+  minibatch: the default) it is the very policy being updated, so log pi_old = logp.detach() from
+  the update's own forward (r = 1 exactly) and no pass is made for it; ``logprob_mismatch`` logs
+  the largest |sampler log-prob - training log-prob|. With several updates the old log-probs are
+  the sampler's (``Rollout.logprobs``, same temperature): on CPU float32 they match the training
+  pass to ~5e-7 (``ratio_dev/first`` logs the largest |r - 1| of the first minibatch, before any
+  update); with ``model.autocast: bfloat16`` the sampler's bfloat16 numerics differ by more than
+  that (0.2-0.5 nats/token measured on SmolLM2-135M), so pi_old is recomputed by the training
+  forward, minibatch by minibatch (one extra forward pass, no grad), and the first ratio is 1 again.
 - advantages are computed once per rollout over the whole batch, so a minibatch need not hold
   whole groups: minibatch k of M takes rows k, k + M, k + 2M, ... (interleaved, so every rank
   under torchrun holds an equal share of every minibatch; see rlalign.train.distributed).
@@ -31,13 +33,13 @@ Metrics (one metrics.jsonl line per step; minibatch statistics are means over th
     reward/mean, reward/std, reward/<term>/mean|std   total and per-term (unweighted) rewards
     kl                    mean per-token k3 to the reference (absent when beta = 0)
     clip_frac, clip_frac/low, clip_frac/high, approx_kl, ratio_mean   clipped-surrogate diagnostics
-    logprob_mismatch      max |sampler log-prob - training log-prob| (only with model.autocast)
+    logprob_mismatch      max |sampler log-prob - training log-prob| (one update per rollout, or model.autocast)
     ratio_dev, ratio_dev/first   max |r - 1|: over each update / on the first minibatch only (~0)
     entropy               mean per-token entropy of softmax(logits / temperature)
     completion_len/mean|max, completion_len/clipped_frac   lengths; share without EOS
     frac_zero_std_groups  share of groups whose rewards all tie (they carry no gradient)
     adv/std, loss/policy, grad_norm, lr
-    time/generate, time/score, time/train, tokens_per_s (completion tokens / step wall time)
+    time/generate, time/score, time/train (= time/reference + time/old_logp + time/update), tokens_per_s
 
 Python use (see also the README):
 
@@ -75,6 +77,7 @@ from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, kl_pe
 from rlalign.core.masks import masked_mean
 from rlalign.lm.code_execution import code_execution
 from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
+from rlalign.lm.logprobs import completion_logits as lm_completion_logits
 from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm.models import attention_kernel, load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
 from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
@@ -116,6 +119,7 @@ __all__ = [
     "reference_logprobs",
     "loss_mask",
     "ratio_deviation",
+    "logprob_mismatch",
     "grpo_loss",
     "grpo_step",
     "RunSetup",
@@ -224,7 +228,7 @@ class GRPOConfig(Config):
     steps: int = Field(100, ge=1, description="RL steps (one rollout each)")
     prompts_per_step: int = Field(8, ge=1, description="prompts per rollout; the rollout has prompts_per_step * group_size completions")
     group_size: int = Field(8, ge=2, description="G completions per prompt; at least 2, a group's mean and std need two samples")
-    mu: int = Field(1, ge=1, description="policy passes over each rollout (GRPO's mu); all use the sampling log-probs as pi_old")
+    mu: int = Field(1, ge=1, description="policy passes over each rollout (GRPO's mu); pi_old is the sampling policy for all of them")
     num_minibatches: int = Field(1, ge=1, description="optimiser steps per pass; the rollout is cut into this many row slices")
     advantage: Literal["group", "batch", "none", "rloo"] = Field(
         "group", description="group: (R - mean_g) / std_g (DeepSeekMath); batch: / std of the batch; none: R - mean_g (Dr.GRPO); rloo: leave-one-out"
@@ -364,21 +368,11 @@ def score_rollout(terms: Sequence[RewardTerm], prompts: list[str], completions: 
 
 
 def completion_logits(model: nn.Module, rollout: Rollout) -> Tensor:
-    """Logits predicting each completion token, the LM head applied at those positions only. Shape: (B, C, V).
-
-    Same slicing as :func:`rlalign.lm.logprobs.completion_logprobs`; the trainer needs the logits
-    themselves for the entropy. Position P - 1 + t predicts completion token t.
-    """
+    """:func:`rlalign.lm.logprobs.completion_logits` of a rollout (the trainer needs the logits
+    themselves for the entropy), on the model's device. Shape: (B, C, V)."""
     device = next(model.parameters()).device
-    c = rollout.completion_ids.shape[1]
-    out = model(
-        input_ids=rollout.input_ids().to(device),
-        attention_mask=rollout.attention_mask().to(device),
-        position_ids=rollout.position_ids().to(device),
-        logits_to_keep=c + 1,
-        use_cache=False,
-    )
-    return out.logits[:, :-1, :]  # (B, C, V)
+    r = rollout.to(device)
+    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
 
 
 @torch.no_grad()
@@ -410,6 +404,13 @@ def loss_mask(rollout: Rollout, mask_truncated: bool) -> Tensor:
     return mask
 
 
+def logprob_mismatch(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> Tensor:
+    """max |training log-prob - sampler log-prob| over counted tokens (detached); 0 for no tokens."""
+    with torch.no_grad():
+        gap = (logp - sampler_logp).abs() * mask  # (B, C)
+        return gap.max() if gap.numel() else gap.new_zeros(())
+
+
 def ratio_deviation(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """max |pi / pi_old - 1| over counted tokens (detached). On the first minibatch, before any
     update, it is the mismatch between the sampler's log-probs and the training pass's."""
@@ -430,9 +431,19 @@ def completion_stats(rollout: Rollout, world: distributed.World = distributed.Wo
     }
 
 
-def step_timings(t0: float, t1: float, t2: float, t3: float, tokens: float) -> dict[str, float]:
-    """time/generate (t0..t1), time/score (t1..t2), time/train (t2..t3) and tokens_per_s (completion tokens over t0..t3)."""
-    return {"time/generate": t1 - t0, "time/score": t2 - t1, "time/train": t3 - t2, "tokens_per_s": tokens / max(t3 - t0, 1e-9)}
+def step_timings(t0: float, t1: float, t2: float, t3: float, tokens: float, t_ref: float, t_old: float) -> dict[str, float]:
+    """time/generate (t0..t1), time/score (t1..t2), time/train (t2..t3: all of the rest), and inside it
+    time/reference (t2..t_ref: advantages and the reference pass), time/old_logp (t_ref..t_old: the
+    pi_old recompute, 0 when none) and time/update (t_old..t3); tokens_per_s is completion tokens over t0..t3."""
+    return {
+        "time/generate": t1 - t0,
+        "time/score": t2 - t1,
+        "time/train": t3 - t2,
+        "time/reference": t_ref - t2,
+        "time/old_logp": t_old - t_ref,
+        "time/update": t3 - t_old,
+        "tokens_per_s": tokens / max(t3 - t0, 1e-9),
+    }
 
 
 def reward_stats(total: Tensor, per_term: dict[str, Tensor]) -> dict[str, float]:
@@ -642,14 +653,20 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
 }
 
 
-def grpo_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None, cfg: GRPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+def grpo_loss(
+    policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None, cfg: GRPOConfig, on_policy: bool = False
+) -> tuple[Tensor, dict[str, Tensor]]:
     """L = aggregate(clipped surrogate) + beta * aggregate(k3(logp, ref_logp)) on one minibatch.
 
     Args:
-        rollout: the minibatch; ``rollout.logprobs`` is log pi_old. Shapes: (B, C).
+        rollout: the minibatch; ``rollout.logprobs`` is log pi_old, or the sampler's log-probs when
+            ``on_policy``. Shapes: (B, C).
         advantages: one per completion, broadcast over its tokens. Shape: (B,).
         mask: 1 on tokens that count. Shape: (B, C).
         ref_logp: reference log-probs, or None when beta = 0. Shape: (B, C).
+        on_policy: this is the only update of the rollout, so pi_old is the policy being updated:
+            log pi_old = logp.detach() (r = 1 exactly, as TRL does with num_iterations = 1), and
+            ``logprob_mismatch`` reports how far the sampler's log-probs were from it.
     Returns:
         (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy.
     """
@@ -657,7 +674,8 @@ def grpo_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Ten
         logits = completion_logits(policy, rollout)  # (B, C, V), bfloat16 under autocast
     device = logits.device
     logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C), float32
-    old_logp, mask = rollout.logprobs.to(device), mask.to(device)
+    sampler_logp, mask = rollout.logprobs.to(device), mask.to(device)
+    old_logp = logp.detach() if on_policy else sampler_logp  # (B, C)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm (Dr.GRPO), not this batch's C
     pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps_low, cfg.eps_high, mode=cfg.aggregation, max_len=max_len)
     loss = pg_loss
@@ -670,6 +688,8 @@ def grpo_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Ten
         "ratio_mean": clip.ratio_mean,
         "ratio_dev": ratio_deviation(logp, old_logp, mask),
     }
+    if on_policy:
+        stats["logprob_mismatch"] = logprob_mismatch(logp, sampler_logp, mask)
     if ref_logp is not None:
         kl_loss, kl = kl_penalty_loss(logp, ref_logp.to(device), mask, "k3", mode=cfg.aggregation, max_len=max_len)
         loss = loss + cfg.beta * kl_loss
@@ -711,18 +731,21 @@ def grpo_step(
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     ref_logp = reference_logprobs(updater.module, reference, rollout, cfg.sampling.temperature, rollout.batch_size // m, cfg.model) if cfg.beta > 0 else None
+    t_ref = time.perf_counter()
+    on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated, no pass needed for it
     mismatch = None
-    if cfg.model.autocast != "none":  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
+    if cfg.model.autocast != "none" and not on_policy:  # bfloat16 sampling numerics are not the training forward's
         old_logp = training_logprobs(updater.module, rollout, cfg.sampling.temperature, minibatches, cfg.model)  # (B, C)
-        mismatch = float(((old_logp - rollout.logprobs).abs() * rollout.completion_mask).max())
+        mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
+    t_old = time.perf_counter()
 
     # 4. mu passes x minibatches of clipped-surrogate updates against log pi_old
     sums: dict[str, float] = {}
     updates, first_ratio_dev = 0, None
     for _ in range(cfg.mu):
         for mb in minibatches:
-            loss, stats = grpo_loss(updater.model, rollout.select(mb), advantages[mb], mask[mb], None if ref_logp is None else ref_logp[mb], cfg)
+            loss, stats = grpo_loss(updater.model, rollout.select(mb), advantages[mb], mask[mb], None if ref_logp is None else ref_logp[mb], cfg, on_policy)
             scale = distributed.loss_scale(distributed.aggregation_count(mask[mb], cfg.aggregation), world)  # 1 in one process
             stats = distributed.reduce_stats({key: float(v) for key, v in stats.items()}, float(mask[mb].sum()), scale, world)
             stats["grad_norm"] = updater.step(loss * scale)
@@ -741,7 +764,7 @@ def grpo_step(
     if mismatch is not None:
         metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["lr"] = float(updater.scheduler.get_last_lr()[0])
-    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"]))
+    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"], t_ref, t_old))
     return metrics, sample_rows(state.step, prompt_texts, completions, local_per_term, local_scores, cfg.num_samples_logged)
 
 
@@ -766,11 +789,12 @@ class RunSetup(Run):
 
     def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
         """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
-        Held in ``model.dtype`` also under bfloat16 autocast: a bfloat16-held copy was measured slower (its LM head over the
-        kept positions ran as one weight copy per row: reference pass 0.8 s -> 2.6 s on SmolLM2-135M, benchmarks/RESULTS_speed.md)."""
+        Held in bfloat16 under ``model.autocast: bfloat16`` (it needs no float32 master copy: no cast per forward, half
+        the memory; reference pass 0.58 s -> 0.41 s on SmolLM2-135M, B = 16, benchmarks/RESULTS_speed.md)."""
         if model_cfg.lora is not None and path is None:
             return None
-        reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
+        dtype = model_cfg.dtype if model_cfg.autocast == "none" else model_cfg.autocast
+        reference = load_reference(path or self.base_path, dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
         return distributed.shard_frozen(reference, self.world, model_cfg.sharding)
 
 

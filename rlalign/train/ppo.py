@@ -75,6 +75,7 @@ from rlalign.train.grpo import (
     Updater,
     completion_logits,
     completion_stats,
+    logprob_mismatch,
     prompt_batch,
     ratio_deviation,
     reference_logprobs,
@@ -279,12 +280,15 @@ def ppo_step(
     ref_logp = reference_logprobs(policy.module, reference, rollout, cfg.sampling.temperature, minibatch, cfg.model)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
+    t_ref = time.perf_counter()
     mismatch = None
     if cfg.model.autocast != "none":  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
+        # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + minibatch) for s in range(0, rollout.batch_size, minibatch)]
         old_logp = training_logprobs(policy.module, rollout, cfg.sampling.temperature, chunks, cfg.model)  # (B, C)
-        mismatch = float(((old_logp - rollout.logprobs).abs() * rollout.completion_mask).max())
+        mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
+    t_old = time.perf_counter()
     beta = kl_ctl.value
     _, advantages, returns, kl = ppo_advantages(
         local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world
@@ -333,7 +337,7 @@ def ppo_step(
     metrics["adv/std"] = adv_var.sqrt().item()
     metrics["returns/mean"] = distributed.global_mean_var(returns, mask, world)[0].item()
     metrics["lr"] = float(policy.scheduler.get_last_lr()[0])
-    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"]))
+    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"], t_ref, t_old))
     return metrics, sample_rows(state.step, prompt_texts, completions, local_per_term, local_scores, cfg.num_samples_logged)
 
 

@@ -38,3 +38,21 @@ def test_completion_logprobs_are_differentiable(tiny_llama):
     logp.sum().backward()
     assert tiny_llama.lm_head.weight.grad.abs().sum() > 0
     tiny_llama.zero_grad()
+
+
+def test_lm_head_gets_a_contiguous_input(tiny_llama):
+    # a strided slice of the hidden states makes torch run the LM head (without autograd) as a bmm
+    # against the weight expanded per row, copied in bfloat16 (5x slower on SmolLM2); the kept
+    # positions are passed as an index tensor so the LM head sees one contiguous block
+    seen = []
+    handle = tiny_llama.lm_head.register_forward_pre_hook(lambda module, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+    try:
+        rollout = sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=4), 0, [2], generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            completion_logprobs(tiny_llama, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    finally:
+        handle.remove()
+    c = rollout.completion_ids.shape[1]
+    assert seen[0][0] == (3, 1, tiny_llama.config.hidden_size)  # prefill: the last prompt position only
+    assert seen[-1][0] == (3, c, tiny_llama.config.hidden_size)  # training pass: the C positions that predict completion tokens
+    assert all(contiguous for _, contiguous in seen), seen

@@ -318,6 +318,26 @@ def test_bfloat16_autocast_recomputes_old_logprobs_and_learns(tiny_path, tmp_pat
     assert sum(share[-5:]) / 5 > sum(share[:5]) / 5 + 0.25, share
 
 
+def test_one_update_per_rollout_takes_pi_old_from_the_update_itself(tiny_path, tmp_path, monkeypatch):
+    # mu = 1, one minibatch: pi_old is the policy being updated, so no pass recomputes it even under
+    # autocast (log pi_old = logp.detach(), r = 1 exactly) and the sampler's distance is still logged
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("pi_old recomputed although the rollout gets one update")
+
+    monkeypatch.setattr(grpo, "training_logprobs", no_recompute)
+    cfg = make_cfg(tiny_path, tmp_path, steps=2, beta=0.1, **{"model.autocast": "bfloat16"})
+    result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("code", 1.0, char_code_reward)])
+    for row in result.history:
+        assert row["ratio_dev/first"] == 0.0 and row["clip_frac"] == 0.0
+        assert 0 <= row["logprob_mismatch"] < 1e-2
+        assert row["time/old_logp"] < 1e-3 and row["time/reference"] > 0
+        assert row["time/train"] == pytest.approx(row["time/reference"] + row["time/old_logp"] + row["time/update"])
+        assert row["grad_norm"] > 0
+    assert result.policy.dtype == torch.float32  # master weights; the reference is held in bfloat16 (below)
+    reference = grpo.setup_run(cfg, None, None, [grpo.RewardTerm("code", 1.0, char_code_reward)], 8, 1).load_reference(cfg.model, None)
+    assert next(reference.parameters()).dtype == torch.bfloat16
+
+
 def test_sampling_may_use_another_attention_kernel_than_training(tiny_path, tmp_path):
     # eager attention for the training forwards, SDPA for the decode loop: the kernels agree to
     # float32 round-off, so the sampler's log-probs are still pi_old (ratio 1 on the first minibatch)
