@@ -26,7 +26,9 @@ Configurations (``--config``):
 Sides (``--sides``): ``rlalign`` (float32), ``rlalign-bf16`` (``model.autocast: bfloat16``: forwards
 under bfloat16 autocast, float32 master weights, log pi_old recomputed by the training forward),
 ``rlalign-bf16-eager`` (the same with ``model.attn_implementation: eager`` for the training
-forwards and ``sampling.attn_implementation: sdpa`` for the decode loop),
+forwards and ``sampling.attn_implementation: sdpa`` for the decode loop), ``rlalign-bf16-fast``
+(as rlalign-bf16-eager, and the decode loop runs on a bfloat16 copy of the policy,
+``sampling.dtype: bfloat16``, refreshed after each update),
 ``trl`` (``bf16=False``, float32 throughout) and ``trl-bf16`` (``bf16=True``: float32 weights,
 bfloat16 autocast, which TRL enables on CPU too).
 
@@ -60,9 +62,9 @@ Differences left: with ``bf16=True`` TRL's ``model.generate`` runs under autocas
 wraps the model's forward, so autocast is entered per forward call: checked with a forward hook),
 while rlalign-bf16 enters autocast once around its whole decode loop (``forward_precision``);
 TRL's loss forward goes through its tiled fused LM head (log-probs and entropy without the
-(B, C, V) logits), rlalign's through ``logits_to_keep`` and ``token_logprobs``; rlalign-bf16 makes
-one more no-grad forward (log pi_old), TRL with ``num_iterations=1`` uses the detached training
-log-probs as pi_old.
+(B, C, V) logits), rlalign's through ``logits_to_keep`` and ``token_logprobs``. With one update
+per rollout both use the detached training log-probs as pi_old (rlalign since 6d0065b; before it,
+rlalign-bf16 made one more no-grad forward for log pi_old).
 
 Output: a markdown table on stdout and, with ``--out``, the raw per-step records and summaries as JSON.
 """
@@ -87,7 +89,7 @@ CONFIGS = {
     "tiny": dict(prompts_per_step=2, group_size=8, max_new_tokens=8, temperature=0.7, beta=0.02, lr=1e-4, num_prompts=1024),
     "smollm2": dict(prompts_per_step=2, group_size=8, max_new_tokens=32, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
 }
-SIDES = ("rlalign", "rlalign-bf16", "rlalign-bf16-eager", "trl", "trl-bf16")
+SIDES = ("rlalign", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "trl", "trl-bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +169,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
             model=dict(path=str(path), dtype="float32", device="cpu", autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
             sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
-                          attn_implementation="sdpa" if spec["attn"] else None),
+                          attn_implementation="sdpa" if spec["attn"] else None, dtype="bfloat16" if spec["copy"] else None),
             optim=dict(lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], mu=1, num_minibatches=1,
             advantage="group", eps_low=0.2, eps_high=0.2, beta=spec["beta"], aggregation="seq-mean-token-mean",
@@ -291,7 +293,8 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
 
 def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
-    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") else None}
+    fast = side.endswith("-fast")
+    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast}
     if side.startswith("rlalign"):
         rlalign_worker(spec, chan)
     else:

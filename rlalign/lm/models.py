@@ -23,6 +23,7 @@ same tokens across forward passes (ratio = 1 on the first minibatch), which drop
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,8 @@ __all__ = [
     "reference_policy",
     "unwrap_causal_lm",
     "attention_kernel",
+    "cast_copy",
+    "copy_weights",
     "position_ids_from_mask",
     "ScalarHeadModel",
     "load_reward_model",
@@ -225,6 +228,22 @@ def last_token_values(values: Tensor, attention_mask: Tensor) -> Tensor:
     """``values`` (B, T) read at each row's last non-padding token -> (B,): a sequence's reward
     from :class:`ScalarHeadModel`'s per-token scalars (also when the model is wrapped in DDP)."""
     return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+
+
+def cast_copy(model: nn.Module, dtype: DType | torch.dtype) -> nn.Module:
+    """A frozen copy of ``model`` with its parameters held in ``dtype`` (e.g. a bfloat16 copy of a
+    float32 policy for the decode loop). Buffers keep their dtype (RoPE's inverse frequencies stay
+    float32), tied weights stay tied, and no full-precision intermediate copy is made (the
+    parameters are cast one by one and handed to ``deepcopy`` through its memo)."""
+    memo = {id(p): nn.Parameter(p.detach().to(torch_dtype(dtype)), requires_grad=False) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+@torch.no_grad()
+def copy_weights(target: nn.Module, source: nn.Module) -> None:
+    """Copy ``source``'s parameters into ``target``'s (cast to its dtypes); same structure, e.g. a :func:`cast_copy`."""
+    for dst, src in zip(target.parameters(), source.parameters(), strict=True):
+        dst.copy_(src)
 
 
 class ScalarHeadModel(nn.Module):

@@ -54,6 +54,7 @@ The pieces marked "shared" are imported by :mod:`rlalign.train.ppo`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -79,7 +80,7 @@ from rlalign.lm.code_execution import code_execution
 from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
 from rlalign.lm.logprobs import rollout_logprobs
-from rlalign.lm.models import attention_kernel, load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
+from rlalign.lm.models import attention_kernel, cast_copy, copy_weights, load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
 from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams, sample
@@ -126,6 +127,7 @@ __all__ = [
     "setup_run",
     "run_steps",
     "sample_shard",
+    "sampler_differs",
     "check_world",
     "train",
     "add_arguments",
@@ -200,6 +202,11 @@ class SamplingConfig(Config):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1 = off)")
     attn_implementation: str | None = Field(
         None, description="attention kernel for the decode loop only (null = model.attn_implementation); e.g. sdpa with eager for training on CPU"
+    )
+    dtype: Literal["bfloat16", "float16"] | None = Field(
+        None,
+        description="run the decode loop on a copy of the policy held in this dtype, refreshed after each update "
+        "(half a policy of memory more; null = sample from the policy itself, under model.autocast if set)",
     )
 
     def params(self) -> SamplingParams:
@@ -396,6 +403,12 @@ def training_logprobs(policy: nn.Module, rollout: Rollout, temperature: float, m
     return logprobs
 
 
+def sampler_differs(cfg: GRPOConfig) -> bool:
+    """Whether the sampler's log-probs may differ from the training forward's by more than float32
+    round-off (bfloat16 autocast, or a low-precision sampling copy): then log pi_old is recomputed."""
+    return cfg.model.autocast != "none" or cfg.sampling.dtype is not None
+
+
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> Tensor:
     """1 on completion tokens that count in the loss; rows without EOS zeroed when ``mask_truncated``. Shape: (B, C)."""
     mask = rollout.completion_mask.float()  # (B, C)
@@ -484,18 +497,39 @@ class Updater:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_clip: float | None
+    sampling_dtype: str | None = None  # sampler() runs on a copy in this dtype (SamplingConfig.dtype)
+    updates: int = 0
+    _sampling_copy: nn.Module | None = field(default=None, repr=False)
+    _copy_at: int = -1  # the value of ``updates`` when the copy was last refreshed
 
     @classmethod
-    def create(cls, model: nn.Module, cfg: OptimConfig, total_updates: int, world: distributed.World = distributed.World(), sharding: str = "ddp") -> Updater:
+    def create(
+        cls, model: nn.Module, cfg: OptimConfig, total_updates: int, world: distributed.World = distributed.World(), sharding: str = "ddp",
+        sampling_dtype: str | None = None,
+    ) -> Updater:
         """``model`` under torchrun in DDP or sharded by FSDP2 (gradients averaged over ranks), with its AdamW."""
+        if sampling_dtype is not None and sharding == "fsdp":
+            raise ConfigError("sampling.dtype needs whole weights on every rank; with model.sharding=fsdp leave it null")
         model = distributed.wrap(model, world, sharding)
         optimizer, scheduler = make_optimizer(model.parameters(), cfg, total_updates)
-        return cls(model, optimizer, scheduler, cfg.grad_clip)
+        return cls(model, optimizer, scheduler, cfg.grad_clip, sampling_dtype)
 
     @property
     def module(self) -> nn.Module:
         """The model without its DDP wrapper: for sampling, reference passes, evaluation, saving."""
         return distributed.unwrap(self.model)
+
+    def sampler(self) -> nn.Module:
+        """The model the decode loop runs on: :attr:`module`, or its copy held in ``sampling_dtype``
+        (:func:`rlalign.lm.models.cast_copy`), whose weights are refreshed when an update moved them."""
+        if self.sampling_dtype is None:
+            return self.module
+        if self._sampling_copy is None:
+            self._sampling_copy = cast_copy(self.module, self.sampling_dtype)
+        elif self._copy_at != self.updates:
+            copy_weights(self._sampling_copy, self.module)
+        self._copy_at = self.updates
+        return self._sampling_copy
 
     def step(self, loss: Tensor) -> float:
         """zero_grad, backward, clip, step; returns the gradient norm before clipping."""
@@ -505,6 +539,7 @@ class Updater:
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf")) if params else torch.zeros(())
         self.optimizer.step()
         self.scheduler.step()
+        self.updates += 1
         return float(norm)
 
     def state_dict(self) -> dict:
@@ -622,16 +657,19 @@ def check_world(world: distributed.World, prompts_per_step: int, rows_per_step: 
         )
 
 
-def sample_shard(policy: nn.Module, tokenizer, prompts: Sequence, cfg: GRPOConfig, group_size: int, state: TrainState) -> Rollout:
+def sample_shard(updater: Updater, tokenizer, prompts: Sequence, cfg: GRPOConfig, group_size: int, state: TrainState) -> Rollout:
     """This rank's rollout of the step's global prompt batch: its share of the prompts, G completions
-    each, with the uniforms drawn for the global batch (so the rows do not depend on the world size)."""
+    each, with the uniforms drawn for the global batch (so the rows do not depend on the world size).
+    Drawn by the policy (under model.autocast if set), or by its copy in ``sampling.dtype``."""
     world = state.world
     shard = world.shard(len(prompts), "prompts_per_step")
     noise = torch.rand((cfg.sampling.max_new_tokens, len(prompts) * group_size), generator=state.generator)  # (N, B global)
     rows = slice(shard.start * group_size, shard.stop * group_size)
     ids = encode_prompts(tokenizer, list(prompts[shard]))
-    with distributed.gathered(policy), forward_precision(cfg.model, policy), attention_kernel(policy, cfg.sampling.attn_implementation):
-        rollout = sample(policy, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows])
+    policy, sampler = updater.module, updater.sampler()
+    precision = forward_precision(cfg.model, policy) if sampler is policy else contextlib.nullcontext()  # a copy is already low-precision
+    with distributed.gathered(policy), precision, attention_kernel(sampler, cfg.sampling.attn_implementation):
+        rollout = sample(sampler, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows])
     return rollout.to("cpu")
 
 
@@ -711,7 +749,7 @@ def grpo_step(
     # 1. sample G completions per prompt (no grad, KV cache); the sampling log-probs are log pi_old
     t0 = time.perf_counter()
     batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
-    rollout = sample_shard(updater.module, tokenizer, batch, cfg, cfg.group_size, state)
+    rollout = sample_shard(updater, tokenizer, batch, cfg, cfg.group_size, state)
     shard = world.shard(len(batch))  # this rank's prompts, and below its rows
     rows = slice(shard.start * cfg.group_size, shard.stop * cfg.group_size)
     prompt_texts = [render_prompt(tokenizer, p) for p in batch[shard] for _ in range(cfg.group_size)]  # (B,), groups adjacent
@@ -734,7 +772,7 @@ def grpo_step(
     t_ref = time.perf_counter()
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated, no pass needed for it
     mismatch = None
-    if cfg.model.autocast != "none" and not on_policy:  # bfloat16 sampling numerics are not the training forward's
+    if sampler_differs(cfg) and not on_policy:  # bfloat16 sampling numerics are not the training forward's
         old_logp = training_logprobs(updater.module, rollout, cfg.sampling.temperature, minibatches, cfg.model)  # (B, C)
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
@@ -860,7 +898,7 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
     run = setup_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
     policy = run.load_policy(cfg.model)
     reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
-    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding)
+    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding, cfg.sampling.dtype)
     state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
 
     def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:

@@ -83,6 +83,7 @@ from rlalign.train.grpo import (
     reward_stats,
     sample_rows,
     sample_shard,
+    sampler_differs,
     step_timings,
     score_rollout,
     setup_run,
@@ -260,7 +261,7 @@ def ppo_step(
     # 1. sample one completion per prompt; the sampling log-probs are log pi_old
     t0 = time.perf_counter()
     batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
-    rollout = sample_shard(policy.module, tokenizer, batch, cfg, 1, state)
+    rollout = sample_shard(policy, tokenizer, batch, cfg, 1, state)
     shard = world.shard(len(batch))  # this rank's rows
     prompt_texts = [render_prompt(tokenizer, p) for p in batch[shard]]
     completions = rollout.decode_completions(tokenizer)
@@ -282,7 +283,7 @@ def ppo_step(
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
     t_ref = time.perf_counter()
     mismatch = None
-    if cfg.model.autocast != "none":  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
+    if sampler_differs(cfg):  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + minibatch) for s in range(0, rollout.batch_size, minibatch)]
         old_logp = training_logprobs(policy.module, rollout, cfg.sampling.temperature, chunks, cfg.model)  # (B, C)
@@ -378,7 +379,7 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
     critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device, attn_implementation=m.attn_implementation)
     updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
     updaters = {
-        "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding),
+        "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding, cfg.sampling.dtype),
         "critic": Updater.create(critic, cfg.critic.optim, updates, run.world, m.sharding),
     }
     state = resume_state(ckpt, cfg.seed, updaters, run.world)

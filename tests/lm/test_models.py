@@ -10,6 +10,8 @@ from rlalign.lm.models import (
     LoraConfig,
     ScalarHeadModel,
     apply_lora,
+    cast_copy,
+    copy_weights,
     load_critic,
     load_policy,
     load_reference,
@@ -155,3 +157,33 @@ def test_attention_kernel_switches_for_a_block_and_back(llama_checkpoint):
     assert config._attn_implementation == "eager"
     with attention_kernel(policy, None):
         assert config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_cast_copy_holds_the_weights_in_bfloat16_and_follows_updates(llama_checkpoint, lora):
+    from rlalign.lm.sampling import SamplingParams, sample
+
+    policy = load_policy(llama_checkpoint, lora=LoraConfig(r=4) if lora else None)
+    copy = cast_copy(policy, "bfloat16")
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in copy.parameters())
+    assert all(p.dtype == torch.float32 for p in policy.parameters())  # the original is untouched
+    assert all(a.dtype == b.dtype for a, b in zip(copy.buffers(), policy.buffers()))  # RoPE's frequencies stay float32
+    assert len(list(copy.parameters())) == len(list(policy.parameters()))
+    gpt2 = make_gpt2(tie_word_embeddings=True)  # LM head tied to the token embedding: the copy's stay tied
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    tied = cast_copy(gpt2, "bfloat16")
+    assert tied.lm_head.weight is tied.transformer.wte.weight and tied.lm_head.weight.dtype == torch.bfloat16
+    # the same greedy tokens as a model loaded in bfloat16 (same weights, same precision)
+    prompts, greedy = [[1, 14, 15], [1, 20]], SamplingParams(max_new_tokens=8, temperature=0.0)
+    if not lora:
+        half = load_policy(llama_checkpoint, dtype="bfloat16")
+        assert torch.equal(sample(copy, prompts, greedy, 0, [2]).completion_ids, sample(half, prompts, greedy, 0, [2]).completion_ids)
+    # an update of the original reaches the copy only through copy_weights
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.5)
+    trainable = [(c, p) for c, p in zip(copy.parameters(), policy.parameters()) if p.requires_grad]
+    assert all(not torch.equal(c, p.to(torch.bfloat16)) for c, p in trainable)
+    copy_weights(copy, policy)
+    assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copy.parameters(), policy.parameters()))

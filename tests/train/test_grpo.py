@@ -338,6 +338,31 @@ def test_one_update_per_rollout_takes_pi_old_from_the_update_itself(tiny_path, t
     assert next(reference.parameters()).dtype == torch.bfloat16
 
 
+def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(tiny_path, tmp_path, monkeypatch):
+    # sampling.dtype: the decode loop runs on a bfloat16 copy of the float32 policy; with two
+    # updates per rollout pi_old is recomputed (first ratio 1) and the copy follows every update
+    recomputed = []
+    original = grpo.training_logprobs
+    monkeypatch.setattr(grpo, "training_logprobs", lambda *a, **k: recomputed.append(1) or original(*a, **k))
+    seen = {}
+    original_sample = grpo.sample
+    monkeypatch.setattr(grpo, "sample", lambda model, *a, **k: seen.setdefault("model", model) and original_sample(model, *a, **k))
+    cfg = make_cfg(tiny_path, tmp_path, steps=2, mu=2, beta=0.1, **{"sampling.dtype": "bfloat16"})
+    result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("code", 1.0, char_code_reward)])
+    assert len(recomputed) == 2
+    for row in result.history:
+        assert row["ratio_dev/first"] <= 1e-5 and row["ratio_dev"] > 1e-4
+        assert row["logprob_mismatch"] > 0  # bfloat16 weights: the sampler's log-probs are not the training pass's
+    copy = seen["model"]
+    assert copy is not result.policy and next(copy.parameters()).dtype == torch.bfloat16
+    assert next(result.policy.parameters()).dtype == torch.float32
+    # refreshed before step 2's sampling: it holds the weights after step 1's updates, not the start's
+    start = grpo.load_policy(tiny_path)
+    assert any(not torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copy.parameters(), start.parameters()))
+    with pytest.raises(ConfigError, match="sampling.dtype"):
+        grpo.Updater.create(start, cfg.optim, 1, sharding="fsdp", sampling_dtype="bfloat16")
+
+
 def test_sampling_may_use_another_attention_kernel_than_training(tiny_path, tmp_path):
     # eager attention for the training forwards, SDPA for the decode loop: the kernels agree to
     # float32 round-off, so the sampler's log-probs are still pi_old (ratio 1 on the first minibatch)
