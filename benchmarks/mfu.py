@@ -3,6 +3,7 @@
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --out runs/bench/mfu_smollm2.json
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --threads 2
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --autocast     # model.autocast=bfloat16 (float32 master weights)
+    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --fast         # + eager training attention, SDPA decode, bfloat16 sampling copy
 
 1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048), float32 and bfloat16, best of
    ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's thread count.
@@ -13,11 +14,12 @@
    convention):
        generation  prefill 2 N_body B P + 2 N_head B (logits at the last position only),
                    then per decode step 2 (N_body + N_head) B + attention over the cache
-       reference   forward over B (P + C) positions: 2 N_body B (P + C) + 2 N_head B (C + 1)
-                   (``logits_to_keep`` = C + 1) + attention
+       reference   forward over B (P + C) positions: 2 N_body B (P + C) + 2 N_head B C
+                   (the LM head at the C positions that predict completion tokens) + attention
        policy      forward + backward = 3 x the reference forward
-       pi_old      with ``model.autocast: bfloat16`` only: one more no-grad forward (the sampler's
-                   bfloat16 log-probs are replaced by the training forward's), = the reference forward
+       pi_old      only when the sampler's numerics differ (bfloat16) and a rollout gets more than one
+                   update (mu x minibatches > 1; with one update pi_old is the detached training
+                   forward): one more no-grad forward, = the reference forward
    Every computed position counts (padding included: it is work the hardware does). Random
    weights never emit EOS, so every row runs the full ``--new-tokens`` and C is fixed.
 3. The step: ``rlalign.train.grpo.grpo_step`` on a LlamaForCausalLM with SmolLM2-135M's shape and
@@ -92,7 +94,7 @@ def step_flops(dims: dict, batch: int, prompt_len: int, completion_len: int, dec
     for t in range(1, decode_steps):  # decode step t feeds token t-1 at context P + t
         gen += 2 * (nb + nh) * batch + batch * attn(1, prompt_len + t)
     total = prompt_len + completion_len
-    forward = 2 * nb * batch * total + 2 * nh * batch * (completion_len + 1) + batch * attn(total, total)
+    forward = 2 * nb * batch * total + 2 * nh * batch * completion_len + batch * attn(total, total)
     return {"generate": gen, "reference": forward, "policy_fwd_bwd": 3 * forward}
 
 
@@ -100,7 +102,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     from rlalign.lm.data import encode_prompts
     from rlalign.tasks import TASKS
-    from rlalign.train.grpo import GRPOConfig, prompt_batch
+    from rlalign.train.grpo import GRPOConfig, prompt_batch, sampler_differs
 
     peaks = {"float32": matmul_peak(torch.float32, args.n, args.repeats), "bfloat16": matmul_peak(torch.bfloat16, args.n, args.repeats)}
     path = random_checkpoint(args.shape)
@@ -111,8 +113,10 @@ def run(args) -> dict:
     cfg = GRPOConfig.model_validate(
         dict(
             output_dir=tempfile.mkdtemp(prefix="bench_mfu_"), seed=0, num_threads=args.threads,
-            model=dict(path=str(path), dtype=args.dtype, autocast="bfloat16" if args.autocast else "none"),
-            sampling=dict(max_new_tokens=args.new_tokens, temperature=0.7),
+            model=dict(path=str(path), dtype=args.dtype, autocast="bfloat16" if args.autocast or args.fast else "none",
+                       attn_implementation="eager" if args.fast else None),
+            sampling=dict(max_new_tokens=args.new_tokens, temperature=0.7,
+                          attn_implementation="sdpa" if args.fast else None, dtype="bfloat16" if args.fast else None),
             optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size, beta=args.beta, progress=False, plots=False,
         )
@@ -130,10 +134,11 @@ def run(args) -> dict:
         rows = cfg.prompts_per_step * cfg.group_size
         completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
         flops = step_flops(dims, rows, prompt_len, completion_len, completion_len)
-        if args.autocast:  # model.autocast recomputes log pi_old with one more no-grad training forward
+        if sampler_differs(cfg) and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
             flops["old_logp"] = flops["reference"]
         steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
                       "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"], "flops": flops,
+                      "t_update": metrics["time/update"],
                       "ratio_dev_first": metrics["ratio_dev/first"], "logprob_mismatch": metrics.get("logprob_mismatch"), "kl": metrics.get("kl")})
         print(f"step {len(steps)}: {dt:.2f} s (generate {metrics['time/generate']:.2f}, ref + train {metrics['time/train']:.2f}), P={prompt_len}, C={completion_len}, "
               f"max |ratio - 1| before the update {metrics['ratio_dev/first']:.2e}, sampler-vs-training log-prob mismatch {metrics.get('logprob_mismatch')}",
@@ -144,11 +149,13 @@ def run(args) -> dict:
     flops_gen = statistics.median(s["flops"]["generate"] for s in timed)
     flops_train = statistics.median(sum(v for k, v in s["flops"].items() if k != "generate") for s in timed)
     flops_total = flops_gen + flops_train
+    flops_update = statistics.median(s["flops"]["policy_fwd_bwd"] for s in timed)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "threads": args.threads, "dtype": args.dtype, "autocast_bf16": args.autocast, "shape": args.shape,
+        "threads": args.threads, "dtype": args.dtype, "autocast_bf16": args.autocast or args.fast, "fast": args.fast, "shape": args.shape,
         "peak_gflops": peaks, "dims": dims, "n_params": lb.count_parameters(setup.policy), "load": lb.machine_load(),
         "steps": steps, "median_step_s": med("time"), "median_generate_s": med("t_generate"), "median_ref_train_s": med("t_train"),
+        "median_update_s": med("t_update"), "flops_update": flops_update,
         "flops_generate": flops_gen, "flops_ref_train": flops_train, "flops_step": flops_total,
         "torch": torch.__version__, "rlalign_commit": lb.code_version(),
     }
@@ -156,6 +163,7 @@ def run(args) -> dict:
         "step": flops_total / result["median_step_s"] / 1e9,
         "generate": flops_gen / result["median_generate_s"] / 1e9,
         "ref_train": flops_train / result["median_ref_train_s"] / 1e9,
+        "update": flops_update / result["median_update_s"] / 1e9,
     }
     return result
 
@@ -167,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype of policy and reference")
     parser.add_argument("--autocast", action="store_true", help="model.autocast=bfloat16: forwards in bfloat16 autocast, float32 master weights")
+    parser.add_argument("--fast", action="store_true", help="--autocast with eager training attention, SDPA decode and a bfloat16 sampling copy")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -186,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---:|")
     for name, flops, secs, rate in (
         ("generate", r["flops_generate"], r["median_generate_s"], g["generate"]),
-        ("reference + policy fwd/bwd + AdamW" + (" + pi_old forward" if r["autocast_bf16"] else ""), r["flops_ref_train"], r["median_ref_train_s"], g["ref_train"]),
+        ("reference + policy fwd/bwd + AdamW" + (" + pi_old forward" if any("old_logp" in s["flops"] for s in r["steps"]) else ""),
+         r["flops_ref_train"], r["median_ref_train_s"], g["ref_train"]),
+        ("  of which the policy update (fwd + bwd + clip + AdamW)", r["flops_update"], r["median_update_s"], g["update"]),
         ("whole step", r["flops_step"], r["median_step_s"], g["step"]),
     ):
         print(f"| {name} | {flops / 1e9:.1f} | {secs:.2f} | {rate:.1f} | {rate / r['peak_gflops']['float32']:.1%} | {rate / r['peak_gflops']['bfloat16']:.1%} |")

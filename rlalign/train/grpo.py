@@ -61,6 +61,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+import functools
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -117,6 +118,8 @@ __all__ = [
     "build_rewards",
     "score_rollout",
     "completion_logits",
+    "compiled_completion_logits",
+    "COMPILE_HELP",
     "reference_logprobs",
     "loss_mask",
     "ratio_deviation",
@@ -220,6 +223,12 @@ class RLOptimConfig(OptimConfig):
     min_lr_ratio: float = Field(1.0, ge=0, le=1, description="final learning rate as a fraction of lr (cosine decay); 1 = constant")
 
 
+COMPILE_HELP = (
+    "torch.compile the policy's training forward and backward (dynamic shapes; compiled during the first update). "
+    "SmolLM2-135M on one CPU core: 2.5 -> 1.9 s per update after ~210 s of compiling, so it pays back after a few hundred steps"
+)
+
+
 class GRPOConfig(Config):
     """``rlalign grpo``: every field can be overridden on the command line as key.sub=value."""
 
@@ -252,6 +261,7 @@ class GRPOConfig(Config):
     progress: bool = Field(True, description="show a progress bar with reward and KL")
     tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
     plots: bool = Field(True, description="write curves.png (reward, KL, entropy, length, clip fraction) at the end")
+    compile: bool = Field(False, description=COMPILE_HELP)
 
     @model_validator(mode="after")
     def _minibatches_divide(self) -> GRPOConfig:
@@ -374,12 +384,22 @@ def score_rollout(terms: Sequence[RewardTerm], prompts: list[str], completions: 
 # ----------------------------------------------------------------------------------------------
 
 
-def completion_logits(model: nn.Module, rollout: Rollout) -> Tensor:
+def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False) -> Tensor:
     """:func:`rlalign.lm.logprobs.completion_logits` of a rollout (the trainer needs the logits
-    themselves for the entropy), on the model's device. Shape: (B, C, V)."""
+    themselves for the entropy), on the model's device; ``compiled``: through
+    :func:`compiled_completion_logits`. Shape: (B, C, V)."""
     device = next(model.parameters()).device
     r = rollout.to(device)
-    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    forward = compiled_completion_logits() if compiled else lm_completion_logits
+    return forward(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+
+
+@functools.cache
+def compiled_completion_logits() -> Callable[..., Tensor]:
+    """:func:`rlalign.lm.logprobs.completion_logits` under ``torch.compile`` with dynamic shapes, so
+    one compilation serves every (B, P, C) of a run (the ``compile`` option of GRPO and PPO; only
+    the training forward and its backward are compiled, never the decode loop)."""
+    return torch.compile(lm_completion_logits, dynamic=True)
 
 
 @torch.no_grad()
@@ -709,7 +729,7 @@ def grpo_loss(
         (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy.
     """
     with forward_precision(cfg.model, policy):
-        logits = completion_logits(policy, rollout)  # (B, C, V), bfloat16 under autocast
+        logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
     logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C), float32
     sampler_logp, mask = rollout.logprobs.to(device), mask.to(device)

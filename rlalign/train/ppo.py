@@ -64,6 +64,7 @@ from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import ModelConfig, forward_precision
 from rlalign.train.grpo import (
+    COMPILE_HELP,
     Aggregation,
     DataConfig,
     RewardConfig,
@@ -146,6 +147,7 @@ class PPOConfig(Config):
     progress: bool = Field(True, description="show a progress bar with score, KL and beta")
     tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
     plots: bool = Field(True, description="write curves.png (score, KL, beta, entropy, value loss, explained variance) at the end")
+    compile: bool = Field(False, description=COMPILE_HELP)
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> PPOConfig:
@@ -209,7 +211,7 @@ def critic_values(critic: nn.Module, rollout: Rollout) -> Tensor:
 def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """L_pi = aggregate(clipped surrogate) + c2 * L_H on one minibatch (``rollout.logprobs`` = log pi_old)."""
     with forward_precision(cfg.model, policy):
-        logits = completion_logits(policy, rollout)  # (B, C, V), bfloat16 under autocast
+        logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
     logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C), float32
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
