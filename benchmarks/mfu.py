@@ -4,6 +4,7 @@
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --threads 2
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --autocast     # model.autocast=bfloat16 (float32 master weights)
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --fast         # + eager training attention, SDPA decode, bfloat16 sampling copy
+    /work/benchvenv/bin/python benchmarks/mfu.py --steps 4 --fast --compile   # + the compiled training forward (step 1 compiles)
 
 1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048), float32 and bfloat16, best of
    ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's thread count.
@@ -119,6 +120,7 @@ def run(args) -> dict:
                           attn_implementation="sdpa" if args.fast else None, dtype="bfloat16" if args.fast else None),
             optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size, beta=args.beta, progress=False, plots=False,
+            compile=args.compile,
         )
     )
     setup = lb.GRPOSetup(cfg, records, reward)  # grpo.train()'s setup, without its outer loop
@@ -152,7 +154,8 @@ def run(args) -> dict:
     flops_update = statistics.median(s["flops"]["policy_fwd_bwd"] for s in timed)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "threads": args.threads, "dtype": args.dtype, "autocast_bf16": args.autocast or args.fast, "fast": args.fast, "shape": args.shape,
+        "threads": args.threads, "dtype": args.dtype, "autocast_bf16": args.autocast or args.fast, "fast": args.fast, "compile": args.compile,
+        "shape": args.shape,
         "peak_gflops": peaks, "dims": dims, "n_params": lb.count_parameters(setup.policy), "load": lb.machine_load(),
         "steps": steps, "median_step_s": med("time"), "median_generate_s": med("t_generate"), "median_ref_train_s": med("t_train"),
         "median_update_s": med("t_update"), "flops_update": flops_update,
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype of policy and reference")
     parser.add_argument("--autocast", action="store_true", help="model.autocast=bfloat16: forwards in bfloat16 autocast, float32 master weights")
     parser.add_argument("--fast", action="store_true", help="--autocast with eager training attention, SDPA decode and a bfloat16 sampling copy")
+    parser.add_argument("--compile", action="store_true", help="the trainer's compile option (the first, untimed step compiles)")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)

@@ -120,6 +120,7 @@ __all__ = [
     "completion_logits",
     "compiled_completion_logits",
     "COMPILE_HELP",
+    "check_compile",
     "reference_logprobs",
     "loss_mask",
     "ratio_deviation",
@@ -229,6 +230,13 @@ COMPILE_HELP = (
 )
 
 
+def check_compile(compile: bool, model: ModelConfig) -> None:
+    """torch 2.13's inductor fails on transformers' eager attention with dynamic shapes (ValueRangeError
+    in its symbolic shapes, seen on Llama); SDPA compiles."""
+    if compile and model.attn_implementation == "eager":
+        raise ValueError("compile=true needs model.attn_implementation sdpa (or null): the eager attention does not compile with dynamic shapes")
+
+
 class GRPOConfig(Config):
     """``rlalign grpo``: every field can be overridden on the command line as key.sub=value."""
 
@@ -262,6 +270,11 @@ class GRPOConfig(Config):
     tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
     plots: bool = Field(True, description="write curves.png (reward, KL, entropy, length, clip fraction) at the end")
     compile: bool = Field(False, description=COMPILE_HELP)
+
+    @model_validator(mode="after")
+    def _compile_needs_sdpa(self) -> GRPOConfig:
+        check_compile(self.compile, self.model)
+        return self
 
     @model_validator(mode="after")
     def _minibatches_divide(self) -> GRPOConfig:

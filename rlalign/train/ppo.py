@@ -85,6 +85,7 @@ from rlalign.train.grpo import (
     sample_rows,
     sample_shard,
     sampler_differs,
+    check_compile,
     step_timings,
     score_rollout,
     setup_run,
@@ -148,6 +149,11 @@ class PPOConfig(Config):
     tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
     plots: bool = Field(True, description="write curves.png (score, KL, beta, entropy, value loss, explained variance) at the end")
     compile: bool = Field(False, description=COMPILE_HELP)
+
+    @model_validator(mode="after")
+    def _compile_needs_sdpa(self) -> PPOConfig:
+        check_compile(self.compile, self.model)
+        return self
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> PPOConfig:
