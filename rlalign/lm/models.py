@@ -52,6 +52,7 @@ __all__ = [
     "unwrap_causal_lm",
     "attention_kernel",
     "cast_copy",
+    "hold_matmul_weights",
     "copy_weights",
     "position_ids_from_mask",
     "ScalarHeadModel",
@@ -173,6 +174,29 @@ def load_reference(
     model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation)
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+def hold_matmul_weights(model: nn.Module, dtype: DType | torch.dtype) -> nn.Module:
+    """Hold in ``dtype`` exactly the parameters that ``torch.autocast(dtype)`` casts at every forward:
+    weights and biases of ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2), unless another module
+    shares them (a tied LM head stays with its embedding). Embeddings and norms keep their dtype.
+
+    Under autocast the model then computes bit for bit what it computes with all weights in full
+    precision (autocast's cast rounds the same way), without re-casting those weights every forward
+    and in about half the memory. For a frozen reference under ``model.autocast``: at equal weights
+    its log-probs equal the policy's, so the KL starts at exactly 0 (a fully bfloat16 copy, norms and
+    embeddings included, starts ~2e-3 nats/token away on SmolLM2-135M). In place; returns ``model``.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    matmul = (nn.Linear, Conv1D)
+    shared = {id(p) for m in model.modules() if not isinstance(m, matmul) for p in m.parameters(recurse=False)}
+    for module in model.modules():
+        if isinstance(module, matmul):
+            for param in module.parameters(recurse=False):
+                if id(param) not in shared and param.is_floating_point():
+                    param.data = param.data.to(torch_dtype(dtype))
     return model
 
 

@@ -31,7 +31,7 @@ Deliberate simplifications, stated:
   the first minibatch of the first epoch has ratio 1 up to float round-off (logged as
   ``ratio_dev/first``, the largest |r - 1| there).
 - the KL in the reward and in the metrics is measured once per rollout, at pi_old.
-- with ``model.autocast: bfloat16``, pi_old is recomputed by the training forward (as in
+- with ``model.autocast: bfloat16`` or ``sampling.dtype: bfloat16``, pi_old is recomputed by the training forward (as in
   rlalign.train.grpo; ``logprob_mismatch`` logs how far the sampler's log-probs were from it).
 - under torchrun, explained_variance is the token-weighted mean of the ranks' values (the other
   metrics are those of the global batch; rlalign.train.distributed).

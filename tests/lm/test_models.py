@@ -12,6 +12,7 @@ from rlalign.lm.models import (
     apply_lora,
     cast_copy,
     copy_weights,
+    hold_matmul_weights,
     load_critic,
     load_policy,
     load_reference,
@@ -187,3 +188,29 @@ def test_cast_copy_holds_the_weights_in_bfloat16_and_follows_updates(llama_check
     assert all(not torch.equal(c, p.to(torch.bfloat16)) for c, p in trainable)
     copy_weights(copy, policy)
     assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copy.parameters(), policy.parameters()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_matmul_weights_held_in_bfloat16_compute_what_autocast_computes(arch):
+    # nn.Linear (Llama) and Conv1D (GPT-2) weights and biases held in bfloat16: under autocast the
+    # log-probs equal the float32-held model's bit for bit; embeddings, norms and a tied head stay float32
+    from rlalign.lm.logprobs import completion_logprobs
+
+    from .conftest import make_llama
+
+    full = make_llama(tie_word_embeddings=True) if arch == "llama" else make_gpt2(tie_word_embeddings=True)
+    held = hold_matmul_weights(make_llama(tie_word_embeddings=True) if arch == "llama" else make_gpt2(tie_word_embeddings=True), "bfloat16")
+    dtypes = {name: p.dtype for name, p in held.named_parameters()}
+    assert dtypes["lm_head.weight" if "lm_head.weight" in dtypes else next(n for n in dtypes if "embed" in n or "wte" in n)] == torch.float32
+    matmul = [n for n in dtypes if any(k in n for k in ("proj", "c_attn", "c_fc"))]
+    assert matmul and all(dtypes[n] == torch.bfloat16 for n in matmul)
+    assert all(dtypes[n] == torch.float32 for n in dtypes if "norm" in n or "ln_" in n)
+    prompt_ids, prompt_mask = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    completion_ids, completion_mask = torch.tensor([[12, 13, 2], [14, 2, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = completion_logprobs(full, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        got = completion_logprobs(held, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    assert torch.equal(got, expected)
+    with torch.no_grad():  # without autocast they differ: the weights really are rounded
+        assert not torch.equal(completion_logprobs(held.float(), prompt_ids, prompt_mask, completion_ids, completion_mask),
+                               completion_logprobs(full, prompt_ids, prompt_mask, completion_ids, completion_mask))
