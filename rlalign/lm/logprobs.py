@@ -10,6 +10,14 @@ states that predict completion tokens only (``logits_to_keep``: the hidden state
 log-softmax. Position P - 1 + t predicts completion token t, so the kept positions are
 P - 1 .. P + C - 2.
 
+Shared prompts: the G completions of a GRPO group share their prompt. With ``group_index`` the
+prompt runs once per group (U rows instead of B = U G), its KV cache is indexed out to the B rows
+(``DynamicCache.batch_select_indices``: differentiable, so the prompt positions get the summed
+gradient of their G rows), and only the completion tokens run per row. The logits are those of the
+full forward up to float round-off (tested for Llama and GPT-2, with LoRA, forward and backward);
+the work on prompt positions shrinks G-fold. Measured on SmolLM2-135M with its chat template (P = 46,
+C = 32, B = 16, G = 8): see benchmarks/RESULTS_speed.md, section 5.6.
+
 The positions are handed over as an index tensor, not as a count: indexing copies the kept hidden
 states into one contiguous (B, C, H) block, which torch folds into a single (B C, H) x (H, V)
 matmul. A count makes transformers take a strided slice, and without autograd torch then runs the
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from transformers import DynamicCache
 
 from rlalign.core.logprobs import token_logprobs
 
@@ -41,21 +50,61 @@ def completion_positions(prompt_len: int, completion_len: int, device: torch.dev
     return torch.arange(prompt_len - 1, prompt_len + completion_len - 1, device=device)
 
 
-def completion_logits(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+def completion_logits(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group_index: Tensor | None = None
+) -> Tensor:
     """Logits predicting each completion token, the LM head applied at those positions only.
 
     Args:
         model: causal LM (transformers or peft) accepting ``logits_to_keep``.
         prompt_ids, prompt_mask: left-padded prompts. Shape: (B, P).
         completion_ids, completion_mask: right-padded completions. Shape: (B, C).
+        group_index: rows with the same index have the same prompt (a GRPO group), which then runs
+            once (see the module doc); None or all-distinct: one forward over prompt + completion. Shape: (B,).
     Returns:
         Shape: (B, C, V), in the model's (or autocast's) dtype; row t predicts completion token t.
     """
+    if group_index is not None:
+        groups, rows_group = torch.unique(group_index, return_inverse=True)  # (U,), (B,): each row's group among the U
+        if len(groups) < len(group_index):
+            return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, len(groups))
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + C)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # (B, P + C)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + C)
     keep = completion_positions(prompt_ids.shape[1], completion_ids.shape[1], input_ids.device)  # (C,)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
+
+
+def _shared_prompt_logits(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, rows_group: Tensor, num_groups: int
+) -> Tensor:
+    """:func:`completion_logits` with each prompt run once: ``rows_group`` (B,) in [0, U) says whose prompt a row has."""
+    batch, prompt_len = prompt_ids.shape
+    first_row = torch.full((num_groups,), batch, device=rows_group.device).scatter_reduce(
+        0, rows_group, torch.arange(batch, device=rows_group.device), reduce="amin"
+    )  # (U,): a row holding each group's prompt
+    prompt_mask = prompt_mask.long()
+    cache = DynamicCache()
+    head = model(
+        input_ids=prompt_ids[first_row],
+        attention_mask=prompt_mask[first_row],
+        position_ids=(prompt_mask[first_row].cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=torch.tensor([prompt_len - 1], device=prompt_ids.device),
+    ).logits[rows_group]  # (B, 1, V): the last prompt position predicts completion token 0
+    if completion_ids.shape[1] == 1:
+        return head
+    cache.batch_select_indices(rows_group)  # (U, ...) -> (B, ...) keys and values of every layer
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1].long()], dim=1)  # (B, P + C - 1)
+    tail = model(
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)[:, prompt_len:],
+        past_key_values=cache,
+        use_cache=True,
+    ).logits  # (B, C - 1, V): completion token t predicts token t + 1
+    return torch.cat([head, tail], dim=1)  # (B, C, V)
 
 
 def completion_logprobs(
@@ -65,6 +114,7 @@ def completion_logprobs(
     completion_ids: Tensor,
     completion_mask: Tensor,
     temperature: float = 1.0,
+    group_index: Tensor | None = None,
 ) -> Tensor:
     """log pi(y_t | x, y_<t) under softmax(logits / temperature) for every completion token.
 
@@ -73,14 +123,17 @@ def completion_logprobs(
         prompt_ids, prompt_mask: left-padded prompts. Shape: (B, P).
         completion_ids, completion_mask: right-padded completions. Shape: (B, C).
         temperature: the sampling temperature, so the values match the sampling log-probs.
+        group_index: rows sharing a prompt, which then runs once (:func:`completion_logits`). Shape: (B,).
     Returns:
         Shape: (B, C), float32, 0 where ``completion_mask`` is 0; differentiable.
     """
-    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)  # (B, C, V)
+    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)  # (B, C, V)
     logp = token_logprobs(logits, completion_ids, temperature)  # (B, C)
     return logp.masked_fill(completion_mask == 0, 0.0)
 
 
-def rollout_logprobs(model: nn.Module, rollout, temperature: float = 1.0) -> Tensor:
-    """:func:`completion_logprobs` of a :class:`rlalign.lm.rollout.Rollout`. Shape: (B, C)."""
-    return completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, temperature)
+def rollout_logprobs(model: nn.Module, rollout, temperature: float = 1.0, share_prompts: bool = False) -> Tensor:
+    """:func:`completion_logprobs` of a :class:`rlalign.lm.rollout.Rollout`; ``share_prompts``: each
+    group's prompt runs once (by ``rollout.group_index``). Shape: (B, C)."""
+    r = rollout
+    return completion_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature, r.group_index if share_prompts else None)

@@ -11,7 +11,8 @@ Shao et al. 2024 (DeepSeekMath), eq. 3-4; seeds 003 (section 8) and 004. The mat
     Rollout --weighted reward functions / reward models--> scores (B,)
     scores  --group z-score | batch std | mean only (Dr.GRPO) | RLOO--> A (B,), broadcast to tokens
     ref_logp = frozen reference, or the LoRA base with adapters off; none when beta = 0
-    mu passes x minibatches: logp = policy(prompt + completion) at completion positions only;
+    mu passes x minibatches: logp = policy(prompt + completion) at completion positions only
+        (each group's prompt run once, its KV cache shared by the group's G rows);
         loss = aggregate(clipped surrogate) + beta * aggregate(k3); backward, clip, step
 
 Deliberate simplifications, stated:
@@ -119,6 +120,7 @@ __all__ = [
     "score_rollout",
     "completion_logits",
     "compiled_completion_logits",
+    "share_prompts",
     "COMPILE_HELP",
     "check_compile",
     "reference_logprobs",
@@ -399,12 +401,20 @@ def score_rollout(terms: Sequence[RewardTerm], prompts: list[str], completions: 
 
 def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False) -> Tensor:
     """:func:`rlalign.lm.logprobs.completion_logits` of a rollout (the trainer needs the logits
-    themselves for the entropy), on the model's device; ``compiled``: through
-    :func:`compiled_completion_logits`. Shape: (B, C, V)."""
+    themselves for the entropy), on the model's device, each group's prompt run once when
+    :func:`share_prompts`; ``compiled``: through :func:`compiled_completion_logits` (one forward). Shape: (B, C, V)."""
     device = next(model.parameters()).device
     r = rollout.to(device)
-    forward = compiled_completion_logits() if compiled else lm_completion_logits
-    return forward(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    if compiled:
+        return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts() else None)
+
+
+def share_prompts() -> bool:
+    """Whether the training and reference passes run each group's prompt once (rlalign.lm.logprobs):
+    in one process. Under torchrun they make one forward per pass, since DDP and FSDP2 expect one
+    forward per backward; the logits are the same to float round-off either way."""
+    return not torch.distributed.is_initialized()
 
 
 @functools.cache
@@ -421,7 +431,8 @@ def reference_logprobs(
 ) -> Tensor:
     """Completion log-probs under the frozen reference (or the LoRA base, adapters off). Shape: (B, C)."""
     with reference_policy(policy, reference) as ref, distributed.gathered(ref), forward_precision(model_cfg or ModelConfig(), ref):
-        return torch.cat([rollout_logprobs(ref, mb.to(next(ref.parameters()).device), temperature).cpu() for mb in rollout.minibatches(batch_size)])
+        device = next(ref.parameters()).device
+        return torch.cat([rollout_logprobs(ref, mb.to(device), temperature, share_prompts()).cpu() for mb in rollout.minibatches(batch_size)])
 
 
 @torch.no_grad()
@@ -432,7 +443,7 @@ def training_logprobs(policy: nn.Module, rollout: Rollout, temperature: float, m
     device = next(policy.parameters()).device
     for rows in minibatches:
         with forward_precision(model_cfg, policy):
-            logprobs[rows] = rollout_logprobs(policy, rollout.select(rows).to(device), temperature).float().cpu()
+            logprobs[rows] = rollout_logprobs(policy, rollout.select(rows).to(device), temperature, share_prompts()).float().cpu()
     return logprobs
 
 

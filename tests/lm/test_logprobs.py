@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from rlalign.core.logprobs import token_logprobs
 from rlalign.lm.logprobs import completion_logprobs, rollout_logprobs
 from rlalign.lm.sampling import SamplingParams, sample
 
@@ -56,3 +59,39 @@ def test_lm_head_gets_a_contiguous_input(tiny_llama):
     assert seen[0][0] == (3, 1, tiny_llama.config.hidden_size)  # prefill: the last prompt position only
     assert seen[-1][0] == (3, c, tiny_llama.config.hidden_size)  # training pass: the C positions that predict completion tokens
     assert all(contiguous for _, contiguous in seen), seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "lora"])
+def test_shared_prompt_logits_equal_the_full_forward(arch, tiny_llama, tiny_gpt2, llama_checkpoint):
+    # group_index: each group's prompt runs once and its KV cache is indexed out to the group's rows;
+    # logits and gradients equal those of one forward over prompt + completion per row
+    from rlalign.lm.logprobs import completion_logits
+    from rlalign.lm.models import LoraConfig, load_policy
+
+    model = {"llama": tiny_llama, "gpt2": tiny_gpt2}.get(arch) or load_policy(llama_checkpoint, lora=LoraConfig(r=4))
+    if arch == "lora":  # non-zero adapters, so they take part
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    rollout = sample(model, PROMPTS, SamplingParams(max_new_tokens=7, temperature=1.0), 0, [2], group_size=3, generator=torch.Generator().manual_seed(1))
+    completion_mask = rollout.completion_mask.clone()
+    completion_mask[1, 4:], completion_mask[5, 2:] = 0, 0  # two completions that ended early (right padding after them)
+    rollout = dataclasses.replace(rollout, completion_mask=completion_mask, completion_ids=rollout.completion_ids.masked_fill(completion_mask == 0, 0))
+    assert (rollout.prompt_mask == 0).any()  # left padding too
+    order = torch.randperm(rollout.batch_size, generator=torch.Generator().manual_seed(0))  # groups need not be adjacent
+    r = rollout.select(order)
+    args = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    outputs = {}
+    for shared in (False, True):
+        model.zero_grad()
+        logits = completion_logits(model, *args, r.group_index if shared else None)  # (B, C, V)
+        (token_logprobs(logits, r.completion_ids) * r.completion_mask).sum().backward()
+        outputs[shared] = (logits.detach(), [p.grad.clone() for p in trainable])
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-5, atol=1e-5)
+    for shared_grad, full_grad in zip(outputs[True][1], outputs[False][1]):  # float32 summation order: ~2e-6 of the largest entry
+        torch.testing.assert_close(shared_grad, full_grad, rtol=0, atol=1e-5 * full_grad.abs().max().item())
+    one_token = completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids[:, :1], r.completion_mask[:, :1], r.group_index)
+    torch.testing.assert_close(one_token, outputs[False][0][:, :1], rtol=1e-5, atol=1e-5)
+    model.zero_grad()
