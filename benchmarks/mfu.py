@@ -16,7 +16,10 @@
        generation  prefill 2 N_body B P + 2 N_head B (logits at the last position only),
                    then per decode step 2 (N_body + N_head) B + attention over the cache
        reference   forward over B (P + C) positions: 2 N_body B (P + C) + 2 N_head B C
-                   (the LM head at the C positions that predict completion tokens) + attention
+                   (the LM head at the C positions that predict completion tokens) + attention;
+                   with shared prompts (one process: each of the U groups' prompts runs once)
+                   2 N_body U P + 2 N_head U + U attn(P, P) + 2 (N_body + N_head) B (C - 1)
+                   + B attn(C - 1, P + C - 1): the FLOPs executed, which MFU counts
        policy      forward + backward = 3 x the reference forward
        pi_old      only when the sampler's numerics differ (bfloat16) and a rollout gets more than one
                    update (mu x minibatches > 1; with one update pi_old is the detached training
@@ -87,15 +90,20 @@ def model_dims(config) -> dict:
     return {"n_body": layers * per_layer, "n_head": config.vocab_size * h, "layers": layers, "d_attn": heads * head_dim}
 
 
-def step_flops(dims: dict, batch: int, prompt_len: int, completion_len: int, decode_steps: int) -> dict[str, float]:
-    """Analytic FLOPs of one GRPO step's three phases (see the module docstring)."""
+def step_flops(dims: dict, batch: int, prompt_len: int, completion_len: int, decode_steps: int, groups: int | None = None) -> dict[str, float]:
+    """Analytic FLOPs of one GRPO step's three phases (see the module docstring). ``groups``: the
+    training and reference forwards run each of the U groups' prompts once (shared prompts)."""
     nb, nh, layers, d = dims["n_body"], dims["n_head"], dims["layers"], dims["d_attn"]
     attn = lambda tokens, context: 4 * layers * d * tokens * context  # noqa: E731
     gen = 2 * nb * batch * prompt_len + 2 * nh * batch + batch * attn(prompt_len, prompt_len)
     for t in range(1, decode_steps):  # decode step t feeds token t-1 at context P + t
         gen += 2 * (nb + nh) * batch + batch * attn(1, prompt_len + t)
     total = prompt_len + completion_len
-    forward = 2 * nb * batch * total + 2 * nh * batch * completion_len + batch * attn(total, total)
+    if groups is None:  # one forward over prompt + completion per row
+        forward = 2 * nb * batch * total + 2 * nh * batch * completion_len + batch * attn(total, total)
+    else:  # U prompt rows (LM head at the last position), then B rows of C - 1 completion tokens against the cache
+        forward = 2 * nb * groups * prompt_len + 2 * nh * groups + groups * attn(prompt_len, prompt_len)
+        forward += 2 * (nb + nh) * batch * (completion_len - 1) + batch * attn(completion_len - 1, total - 1)
     return {"generate": gen, "reference": forward, "policy_fwd_bwd": 3 * forward}
 
 
@@ -103,7 +111,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     from rlalign.lm.data import encode_prompts
     from rlalign.tasks import TASKS
-    from rlalign.train.grpo import GRPOConfig, prompt_batch, sampler_differs
+    from rlalign.train.grpo import GRPOConfig, prompt_batch, sampler_differs, share_prompts
 
     peaks = {"float32": matmul_peak(torch.float32, args.n, args.repeats), "bfloat16": matmul_peak(torch.bfloat16, args.n, args.repeats)}
     path = random_checkpoint(args.shape)
@@ -135,12 +143,13 @@ def run(args) -> dict:
         dt = time.perf_counter() - t0
         rows = cfg.prompts_per_step * cfg.group_size
         completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
-        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len)
+        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if share_prompts() else None)
+        flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len)  # had every row run its own prompt
         if sampler_differs(cfg) and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
             flops["old_logp"] = flops["reference"]
         steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
                       "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"], "flops": flops,
-                      "t_update": metrics["time/update"],
+                      "t_update": metrics["time/update"], "flops_full_forward": flops_full,
                       "ratio_dev_first": metrics["ratio_dev/first"], "logprob_mismatch": metrics.get("logprob_mismatch"), "kl": metrics.get("kl")})
         print(f"step {len(steps)}: {dt:.2f} s (generate {metrics['time/generate']:.2f}, ref + train {metrics['time/train']:.2f}), P={prompt_len}, C={completion_len}, "
               f"max |ratio - 1| before the update {metrics['ratio_dev/first']:.2e}, sampler-vs-training log-prob mismatch {metrics.get('logprob_mismatch')}",
