@@ -62,6 +62,22 @@ def test_group_index_repeats_each_prompt(tiny_llama):
     assert rollout.logprobs.dtype == torch.float32 and (rollout.logprobs[rollout.completion_mask == 0] == 0).all()
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["static-cache", "dynamic-cache"])
+def test_a_group_shares_one_prefill_and_samples_as_separate_rows_would(tiny_model, autocast):
+    # group_size G: each distinct prompt is prefilled once and its cache repeated G-fold; with the same
+    # uniforms the rows equal those of sampling the G-times repeated prompt list with group_size 1
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    noise = torch.rand((8, 9), generator=torch.Generator().manual_seed(0))  # (N, B)
+    repeated = [p for p in PROMPTS[:3] for _ in range(3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        grouped = sample(tiny_model, PROMPTS[:3], params, 0, [EOS], group_size=3, noise=noise)
+        one_by_one = sample(tiny_model, repeated, params, 0, [EOS], group_size=1, noise=noise)
+    assert torch.equal(grouped.completion_ids, one_by_one.completion_ids)
+    assert torch.equal(grouped.completion_mask, one_by_one.completion_mask)
+    torch.testing.assert_close(grouped.logprobs, one_by_one.logprobs, rtol=0, atol=1e-4 if autocast else 1e-5)
+    assert len(set(map(tuple, grouped.completion_ids.tolist()))) > 3  # the rows of a group differ after the shared prefill
+
+
 def _chi2_critical(df: int, z: float = 3.719) -> float:
     """Upper quantile of chi-square(df) by Wilson-Hilferty; z = 3.719 is the normal 1e-4 upper quantile."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
