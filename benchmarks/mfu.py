@@ -13,7 +13,8 @@
    layers' linear maps, N_head = V x H the LM head, L layers, d = heads x head_dim, and attention
    counted as 4 L d T per token (QK^T and AV, T the context length, no causal halving: the PaLM
    convention):
-       generation  prefill 2 N_body B P + 2 N_head B (logits at the last position only),
+       generation  prefill 2 N_body U P + 2 N_head U (each of the U distinct prompts once, logits at
+                   the last position only; B before b2e4724),
                    then per decode step 2 (N_body + N_head) B + attention over the cache
        reference   forward over B (P + C) positions: 2 N_body B (P + C) + 2 N_head B C
                    (the LM head at the C positions that predict completion tokens) + attention;
@@ -90,12 +91,16 @@ def model_dims(config) -> dict:
     return {"n_body": layers * per_layer, "n_head": config.vocab_size * h, "layers": layers, "d_attn": heads * head_dim}
 
 
-def step_flops(dims: dict, batch: int, prompt_len: int, completion_len: int, decode_steps: int, groups: int | None = None) -> dict[str, float]:
+def step_flops(
+    dims: dict, batch: int, prompt_len: int, completion_len: int, decode_steps: int, groups: int | None = None, prefill_rows: int | None = None
+) -> dict[str, float]:
     """Analytic FLOPs of one GRPO step's three phases (see the module docstring). ``groups``: the
-    training and reference forwards run each of the U groups' prompts once (shared prompts)."""
+    training and reference forwards run each of the U groups' prompts once (shared prompts);
+    ``prefill_rows``: the sampler's prefill runs this many rows (its distinct prompts; default B)."""
     nb, nh, layers, d = dims["n_body"], dims["n_head"], dims["layers"], dims["d_attn"]
     attn = lambda tokens, context: 4 * layers * d * tokens * context  # noqa: E731
-    gen = 2 * nb * batch * prompt_len + 2 * nh * batch + batch * attn(prompt_len, prompt_len)
+    rows = batch if prefill_rows is None else prefill_rows
+    gen = 2 * nb * rows * prompt_len + 2 * nh * rows + rows * attn(prompt_len, prompt_len)
     for t in range(1, decode_steps):  # decode step t feeds token t-1 at context P + t
         gen += 2 * (nb + nh) * batch + batch * attn(1, prompt_len + t)
     total = prompt_len + completion_len
@@ -143,7 +148,7 @@ def run(args) -> dict:
         dt = time.perf_counter() - t0
         rows = cfg.prompts_per_step * cfg.group_size
         completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
-        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if share_prompts() else None)
+        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if share_prompts() else None, cfg.prompts_per_step)
         flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len)  # had every row run its own prompt
         if sampler_differs(cfg) and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
             flops["old_logp"] = flops["reference"]

@@ -11,8 +11,8 @@ How it differs from ``model.generate``: the KV cache is a ``StaticCache`` alloca
 P + max_new_tokens positions, and the attention mask is one additive 4-D tensor (B, 1, 1, P + N)
 updated in place (one column per step) and handed to the model as-is, so no mask is rebuilt and
 no tensor is concatenated per step; logits are computed for the last position only; there are no
-logits-processor or stopping-criteria objects. Per step the loop does one forward, one softmax and
-one draw. On CPU the model's own forward is most of the time of a step, so the gain over
+logits-processor or stopping-criteria objects; the prompt of a group is prefilled once and its
+cache repeated to the group's G rows. Per step the loop does one forward, one softmax and one draw. On CPU the model's own forward is most of the time of a step, so the gain over
 ``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios); the static buffers are
 what a CUDA-graph capture of the decode step would need, which is where the larger GPU gains are.
 
