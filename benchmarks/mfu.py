@@ -4,7 +4,7 @@
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --threads 2
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --autocast     # model.autocast=bfloat16 (float32 master weights)
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --fast         # + eager training attention, SDPA decode, bfloat16 sampling copy
-    /work/benchvenv/bin/python benchmarks/mfu.py --steps 4 --fast --compile   # + the compiled training forward (step 1 compiles)
+    /work/benchvenv/bin/python benchmarks/mfu.py --steps 4 --autocast --compile   # the compiled training forward (step 1 compiles; SDPA: compile rejects eager attention)
 
 1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048), float32 and bfloat16, best of
    ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's thread count.
@@ -148,7 +148,8 @@ def run(args) -> dict:
         dt = time.perf_counter() - t0
         rows = cfg.prompts_per_step * cfg.group_size
         completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
-        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if share_prompts() else None, cfg.prompts_per_step)
+        shared = share_prompts() and not cfg.compile  # the compiled training forward runs prompt + completion per row
+        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if shared else None, cfg.prompts_per_step)
         flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len)  # had every row run its own prompt
         if sampler_differs(cfg) and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
             flops["old_logp"] = flops["reference"]
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype of policy and reference")
     parser.add_argument("--autocast", action="store_true", help="model.autocast=bfloat16: forwards in bfloat16 autocast, float32 master weights")
     parser.add_argument("--fast", action="store_true", help="--autocast with eager training attention, SDPA decode and a bfloat16 sampling copy")
-    parser.add_argument("--compile", action="store_true", help="the trainer's compile option (the first, untimed step compiles)")
+    parser.add_argument("--compile", action="store_true", help="the trainer's compile option (the first, untimed step compiles; not with --fast)")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)

@@ -2,6 +2,11 @@
 
     python benchmarks/sampling_vs_generate.py --model tiny --threads 2
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --device cuda --dtype bfloat16
+    python benchmarks/sampling_vs_generate.py --model smollm2-shape --group-size 8 --prompt-len 200 256 --batch 8 16
+
+``--group-size G`` samples G completions of each of B / G prompts, as GRPO does: ours with
+``group_size=G`` (each prompt prefilled once, its cache repeated), ``generate`` with
+``num_return_sequences=G`` (it repeats the prompts before the prefill).
 
 Both sample at temperature 1 with no EOS (every row runs ``--new-tokens`` tokens), from the same
 left-padded prompts of different lengths. Throughput = B * new tokens / wall time; each
@@ -47,19 +52,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_ours(model, ids, mask, new_tokens: int, device: str) -> float:
+def time_ours(model, ids, mask, new_tokens: int, device: str, group_size: int = 1) -> float:
     sync(device)
     start = time.perf_counter()
-    rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=new_tokens, temperature=1.0), pad_token_id=0, eos_token_ids=[-1])
+    rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=new_tokens, temperature=1.0), pad_token_id=0, eos_token_ids=[-1], group_size=group_size)
     sync(device)
     assert rollout.completion_ids.shape[1] == new_tokens
     return time.perf_counter() - start
 
 
-def time_generate(model, ids, mask, new_tokens: int, device: str) -> float:
+def time_generate(model, ids, mask, new_tokens: int, device: str, group_size: int = 1) -> float:
     sync(device)
     start = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, num_return_sequences=group_size
+    )
     sync(device)
     assert out.shape[1] == ids.shape[1] + new_tokens
     return time.perf_counter() - start
@@ -74,6 +81,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch / group-size prompts)")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[4, 12], metavar=("MIN", "MAX"), help="prompt lengths drawn in [MIN, MAX]")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,24 +91,27 @@ def main() -> None:
     vocab = model.config.vocab_size
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     print(f"model={args.model} params={sum(p.numel() for p in model.parameters()) / 1e6:.1f}M dtype={args.dtype} device={device_name} "
-          f"new_tokens={args.new_tokens} repeats={args.repeats} torch={torch.__version__}")
+          f"new_tokens={args.new_tokens} repeats={args.repeats} group_size={args.group_size} prompt_len={args.prompt_len} torch={torch.__version__}")
     print("| batch | ours tokens/s | generate tokens/s | speed-up |")
     print("|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch:
-        lengths = torch.randint(4, 13, (batch,), generator=gen).tolist()
+        if batch % args.group_size:
+            raise SystemExit(f"--batch {batch} is not a multiple of --group-size {args.group_size}")
+        lengths = torch.randint(args.prompt_len[0], args.prompt_len[1] + 1, (batch // args.group_size,), generator=gen).tolist()
         prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
         ids, mask = left_pad(prompts, 0, args.device)
-        time_ours(model, ids, mask, args.new_tokens, args.device)  # warm-up both
-        time_generate(model, ids, mask, args.new_tokens, args.device)
+        run = (args.new_tokens, args.device, args.group_size)
+        time_ours(model, ids, mask, *run)  # warm-up both
+        time_generate(model, ids, mask, *run)
         ours, theirs = [], []
         for rep in range(args.repeats):
             if rep % 2 == 0:
-                ours.append(time_ours(model, ids, mask, args.new_tokens, args.device))
-                theirs.append(time_generate(model, ids, mask, args.new_tokens, args.device))
+                ours.append(time_ours(model, ids, mask, *run))
+                theirs.append(time_generate(model, ids, mask, *run))
             else:
-                theirs.append(time_generate(model, ids, mask, args.new_tokens, args.device))
-                ours.append(time_ours(model, ids, mask, args.new_tokens, args.device))
+                theirs.append(time_generate(model, ids, mask, *run))
+                ours.append(time_ours(model, ids, mask, *run))
         tokens = batch * args.new_tokens
         ours_tps, gen_tps = tokens / statistics.median(ours), tokens / statistics.median(theirs)
         print(f"| {batch} | {ours_tps:,.0f} | {gen_tps:,.0f} | {ours_tps / gen_tps:.2f}x |", flush=True)

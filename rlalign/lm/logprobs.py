@@ -84,6 +84,8 @@ def _shared_prompt_logits(
         0, rows_group, torch.arange(batch, device=rows_group.device), reduce="amin"
     )  # (U,): a row holding each group's prompt
     prompt_mask = prompt_mask.long()
+    if not (torch.equal(prompt_ids[first_row][rows_group], prompt_ids) and torch.equal(prompt_mask[first_row][rows_group], prompt_mask)):
+        raise ValueError("group_index groups rows whose prompts differ (e.g. rollouts concatenated without renumbering their groups)")
     cache = DynamicCache()
     head = model(
         input_ids=prompt_ids[first_row],

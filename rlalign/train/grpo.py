@@ -436,14 +436,19 @@ def reference_logprobs(
 
 
 @torch.no_grad()
-def training_logprobs(policy: nn.Module, rollout: Rollout, temperature: float, minibatches: Sequence[Tensor | slice], model_cfg: ModelConfig) -> Tensor:
-    """log pi_old recomputed by the training forward, on the same minibatches (same shapes, so the
-    same kernels) as the updates that follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
+def training_logprobs(
+    policy: nn.Module, rollout: Rollout, temperature: float, minibatches: Sequence[Tensor | slice], model_cfg: ModelConfig, compiled: bool = False
+) -> Tensor:
+    """log pi_old recomputed by the training forward (:func:`completion_logits`, compiled or not as
+    the updates are), on the same minibatches (same shapes, so the same kernels) as the updates that
+    follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
-    device = next(policy.parameters()).device
     for rows in minibatches:
+        minibatch = rollout.select(rows)
         with forward_precision(model_cfg, policy):
-            logprobs[rows] = rollout_logprobs(policy, rollout.select(rows).to(device), temperature, share_prompts()).float().cpu()
+            logits = completion_logits(policy, minibatch, compiled)  # (b, C, V)
+        completion_ids, completion_mask = minibatch.completion_ids.to(logits.device), minibatch.completion_mask.to(logits.device)
+        logprobs[rows] = token_logprobs(logits, completion_ids, temperature).masked_fill(completion_mask == 0, 0.0).float().cpu()
     return logprobs
 
 
@@ -771,7 +776,7 @@ def grpo_loss(
         "ratio_dev": ratio_deviation(logp, old_logp, mask),
     }
     if on_policy:
-        stats["logprob_mismatch"] = logprob_mismatch(logp, sampler_logp, mask)
+        stats["logprob_mismatch"] = logprob_mismatch(logp, sampler_logp, rollout.completion_mask.to(device))  # every sampled token, as the recompute path
     if ref_logp is not None:
         kl_loss, kl = kl_penalty_loss(logp, ref_logp.to(device), mask, "k3", mode=cfg.aggregation, max_len=max_len)
         loss = loss + cfg.beta * kl_loss
@@ -817,7 +822,7 @@ def grpo_step(
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated, no pass needed for it
     mismatch = None
     if sampler_differs(cfg) and not on_policy:  # bfloat16 sampling numerics are not the training forward's
-        old_logp = training_logprobs(updater.module, rollout, cfg.sampling.temperature, minibatches, cfg.model)  # (B, C)
+        old_logp = training_logprobs(updater.module, rollout, cfg.sampling.temperature, minibatches, cfg.model, cfg.compile)  # (B, C)
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()

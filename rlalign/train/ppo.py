@@ -294,7 +294,7 @@ def ppo_step(
     if sampler_differs(cfg):  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + minibatch) for s in range(0, rollout.batch_size, minibatch)]
-        old_logp = training_logprobs(policy.module, rollout, cfg.sampling.temperature, chunks, cfg.model)  # (B, C)
+        old_logp = training_logprobs(policy.module, rollout, cfg.sampling.temperature, chunks, cfg.model, cfg.compile)  # (B, C)
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()

@@ -95,3 +95,12 @@ def test_shared_prompt_logits_equal_the_full_forward(arch, tiny_llama, tiny_gpt2
     one_token = completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids[:, :1], r.completion_mask[:, :1], r.group_index)
     torch.testing.assert_close(one_token, outputs[False][0][:, :1], rtol=1e-5, atol=1e-5)
     model.zero_grad()
+
+
+def test_group_index_over_different_prompts_is_an_error(tiny_llama):
+    rollout = sample(tiny_llama, PROMPTS[:2], SamplingParams(max_new_tokens=3), 0, [2], group_size=2, generator=torch.Generator().manual_seed(0))
+    from rlalign.lm.logprobs import completion_logits
+
+    wrong_groups = torch.tensor([0, 0, 0, 1])  # row 2 has the second prompt
+    with pytest.raises(ValueError, match="prompts differ"):
+        completion_logits(tiny_llama, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, wrong_groups)

@@ -366,6 +366,21 @@ def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(
         grpo.Updater.create(start, cfg.optim, 1, sharding="fsdp", sampling_dtype="bfloat16")
 
 
+def test_the_sampling_copy_is_refreshed_after_each_update_and_only_then(tiny_path, tmp_path):
+    cfg = make_cfg(tiny_path, tmp_path)
+    policy = grpo.load_policy(tiny_path)
+    updater = grpo.Updater.create(policy, cfg.optim, 10, sampling_dtype="bfloat16")
+    as_bf16 = lambda: [p.detach().to(torch.bfloat16) for p in policy.parameters()]  # noqa: E731
+    copy = updater.sampler()
+    assert all(torch.equal(c, p) for c, p in zip(copy.parameters(), as_bf16()))
+    with torch.no_grad():
+        next(copy.parameters()).add_(1.0)  # a marker: a refresh without an update would erase it
+    assert updater.sampler() is copy and not torch.equal(next(copy.parameters()), as_bf16()[0])
+    updater.step(sum(p.pow(2).sum() for p in policy.parameters()))  # an update moves every weight
+    assert not all(torch.equal(c, p) for c, p in zip(copy.parameters(), as_bf16()))  # stale until asked for
+    assert updater.sampler() is copy and all(torch.equal(c, p) for c, p in zip(copy.parameters(), as_bf16()))
+
+
 def test_sampling_may_use_another_attention_kernel_than_training(tiny_path, tmp_path):
     # eager attention for the training forwards, SDPA for the decode loop: the kernels agree to
     # float32 round-off, so the sampler's log-probs are still pi_old (ratio 1 on the first minibatch)
