@@ -25,9 +25,9 @@ LM head as a batched matmul against the weight expanded (and, in bfloat16, copie
 measured on SmolLM2-135M (B = 16, P = 13, C = 32, no grad, under bfloat16 autocast), a
 bfloat16-held model's pass took 2.5 s with the slice and 0.41 s with the index tensor.
 
-Memory saved: the logits tensor shrinks from B (P + C) V to B (C + 1) V values, a fraction
+Memory saved: the logits tensor shrinks from B (P + C) V to B C V values, a fraction
 P / (P + C) of it (half when prompt and completion are equally long), and its gradient shrinks
-alike. Measured peak RSS of forward + backward above the model's baseline (B=8, P=C=256,
+alike. Measured (when C + 1 positions were still kept) peak RSS of forward + backward above the model's baseline (B=8, P=C=256,
 V=49152 as SmolLM2, float32, a one-layer hidden-64 Llama so the logits dominate; one process
 each): full logits then log_softmax + gather 1922 MB, this function 1240 MB, i.e. 682 MB
 (35%) less; the (B, P + C, V) float32 logits alone are 805 MB against 404 MB here.
@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from rlalign.core.logprobs import token_logprobs
+from rlalign.lm.models import position_ids_from_mask
 
 __all__ = ["completion_positions", "completion_logits", "completion_logprobs", "rollout_logprobs"]
 
@@ -70,7 +71,7 @@ def completion_logits(
             return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, len(groups))
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + C)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # (B, P + C)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P + C)
+    position_ids = position_ids_from_mask(attention_mask)  # (B, P + C)
     keep = completion_positions(prompt_ids.shape[1], completion_ids.shape[1], input_ids.device)  # (C,)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
 
@@ -90,7 +91,7 @@ def _shared_prompt_logits(
     head = model(
         input_ids=prompt_ids[first_row],
         attention_mask=prompt_mask[first_row],
-        position_ids=(prompt_mask[first_row].cumsum(-1) - 1).clamp(min=0),
+        position_ids=position_ids_from_mask(prompt_mask[first_row]),
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=torch.tensor([prompt_len - 1], device=prompt_ids.device),
@@ -102,7 +103,7 @@ def _shared_prompt_logits(
     tail = model(
         input_ids=completion_ids[:, :-1],
         attention_mask=attention_mask,
-        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)[:, prompt_len:],
+        position_ids=position_ids_from_mask(attention_mask)[:, prompt_len:],
         past_key_values=cache,
         use_cache=True,
     ).logits  # (B, C - 1, V): completion token t predicts token t + 1

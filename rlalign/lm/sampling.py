@@ -12,7 +12,8 @@ P + max_new_tokens positions, and the attention mask is one additive 4-D tensor 
 updated in place (one column per step) and handed to the model as-is, so no mask is rebuilt and
 no tensor is concatenated per step; logits are computed for the last position only; there are no
 logits-processor or stopping-criteria objects; the prompt of a group is prefilled once and its
-cache repeated to the group's G rows. Per step the loop does one forward, one softmax and one draw. On CPU the model's own forward is most of the time of a step, so the gain over
+cache repeated to the group's G rows. Per step the loop does one forward, one softmax and one
+draw. On CPU the model's own forward is most of the time of a step, so the gain over
 ``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios); the static buffers are
 what a CUDA-graph capture of the decode step would need, which is where the larger GPU gains are.
 
@@ -38,7 +39,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, StaticCache
 
-from rlalign.lm.models import unwrap_causal_lm
+from rlalign.lm.models import position_ids_from_mask, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
 
 __all__ = ["SamplingParams", "left_pad", "filter_logits", "sample"]
@@ -135,7 +136,7 @@ def _prefill(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, group_si
     logits = model(
         input_ids=ids,
         attention_mask=_prefill_mask(mask.bool(), total, dtype)[..., :visible],
-        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        position_ids=position_ids_from_mask(mask),
         past_key_values=prefill_cache,
         use_cache=True,
         logits_to_keep=torch.tensor([prompt_len - 1], device=ids.device),  # an index, not 1: a contiguous LM-head input (rlalign.lm.logprobs)
