@@ -29,6 +29,9 @@ under bfloat16 autocast, float32 master weights, log pi_old recomputed by the tr
 forwards and ``sampling.attn_implementation: sdpa`` for the decode loop), ``rlalign-bf16-fast``
 (as rlalign-bf16-eager, and the decode loop runs on a bfloat16 copy of the policy,
 ``sampling.dtype: bfloat16``, refreshed after each update),
+``-compiled`` on a side adds ``sampling.compile: true`` (the decode step and the draw through
+torch.compile; compiled during the first step, which no statistic counts), ``-compiled-all`` also
+``compile: true`` (the training forward and backward compiled with dynamic shapes),
 ``trl`` (``bf16=False``, float32 throughout) and ``trl-bf16`` (``bf16=True``: float32 weights,
 bfloat16 autocast, which TRL enables on CPU too).
 
@@ -89,7 +92,7 @@ CONFIGS = {
     "tiny": dict(prompts_per_step=2, group_size=8, max_new_tokens=8, temperature=0.7, beta=0.02, lr=1e-4, num_prompts=1024),
     "smollm2": dict(prompts_per_step=2, group_size=8, max_new_tokens=32, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
 }
-SIDES = ("rlalign", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "trl", "trl-bf16")
+SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-compiled", "trl", "trl-bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,11 +172,12 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
             model=dict(path=str(path), dtype="float32", device="cpu", autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
             sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
-                          attn_implementation="sdpa" if spec["attn"] else None, dtype="bfloat16" if spec["copy"] else None),
+                          attn_implementation="sdpa" if spec["attn"] else None, dtype="bfloat16" if spec["copy"] else None,
+                          compile=spec["compile_sampling"]),
             optim=dict(lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], mu=1, num_minibatches=1,
             advantage="group", eps_low=0.2, eps_high=0.2, beta=spec["beta"], aggregation="seq-mean-token-mean",
-            progress=False, plots=False,
+            progress=False, plots=False, compile=spec["compile_train"],
         )
     )
     setup = lb.GRPOSetup(cfg, records, reward_fn)  # grpo.train()'s setup; its outer loop would write files every step
@@ -293,8 +297,9 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
 
 def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
-    fast = side.endswith("-fast")
-    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast}
+    fast = "-fast" in side
+    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast, "compile_sampling": "-compiled" in side,
+            "compile_train": side.endswith("-compiled-all")}
     if side.startswith("rlalign"):
         rlalign_worker(spec, chan)
     else:

@@ -52,10 +52,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_ours(model, ids, mask, new_tokens: int, device: str, group_size: int = 1) -> float:
+def time_ours(model, ids, mask, new_tokens: int, device: str, group_size: int = 1, compile: bool = False) -> float:
     sync(device)
     start = time.perf_counter()
-    rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=new_tokens, temperature=1.0), pad_token_id=0, eos_token_ids=[-1], group_size=group_size)
+    rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=new_tokens, temperature=1.0), pad_token_id=0, eos_token_ids=[-1], group_size=group_size, compile=compile)
     sync(device)
     assert rollout.completion_ids.shape[1] == new_tokens
     return time.perf_counter() - start
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch / group-size prompts)")
+    parser.add_argument("--compile", action="store_true", help="ours with sample(compile=True): the decode step compiled by torch.compile (first call per shape compiles)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[4, 12], metavar=("MIN", "MAX"), help="prompt lengths drawn in [MIN, MAX]")
     args = parser.parse_args()
     if args.threads:
@@ -102,16 +103,19 @@ def main() -> None:
         prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
         ids, mask = left_pad(prompts, 0, args.device)
         run = (args.new_tokens, args.device, args.group_size)
-        time_ours(model, ids, mask, *run)  # warm-up both
+        ours_run = lambda: time_ours(model, ids, mask, *run, compile=args.compile)  # noqa: E731
+        warm = ours_run()  # warm-up both (and compile)
+        if args.compile:
+            print(f"batch {batch}: first call (compiling) {warm:.1f} s", flush=True)
         time_generate(model, ids, mask, *run)
         ours, theirs = [], []
         for rep in range(args.repeats):
             if rep % 2 == 0:
-                ours.append(time_ours(model, ids, mask, *run))
+                ours.append(ours_run())
                 theirs.append(time_generate(model, ids, mask, *run))
             else:
                 theirs.append(time_generate(model, ids, mask, *run))
-                ours.append(time_ours(model, ids, mask, *run))
+                ours.append(ours_run())
         tokens = batch * args.new_tokens
         ours_tps, gen_tps = tokens / statistics.median(ours), tokens / statistics.median(theirs)
         print(f"| {batch} | {ours_tps:,.0f} | {gen_tps:,.0f} | {ours_tps / gen_tps:.2f}x |", flush=True)

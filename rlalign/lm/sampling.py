@@ -13,9 +13,17 @@ updated in place (one column per step) and handed to the model as-is, so no mask
 no tensor is concatenated per step; logits are computed for the last position only; there are no
 logits-processor or stopping-criteria objects; the prompt of a group is prefilled once and its
 cache repeated to the group's G rows. Per step the loop does one forward, one softmax and one
-draw. On CPU the model's own forward is most of the time of a step, so the gain over
-``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios); the static buffers are
-what a CUDA-graph capture of the decode step would need, which is where the larger GPU gains are.
+draw. Eager, the model's own forward is most of the time of a step, so the gain over
+``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios).
+
+``compile=True`` runs the decode step and the draw through ``torch.compile`` with static shapes
+(the cache length rounded up to a multiple of ``CACHE_BUCKET``, so one graph serves prompts of
+nearby lengths; a new batch size or bucket compiles again). Guards are evaluated at the first
+decode step of a call only: the later steps have the same model, cache and shapes. The graph
+reads the parameters when it runs, so in-place weight updates need no recompile. This removes
+most of transformers' per-module Python cost, which is what a small model's step is made of;
+a model whose decode step is bound by reading its weights from memory (SmolLM2-135M at batch 8
+on one CPU core) gains little. Not under ``torch.autocast``, which rules out the StaticCache.
 
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
 set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw by
@@ -32,6 +40,7 @@ the first update the PPO ratio is exactly 1 (top-k / top-p only decide which tok
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +52,8 @@ from rlalign.lm.models import position_ids_from_mask, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
 
 __all__ = ["SamplingParams", "left_pad", "filter_logits", "sample"]
+
+CACHE_BUCKET = 16  # with compile=True: KV-cache length rounded up to a multiple of this
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,17 @@ def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tup
     return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
 
 
+def _decode_step(model: nn.Module, token: Tensor, step_mask: Tensor, position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
+    """One decode step: the logits (B, V) after feeding ``token`` (B,) at ``position_ids`` (B, 1)."""
+    return model(
+        input_ids=token[:, None], attention_mask=step_mask, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1
+    ).logits[:, -1, :]
+
+
+_compiled_decode_step = torch.compile(_decode_step, fullgraph=True, dynamic=False)
+_compiled_draw = torch.compile(_draw, fullgraph=True, dynamic=False)
+
+
 @torch.no_grad()
 def sample(
     model: nn.Module,
@@ -175,6 +197,7 @@ def sample(
     group_size: int = 1,
     generator: torch.Generator | None = None,
     noise: Tensor | None = None,
+    compile: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` completions per prompt. Returns a :class:`Rollout` of B = prompts x G rows.
 
@@ -188,6 +211,8 @@ def sample(
         generator: torch RNG for the draws (None = the global one); it gives (max_new_tokens, B)
             uniforms, drawn whether or not every row runs to the end.
         noise: those uniforms given instead (then ``generator`` is unused). Shape: (max_new_tokens, B).
+        compile: run the decode step and the draw compiled (see the module docstring); the first
+            call per batch size and cache bucket pays the compile (seconds for the tiny model).
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -204,6 +229,8 @@ def sample(
     batch, prompt_len = prompt_ids.shape
     steps = params.max_new_tokens
     total = prompt_len + steps
+    if compile:  # cache slots rounded up, so prompts of nearby lengths share one compiled decode step
+        total = -(-total // CACHE_BUCKET) * CACHE_BUCKET
     check_every = 8 if device.type == "cuda" else 1  # "all rows finished?" costs a device sync on GPUs
     if params.greedy:
         noise = None
@@ -218,6 +245,8 @@ def sample(
     # Under torch.autocast keys (after RoPE) and values reach the cache in different dtypes, which a
     # StaticCache (one dtype, allocated on first use) rejects; a DynamicCache grows with the sequence.
     autocast = torch.is_autocast_enabled(device.type)
+    if compile and autocast:
+        raise ValueError("sample(compile=True) needs a StaticCache, which torch.autocast rules out: sample from a model held in the low dtype instead")
     cache = DynamicCache() if autocast else StaticCache(config=causal_lm.config, max_cache_len=total)
     visible = (lambda n: n) if autocast else (lambda n: total)  # key columns the mask hands the model: the cache's length
     key_valid = prompt_mask.bool()  # (B, P)
@@ -231,26 +260,23 @@ def sample(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
     next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
 
+    decode, draw = (_compiled_decode_step, _compiled_draw) if compile else (_decode_step, _draw)
     logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype)  # (B, V)
-    for t in range(steps):
-        token, token_logp = _draw(logits, params, None if noise is None else noise[t])  # (B,), (B,)
-        alive = ~finished  # (B,)
-        token = torch.where(alive, token, pad_token_id)
-        completion_ids[:, t] = token
-        completion_mask[:, t] = alive.long()
-        logprobs[:, t] = torch.where(alive, token_logp, 0.0)
-        finished = finished | torch.isin(token, eos)
-        if t == steps - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
-            break
-        step_mask[:, 0, 0, prompt_len + t] = 0.0  # the token just drawn becomes a visible key
-        logits = model(
-            input_ids=token[:, None],
-            attention_mask=step_mask[..., : visible(prompt_len + t + 1)],
-            position_ids=next_position + t,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]  # (B, V)
+    with contextlib.ExitStack() as stance:
+        for t in range(steps):
+            if compile and t == 1:  # guards were checked at t = 0; later steps have the same model, cache and shapes
+                stance.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
+            token, token_logp = draw(logits, params, None if noise is None else noise[t])  # (B,), (B,)
+            alive = ~finished  # (B,)
+            token = torch.where(alive, token, pad_token_id)
+            completion_ids[:, t] = token
+            completion_mask[:, t] = alive.long()
+            logprobs[:, t] = torch.where(alive, token_logp, 0.0)
+            finished = finished | torch.isin(token, eos)
+            if t == steps - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
+                break
+            step_mask[:, 0, 0, prompt_len + t] = 0.0  # the token just drawn becomes a visible key
+            logits = decode(model, token, step_mask[..., : visible(prompt_len + t + 1)], next_position + t, cache)  # (B, V)
 
     used = int(completion_mask.any(0).nonzero().max()) + 1  # drop trailing all-padding columns
     return Rollout(

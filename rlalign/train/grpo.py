@@ -214,6 +214,12 @@ class SamplingConfig(Config):
         description="run the decode loop on a copy of the policy held in this dtype, refreshed after each update "
         "(half a policy of memory more; null = sample from the policy itself, under model.autocast if set)",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the decode step and the draw (static shapes; one compile per batch size and 16-slot cache-length bucket, "
+        "seconds for the tiny model). Tiny Llama, batch 8, one core: 2.0x model.generate's tokens/s against 1.1x eager. "
+        "Not under model.autocast without sampling.dtype, nor with model.sharding fsdp",
+    )
 
     def params(self) -> SamplingParams:
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
@@ -232,11 +238,16 @@ COMPILE_HELP = (
 )
 
 
-def check_compile(compile: bool, model: ModelConfig) -> None:
+def check_compile(compile: bool, model: ModelConfig, sampling: SamplingConfig) -> None:
     """torch 2.13's inductor fails on transformers' eager attention with dynamic shapes (ValueRangeError
-    in its symbolic shapes, seen on Llama); SDPA compiles."""
+    in its symbolic shapes, seen on Llama); SDPA compiles. The compiled decode step needs a StaticCache,
+    which autocast rules out (keys and values reach the cache in different dtypes), and whole weights."""
     if compile and model.attn_implementation == "eager":
         raise ValueError("compile=true needs model.attn_implementation sdpa (or null): the eager attention does not compile with dynamic shapes")
+    if sampling.compile and model.autocast != "none" and sampling.dtype is None:
+        raise ValueError("sampling.compile=true does not work under model.autocast: also set sampling.dtype (e.g. bfloat16) to sample from a low-precision copy")
+    if sampling.compile and model.sharding == "fsdp":
+        raise ValueError("sampling.compile=true needs whole weights on every rank; with model.sharding=fsdp leave it false")
 
 
 class GRPOConfig(Config):
@@ -275,7 +286,7 @@ class GRPOConfig(Config):
 
     @model_validator(mode="after")
     def _compile_needs_sdpa(self) -> GRPOConfig:
-        check_compile(self.compile, self.model)
+        check_compile(self.compile, self.model, self.sampling)
         return self
 
     @model_validator(mode="after")
@@ -718,7 +729,9 @@ def sample_shard(updater: Updater, tokenizer, prompts: Sequence, cfg: GRPOConfig
     policy, sampler = updater.module, updater.sampler()
     precision = forward_precision(cfg.model, policy) if sampler is policy else contextlib.nullcontext()  # a copy is already low-precision
     with distributed.gathered(policy), precision, attention_kernel(sampler, cfg.sampling.attn_implementation):
-        rollout = sample(sampler, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows])
+        rollout = sample(
+            sampler, ids, cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows], compile=cfg.sampling.compile
+        )
     return rollout.to("cpu")
 
 

@@ -152,7 +152,7 @@ class PPOConfig(Config):
 
     @model_validator(mode="after")
     def _compile_needs_sdpa(self) -> PPOConfig:
-        check_compile(self.compile, self.model)
+        check_compile(self.compile, self.model, self.sampling)
         return self
 
     @model_validator(mode="after")

@@ -145,3 +145,38 @@ def test_bad_parameters_are_errors(tiny_llama):
         sample(tiny_llama, [[]], SamplingParams(), 0, [EOS])
     with pytest.raises(ValueError, match="eos_token_ids"):
         sample(tiny_llama, PROMPTS, SamplingParams(), 0, [])
+
+
+def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight_updates(tiny_model):
+    # compile=True runs the decode step and the draw through torch.compile (static shapes, cache rounded
+    # up to CACHE_BUCKET slots, guards skipped after the first step). Same uniforms -> same tokens; the
+    # compiled graph reads the parameters at call time, so an in-place update shows in the next call.
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    noise = torch.rand((10, 8), generator=torch.Generator().manual_seed(1))  # (N, B)
+
+    def both():
+        eager = sample(tiny_model, PROMPTS, params, 0, [EOS], group_size=2, noise=noise)
+        compiled = sample(tiny_model, PROMPTS, params, 0, [EOS], group_size=2, noise=noise, compile=True)
+        assert torch.equal(compiled.completion_ids, eager.completion_ids)
+        assert torch.equal(compiled.completion_mask, eager.completion_mask)
+        torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-4)
+        return compiled.completion_ids
+
+    before = both()
+    weight = tiny_model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(3.0)  # sharper next-token distributions: different draws from the same uniforms
+        after = both()
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert not torch.equal(before, after)
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    assert torch.equal(sample(tiny_model, PROMPTS, greedy, 0, [EOS], compile=True).completion_ids, _greedy(tiny_model, PROMPTS).completion_ids)
+
+
+def test_compile_under_autocast_is_an_error(tiny_llama):
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="StaticCache"):
+        sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=4), 0, [EOS], compile=True)

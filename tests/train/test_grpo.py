@@ -413,3 +413,21 @@ def test_compiled_training_forward_matches_the_eager_one(tiny_path, tmp_path):
     assert grpo.load_config(grpo.GRPOConfig, None, {"compile": True}).compile
     with pytest.raises(ConfigError, match="attn_implementation"):  # inductor fails on eager attention with dynamic shapes
         grpo.load_config(grpo.GRPOConfig, None, {"compile": True, "model.attn_implementation": "eager"})
+
+
+def test_compiled_sampling_trains_as_eager_sampling_does(tiny_path, tmp_path):
+    # sampling.compile: the decode step through torch.compile. Same uniforms, same completions (float32
+    # round-off apart), so the same rewards and, after two steps, the same weights
+    runs = []
+    for compiled in (False, True):
+        cfg = make_cfg(tiny_path, tmp_path / str(compiled), steps=2, **{"sampling.compile": compiled})
+        runs.append(grpo.train(cfg, reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)]))
+    eager, compiled = runs
+    assert [row["reward/mean"] for row in compiled.history] == [row["reward/mean"] for row in eager.history]
+    for compiled_param, eager_param in zip(compiled.policy.parameters(), eager.policy.parameters()):
+        torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ConfigError, match="sampling.dtype"):  # autocast rules out the StaticCache
+        grpo.load_config(grpo.GRPOConfig, None, {"sampling.compile": True, "model.autocast": "bfloat16"})
+    assert grpo.load_config(grpo.GRPOConfig, None, {"sampling.compile": True, "model.autocast": "bfloat16", "sampling.dtype": "bfloat16"}).sampling.compile
+    with pytest.raises(ConfigError, match="fsdp"):
+        grpo.load_config(grpo.GRPOConfig, None, {"sampling.compile": True, "model.sharding": "fsdp"})
