@@ -81,7 +81,6 @@ from rlalign.core.masks import masked_mean
 from rlalign.lm.code_execution import code_execution
 from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
-from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm.models import attention_kernel, cast_copy, copy_weights, hold_matmul_weights, load_policy, load_reference, load_reward_model, load_tokenizer, reference_policy
 from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
 from rlalign.lm.rollout import Rollout
@@ -233,7 +232,8 @@ class RLOptimConfig(OptimConfig):
 
 
 COMPILE_HELP = (
-    "torch.compile the policy's training forward and backward (dynamic shapes; compiled during the first update). "
+    "torch.compile the policy's training forward and backward, the pi_old recompute and the reference pass (dynamic shapes; compiled during "
+    "the first step; the decode loop has sampling.compile). "
     "SmolLM2-135M on one CPU core, bfloat16 autocast, SDPA: 175 s to compile, then 3.56 -> 3.01 s per update (pays back after ~230 steps)"
 )
 
@@ -431,19 +431,34 @@ def share_prompts() -> bool:
 @functools.cache
 def compiled_completion_logits() -> Callable[..., Tensor]:
     """:func:`rlalign.lm.logprobs.completion_logits` under ``torch.compile`` with dynamic shapes, so
-    one compilation serves every (B, P, C) of a run (the ``compile`` option of GRPO and PPO; only
-    the training forward and its backward are compiled, never the decode loop)."""
+    one compilation serves every (B, P, C) of a run (the ``compile`` option of GRPO and PPO: the
+    training forward and its backward, the pi_old recompute and the reference pass; each of these
+    and each model is its own graph; the decode loop is ``sampling.compile``)."""
     return torch.compile(lm_completion_logits, dynamic=True)
+
+
+def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: float, compiled: bool = False) -> Tensor:
+    """log pi(y_t | x, y_<t) of a rollout's completion tokens by :func:`completion_logits` (compiled
+    or not), 0 on padding; float32, on the CPU. Shape: (B, C)."""
+    logits = completion_logits(model, rollout, compiled)  # (B, C, V)
+    completion_ids, completion_mask = rollout.completion_ids.to(logits.device), rollout.completion_mask.to(logits.device)
+    return token_logprobs(logits, completion_ids, temperature).masked_fill(completion_mask == 0, 0.0).float().cpu()
 
 
 @torch.no_grad()
 def reference_logprobs(
-    policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int, model_cfg: ModelConfig | None = None
+    policy: nn.Module,
+    reference: nn.Module | None,
+    rollout: Rollout,
+    temperature: float,
+    batch_size: int,
+    model_cfg: ModelConfig | None = None,
+    compiled: bool = False,
 ) -> Tensor:
-    """Completion log-probs under the frozen reference (or the LoRA base, adapters off). Shape: (B, C)."""
+    """Completion log-probs under the frozen reference (or the LoRA base, adapters off), by the same
+    forward as the updates (compiled when they are). Shape: (B, C)."""
     with reference_policy(policy, reference) as ref, distributed.gathered(ref), forward_precision(model_cfg or ModelConfig(), ref):
-        device = next(ref.parameters()).device
-        return torch.cat([rollout_logprobs(ref, mb.to(device), temperature, share_prompts()).cpu() for mb in rollout.minibatches(batch_size)])
+        return torch.cat([rollout_token_logprobs(ref, mb, temperature, compiled) for mb in rollout.minibatches(batch_size)])
 
 
 @torch.no_grad()
@@ -455,11 +470,8 @@ def training_logprobs(
     follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
     for rows in minibatches:
-        minibatch = rollout.select(rows)
         with forward_precision(model_cfg, policy):
-            logits = completion_logits(policy, minibatch, compiled)  # (b, C, V)
-        completion_ids, completion_mask = minibatch.completion_ids.to(logits.device), minibatch.completion_mask.to(logits.device)
-        logprobs[rows] = token_logprobs(logits, completion_ids, temperature).masked_fill(completion_mask == 0, 0.0).float().cpu()
+            logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled)
     return logprobs
 
 
@@ -830,7 +842,7 @@ def grpo_step(
     mask = loss_mask(rollout, cfg.mask_truncated)  # (B, C)
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
-    ref_logp = reference_logprobs(updater.module, reference, rollout, cfg.sampling.temperature, rollout.batch_size // m, cfg.model) if cfg.beta > 0 else None
+    ref_logp = reference_logprobs(updater.module, reference, rollout, cfg.sampling.temperature, rollout.batch_size // m, cfg.model, cfg.compile) if cfg.beta > 0 else None
     t_ref = time.perf_counter()
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated, no pass needed for it
     mismatch = None

@@ -286,7 +286,7 @@ def ppo_step(
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
     mask = rollout.completion_mask.float()  # (B, C)
     minibatch = -(-len(batch) // cfg.num_minibatches)  # global rows per minibatch
-    ref_logp = reference_logprobs(policy.module, reference, rollout, cfg.sampling.temperature, minibatch, cfg.model)  # (B, C)
+    ref_logp = reference_logprobs(policy.module, reference, rollout, cfg.sampling.temperature, minibatch, cfg.model, cfg.compile)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
     t_ref = time.perf_counter()

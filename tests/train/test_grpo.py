@@ -394,7 +394,7 @@ def test_compiled_training_forward_matches_the_eager_one(tiny_path, tmp_path):
     # compile: the policy's training forward + backward through torch.compile (dynamic shapes): the
     # same loss and gradient as the eager forward, on two batches of different shapes (one compile)
     cfg = make_cfg(tiny_path, tmp_path, beta=0.0)
-    policy = grpo.load_policy(tiny_path)
+    policy, reference = grpo.load_policy(tiny_path), grpo.load_policy(tiny_path)
     tokenizer = grpo.load_tokenizer(tiny_path)
     for prompts, new_tokens in ((["12+3=", "4-1="], 6), (["1+1=", "45+17=", "9-8="], 4)):
         rollout = sample(policy, encode_prompts(tokenizer, prompts), grpo.SamplingParams(new_tokens), tokenizer.pad_token_id, [tokenizer.eos_token_id],
@@ -410,6 +410,10 @@ def test_compiled_training_forward_matches_the_eager_one(tiny_path, tmp_path):
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
         for compiled_grad, eager_grad in zip(grads[1], grads[0]):
             torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-5)
+        # the reference pass goes through the same compiled forward (its own graph: another model, no grad)
+        ref_logp = [grpo.reference_logprobs(policy, reference, rollout, 1.0, rollout.batch_size, compiled=c) for c in (False, True)]
+        torch.testing.assert_close(ref_logp[1], ref_logp[0], rtol=0, atol=1e-5)
+        assert ref_logp[0][rollout.completion_mask.bool()].lt(0).all()
     assert grpo.load_config(grpo.GRPOConfig, None, {"compile": True}).compile
     with pytest.raises(ConfigError, match="attn_implementation"):  # inductor fails on eager attention with dynamic shapes
         grpo.load_config(grpo.GRPOConfig, None, {"compile": True, "model.attn_implementation": "eager"})
