@@ -16,14 +16,21 @@ cache repeated to the group's G rows. Per step the loop does one forward, one so
 draw. Eager, the model's own forward is most of the time of a step, so the gain over
 ``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios).
 
-``compile=True`` runs the decode step and the draw through ``torch.compile`` with static shapes
-(the cache length rounded up to a multiple of ``CACHE_BUCKET``, so one graph serves prompts of
-nearby lengths; a new batch size or bucket compiles again). Guards are evaluated at the first
-decode step of a call only: the later steps have the same model, cache and shapes. The graph
-reads the parameters when it runs, so in-place weight updates need no recompile. This removes
-most of transformers' per-module Python cost, which is what a small model's step is made of;
-a model whose decode step is bound by reading its weights from memory (SmolLM2-135M at batch 8
-on one CPU core) gains little. Not under ``torch.autocast``, which rules out the StaticCache.
+``compile=True`` runs the decode step and the draw through ``torch.compile`` with static shapes.
+The cache length is rounded up by :func:`cache_bucket`, so prompts of nearby lengths share one
+compiled version; a new batch size, bucket, model dtype or attention kernel compiles another (at
+most ``RECOMPILE_LIMIT`` per process; past that a call warns and runs eager). From the third
+step of a call on, ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` skips the guards
+that cannot tell the process's compiled versions apart: both functions have by then passed their
+full guards, and the model, the cache object and the shapes stay the same; a guard that would
+fail raises rather than run a wrong version. The graph reads the parameters when it runs, so
+in-place weight updates need no recompile. This removes most of transformers' per-module Python
+cost, which is what a small model's step is made of; a model whose decode step is bound by
+reading its weights from memory (SmolLM2-135M at batch 8 on one CPU core) gains little. Not under
+``torch.autocast``, which rules out the StaticCache.
+
+Sliding-window attention: the one 4-D mask is full attention, which is the model's attention
+while the sequence fits in the window; prompt + max_new_tokens beyond the window is an error.
 
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
 set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw by
@@ -41,19 +48,21 @@ the first update the PPO ratio is exactly 1 (top-k / top-p only decide which tok
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from rlalign.lm.models import position_ids_from_mask, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
 
-__all__ = ["SamplingParams", "left_pad", "filter_logits", "sample"]
+__all__ = ["SamplingParams", "left_pad", "filter_logits", "cache_bucket", "sample"]
 
-CACHE_BUCKET = 16  # with compile=True: KV-cache length rounded up to a multiple of this
+RECOMPILE_LIMIT = 64  # compiled versions kept of the decode step and of the draw (torch's default is 8)
 
 
 @dataclass(frozen=True)
@@ -183,8 +192,67 @@ def _decode_step(model: nn.Module, token: Tensor, step_mask: Tensor, position_id
     ).logits[:, -1, :]
 
 
-_compiled_decode_step = torch.compile(_decode_step, fullgraph=True, dynamic=False)
-_compiled_draw = torch.compile(_draw, fullgraph=True, dynamic=False)
+_compiled_decode_step = torch.compile(_decode_step, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+_compiled_draw = torch.compile(_draw, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+
+
+class _StepFunctions:
+    """The decode step and the draw of one :func:`sample` call: compiled, or eager. When torch has
+    compiled RECOMPILE_LIMIT versions of one of them in this process it warns and the call goes on
+    eager (no half-finished step: the limit is checked before a compiled version runs)."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+
+    def _call(self, compiled_fn, eager_fn, *args):
+        if self.compiled:
+            try:
+                return compiled_fn(*args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                warnings.warn(
+                    f"sample(compile=True): {RECOMPILE_LIMIT} compiled versions of the decode step exist in this process (one per batch "
+                    "size, cache-length bucket, model dtype, attention kernel, ...); this call runs eager",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.compiled = False
+        return eager_fn(*args)
+
+    def draw(self, logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
+        return self._call(_compiled_draw, _draw, logits, params, uniform)
+
+    def decode(self, model: nn.Module, token: Tensor, step_mask: Tensor, position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
+        return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache)
+
+
+def cache_bucket(length: int) -> int:
+    """Cache slots for ``length`` positions under ``compile=True``: a multiple of 16 up to 64, then of a
+    quarter of the power of two below (at most 25% unused slots; 64 -> 64, 65 -> 80, 200 -> 224, 1000 ->
+    1024), so prompts of nearby lengths share a compiled version and a run over lengths in [n, 2n]
+    makes at most 5."""
+    step = 16 if length <= 64 else 2 ** (length.bit_length() - 3)
+    return -(-length // step) * step
+
+
+def _static_cache(config, length: int, slots: int) -> StaticCache:
+    """A StaticCache of ``slots`` >= ``length`` positions for a model of ``config``.
+
+    Sliding-window layers: this sampler hands every layer one full-attention mask, which is the
+    model's attention only while the sequence fits in the window, so a longer sequence is an error.
+    When it fits, such a layer is given a full-attention cache layer: the same keys and values, and
+    its write position is a tensor (transformers' sliding layer keeps a Python int, which a compiled
+    decode step would have to be recompiled for at every step).
+    """
+    cache = StaticCache(config=config, max_cache_len=slots)  # tensors are allocated on first use
+    for index, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            if layer.max_cache_len < length:
+                raise ValueError(
+                    f"prompt + max_new_tokens = {length} positions exceed the model's sliding attention window ({layer.max_cache_len}): "
+                    "the sampler attends over the whole sequence; shorten the prompts or max_new_tokens"
+                )
+            cache.layers[index] = StaticLayer(max_cache_len=slots)
+    return cache
 
 
 @torch.no_grad()
@@ -228,9 +296,8 @@ def sample(
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0).long()  # (B, P)
     batch, prompt_len = prompt_ids.shape
     steps = params.max_new_tokens
-    total = prompt_len + steps
-    if compile:  # cache slots rounded up, so prompts of nearby lengths share one compiled decode step
-        total = -(-total // CACHE_BUCKET) * CACHE_BUCKET
+    length = prompt_len + steps
+    total = cache_bucket(length) if compile else length  # cache slots; rounded up, prompts of nearby lengths share a compiled step
     check_every = 8 if device.type == "cuda" else 1  # "all rows finished?" costs a device sync on GPUs
     if params.greedy:
         noise = None
@@ -247,7 +314,9 @@ def sample(
     autocast = torch.is_autocast_enabled(device.type)
     if compile and autocast:
         raise ValueError("sample(compile=True) needs a StaticCache, which torch.autocast rules out: sample from a model held in the low dtype instead")
-    cache = DynamicCache() if autocast else StaticCache(config=causal_lm.config, max_cache_len=total)
+    cache = _static_cache(causal_lm.config, length, total)  # checks the sliding window, if any
+    if autocast:
+        cache = DynamicCache()
     visible = (lambda n: n) if autocast else (lambda n: total)  # key columns the mask hands the model: the cache's length
     key_valid = prompt_mask.bool()  # (B, P)
     step_mask = torch.full((batch, 1, 1, total), torch.finfo(dtype).min, dtype=dtype, device=device)  # (B, 1, 1, L)
@@ -260,13 +329,13 @@ def sample(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
     next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
 
-    decode, draw = (_compiled_decode_step, _compiled_draw) if compile else (_decode_step, _draw)
+    fns = _StepFunctions(compile)
     logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype)  # (B, V)
     with contextlib.ExitStack() as stance:
         for t in range(steps):
-            if compile and t == 1:  # guards were checked at t = 0; later steps have the same model, cache and shapes
+            if fns.compiled and t == 2:  # both functions have passed their guards twice (the draw on prefill and on decode logits)
                 stance.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
-            token, token_logp = draw(logits, params, None if noise is None else noise[t])  # (B,), (B,)
+            token, token_logp = fns.draw(logits, params, None if noise is None else noise[t])  # (B,), (B,)
             alive = ~finished  # (B,)
             token = torch.where(alive, token, pad_token_id)
             completion_ids[:, t] = token
@@ -276,7 +345,7 @@ def sample(
             if t == steps - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
             step_mask[:, 0, 0, prompt_len + t] = 0.0  # the token just drawn becomes a visible key
-            logits = decode(model, token, step_mask[..., : visible(prompt_len + t + 1)], next_position + t, cache)  # (B, V)
+            logits = fns.decode(model, token, step_mask[..., : visible(prompt_len + t + 1)], next_position + t, cache)  # (B, V)
 
     used = int(completion_mask.any(0).nonzero().max()) + 1  # drop trailing all-padding columns
     return Rollout(

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from rlalign.lm.sampling import SamplingParams, filter_logits, left_pad, sample
+from rlalign.lm import sampling
+from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, left_pad, sample
 
 PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 13, 12, 11, 80, 44, 45, 46, 47, 50, 51], [1, 20]]
 EOS = 2
@@ -147,22 +148,41 @@ def test_bad_parameters_are_errors(tiny_llama):
         sample(tiny_llama, PROMPTS, SamplingParams(), 0, [])
 
 
-def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight_updates(tiny_model):
-    # compile=True runs the decode step and the draw through torch.compile (static shapes, cache rounded
-    # up to CACHE_BUCKET slots, guards skipped after the first step). Same uniforms -> same tokens; the
-    # compiled graph reads the parameters at call time, so an in-place update shows in the next call.
+def _compiled_calls(monkeypatch) -> dict[str, int]:
+    """Count the calls that reach the compiled decode step and draw (compile silently off would show 0)."""
+    calls = {"decode": 0, "draw": 0}
+
+    def counting(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(sampling, "_compiled_decode_step", counting("decode", sampling._compiled_decode_step))
+    monkeypatch.setattr(sampling, "_compiled_draw", counting("draw", sampling._compiled_draw))
+    return calls
+
+
+def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight_updates(tiny_model, monkeypatch):
+    # compile=True runs the decode step and the draw through torch.compile (static shapes, cache
+    # rounded up by cache_bucket, guards skipped from the third step). Same uniforms -> same tokens;
+    # the compiled graph reads the parameters at call time, so an in-place update shows in the next call
+    calls = _compiled_calls(monkeypatch)
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
     noise = torch.rand((10, 8), generator=torch.Generator().manual_seed(1))  # (N, B)
 
-    def both():
-        eager = sample(tiny_model, PROMPTS, params, 0, [EOS], group_size=2, noise=noise)
-        compiled = sample(tiny_model, PROMPTS, params, 0, [EOS], group_size=2, noise=noise, compile=True)
+    def both(prompts=PROMPTS, group_size=2, noise=noise):
+        eager = sample(tiny_model, prompts, params, 0, [EOS], group_size=group_size, noise=noise)
+        compiled = sample(tiny_model, prompts, params, 0, [EOS], group_size=group_size, noise=noise, compile=True)
+        assert not torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance()  # the stance is set back
         assert torch.equal(compiled.completion_ids, eager.completion_ids)
         assert torch.equal(compiled.completion_mask, eager.completion_mask)
         torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-4)
         return compiled.completion_ids
 
     before = both()
+    assert calls["decode"] >= 9 and calls["draw"] >= 10  # the compiled functions ran the steps
     weight = tiny_model.get_output_embeddings().weight
     saved = weight.detach().clone()
     try:
@@ -173,8 +193,47 @@ def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight
         with torch.no_grad():
             weight.copy_(saved)
     assert not torch.equal(before, after)
+    # another batch size and a longer prompt (another cache bucket) in the same process
+    long_prompts = [list(range(3, 60)), [1, 5, 6]]  # 57 + 10 positions -> 80 slots instead of 32
+    both(long_prompts, group_size=3, noise=torch.rand((10, 6), generator=torch.Generator().manual_seed(2)))
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
     assert torch.equal(sample(tiny_model, PROMPTS, greedy, 0, [EOS], compile=True).completion_ids, _greedy(tiny_model, PROMPTS).completion_ids)
+
+
+def test_cache_buckets_by_hand():
+    assert [cache_bucket(n) for n in (1, 16, 17, 64, 65, 80, 81, 128, 129, 200, 1000, 1025)] == [16, 16, 32, 64, 80, 80, 96, 128, 160, 224, 1024, 1280]
+
+
+def test_past_the_cap_on_compiled_versions_a_call_warns_and_runs_eager(tiny_llama, monkeypatch):
+    def capped(*args):
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit reached")
+
+    monkeypatch.setattr(sampling, "_compiled_draw", capped)
+    params = SamplingParams(max_new_tokens=6)
+    noise = torch.rand((6, 4), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match="compiled versions"):
+        compiled = sample(tiny_llama, PROMPTS, params, 0, [EOS], noise=noise, compile=True)
+    assert torch.equal(compiled.completion_ids, sample(tiny_llama, PROMPTS, params, 0, [EOS], noise=noise).completion_ids)
+
+
+def test_sliding_window_models_sample_as_generate_while_the_sequence_fits_the_window():
+    # Mistral-style sliding window of 40: sequences of up to 40 positions attend fully, as the sampler's mask
+    # does (eager and compiled, two prompt lengths); a longer one is an error, not a silently different model
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        sliding_window=40, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2, pad_token_id=0, eos_token_id=2,
+    )).eval()
+    for prompts in (PROMPTS, [p + [7] for p in PROMPTS]):
+        ids, mask = left_pad(prompts, 0)
+        expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=99)[:, ids.shape[1]:]
+        for compile in (False, True):
+            rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=20, temperature=0.0), 0, [99], compile=compile)
+            assert torch.equal(rollout.completion_ids, expected), compile
+    with pytest.raises(ValueError, match="sliding attention window"):
+        sample(model, PROMPTS, SamplingParams(max_new_tokens=40), 0, [EOS])
 
 
 def test_compile_under_autocast_is_an_error(tiny_llama):
