@@ -148,27 +148,11 @@ def test_bad_parameters_are_errors(tiny_llama):
         sample(tiny_llama, PROMPTS, SamplingParams(), 0, [])
 
 
-def _compiled_calls(monkeypatch) -> dict[str, int]:
-    """Count the calls that reach the compiled decode step and draw (compile silently off would show 0)."""
-    calls = {"decode": 0, "draw": 0}
-
-    def counting(name, fn):
-        def call(*args):
-            calls[name] += 1
-            return fn(*args)
-
-        return call
-
-    monkeypatch.setattr(sampling, "_compiled_decode_step", counting("decode", sampling._compiled_decode_step))
-    monkeypatch.setattr(sampling, "_compiled_draw", counting("draw", sampling._compiled_draw))
-    return calls
-
-
-def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight_updates(tiny_model, monkeypatch):
+def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight_updates(tiny_model, compiled_sampling_calls):
     # compile=True runs the decode step and the draw through torch.compile (static shapes, cache
     # rounded up by cache_bucket, guards skipped from the third step). Same uniforms -> same tokens;
     # the compiled graph reads the parameters at call time, so an in-place update shows in the next call
-    calls = _compiled_calls(monkeypatch)
+    calls = compiled_sampling_calls
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
     noise = torch.rand((10, 8), generator=torch.Generator().manual_seed(1))  # (N, B)
 

@@ -419,7 +419,7 @@ def test_compiled_training_forward_matches_the_eager_one(tiny_path, tmp_path):
         grpo.load_config(grpo.GRPOConfig, None, {"compile": True, "model.attn_implementation": "eager"})
 
 
-def test_compiled_sampling_trains_as_eager_sampling_does(tiny_path, tmp_path):
+def test_compiled_sampling_trains_as_eager_sampling_does(tiny_path, tmp_path, compiled_sampling_calls):
     # sampling.compile: the decode step through torch.compile. Same uniforms, same completions (float32
     # round-off apart), so the same rewards and, after two steps, the same weights
     runs = []
@@ -427,6 +427,7 @@ def test_compiled_sampling_trains_as_eager_sampling_does(tiny_path, tmp_path):
         cfg = make_cfg(tiny_path, tmp_path / str(compiled), steps=2, **{"sampling.compile": compiled})
         runs.append(grpo.train(cfg, reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)]))
     eager, compiled = runs
+    assert compiled_sampling_calls["decode"] > 0  # the compiled run's sampler went through the compiled step
     assert [row["reward/mean"] for row in compiled.history] == [row["reward/mean"] for row in eager.history]
     for compiled_param, eager_param in zip(compiled.policy.parameters(), eager.policy.parameters()):
         torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-6)

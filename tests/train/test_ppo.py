@@ -94,10 +94,11 @@ def test_whitened_advantages_have_zero_mean_unit_std_on_tokens():
 
 
 @pytest.mark.parametrize("compiled_sampling", [False, True], ids=["eager-sampler", "compiled-sampler"])
-def test_first_minibatch_ratio_is_one_and_metrics_are_logged(tiny_path, tmp_path, compiled_sampling):
+def test_first_minibatch_ratio_is_one_and_metrics_are_logged(tiny_path, tmp_path, compiled_sampling, compiled_sampling_calls):
     # the sampler's log-probs are log pi_old, also when its decode step is compiled (sampling.compile)
     cfg = make_cfg(tiny_path, tmp_path, **{"sampling.compile": compiled_sampling})
     result = ppo.train(cfg, reward_functions=[RewardTerm("digits", 1.0, digit_share)])
+    assert (compiled_sampling_calls["decode"] > 0) == compiled_sampling
     for row in result.history:
         assert row["ratio_dev/first"] <= 1e-5  # first minibatch of the first epoch: pi = pi_old, ratio 1 (float round-off)
         assert row["ratio_dev"] > 1e-4  # the later minibatches see a moved policy
