@@ -341,18 +341,21 @@ def test_one_update_per_rollout_takes_pi_old_from_the_update_itself(tiny_path, t
     assert reference.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16 and reference.model.norm.weight.dtype == torch.float32
 
 
-def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(tiny_path, tmp_path, monkeypatch):
-    # sampling.dtype: the decode loop runs on a bfloat16 copy of the float32 policy; with two
-    # updates per rollout pi_old is recomputed (first ratio 1) and the copy follows every update
+@pytest.mark.parametrize("compile_sampling", [False, True], ids=["eager-sampler", "compiled-sampler"])
+def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(tiny_path, tmp_path, monkeypatch, compile_sampling, compiled_sampling_calls):
+    # sampling.dtype: the decode loop runs on a bfloat16 copy of the float32 policy (its decode step
+    # compiled or not); with two updates per rollout pi_old is recomputed (first ratio 1) and the copy
+    # follows every update
     recomputed = []
     original = grpo.training_logprobs
     monkeypatch.setattr(grpo, "training_logprobs", lambda *a, **k: recomputed.append(1) or original(*a, **k))
     seen = {}
     original_sample = grpo.sample
     monkeypatch.setattr(grpo, "sample", lambda model, *a, **k: seen.setdefault("model", model) and original_sample(model, *a, **k))
-    cfg = make_cfg(tiny_path, tmp_path, steps=2, mu=2, beta=0.1, **{"sampling.dtype": "bfloat16"})
+    cfg = make_cfg(tiny_path, tmp_path, steps=2, mu=2, beta=0.1, **{"sampling.dtype": "bfloat16", "sampling.compile": compile_sampling})
     result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("code", 1.0, char_code_reward)])
     assert len(recomputed) == 2
+    assert (compiled_sampling_calls["decode"] > 0) == compile_sampling
     for row in result.history:
         assert row["ratio_dev/first"] <= 1e-5 and row["ratio_dev"] > 1e-4
         assert row["logprob_mismatch"] > 0  # bfloat16 weights: the sampler's log-probs are not the training pass's
