@@ -29,8 +29,10 @@ cost, which is what a small model's step is made of; a model whose decode step i
 reading its weights from memory (SmolLM2-135M at batch 8 on one CPU core) gains little. Not under
 ``torch.autocast``, which rules out the StaticCache.
 
-Sliding-window attention: the one 4-D mask is full attention, which is the model's attention
-while the sequence fits in the window; prompt + max_new_tokens beyond the window is an error.
+Sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2/3, Phi-3): every
+layer keeps all keys in the cache, and when the window is shorter than the sequence the sampler
+hands the model a second mask that also hides the keys outside the window (key slot k is seen from
+query slot q when q - window < k <= q, transformers' rule), for all layers or by layer type.
 
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
 set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw by
@@ -124,9 +126,10 @@ def filter_logits(scaled_logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> 
     return out
 
 
-def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype) -> Tensor:
+def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype, window: int | None = None) -> Tensor:
     """Additive mask (B, 1, P, L) over the L = P + N cache slots: query q sees key k <= q when k is
-    a real prompt token (0 where allowed, the dtype's minimum elsewhere).
+    a real prompt token (0 where allowed, the dtype's minimum elsewhere); with a sliding ``window``
+    also only k > q - window (transformers' sliding-window rule, on cache slots).
 
     A padding query also sees itself, so no softmax row is empty (its output is never used).
     """
@@ -135,12 +138,32 @@ def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype) -> Tenso
     key_valid[:, :prompt_len] = prompt_valid
     q = torch.arange(prompt_len, device=prompt_valid.device)[:, None]  # (P, 1)
     k = torch.arange(total, device=prompt_valid.device)[None, :]  # (1, L)
-    allowed = ((k <= q)[None] & key_valid[:, None, :]) | (k == q)[None]  # (B, P, L)
+    seen = (k <= q) if window is None else (k <= q) & (k > q - window)  # (P, L)
+    allowed = (seen[None] & key_valid[:, None, :]) | (k == q)[None]  # (B, P, L)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=prompt_valid.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # (B, 1, P, L)
 
 
-def _prefill(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, cache: DynamicCache | StaticCache, total: int, dtype: torch.dtype) -> Tensor:
+def _model_mask(full: Tensor, windowed: Tensor | None, by_layer_type: bool) -> Tensor | dict[str, Tensor]:
+    """The ``attention_mask`` argument: the full-attention mask, or with a sliding window the windowed
+    one (every layer slides, e.g. Mistral), or both by layer type (models with ``config.layer_types``,
+    e.g. Qwen2, Gemma 2/3, which take a prepared mask per type)."""
+    if windowed is None:
+        return full
+    return {"full_attention": full, "sliding_attention": windowed} if by_layer_type else windowed
+
+
+def _prefill(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group_size: int,
+    cache: DynamicCache | StaticCache,
+    total: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    by_layer_type: bool = False,
+) -> Tensor:
     """Run each distinct prompt once (rows 0, G, 2G, ... of the B = N G rows), fill ``cache`` with the
     prompt keys and values of all B rows, and return the logits at the last prompt position. Shape: (B, V).
 
@@ -153,9 +176,10 @@ def _prefill(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, group_si
     prompt_len = ids.shape[1]
     prefill_cache = cache if isinstance(cache, DynamicCache) or group_size == 1 else DynamicCache()
     visible = total if isinstance(prefill_cache, StaticCache) else prompt_len  # key columns: the cache's length
+    windowed = None if window is None else _prefill_mask(mask.bool(), total, dtype, window)[..., :visible]
     logits = model(
         input_ids=ids,
-        attention_mask=_prefill_mask(mask.bool(), total, dtype)[..., :visible],
+        attention_mask=_model_mask(_prefill_mask(mask.bool(), total, dtype)[..., :visible], windowed, by_layer_type),
         position_ids=position_ids_from_mask(mask),
         past_key_values=prefill_cache,
         use_cache=True,
@@ -185,8 +209,9 @@ def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tup
     return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
 
 
-def _decode_step(model: nn.Module, token: Tensor, step_mask: Tensor, position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
-    """One decode step: the logits (B, V) after feeding ``token`` (B,) at ``position_ids`` (B, 1)."""
+def _decode_step(model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
+    """One decode step: the logits (B, V) after feeding ``token`` (B,) at ``position_ids`` (B, 1);
+    ``step_mask``: the additive mask (B, 1, 1, L), or one per layer type (:func:`_model_mask`)."""
     return model(
         input_ids=token[:, None], attention_mask=step_mask, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1
     ).logits[:, -1, :]
@@ -221,7 +246,7 @@ class _StepFunctions:
     def draw(self, logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
         return self._call(_compiled_draw, _draw, logits, params, uniform)
 
-    def decode(self, model: nn.Module, token: Tensor, step_mask: Tensor, position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
+    def decode(self, model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
         return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache)
 
 
@@ -234,23 +259,26 @@ def cache_bucket(length: int) -> int:
     return -(-length // step) * step
 
 
-def _static_cache(config, length: int, slots: int) -> StaticCache:
-    """A StaticCache of ``slots`` >= ``length`` positions for a model of ``config``.
+def _sliding_window(config, length: int) -> int | None:
+    """The sliding window of a model whose sliding-window layers see fewer than ``length`` positions
+    (the sampler then masks the window itself), else None (full attention is the model's attention)."""
+    short = [layer for layer in StaticCache(config=config, max_cache_len=length).layers if getattr(layer, "is_sliding", False) and layer.max_cache_len < length]
+    if not short:
+        return None
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "attention_chunk_size", None) is not None:
+        raise ValueError(f"chunked attention (attention_chunk_size={text_config.attention_chunk_size}) is not supported by the sampler at {length} positions")
+    return int(text_config.sliding_window)
 
-    Sliding-window layers: this sampler hands every layer one full-attention mask, which is the
-    model's attention only while the sequence fits in the window, so a longer sequence is an error.
-    When it fits, such a layer is given a full-attention cache layer: the same keys and values, and
-    its write position is a tensor (transformers' sliding layer keeps a Python int, which a compiled
-    decode step would have to be recompiled for at every step).
-    """
+
+def _static_cache(config, slots: int) -> StaticCache:
+    """A StaticCache of ``slots`` positions for a model of ``config``, every layer a full-attention
+    layer: a sliding-window layer keeps all keys too, and the sampler's mask hides those outside the
+    window (transformers' sliding layer keeps a rolling buffer and its write position in a Python
+    int, which a compiled decode step would have to be recompiled for at every step)."""
     cache = StaticCache(config=config, max_cache_len=slots)  # tensors are allocated on first use
     for index, layer in enumerate(cache.layers):
         if getattr(layer, "is_sliding", False):
-            if layer.max_cache_len < length:
-                raise ValueError(
-                    f"prompt + max_new_tokens = {length} positions exceed the model's sliding attention window ({layer.max_cache_len}): "
-                    "the sampler attends over the whole sequence; shorten the prompts or max_new_tokens"
-                )
             cache.layers[index] = StaticLayer(max_cache_len=slots)
     return cache
 
@@ -314,13 +342,17 @@ def sample(
     autocast = torch.is_autocast_enabled(device.type)
     if compile and autocast:
         raise ValueError("sample(compile=True) needs a StaticCache, which torch.autocast rules out: sample from a model held in the low dtype instead")
-    cache = _static_cache(causal_lm.config, length, total)  # checks the sliding window, if any
-    if autocast:
-        cache = DynamicCache()
+    cache = DynamicCache() if autocast else _static_cache(causal_lm.config, total)
+    window = _sliding_window(causal_lm.config, length)  # None unless a sliding window is shorter than the sequence
+    by_layer_type = getattr(causal_lm.config.get_text_config(decoder=True), "layer_types", None) is not None
     visible = (lambda n: n) if autocast else (lambda n: total)  # key columns the mask hands the model: the cache's length
     key_valid = prompt_mask.bool()  # (B, P)
     step_mask = torch.full((batch, 1, 1, total), torch.finfo(dtype).min, dtype=dtype, device=device)  # (B, 1, 1, L)
     step_mask[:, 0, 0, :prompt_len].masked_fill_(key_valid, 0.0)
+    window_mask = None  # with a sliding window: step_mask without the keys at or before q - window, q the query's slot
+    if window is not None:
+        window_mask = step_mask.clone()
+        window_mask[..., : max(prompt_len - window + 1, 0)] = torch.finfo(dtype).min  # out of the first decode query's window
     eos = torch.as_tensor(list(eos_token_ids), device=device)
 
     completion_ids = torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device)  # (B, N)
@@ -330,7 +362,7 @@ def sample(
     next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
 
     fns = _StepFunctions(compile)
-    logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype)  # (B, V)
+    logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype, window, by_layer_type)  # (B, V)
     with contextlib.ExitStack() as stance:
         for t in range(steps):
             if fns.compiled and t == 2:  # both functions have passed their guards twice (the draw on prefill and on decode logits)
@@ -345,7 +377,13 @@ def sample(
             if t == steps - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
             step_mask[:, 0, 0, prompt_len + t] = 0.0  # the token just drawn becomes a visible key
-            logits = fns.decode(model, token, step_mask[..., : visible(prompt_len + t + 1)], next_position + t, cache)  # (B, V)
+            if window_mask is not None:
+                window_mask[:, 0, 0, prompt_len + t] = 0.0
+                if prompt_len + t - window >= 0:
+                    window_mask[:, 0, 0, prompt_len + t - window] = torch.finfo(dtype).min  # leaves the window of query slot prompt_len + t
+            columns = visible(prompt_len + t + 1)
+            attention_mask = _model_mask(step_mask[..., :columns], None if window_mask is None else window_mask[..., :columns], by_layer_type)
+            logits = fns.decode(model, token, attention_mask, next_position + t, cache)  # (B, V)
 
     used = int(completion_mask.any(0).nonzero().max()) + 1  # drop trailing all-padding columns
     return Rollout(

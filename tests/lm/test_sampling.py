@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlalign.lm import sampling
+from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, left_pad, sample
 
 PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 13, 12, 11, 80, 44, 45, 46, 47, 50, 51], [1, 20]]
@@ -200,24 +201,36 @@ def test_past_the_cap_on_compiled_versions_a_call_warns_and_runs_eager(tiny_llam
     assert torch.equal(compiled.completion_ids, sample(tiny_llama, PROMPTS, params, 0, [EOS], noise=noise).completion_ids)
 
 
-def test_sliding_window_models_sample_as_generate_while_the_sequence_fits_the_window():
-    # Mistral-style sliding window of 40: sequences of up to 40 positions attend fully, as the sampler's mask
-    # does (eager and compiled, two prompt lengths); a longer one is an error, not a silently different model
-    from transformers import MistralConfig, MistralForCausalLM
+def _sliding_window_model(kind: str):
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    shape = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2, pad_token_id=0, eos_token_id=2)
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        sliding_window=40, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2, pad_token_id=0, eos_token_id=2,
-    )).eval()
+    if kind == "mistral":  # every layer slides; one mask
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=6)).eval()
+    # Qwen2 with use_sliding_window: layer 0 full, layer 1 sliding; a mask per layer type
+    return Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=6, max_window_layers=1)).eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2-hybrid"])
+def test_sliding_window_models_sample_as_generate(kind):
+    # a window of 6 slots, shorter than prompt + completion (up to 12 + 20): the sampler's window mask
+    # (prefill and every decode step, eager and compiled) gives generate's greedy tokens
+    model = _sliding_window_model(kind)
+    assert getattr(model.config, "layer_types", None) == (["full_attention", "sliding_attention"] if kind == "qwen2-hybrid" else None)
     for prompts in (PROMPTS, [p + [7] for p in PROMPTS]):
         ids, mask = left_pad(prompts, 0)
         expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=99)[:, ids.shape[1]:]
         for compile in (False, True):
             rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=20, temperature=0.0), 0, [99], compile=compile)
-            assert torch.equal(rollout.completion_ids, expected), compile
-    with pytest.raises(ValueError, match="sliding attention window"):
-        sample(model, PROMPTS, SamplingParams(max_new_tokens=40), 0, [EOS])
+            assert torch.equal(rollout.completion_ids, expected), (kind, compile)
+    assert expected.unique().numel() > 5
+    # the training pass (transformers' own sliding-window masks over prompt + completion) gives the sampler's log-probs
+    drawn = sample(model, PROMPTS, SamplingParams(max_new_tokens=20), 0, [EOS], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(rollout_logprobs(model, drawn), drawn.logprobs, rtol=0, atol=1e-5)
+    grouped = sample(model, PROMPTS[:2], SamplingParams(max_new_tokens=20, temperature=0.0), 0, [99], group_size=3)  # the shared prefill path
+    assert torch.equal(grouped.completion_ids[::3], sample(model, PROMPTS[:2], SamplingParams(max_new_tokens=20, temperature=0.0), 0, [99]).completion_ids)
 
 
 def test_compile_under_autocast_is_an_error(tiny_llama):
