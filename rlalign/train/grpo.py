@@ -74,8 +74,7 @@ from torch import Tensor, nn
 
 from rlalign.config import Config, ConfigError, load_config
 from rlalign.core.advantages import group_advantages, rloo_advantages
-from rlalign.core.kl import entropy_from_logits
-from rlalign.core.logprobs import token_logprobs
+from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, kl_penalty_loss
 from rlalign.core.masks import masked_mean
 from rlalign.lm.code_execution import code_execution
@@ -789,7 +788,7 @@ def grpo_loss(
     with forward_precision(cfg.model, policy):
         logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
-    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C), float32
+    logp, entropy = token_logprobs_and_entropy(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C) each, float32; entropy detached
     sampler_logp, mask = rollout.logprobs.to(device), mask.to(device)
     old_logp = logp.detach() if on_policy else sampler_logp  # (B, C)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm (Dr.GRPO), not this batch's C
@@ -810,8 +809,7 @@ def grpo_loss(
         kl_loss, kl = kl_penalty_loss(logp, ref_logp.to(device), mask, "k3", mode=cfg.aggregation, max_len=max_len)
         loss = loss + cfg.beta * kl_loss
         stats["kl"] = kl.kl
-    with torch.no_grad():
-        stats["entropy"] = masked_mean(entropy_from_logits(logits / cfg.sampling.temperature), mask)
+    stats["entropy"] = masked_mean(entropy, mask)
     return loss, stats
 
 

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from rlalign.config import Config, load_config
 from rlalign.core.advantages import kl_shaped_rewards, token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_k1, kl_k3
-from rlalign.core.logprobs import token_logprobs
+from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.data import PromptExample, render_prompt
@@ -219,12 +219,15 @@ def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: T
     with forward_precision(cfg.model, policy):
         logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
-    logp = token_logprobs(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C), float32
+    completion_ids = rollout.completion_ids.to(device)
+    if cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient
+        logp = token_logprobs(logits, completion_ids, cfg.sampling.temperature)  # (B, C), float32
+        entropy = entropy_from_logits(logits / cfg.sampling.temperature)  # (B, C)
+    else:  # the entropy is a statistic: from the log-probs' own pass over the logits
+        logp, entropy = token_logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature)  # (B, C) each
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
     pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, mode=cfg.aggregation, max_len=max_len)
-    with torch.set_grad_enabled(cfg.entropy_coef > 0):
-        entropy = entropy_from_logits(logits / cfg.sampling.temperature)  # (B, C)
     ent_loss, ent = entropy_loss(entropy, mask, mode=cfg.aggregation, max_len=max_len)
     loss = pg_loss + cfg.entropy_coef * ent_loss if cfg.entropy_coef > 0 else pg_loss
     stats = {

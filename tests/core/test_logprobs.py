@@ -56,3 +56,27 @@ def test_bad_inputs():
         token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), temperature=0)
     with pytest.raises(ValueError, match="disagree"):
         token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_entropy_from_the_same_pass_by_hand_and_against_the_separate_functions():
+    from rlalign.core.kl import entropy_from_logits
+    from rlalign.core.logprobs import token_logprobs_and_entropy
+
+    # by hand: logits (0, ln 3) at temperature 1 -> pi = (1/4, 3/4); H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335
+    logits = torch.tensor([[[0.0, float(torch.log(torch.tensor(3.0)))]]])
+    logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([[1]]))
+    assert logp.item() == pytest.approx(float(torch.log(torch.tensor(0.75))), abs=1e-6)
+    assert entropy.item() == pytest.approx(0.562335, abs=1e-6)
+    # random logits, a temperature, several chunks: the same values as token_logprobs and entropy_from_logits,
+    # the same gradient, and the entropy carries none
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 50, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 50, (3, 5))
+    weights = torch.randn(3, 5, dtype=torch.float64)
+    logp, entropy = token_logprobs_and_entropy(logits, tokens, 0.7, chunk_elements=100)
+    assert not entropy.requires_grad
+    torch.testing.assert_close(entropy, entropy_from_logits(logits.detach() / 0.7), rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad((logp * weights).sum(), logits)
+    (expected_grad,) = torch.autograd.grad((token_logprobs(logits, tokens, 0.7) * weights).sum(), logits)
+    torch.testing.assert_close(logp, token_logprobs(logits, tokens, 0.7), rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)

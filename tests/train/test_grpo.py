@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from rlalign.config import ConfigError, load_config
+from rlalign.core.kl import entropy_from_logits
+from rlalign.core.masks import masked_mean
 from rlalign.lm.data import DataError, encode_prompts
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.lm.sampling import sample
@@ -288,9 +290,13 @@ def test_dr_grpo_normalises_by_the_fixed_max_length(tiny_path, tmp_path):
     rollout = sample(policy, encode_prompts(tokenizer, ["1+2=", "30-4="]), grpo.SamplingParams(4), tokenizer.pad_token_id, [tokenizer.eos_token_id], 4,
                      torch.Generator().manual_seed(0))
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.0])
-    loss, _ = grpo.grpo_loss(policy, rollout, advantages, rollout.completion_mask.float(), None, cfg)
+    loss, stats = grpo.grpo_loss(policy, rollout, advantages, rollout.completion_mask.float(), None, cfg)
     expected = -(advantages * rollout.completion_lengths()).sum() / (8 * 10)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    # the entropy statistic (computed in the log-probs' pass) is the token mean of H(softmax(z / tau))
+    with torch.no_grad():
+        entropy = entropy_from_logits(grpo.completion_logits(policy, rollout) / cfg.sampling.temperature)  # (B, C)
+    torch.testing.assert_close(stats["entropy"], masked_mean(entropy, rollout.completion_mask.float()), rtol=1e-5, atol=1e-6)
 
 
 def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
