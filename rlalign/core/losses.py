@@ -239,7 +239,8 @@ def entropy_loss(entropy: Tensor, mask: Tensor | None = None, mode: Aggregation 
     """Entropy bonus as a loss: L_H = -H[pi(.|s_t)]; the trainer adds c2 * L_H (seeds: c2 ~ 0.01).
 
     Args:
-        entropy: per-token entropy, with grad (e.g. :func:`rlalign.core.kl.entropy_from_logits`). Shape: (B, C) or (N,).
+        entropy: per-token entropy, with grad for a bonus (e.g. :func:`rlalign.core.kl.entropy_from_logits`);
+            detached, the loss has no gradient and only the statistic is used. Shape: (B, C) or (N,).
     """
     loss = -aggregate(entropy, mask, mode, max_len)
     return loss, EntropyStats(masked_mean(entropy.detach(), _mask_like(entropy, mask)))

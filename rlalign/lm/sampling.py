@@ -9,7 +9,8 @@ mask minus 1, as ``generate`` does), so a padded prompt gives the same tokens as
 
 How it differs from ``model.generate``: the KV cache is a ``StaticCache`` allocated once for
 P + max_new_tokens positions, and the attention mask is one additive 4-D tensor (B, 1, 1, P + N)
-updated in place (one column per step) and handed to the model as-is, so no mask is rebuilt and
+(two with a sliding window, below) updated in place (a column or two per step) and handed to the
+model as-is, so no mask is rebuilt and
 no tensor is concatenated per step; logits are computed for the last position only; there are no
 logits-processor or stopping-criteria objects; the prompt of a group is prefilled once and its
 cache repeated to the group's G rows. Per step the loop does one forward, one softmax and one
@@ -32,7 +33,9 @@ reading its weights from memory (SmolLM2-135M at batch 8 on one CPU core) gains 
 Sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2/3, Phi-3): every
 layer keeps all keys in the cache, and when the window is shorter than the sequence the sampler
 hands the model a second mask that also hides the keys outside the window (key slot k is seen from
-query slot q when q - window < k <= q, transformers' rule), for all layers or by layer type.
+query slot q when q - window < k <= q, transformers' rule), for all layers or by layer type. The
+cache then holds every position, not just the window: more KV memory than ``generate`` for
+sequences much longer than the window.
 
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
 set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw by
@@ -57,7 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from rlalign.lm.models import position_ids_from_mask, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
@@ -146,11 +149,24 @@ def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype, window: 
 
 def _model_mask(full: Tensor, windowed: Tensor | None, by_layer_type: bool) -> Tensor | dict[str, Tensor]:
     """The ``attention_mask`` argument: the full-attention mask, or with a sliding window the windowed
-    one (every layer slides, e.g. Mistral), or both by layer type (models with ``config.layer_types``,
-    e.g. Qwen2, Gemma 2/3, which take a prepared mask per type)."""
+    one (every layer slides, e.g. Mistral), or both by layer type (models with ``config.layer_types``
+    of full and sliding layers, e.g. Qwen2, Gemma 2/3, which take a prepared mask per type; other
+    layer types are refused by :func:`_layer_types`)."""
     if windowed is None:
         return full
     return {"full_attention": full, "sliding_attention": windowed} if by_layer_type else windowed
+
+
+def _layer_types(config, window: int | None) -> bool:
+    """Whether the model takes its masks by layer type (``config.layer_types``); with a window, only
+    full and sliding layers are supported (a KeyError deep in the model otherwise)."""
+    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    if layer_types is None:
+        return False
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if window is not None and other:
+        raise ValueError(f"the sampler's sliding-window masks cover full and sliding attention layers; this model also has {other}")
+    return True
 
 
 def _prefill(
@@ -261,24 +277,30 @@ def cache_bucket(length: int) -> int:
 
 def _sliding_window(config, length: int) -> int | None:
     """The sliding window of a model whose sliding-window layers see fewer than ``length`` positions
-    (the sampler then masks the window itself), else None (full attention is the model's attention)."""
-    short = [layer for layer in StaticCache(config=config, max_cache_len=length).layers if getattr(layer, "is_sliding", False) and layer.max_cache_len < length]
+    (the sampler then masks the window itself), else None (full attention is the model's attention).
+    Chunked attention, other sliding layer kinds and windows that differ by layer are errors."""
+    layers = StaticCache(config=config, max_cache_len=length).layers  # no tensors yet: only the layer kinds and sizes
+    short = [layer for layer in layers if getattr(layer, "is_sliding", False) and getattr(layer, "max_cache_len", length) < length]
     if not short:
         return None
     text_config = config.get_text_config(decoder=True)
     if getattr(text_config, "attention_chunk_size", None) is not None:
         raise ValueError(f"chunked attention (attention_chunk_size={text_config.attention_chunk_size}) is not supported by the sampler at {length} positions")
-    return int(text_config.sliding_window)
+    kinds = {type(layer).__name__ for layer in short if type(layer) is not StaticSlidingWindowLayer}
+    windows = {layer.max_cache_len for layer in short}  # a sliding layer's size is min(window, length)
+    if kinds or len(windows) > 1:
+        raise ValueError(f"the sampler masks one sliding window over plain attention layers; this model has {sorted(kinds) or sorted(windows)} at {length} positions")
+    return windows.pop()
 
 
 def _static_cache(config, slots: int) -> StaticCache:
-    """A StaticCache of ``slots`` positions for a model of ``config``, every layer a full-attention
-    layer: a sliding-window layer keeps all keys too, and the sampler's mask hides those outside the
-    window (transformers' sliding layer keeps a rolling buffer and its write position in a Python
-    int, which a compiled decode step would have to be recompiled for at every step)."""
+    """A StaticCache of ``slots`` positions for a model of ``config``, its sliding-window layers made
+    full-attention layers: they keep all keys, and the sampler's mask hides those outside the window
+    (transformers' sliding layer keeps a rolling buffer and its write position in a Python int,
+    which a compiled decode step would have to be recompiled for at every step)."""
     cache = StaticCache(config=config, max_cache_len=slots)  # tensors are allocated on first use
     for index, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False):
+        if type(layer) is StaticSlidingWindowLayer:
             cache.layers[index] = StaticLayer(max_cache_len=slots)
     return cache
 
@@ -344,7 +366,7 @@ def sample(
         raise ValueError("sample(compile=True) needs a StaticCache, which torch.autocast rules out: sample from a model held in the low dtype instead")
     cache = DynamicCache() if autocast else _static_cache(causal_lm.config, total)
     window = _sliding_window(causal_lm.config, length)  # None unless a sliding window is shorter than the sequence
-    by_layer_type = getattr(causal_lm.config.get_text_config(decoder=True), "layer_types", None) is not None
+    by_layer_type = _layer_types(causal_lm.config, window)
     visible = (lambda n: n) if autocast else (lambda n: total)  # key columns the mask hands the model: the cache's length
     key_valid = prompt_mask.bool()  # (B, P)
     step_mask = torch.full((batch, 1, 1, total), torch.finfo(dtype).min, dtype=dtype, device=device)  # (B, 1, 1, L)

@@ -222,15 +222,32 @@ def test_sliding_window_models_sample_as_generate(kind):
     for prompts in (PROMPTS, [p + [7] for p in PROMPTS]):
         ids, mask = left_pad(prompts, 0)
         expected = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=99)[:, ids.shape[1]:]
+        assert expected.unique().numel() > 5
         for compile in (False, True):
             rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=20, temperature=0.0), 0, [99], compile=compile)
             assert torch.equal(rollout.completion_ids, expected), (kind, compile)
-    assert expected.unique().numel() > 5
     # the training pass (transformers' own sliding-window masks over prompt + completion) gives the sampler's log-probs
-    drawn = sample(model, PROMPTS, SamplingParams(max_new_tokens=20), 0, [EOS], generator=torch.Generator().manual_seed(0))
+    drawn = sample(model, PROMPTS, SamplingParams(max_new_tokens=20), 0, [EOS], group_size=2, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(rollout_logprobs(model, drawn), drawn.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(rollout_logprobs(model, drawn, share_prompts=True), drawn.logprobs, rtol=0, atol=1e-5)  # each prompt run once
     grouped = sample(model, PROMPTS[:2], SamplingParams(max_new_tokens=20, temperature=0.0), 0, [99], group_size=3)  # the shared prefill path
     assert torch.equal(grouped.completion_ids[::3], sample(model, PROMPTS[:2], SamplingParams(max_new_tokens=20, temperature=0.0), 0, [99]).completion_ids)
+
+
+def test_attention_the_window_masks_cannot_express_is_a_clear_error():
+    # chunked attention (Llama 4) past its chunk, and layer types besides full and sliding past the window
+    from transformers import Llama4TextConfig, Qwen2Config
+
+    chunked = Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8)
+    assert sampling._sliding_window(chunked, 8) is None  # fits in a chunk: plain causal attention
+    with pytest.raises(ValueError, match="chunked attention"):
+        sampling._sliding_window(chunked, 9)
+    hybrid = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    assert sampling._sliding_window(hybrid, 6) is None and sampling._sliding_window(hybrid, 7) == 6
+    hybrid.layer_types = ["conv", "sliding_attention"]
+    assert sampling._layer_types(hybrid, None)  # no window in play: one full mask, whatever the layer types
+    with pytest.raises(ValueError, match="conv"):
+        sampling._layer_types(hybrid, 6)
 
 
 def test_compile_under_autocast_is_an_error(tiny_llama):
