@@ -30,6 +30,13 @@ __all__ = ["token_logprobs", "token_logprobs_and_entropy"]
 _DEFAULT_CHUNK_ELEMENTS = 1 << 22  # 4M float32 values = 16 MB per chunk
 
 
+def _check_inputs(logits: Tensor, tokens: Tensor, temperature: float) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on (B, T)")
+
+
 def _rows_per_chunk(vocab: int, chunk_elements: int) -> int:
     return max(1, chunk_elements // max(vocab, 1))
 
@@ -99,10 +106,7 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, chu
     Returns:
         Shape: (B, T), float32 (float64 for float64 logits).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.shape[:-1] != tokens.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on (B, T)")
+    _check_inputs(logits, tokens, temperature)
     return _TokenLogprobs.apply(logits, tokens.long(), float(temperature), int(chunk_elements))
 
 
@@ -122,8 +126,5 @@ def token_logprobs_and_entropy(
     Returns:
         (log-probs with gradient, entropy detached), each (B, T), float32 (float64 for float64 logits).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.shape[:-1] != tokens.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree on (B, T)")
+    _check_inputs(logits, tokens, temperature)
     return _TokenLogprobs.apply(logits, tokens.long(), float(temperature), int(chunk_elements), True)
