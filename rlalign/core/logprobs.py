@@ -60,7 +60,8 @@ class _TokenLogprobs(torch.autograd.Function):
             logsumexp[start : start + rows] = chunk_lse
             logp[start : start + rows] = scaled.gather(1, flat_tokens[start : start + rows]).squeeze(1) - chunk_lse
             if with_entropy:  # H = -sum_v p_v log p_v, log p = z / tau - logsumexp
-                log_probs = scaled.sub_(chunk_lse[:, None])  # (n, V)
+                # clamped: a -inf logit (an entry masked out) has p = 0 and must add 0, not 0 * -inf = NaN
+                log_probs = scaled.sub_(chunk_lse[:, None]).clamp_(min=torch.finfo(compute_dtype).min)  # (n, V)
                 entropy[start : start + rows] = -(log_probs.exp() * log_probs).sum(-1)
         ctx.save_for_backward(logits, tokens, logsumexp)
         ctx.temperature = temperature

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -80,3 +82,20 @@ def test_entropy_from_the_same_pass_by_hand_and_against_the_separate_functions()
     (expected_grad,) = torch.autograd.grad((token_logprobs(logits, tokens, 0.7) * weights).sum(), logits)
     torch.testing.assert_close(logp, token_logprobs(logits, tokens, 0.7), rtol=0, atol=1e-12)
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+
+
+def test_masked_out_vocabulary_entries_add_nothing_to_the_entropy():
+    from rlalign.core.kl import entropy_from_logits
+    from rlalign.core.logprobs import token_logprobs_and_entropy
+
+    # a -inf logit (a vocabulary entry masked out) has p = 0 and adds 0 * log 0 = 0 to H:
+    # logits (0, ln 3, -inf) give pi = (1/4, 3/4, 0) and the H of (0, ln 3), 0.562335, not NaN
+    logits = torch.tensor([[[0.0, math.log(3.0), float("-inf")]]], requires_grad=True)
+    logp, entropy = token_logprobs_and_entropy(logits, torch.tensor([[1]]))
+    assert entropy.item() == pytest.approx(0.562335, abs=1e-6)
+    assert logp.item() == pytest.approx(math.log(0.75), abs=1e-6)
+    differentiable = entropy_from_logits(logits)
+    assert differentiable.item() == pytest.approx(0.562335, abs=1e-6)
+    differentiable.sum().backward()
+    # dH/dz_v = -p_v (log p_v + H): (-1/4 (ln 1/4 + H), -3/4 (ln 3/4 + H), 0) = (0.205990, -0.205990, 0)
+    torch.testing.assert_close(logits.grad, torch.tensor([[[0.205990, -0.205990, 0.0]]]), atol=1e-6, rtol=0)
