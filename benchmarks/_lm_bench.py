@@ -237,7 +237,7 @@ class GRPOSetup:
                                   cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
         self.policy = self.run.load_policy(cfg.model)
         self.reference = self.run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None
-        self.updater = grpo.Updater.create(self.policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, self.run.world, cfg.model.sharding, cfg.sampling.dtype)
+        self.updater = grpo.Updater.create(self.policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, self.run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
         self.state = grpo.resume_state(None, cfg.seed, {"policy": self.updater}, self.run.world)
         self._grpo = grpo
 

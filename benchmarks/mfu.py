@@ -35,6 +35,16 @@
    (generate / score / reference + train, from the step's own metrics).
 
 MFU = FLOPs / time / peak, against both peaks (the float32 one is the fair ceiling of a float32 step).
+
+4. ``--ceiling``: how far this machine's own kernels let the update go at these shapes. One more
+   step runs under a dispatch mode that records every matmul (``mm``, ``addmm``, ``bmm``,
+   ``baddbmm``: sizes, strides, dtypes) with its phase (the update's forward with grad, its
+   backward, or the no-grad generate / reference passes), and times ``clip_grad_norm_`` and
+   ``optimizer.step``. The matmuls are then replayed alone, in the recorded order, on fresh tensors
+   of the same layout (median of three replays). The update's floor is its matmuls plus clipping
+   and AdamW (memory-bound kernels that touch every parameter, gradient and moment); everything
+   else (norms, activations, casts, softmax, attention masks, the log-softmax over the vocabulary)
+   would have to cost nothing to reach it. MFU at that floor is the ceiling of the update here.
 """
 
 from __future__ import annotations
@@ -64,6 +74,72 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
         torch.matmul(a, b)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
+
+
+MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def record_matmuls(step, optimizer: torch.optim.Optimizer) -> tuple[list[tuple], dict[str, float]]:
+    """Run ``step()`` recording each matmul as (phase, op, per-argument (size, stride, dtype) or
+    value, kwargs); phase: "update_forward" (grad enabled), "update_backward" (inside autograd's
+    backward), "no_grad" (sampling, reference). Also returns the seconds spent in
+    ``clip_grad_norm_`` and ``optimizer.step`` during the step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[tuple] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in MATMULS:
+                phase = "update_backward" if torch._C._current_graph_task_id() != -1 else "update_forward" if torch.is_grad_enabled() else "no_grad"
+                layout = [(tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+                calls.append((phase, func, layout, dict(kwargs or {})))
+            return func(*args, **(kwargs or {}))
+
+    seconds = {"clip_grad_norm": 0.0, "optimizer_step": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            seconds[name] += time.perf_counter() - t0
+            return out
+
+        return wrapper
+
+    clip, optimizer_step = torch.nn.utils.clip_grad_norm_, optimizer.step
+    torch.nn.utils.clip_grad_norm_, optimizer.step = timed("clip_grad_norm", clip), timed("optimizer_step", optimizer_step)
+    try:
+        with Recorder():
+            step()
+    finally:
+        torch.nn.utils.clip_grad_norm_, optimizer.step = clip, optimizer_step
+    return calls, seconds
+
+
+def replay_matmuls(calls: list[tuple], repeats: int = 3) -> dict[str, float]:
+    """Seconds per phase of the recorded matmuls run alone, in order, on random tensors of the
+    recorded layouts (median of ``repeats`` replays; tensors allocated once per layout)."""
+    tensors: dict[tuple, torch.Tensor] = {}
+
+    def tensor(size, stride, dtype):
+        key = (size, stride, dtype)
+        if key not in tensors:
+            extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
+            tensors[key] = torch.randn(extent, dtype=dtype).as_strided(size, stride)
+        return tensors[key]
+
+    prepared = [(phase, func, [tensor(*a) if isinstance(a, tuple) and len(a) == 3 and isinstance(a[2], torch.dtype) else a for a in layout], kwargs)
+                for phase, func, layout, kwargs in calls]
+    runs = []
+    for _ in range(repeats + 1):  # the first replay warms up
+        per_phase: dict[str, float] = {}
+        for phase, func, args, kwargs in prepared:
+            t0 = time.perf_counter()
+            func(*args, **kwargs)
+            per_phase[phase] = per_phase.get(phase, 0.0) + time.perf_counter() - t0
+        runs.append(per_phase)
+    return {phase: statistics.median(r.get(phase, 0.0) for r in runs[1:]) for phase in runs[0]}
 
 
 def random_checkpoint(shape: str) -> Path:
@@ -177,6 +253,16 @@ def run(args) -> dict:
         "flops_generate": flops_gen, "flops_ref_train": flops_train, "flops_step": flops_total,
         "torch": torch.__version__, "rlalign_commit": lb.code_version(),
     }
+    if args.ceiling:
+        calls, seconds = record_matmuls(setup.step, setup.updater.optimizer)
+        matmul_s = replay_matmuls(calls)
+        update_matmul_s = matmul_s.get("update_forward", 0.0) + matmul_s.get("update_backward", 0.0)
+        floor_s = update_matmul_s + seconds["clip_grad_norm"] + seconds["optimizer_step"]
+        result["ceiling"] = {
+            "matmul_calls": len(calls), "matmul_s": matmul_s, "clip_grad_norm_s": seconds["clip_grad_norm"], "optimizer_step_s": seconds["optimizer_step"],
+            "update_floor_s": floor_s, "update_matmul_gflops": flops_update / update_matmul_s / 1e9 if update_matmul_s else None,
+            "update_ceiling_gflops": flops_update / floor_s / 1e9,
+        }
     result["achieved_gflops"] = {
         "step": flops_total / result["median_step_s"] / 1e9,
         "generate": flops_gen / result["median_generate_s"] / 1e9,
@@ -201,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--n", type=int, default=2048, help="matmul size of the peak measurement")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--ceiling", action="store_true", help="one more step: replay its matmuls alone and time clipping + AdamW (see 4. above)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     r = run(args)
@@ -222,6 +309,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {flops / 1e9:.1f} | {secs:.2f} | {rate:.1f} | {rate / r['peak_gflops']['float32']:.1%} | {rate / r['peak_gflops']['bfloat16']:.1%} |")
     print("\nA float32 step's ceiling is the float32 peak; under bfloat16 autocast or bfloat16 weights the matmuls run in bfloat16, so the "
           "bfloat16 column is the one that applies (the float32 column can then pass 100%).")
+    if "ceiling" in r:
+        c, bf16_peak = r["ceiling"], r["peak_gflops"]["bfloat16"]
+        mm = c["matmul_s"]
+        print(f"\nCeiling of the policy update at these shapes ({c['matmul_calls']} matmuls recorded in one more step, replayed alone):\n")
+        print("| part of the update | s | share of the measured update |")
+        print("|---|---:|---:|")
+        for name, secs in (("matmuls, forward", mm.get("update_forward", 0.0)), ("matmuls, backward", mm.get("update_backward", 0.0)),
+                           ("clip_grad_norm_", c["clip_grad_norm_s"]), ("AdamW step", c["optimizer_step_s"]),
+                           ("floor: the four above", c["update_floor_s"]), ("measured update", r["median_update_s"])):
+            print(f"| {name} | {secs:.3f} | {secs / r['median_update_s']:.0%} |")
+        print(f"\nThe update's matmuls alone run at {c['update_matmul_gflops']:.1f} GFLOP/s ({c['update_matmul_gflops'] / bf16_peak:.1%} of the bfloat16 peak); "
+              f"at the floor the update would reach {c['update_ceiling_gflops']:.1f} GFLOP/s, an MFU of {c['update_ceiling_gflops'] / bf16_peak:.1%} "
+              f"(measured: {g['update'] / bf16_peak:.1%}). Generation and reference matmuls alone: {mm.get('no_grad', 0.0):.3f} s.")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(r, indent=1))

@@ -390,7 +390,7 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
     critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device, attn_implementation=m.attn_implementation)
     updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
     updaters = {
-        "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding, cfg.sampling.dtype),
+        "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy),
         "critic": Updater.create(critic, cfg.critic.optim, updates, run.world, m.sharding),
     }
     state = resume_state(ckpt, cfg.seed, updaters, run.world)

@@ -8,8 +8,10 @@ import torch
 from rlalign.lm.models import (
     HEAD_FILE,
     LoraConfig,
+    PackedLinear,
     ScalarHeadModel,
     apply_lora,
+    can_pack_linear,
     cast_copy,
     copy_weights,
     hold_matmul_weights,
@@ -18,7 +20,9 @@ from rlalign.lm.models import (
     load_reference,
     load_reward_model,
     load_tokenizer,
+    pack_linear_layers,
     reference_policy,
+    repack_linear_layers,
 )
 
 from .conftest import make_gpt2
@@ -214,3 +218,63 @@ def test_matmul_weights_held_in_bfloat16_compute_what_autocast_computes(arch):
     with torch.no_grad():  # without autocast they differ: the weights really are rounded
         assert not torch.equal(completion_logprobs(held.float(), prompt_ids, prompt_mask, completion_ids, completion_mask),
                                completion_logprobs(full, prompt_ids, prompt_mask, completion_ids, completion_mask))
+
+
+needs_onednn = pytest.mark.skipif(not can_pack_linear(torch.nn.Linear(2, 2).bfloat16()), reason="no oneDNN bfloat16 kernels on this CPU")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_computes_what_linear_computes(dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, dtype=dtype)
+    packed = PackedLinear(linear)
+    assert packed.weight is linear.weight and packed.bias is linear.bias
+    with torch.no_grad():
+        for shape in [(1, 96), (8, 96), (3, 5, 96), (100, 96)]:
+            x = torch.randn(shape, dtype=dtype)
+            if dtype == torch.bfloat16:  # one kernel family: bit for bit
+                assert torch.equal(packed(x), linear(x))
+            else:  # float32 F.linear runs MKL's sgemm, the packed one oneDNN's: round-off apart
+                torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+        x = torch.randn(4, 96, dtype=dtype)
+        linear.weight.mul_(2.0)  # the blocked copy is stale until repacked
+        assert not torch.allclose(packed(x).float(), linear(x).float())
+        packed.repack()
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    # with grad on a trainable weight, and under autocast, it is F.linear
+    x = torch.randn(4, 96, dtype=dtype)
+    packed(x).sum().backward()
+    assert linear.weight.grad is not None
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(packed(x), linear(x))
+
+
+@needs_onednn
+def test_packed_copy_samples_the_tokens_and_log_probs_of_the_plain_copy(llama_checkpoint):
+    from rlalign.lm.sampling import SamplingParams, sample
+
+    policy = load_policy(llama_checkpoint)
+    plain, packed = cast_copy(policy, "bfloat16"), cast_copy(policy, "bfloat16")
+    linears = sum(type(m) is torch.nn.Linear for m in packed.modules())
+    assert can_pack_linear(packed) and not can_pack_linear(torch.nn.Linear(2, 2).to("meta"))
+    before = list(packed.parameters())
+    assert pack_linear_layers(packed) == linears > 0 and not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert all(a is b for a, b in zip(packed.parameters(), before, strict=True))  # the same parameters: copy_weights still applies
+    prompts, params = [[1, 14, 15], [1, 20], [1, 7, 8, 9]], SamplingParams(max_new_tokens=8, temperature=1.0)
+
+    def draw(model):
+        return sample(model, prompts, params, 0, [2], group_size=2, generator=torch.Generator().manual_seed(3))
+
+    for _ in range(2):  # before and after an update of the policy reaches both copies
+        a, b = draw(plain), draw(packed)
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        copy_weights(plain, policy)
+        copy_weights(packed, policy)
+        repack_linear_layers(packed)
+    gpt2 = cast_copy(make_gpt2(tie_word_embeddings=True), "bfloat16")  # a tied LM head stays tied to the embedding
+    pack_linear_layers(gpt2)
+    assert isinstance(gpt2.lm_head, PackedLinear) and gpt2.lm_head.weight is gpt2.transformer.wte.weight

@@ -16,6 +16,7 @@ from rlalign.config import ConfigError, load_config
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.masks import masked_mean
 from rlalign.lm.data import DataError, encode_prompts
+from rlalign.lm.models import PackedLinear, can_pack_linear, cast_copy
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.lm.sampling import sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
@@ -375,10 +376,11 @@ def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(
         grpo.Updater.create(start, cfg.optim, 1, sharding="fsdp", sampling_dtype="bfloat16")
 
 
-def test_the_sampling_copy_is_refreshed_after_each_update_and_only_then(tiny_path, tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_sampling_copy_is_refreshed_after_each_update_and_only_then(tiny_path, tmp_path, packed):
     cfg = make_cfg(tiny_path, tmp_path)
     policy = grpo.load_policy(tiny_path)
-    updater = grpo.Updater.create(policy, cfg.optim, 10, sampling_dtype="bfloat16")
+    updater = grpo.Updater.create(policy, cfg.optim, 10, sampling_dtype="bfloat16", pack_sampler=packed)
     as_bf16 = lambda: [p.detach().to(torch.bfloat16) for p in policy.parameters()]  # noqa: E731
     copy = updater.sampler()
     assert all(torch.equal(c, p) for c, p in zip(copy.parameters(), as_bf16()))
@@ -388,6 +390,12 @@ def test_the_sampling_copy_is_refreshed_after_each_update_and_only_then(tiny_pat
     updater.step(sum(p.pow(2).sum() for p in policy.parameters()))  # an update moves every weight
     assert not all(torch.equal(c, p) for c, p in zip(copy.parameters(), as_bf16()))  # stale until asked for
     assert updater.sampler() is copy and all(torch.equal(c, p) for c, p in zip(copy.parameters(), as_bf16()))
+    packed_layers = [m for m in copy.modules() if isinstance(m, PackedLinear)]
+    assert bool(packed_layers) == (packed and can_pack_linear(copy))
+    # the packed layers were refreshed too: the copy computes what a fresh bfloat16 copy computes
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, cast_copy(policy, "bfloat16")(ids).logits)
 
 
 def test_sampling_may_use_another_attention_kernel_than_training(tiny_path, tmp_path):
