@@ -28,7 +28,8 @@ under bfloat16 autocast, float32 master weights, log pi_old recomputed by the tr
 ``rlalign-bf16-eager`` (the same with ``model.attn_implementation: eager`` for the training
 forwards and ``sampling.attn_implementation: sdpa`` for the decode loop), ``rlalign-bf16-fast``
 (as rlalign-bf16-eager, and the decode loop runs on a bfloat16 copy of the policy,
-``sampling.dtype: bfloat16``, refreshed after each update),
+``sampling.dtype: bfloat16``, refreshed after each update, its linear weights packed for oneDNN:
+``sampling.pack_weights``, on by default; ``rlalign-bf16-fast-unpacked`` turns that off),
 ``-compiled`` on a side adds ``sampling.compile: true`` (the decode step and the draw through
 torch.compile; compiled during the first step, which no statistic counts), ``-compiled-all`` also
 ``compile: true`` (the training forward and backward compiled with dynamic shapes),
@@ -92,7 +93,7 @@ CONFIGS = {
     "tiny": dict(prompts_per_step=2, group_size=8, max_new_tokens=8, temperature=0.7, beta=0.02, lr=1e-4, num_prompts=1024),
     "smollm2": dict(prompts_per_step=2, group_size=8, max_new_tokens=32, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
 }
-SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-compiled", "trl", "trl-bf16")
+SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-unpacked", "rlalign-bf16-fast-compiled", "trl", "trl-bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
             model=dict(path=str(path), dtype="float32", device="cpu", autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
             sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
-                          attn_implementation="sdpa" if spec["attn"] else None, dtype="bfloat16" if spec["copy"] else None,
+                          attn_implementation="sdpa" if spec["attn"] else None, dtype="bfloat16" if spec["copy"] else None, pack_weights=spec["pack"],
                           compile=spec["compile_sampling"]),
             optim=dict(lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], mu=1, num_minibatches=1,
@@ -299,7 +300,7 @@ def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
     fast = "-fast" in side
     spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast, "compile_sampling": "-compiled" in side,
-            "compile_train": side.endswith("-compiled-all")}
+            "compile_train": side.endswith("-compiled-all"), "pack": not side.endswith("-unpacked")}
     if side.startswith("rlalign"):
         rlalign_worker(spec, chan)
     else:

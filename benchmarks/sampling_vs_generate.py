@@ -2,6 +2,7 @@
 
     python benchmarks/sampling_vs_generate.py --model tiny --threads 2
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --device cuda --dtype bfloat16
+    python benchmarks/sampling_vs_generate.py --model smollm2-shape --dtype bfloat16 --threads 1 --batch 8 16 --new-tokens 32 --packed
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --group-size 8 --prompt-len 200 256 --batch 8 16
 
 ``--group-size G`` samples G completions of each of B / G prompts, as GRPO does: ours with
@@ -19,6 +20,7 @@ shape (hidden 576, 30 layers, vocabulary 49152).
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import statistics
 import time
@@ -26,6 +28,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlalign.lm.models import can_pack_linear, pack_linear_layers
 from rlalign.lm.sampling import SamplingParams, left_pad, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
 
@@ -83,16 +86,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch / group-size prompts)")
     parser.add_argument("--compile", action="store_true", help="ours with sample(compile=True): the decode step compiled by torch.compile (first call per shape compiles)")
+    parser.add_argument("--packed", action="store_true",
+                        help="ours on a copy whose linear weights are packed for oneDNN (what training's sampling copy gets: sampling.pack_weights)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[4, 12], metavar=("MIN", "MAX"), help="prompt lengths drawn in [MIN, MAX]")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model = build_model(args.model, dtype, args.device)
+    ours_model = model
+    if args.packed:
+        if not can_pack_linear(model):
+            raise SystemExit("--packed: no oneDNN kernels for this device and dtype")
+        ours_model = copy.deepcopy(model)  # the same weights; generate keeps the plain nn.Linear ones
+        pack_linear_layers(ours_model)
     vocab = model.config.vocab_size
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     print(f"model={args.model} params={sum(p.numel() for p in model.parameters()) / 1e6:.1f}M dtype={args.dtype} device={device_name} "
-          f"new_tokens={args.new_tokens} repeats={args.repeats} group_size={args.group_size} prompt_len={args.prompt_len} torch={torch.__version__}")
+          f"new_tokens={args.new_tokens} packed={args.packed} repeats={args.repeats} group_size={args.group_size} prompt_len={args.prompt_len} torch={torch.__version__}")
     print("| batch | ours tokens/s | generate tokens/s | speed-up |")
     print("|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
@@ -103,7 +114,7 @@ def main() -> None:
         prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
         ids, mask = left_pad(prompts, 0, args.device)
         run = (args.new_tokens, args.device, args.group_size)
-        ours_run = lambda: time_ours(model, ids, mask, *run, compile=args.compile)  # noqa: E731
+        ours_run = lambda: time_ours(ours_model, ids, mask, *run, compile=args.compile)  # noqa: E731
         warm = ours_run()  # warm-up both (and compile)
         if args.compile:
             print(f"batch {batch}: first call (compiling) {warm:.1f} s", flush=True)

@@ -274,49 +274,71 @@ def copy_weights(target: nn.Module, source: nn.Module) -> None:
         dst.copy_(src)
 
 
+@torch.library.custom_op("rlalign::packed_linear", mutates_args=())
+def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """oneDNN's linear on a weight in its blocked layout, as an opaque op: torch.compile calls it as
+    it is (inductor's own lowering of ``_linear_pointwise`` wants the weight as a graph constant)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """An inference-only ``nn.Linear`` whose weight is also held in oneDNN's blocked layout, the one
     its CPU matmul kernel reads fastest (``torch.ops.mkldnn._reorder_linear_weight``, run by
     ``torch.ops.mkldnn._linear_pointwise``: the kernel inductor uses for frozen weights).
 
-    The values are those of ``F.linear`` (bit for bit on this machine, float32 and bfloat16, at 1 to
-    100 rows); what changes is how fast the weight streams from memory. Measured one core, 20
-    distinct (1536, 576) bfloat16 weights, 8 rows: 0.21 -> 0.10 ms per matmul; SmolLM2's tied LM head
-    (49152, 576) 8.2 -> 4.3 ms (bfloat16), 26.9 -> 9.6 ms (float32). The decode loop reads every
-    weight once per token, so this is where it spends its time (benchmarks/RESULTS_lm.md).
+    The values are those of ``F.linear`` (bit for bit on this machine in bfloat16, at 1 to 100 rows;
+    float32 round-off apart, as F.linear runs MKL there); what changes is how fast the weight
+    streams from memory. Measured on one core, 20 distinct (1536, 576) bfloat16 weights, 8 rows: 0.21
+    -> 0.10 ms per matmul; SmolLM2's tied LM head (49152, 576) 8.2 -> 4.3 ms (bfloat16), 26.9 ->
+    9.6 ms (float32). The decode loop reads every weight once per token, so this is where it spends
+    its time (benchmarks/RESULTS_lm.md).
 
     ``weight`` and ``bias`` stay the module's parameters (the same objects: tied weights stay tied,
-    :func:`copy_weights` still sees the structure of the model), so the blocked copy costs one more
-    copy of the weight; :meth:`repack` must follow any change to ``weight``. No gradient flows
-    through :meth:`forward`; under autocast or for an input of another dtype it runs ``F.linear``.
+    :func:`copy_weights` still sees the model's structure), so the blocked copy, the non-persistent
+    buffer ``packed``, costs one more copy of the weight; :meth:`repack` must follow any change to
+    ``weight``. Replacing the buffer does not recompile a compiled caller (buffers are graph inputs).
+    No gradient flows through the packed path: with grad on a trainable weight, under autocast, or
+    for an input of another dtype, :meth:`forward` is ``F.linear``.
     """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.repack()
+        self.register_buffer("packed", self._pack(), persistent=False)
 
     @torch.no_grad()
-    def repack(self) -> None:
+    def _pack(self) -> Tensor:
         # the row-count hint hardly changes the layout's speed (1-512 rows tried): any fixed value does
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+        return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+
+    def repack(self) -> None:
+        self.packed = self._pack()
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type) or torch.is_grad_enabled() and self.weight.requires_grad:
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            return _packed_linear(x, self.packed, self.bias, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # eager: without the custom op's ~12 us a call
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed for oneDNN"
 
 
 def can_pack_linear(model: nn.Module) -> bool:
-    """Whether :func:`pack_linear_layers` applies: every parameter on the CPU, in float32, or in
-    bfloat16 / float16 where oneDNN has kernels for them on this CPU."""
+    """Whether :func:`pack_linear_layers` pays: every parameter on the CPU, in bfloat16 or float16,
+    with oneDNN kernels for that dtype on this CPU. Float32 is left out: there F.linear runs MKL,
+    which is as fast or faster below ~1024 x 512 weights (measured one core, 8-64 rows: 64 x 64
+    0.2-0.4x, 576 x 576 0.9-1.0x); the half-precision kernels gain 1.1x at 64 x 64 to 1.8x."""
     if not torch.backends.mkldnn.is_available():
         return False
-    supported = {torch.float32}
+    supported = set()
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         supported.add(torch.bfloat16)
     if torch.ops.mkldnn._is_mkldnn_fp16_supported():

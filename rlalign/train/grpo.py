@@ -235,8 +235,7 @@ class SamplingConfig(Config):
     pack_weights: bool = Field(
         True,
         description="with sampling.dtype on a CPU, hold the copy's linear weights in oneDNN's blocked layout (the same values; "
-        "SmolLM2-135M bfloat16, batch 8: 1.3x the decode loop's tokens/s, for one more copy of those weights). "
-        "Not with sampling.compile (inductor does not lower the packed kernel)",
+        "SmolLM2-135M bfloat16, batch 8: 1.3x the decode loop's tokens/s eager, 1.2x compiled, for one more copy of those weights)",
     )
 
     def params(self) -> SamplingParams:
@@ -244,8 +243,8 @@ class SamplingConfig(Config):
 
     @property
     def packed_copy(self) -> bool:
-        """Whether the copy in ``dtype`` gets packed linear weights (``pack_weights``, never compiled)."""
-        return self.dtype is not None and self.pack_weights and not self.compile
+        """Whether the copy in ``dtype`` gets packed linear weights (``pack_weights``)."""
+        return self.dtype is not None and self.pack_weights
 
 
 class RLOptimConfig(OptimConfig):
@@ -597,7 +596,7 @@ class Updater:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_clip: float | None
     sampling_dtype: str | None = None  # sampler() runs on a copy in this dtype (SamplingConfig.dtype)
-    pack_sampler: bool = False  # that copy's linear layers are PackedLinear (SamplingConfig.pack_weights, not with compile)
+    pack_sampler: bool = False  # that copy's linear layers are PackedLinear (SamplingConfig.pack_weights)
     updates: int = 0
     _sampling_copy: nn.Module | None = field(default=None, repr=False)
     _copy_at: int = -1  # the value of ``updates`` when the copy was last refreshed

@@ -9,6 +9,7 @@ import torch
 
 from rlalign.lm import sampling
 from rlalign.lm.logprobs import rollout_logprobs
+from rlalign.lm.models import can_pack_linear, cast_copy, pack_linear_layers, repack_linear_layers
 from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, left_pad, sample
 
 PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 13, 12, 11, 80, 44, 45, 46, 47, 50, 51], [1, 20]]
@@ -253,3 +254,36 @@ def test_attention_the_window_masks_cannot_express_is_a_clear_error():
 def test_compile_under_autocast_is_an_error(tiny_llama):
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="StaticCache"):
         sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=4), 0, [EOS], compile=True)
+
+
+@pytest.mark.skipif(not can_pack_linear(torch.nn.Linear(2, 2).bfloat16()), reason="no oneDNN bfloat16 kernels on this CPU")
+def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_without_recompiling(tiny_llama, compiled_sampling_calls):
+    # a bfloat16 copy with its linear layers packed for oneDNN (the training sampler's copy): compiled,
+    # it draws what the compiled plain copy draws; after a weight update and repack, the same graph
+    # computes with the new weights
+    from torch._dynamo.utils import counters
+
+    plain, packed = cast_copy(tiny_llama, "bfloat16"), cast_copy(tiny_llama, "bfloat16")
+    assert pack_linear_layers(packed) > 0
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    noise = torch.rand((10, 8), generator=torch.Generator().manual_seed(4))  # (N, B)
+
+    def draws(model):
+        return sample(model, PROMPTS, params, 0, [EOS], group_size=2, noise=noise, compile=True)
+
+    def same():
+        a, b = draws(plain), draws(packed)
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+        return b.completion_ids
+
+    before = same()
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for model in (plain, packed):
+            model.get_output_embeddings().weight.mul_(3.0)  # sharper distributions: other draws from the same uniforms
+    repack_linear_layers(packed)  # a new packed buffer: a graph input, so no recompile
+    after = draws(packed)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(after.completion_ids, same()) and not torch.equal(after.completion_ids, before)
+    assert compiled_sampling_calls["decode"] >= 45  # five compiled calls of 9+ decode steps
