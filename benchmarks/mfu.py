@@ -36,15 +36,18 @@
 
 MFU = FLOPs / time / peak, against both peaks (the float32 one is the fair ceiling of a float32 step).
 
-4. ``--ceiling``: how far this machine's own kernels let the update go at these shapes. One more
-   step runs under a dispatch mode that records every matmul (``mm``, ``addmm``, ``bmm``,
-   ``baddbmm``: sizes, strides, dtypes) with its phase (the update's forward with grad, its
-   backward, or the no-grad generate / reference passes), and times ``clip_grad_norm_`` and
-   ``optimizer.step``. The matmuls are then replayed alone, in the recorded order, on fresh tensors
-   of the same layout (median of three replays). The update's floor is its matmuls plus clipping
-   and AdamW (memory-bound kernels that touch every parameter, gradient and moment); everything
-   else (norms, activations, casts, softmax, attention masks, the log-softmax over the vocabulary)
-   would have to cost nothing to reach it. MFU at that floor is the ceiling of the update here.
+4. ``--ceiling`` (with ``--fast``: eager attention in training, so every attention product is a
+   ``bmm``; SDPA's fused kernels are not replayed): how far this machine's own kernels let the
+   update go at these shapes. One more step runs under a dispatch mode that records every matmul
+   of the update (``mm``, ``addmm``, ``bmm``, ``baddbmm``: sizes, strides, dtypes) with its phase
+   (the forward with grad, or autograd's backward), and times ``clip_grad_norm_`` and
+   ``optimizer.step`` outside that mode. The matmuls are then replayed alone, in the recorded
+   order, each on its own fresh tensors of the recorded layout (so no weight is cache-hot that
+   the real step would read from memory; median of three replays). The update's floor is its
+   matmuls plus clipping and AdamW (memory-bound kernels over every parameter, gradient and
+   moment); everything else (norms, activations, casts, softmax, attention masks, the
+   log-softmax over the vocabulary) would have to cost nothing to reach it. The update's FLOPs of
+   that same step over the floor, against the bfloat16 peak, is the ceiling of its MFU here.
 """
 
 from __future__ import annotations
@@ -79,19 +82,20 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
 MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
 
-def record_matmuls(step, optimizer: torch.optim.Optimizer) -> tuple[list[tuple], dict[str, float]]:
-    """Run ``step()`` recording each matmul as (phase, op, per-argument (size, stride, dtype) or
-    value, kwargs); phase: "update_forward" (grad enabled), "update_backward" (inside autograd's
-    backward), "no_grad" (sampling, reference). Also returns the seconds spent in
-    ``clip_grad_norm_`` and ``optimizer.step`` during the step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def record_matmuls(step, optimizer: torch.optim.Optimizer):
+    """Run ``step()`` recording each matmul of the update as (phase, op, per-argument (size,
+    stride, dtype) or value, kwargs); phase: "update_forward" (grad enabled) or "update_backward"
+    (inside autograd's backward); no-grad passes (sampling, reference) are not recorded. Returns
+    the calls, the seconds spent in ``clip_grad_norm_`` and ``optimizer.step`` (run outside the
+    recording mode), and what ``step()`` returned."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     calls: list[tuple] = []
 
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in MATMULS:
-                phase = "update_backward" if torch._C._current_graph_task_id() != -1 else "update_forward" if torch.is_grad_enabled() else "no_grad"
+            if func.overloadpacket.__name__ in MATMULS and (torch._C._current_graph_task_id() != -1 or torch.is_grad_enabled()):
+                phase = "update_backward" if torch._C._current_graph_task_id() != -1 else "update_forward"
                 layout = [(tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
                 calls.append((phase, func, layout, dict(kwargs or {})))
             return func(*args, **(kwargs or {}))
@@ -100,9 +104,10 @@ def record_matmuls(step, optimizer: torch.optim.Optimizer) -> tuple[list[tuple],
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            seconds[name] += time.perf_counter() - t0
+            with _disable_current_modes():
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                seconds[name] += time.perf_counter() - t0
             return out
 
         return wrapper
@@ -111,23 +116,19 @@ def record_matmuls(step, optimizer: torch.optim.Optimizer) -> tuple[list[tuple],
     torch.nn.utils.clip_grad_norm_, optimizer.step = timed("clip_grad_norm", clip), timed("optimizer_step", optimizer_step)
     try:
         with Recorder():
-            step()
+            returned = step()
     finally:
         torch.nn.utils.clip_grad_norm_, optimizer.step = clip, optimizer_step
-    return calls, seconds
+    return calls, seconds, returned
 
 
 def replay_matmuls(calls: list[tuple], repeats: int = 3) -> dict[str, float]:
-    """Seconds per phase of the recorded matmuls run alone, in order, on random tensors of the
-    recorded layouts (median of ``repeats`` replays; tensors allocated once per layout)."""
-    tensors: dict[tuple, torch.Tensor] = {}
+    """Seconds per phase of the recorded matmuls run alone, in order, each on its own random
+    tensors of the recorded layouts (median of ``repeats`` replays)."""
 
     def tensor(size, stride, dtype):
-        key = (size, stride, dtype)
-        if key not in tensors:
-            extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
-            tensors[key] = torch.randn(extent, dtype=dtype).as_strided(size, stride)
-        return tensors[key]
+        extent = 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        return torch.randn(extent, dtype=dtype).as_strided(size, stride)
 
     prepared = [(phase, func, [tensor(*a) if isinstance(a, tuple) and len(a) == 3 and isinstance(a[2], torch.dtype) else a for a in layout], kwargs)
                 for phase, func, layout, kwargs in calls]
@@ -215,13 +216,11 @@ def run(args) -> dict:
     setup = lb.GRPOSetup(cfg, records, reward)  # grpo.train()'s setup, without its outer loop
     dims = model_dims(setup.policy.config)
 
-    steps = []
-    for _ in range(args.steps):
+    def next_prompt_len() -> int:
         batch = [ex.prompt for ex in prompt_batch(setup.run.prompts, setup.state.step, cfg.prompts_per_step, cfg.seed)]
-        prompt_len = max(len(ids) for ids in encode_prompts(setup.run.tokenizer, batch))  # left-padded to the longest
-        t0 = time.perf_counter()
-        metrics = setup.step()
-        dt = time.perf_counter() - t0
+        return max(len(ids) for ids in encode_prompts(setup.run.tokenizer, batch))  # left-padded to the longest
+
+    def counted_flops(prompt_len: int, metrics: dict) -> tuple[dict, dict, int]:
         rows = cfg.prompts_per_step * cfg.group_size
         completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
         shared = share_prompts() and not cfg.compile  # the compiled training forward runs prompt + completion per row
@@ -229,6 +228,15 @@ def run(args) -> dict:
         flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len)  # had every row run its own prompt
         if sampler_differs(cfg) and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
             flops["old_logp"] = flops["reference"]
+        return flops, flops_full, completion_len
+
+    steps = []
+    for _ in range(args.steps):
+        prompt_len = next_prompt_len()
+        t0 = time.perf_counter()
+        metrics = setup.step()
+        dt = time.perf_counter() - t0
+        flops, flops_full, completion_len = counted_flops(prompt_len, metrics)
         steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
                       "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"], "flops": flops,
                       "t_update": metrics["time/update"], "flops_full_forward": flops_full,
@@ -254,14 +262,16 @@ def run(args) -> dict:
         "torch": torch.__version__, "rlalign_commit": lb.code_version(),
     }
     if args.ceiling:
-        calls, seconds = record_matmuls(setup.step, setup.updater.optimizer)
+        prompt_len = next_prompt_len()
+        calls, seconds, metrics = record_matmuls(setup.step, setup.updater.optimizer)
+        recorded_update_flops = counted_flops(prompt_len, metrics)[0]["policy_fwd_bwd"]  # this step's own shapes
         matmul_s = replay_matmuls(calls)
         update_matmul_s = matmul_s.get("update_forward", 0.0) + matmul_s.get("update_backward", 0.0)
         floor_s = update_matmul_s + seconds["clip_grad_norm"] + seconds["optimizer_step"]
         result["ceiling"] = {
             "matmul_calls": len(calls), "matmul_s": matmul_s, "clip_grad_norm_s": seconds["clip_grad_norm"], "optimizer_step_s": seconds["optimizer_step"],
-            "update_floor_s": floor_s, "update_matmul_gflops": flops_update / update_matmul_s / 1e9 if update_matmul_s else None,
-            "update_ceiling_gflops": flops_update / floor_s / 1e9,
+            "prompt_len": prompt_len, "update_flops": recorded_update_flops, "update_floor_s": floor_s,
+            "update_matmul_gflops": recorded_update_flops / update_matmul_s / 1e9, "update_ceiling_gflops": recorded_update_flops / floor_s / 1e9,
         }
     result["achieved_gflops"] = {
         "step": flops_total / result["median_step_s"] / 1e9,
@@ -290,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling", action="store_true", help="one more step: replay its matmuls alone and time clipping + AdamW (see 4. above)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.ceiling and not args.fast:
+        parser.error("--ceiling needs --fast: eager attention in training, whose products are bmm calls (SDPA's fused kernels are not replayed)")
     r = run(args)
     g = r["achieved_gflops"]
     print(f"\nMFU of one rlalign GRPO step, {r['shape']} shape ({r['n_params'] / 1e6:.1f}M parameters, {r['dtype']}"
@@ -312,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ceiling" in r:
         c, bf16_peak = r["ceiling"], r["peak_gflops"]["bfloat16"]
         mm = c["matmul_s"]
-        print(f"\nCeiling of the policy update at these shapes ({c['matmul_calls']} matmuls recorded in one more step, replayed alone):\n")
+        print(f"\nCeiling of the policy update at these shapes ({c['matmul_calls']} matmuls of the update recorded in one more step, P = {c['prompt_len']}, replayed alone):\n")
         print("| part of the update | s | share of the measured update |")
         print("|---|---:|---:|")
         for name, secs in (("matmuls, forward", mm.get("update_forward", 0.0)), ("matmuls, backward", mm.get("update_backward", 0.0)),
@@ -321,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {secs:.3f} | {secs / r['median_update_s']:.0%} |")
         print(f"\nThe update's matmuls alone run at {c['update_matmul_gflops']:.1f} GFLOP/s ({c['update_matmul_gflops'] / bf16_peak:.1%} of the bfloat16 peak); "
               f"at the floor the update would reach {c['update_ceiling_gflops']:.1f} GFLOP/s, an MFU of {c['update_ceiling_gflops'] / bf16_peak:.1%} "
-              f"(measured: {g['update'] / bf16_peak:.1%}). Generation and reference matmuls alone: {mm.get('no_grad', 0.0):.3f} s.")
+              f"(measured: {g['update'] / bf16_peak:.1%}).")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(r, indent=1))

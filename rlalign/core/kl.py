@@ -73,8 +73,10 @@ def entropy_from_logits(logits: Tensor, chunk_rows: int = 1024) -> Tensor:
     pieces = []
     for start in range(0, flat.shape[0], chunk_rows):
         compute_dtype = torch.promote_types(flat.dtype, torch.float32)
-        # clamped: a -inf logit (an entry masked out) has p = 0 and must add 0 * z = 0, not 0 * -inf = NaN
-        chunk = flat[start : start + chunk_rows].to(compute_dtype).clamp(min=torch.finfo(compute_dtype).min)
+        chunk = flat[start : start + chunk_rows].to(compute_dtype)
+        masked_out = torch.isneginf(chunk)
+        if masked_out.any():  # p = 0 there and must add 0 * z = 0, not 0 * -inf = NaN (only then a copy, saving a bool mask)
+            chunk = chunk.masked_fill(masked_out, torch.finfo(compute_dtype).min)
         probs = torch.softmax(chunk, dim=-1)
         pieces.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(-1))
     entropy = torch.cat(pieces) if pieces else flat.new_zeros(0, dtype=torch.float32)

@@ -291,9 +291,9 @@ class PackedLinear(nn.Module):
     its CPU matmul kernel reads fastest (``torch.ops.mkldnn._reorder_linear_weight``, run by
     ``torch.ops.mkldnn._linear_pointwise``: the kernel inductor uses for frozen weights).
 
-    The values are those of ``F.linear`` (bit for bit on this machine in bfloat16, at 1 to 100 rows;
-    float32 round-off apart, as F.linear runs MKL there); what changes is how fast the weight
-    streams from memory. Measured on one core, 20 distinct (1536, 576) bfloat16 weights, 8 rows: 0.21
+    The values are those of ``F.linear`` (bit for bit on this machine in bfloat16 for contiguous
+    inputs, at 1 to 100 rows; float32 round-off apart, as F.linear runs MKL there); what changes is
+    how fast the weight streams from memory. Measured on one core, 20 distinct (1536, 576) bfloat16 weights, 8 rows: 0.21
     -> 0.10 ms per matmul; SmolLM2's tied LM head (49152, 576) 8.2 -> 4.3 ms (bfloat16), 26.9 ->
     9.6 ms (float32). The decode loop reads every weight once per token, so this is where it spends
     its time (benchmarks/RESULTS_lm.md).
@@ -302,8 +302,10 @@ class PackedLinear(nn.Module):
     :func:`copy_weights` still sees the model's structure), so the blocked copy, the non-persistent
     buffer ``packed``, costs one more copy of the weight; :meth:`repack` must follow any change to
     ``weight``. Replacing the buffer does not recompile a compiled caller (buffers are graph inputs).
-    No gradient flows through the packed path: with grad on a trainable weight, under autocast, or
-    for an input of another dtype, :meth:`forward` is ``F.linear``.
+    No gradient flows through the packed path: when grad mode is on and the input or a parameter
+    needs a gradient, under autocast, or for an input of another dtype, :meth:`forward` is
+    ``F.linear``. The blocked buffer is an opaque MKLDNN tensor: ``copy.deepcopy``, pickling and
+    ``.to(dtype)`` of a model holding it raise; build such copies before :func:`pack_linear_layers`.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -321,7 +323,8 @@ class PackedLinear(nn.Module):
         self.packed = self._pack()
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type) or torch.is_grad_enabled() and self.weight.requires_grad:
+        needs_grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        if x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type) or torch.is_grad_enabled() and needs_grad:
             return nn.functional.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return _packed_linear(x, self.packed, self.bias, self.out_features)
@@ -347,9 +350,11 @@ def can_pack_linear(model: nn.Module) -> bool:
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Swap every ``nn.Linear`` (exactly that class: LoRA or quantised layers are left alone) of an
-    inference-only ``model`` for a :class:`PackedLinear` holding the same parameters; returns how
-    many. Check :func:`can_pack_linear` first."""
+    """Swap every ``nn.Linear`` (exactly that class; subclasses such as quantised layers are left
+    alone) of an inference-only ``model`` for a :class:`PackedLinear` holding the same parameters;
+    returns how many. Inside a peft LoRA layer the base layer and the adapters' A and B are plain
+    ``nn.Linear`` and are packed too (the LoRA layer calls them), so merging adapters into the
+    weights afterwards needs :func:`repack_linear_layers`. Check :func:`can_pack_linear` first."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))

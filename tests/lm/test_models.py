@@ -242,10 +242,15 @@ def test_packed_linear_computes_what_linear_computes(dtype):
         assert not torch.allclose(packed(x).float(), linear(x).float())
         packed.repack()
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
-    # with grad on a trainable weight, and under autocast, it is F.linear
-    x = torch.randn(4, 96, dtype=dtype)
+    # with grad on a trainable weight or a grad-requiring input, and under autocast, it is F.linear
+    x = torch.randn(4, 96, dtype=dtype, requires_grad=True)
     packed(x).sum().backward()
-    assert linear.weight.grad is not None
+    assert linear.weight.grad is not None and x.grad is not None
+    linear.requires_grad_(False)
+    x.grad = None
+    packed(x).sum().backward()  # a frozen layer inside a model that trains something before it
+    torch.testing.assert_close(x.grad, linear.weight.sum(0).expand(4, 96))
+    x = x.detach()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(packed(x), linear(x))
 
