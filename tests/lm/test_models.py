@@ -256,13 +256,16 @@ def test_packed_linear_computes_what_linear_computes(dtype):
 
 
 @needs_onednn
-def test_packed_copy_samples_the_tokens_and_log_probs_of_the_plain_copy(llama_checkpoint):
+@pytest.mark.parametrize("dtype,lora", [("bfloat16", False), ("bfloat16", True), ("float16", False)])
+def test_packed_copy_samples_the_tokens_and_log_probs_of_the_plain_copy(llama_checkpoint, dtype, lora):
     from rlalign.lm.sampling import SamplingParams, sample
 
-    policy = load_policy(llama_checkpoint)
-    plain, packed = cast_copy(policy, "bfloat16"), cast_copy(policy, "bfloat16")
-    linears = sum(type(m) is torch.nn.Linear for m in packed.modules())
-    assert can_pack_linear(packed) and not can_pack_linear(torch.nn.Linear(2, 2).to("meta"))
+    policy = load_policy(llama_checkpoint, lora=LoraConfig(r=4) if lora else None)
+    plain, packed = cast_copy(policy, dtype), cast_copy(policy, dtype)
+    if not can_pack_linear(packed):
+        pytest.skip(f"no oneDNN {dtype} kernels on this CPU")
+    linears = sum(type(m) is torch.nn.Linear for m in packed.modules())  # with LoRA: base layers and adapters' A and B
+    assert not can_pack_linear(torch.nn.Linear(2, 2).to("meta")) and not can_pack_linear(policy)  # float32: not packed
     before = list(packed.parameters())
     assert pack_linear_layers(packed) == linears > 0 and not any(type(m) is torch.nn.Linear for m in packed.modules())
     assert all(a is b for a, b in zip(packed.parameters(), before, strict=True))  # the same parameters: copy_weights still applies
@@ -276,7 +279,8 @@ def test_packed_copy_samples_the_tokens_and_log_probs_of_the_plain_copy(llama_ch
         assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
         with torch.no_grad():
             for p in policy.parameters():
-                p.add_(0.01 * torch.randn_like(p))
+                if p.requires_grad:  # with LoRA the adapters move (B starts at 0: after this, the adapters count)
+                    p.add_(0.01 * torch.randn_like(p))
         copy_weights(plain, policy)
         copy_weights(packed, policy)
         repack_linear_layers(packed)

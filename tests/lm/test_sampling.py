@@ -9,7 +9,7 @@ import torch
 
 from rlalign.lm import sampling
 from rlalign.lm.logprobs import rollout_logprobs
-from rlalign.lm.models import can_pack_linear, cast_copy, pack_linear_layers, repack_linear_layers
+from rlalign.lm.models import PackedLinear, can_pack_linear, cast_copy, pack_linear_layers, repack_linear_layers
 from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, left_pad, sample
 
 PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 13, 12, 11, 80, 44, 45, 46, 47, 50, 51], [1, 20]]
@@ -257,7 +257,7 @@ def test_compile_under_autocast_is_an_error(tiny_llama):
 
 
 @pytest.mark.skipif(not can_pack_linear(torch.nn.Linear(2, 2).bfloat16()), reason="no oneDNN bfloat16 kernels on this CPU")
-def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_without_recompiling(tiny_llama, compiled_sampling_calls):
+def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_without_recompiling(tiny_llama, compiled_sampling_calls, monkeypatch):
     # a bfloat16 copy with its linear layers packed for oneDNN (the training sampler's copy): compiled,
     # it draws what the compiled plain copy draws; after a weight update and repack, the same graph
     # computes with the new weights
@@ -278,6 +278,15 @@ def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_withou
         return b.completion_ids
 
     before = same()
+    # every compiled decode step runs every layer through the packed kernel (not F.linear)
+    kernel_calls = []
+    kernel = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: kernel_calls.append(1) or kernel(*args))
+    decode_before = compiled_sampling_calls["decode"]
+    draws(packed)
+    decode_steps = compiled_sampling_calls["decode"] - decode_before
+    layers = sum(isinstance(m, PackedLinear) for m in packed.modules())
+    assert decode_steps >= 9 and len(kernel_calls) >= layers * (decode_steps + 1)  # + the eager prefill
     graphs = counters["stats"]["unique_graphs"]
     with torch.no_grad():
         for model in (plain, packed):

@@ -368,6 +368,7 @@ def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(
         assert row["logprob_mismatch"] > 0  # bfloat16 weights: the sampler's log-probs are not the training pass's
     copy = seen["model"]
     assert copy is not result.policy and next(copy.parameters()).dtype == torch.bfloat16
+    assert any(isinstance(m, PackedLinear) for m in copy.modules()) == can_pack_linear(copy)  # sampling.pack_weights, on by default
     assert next(result.policy.parameters()).dtype == torch.float32
     # refreshed before step 2's sampling: it holds the weights after step 1's updates, not the start's
     start = grpo.load_policy(tiny_path)

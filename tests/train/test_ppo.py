@@ -13,9 +13,10 @@ import torch
 
 from rlalign.config import ConfigError, load_config
 from rlalign.core.kl import AdaptiveKLController, FixedKLController
+from rlalign.lm.models import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train import ppo
+from rlalign.train import grpo, ppo
 from rlalign.train.common import CheckpointError
 from rlalign.train.grpo import RewardTerm
 
@@ -186,10 +187,16 @@ def test_cli_runs_the_recipe(tiny_path, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("sampling_dtype", [None, "bfloat16"])
-def test_bfloat16_autocast_recomputes_old_logprobs(tiny_path, tmp_path, sampling_dtype):
-    # the sampler runs under autocast, or on a bfloat16 copy of the policy (sampling.dtype)
+def test_bfloat16_autocast_recomputes_old_logprobs(tiny_path, tmp_path, monkeypatch, sampling_dtype):
+    # the sampler runs under autocast, or on a bfloat16 copy of the policy (sampling.dtype) whose
+    # linear layers are packed for oneDNN (sampling.pack_weights, on by default)
+    samplers = []
+    original_sample = grpo.sample
+    monkeypatch.setattr(grpo, "sample", lambda model, *a, **k: samplers.append(model) or original_sample(model, *a, **k))
     cfg = make_cfg(tiny_path, tmp_path, **{"model.autocast": "bfloat16", "sampling.dtype": sampling_dtype})
     result = ppo.train(cfg, reward_functions=[RewardTerm("digits", 1.0, digit_share)])
+    packed = [any(isinstance(m, PackedLinear) for m in model.modules()) for model in samplers]
+    assert samplers and all(p == (sampling_dtype is not None and can_pack_linear(samplers[0])) for p in packed)
     for row in result.history:
         assert 0 <= row["logprob_mismatch"] < 1e-2  # sampler vs training forward, both bfloat16 (~2e-3 with the copy)
         assert row["ratio_dev/first"] <= 1e-2  # recomputed in contiguous chunks, trained on shuffled rows: bfloat16 round-off only
