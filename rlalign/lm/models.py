@@ -300,10 +300,10 @@ class PackedLinear(nn.Module):
 
     The values are those of ``F.linear`` (bit for bit on this machine in bfloat16 for contiguous
     inputs, at 1 to 100 rows; float32 round-off apart, as F.linear runs MKL there); what changes is
-    how fast the weight streams from memory. Measured on one core, 20 distinct (1536, 576) bfloat16 weights, 8 rows: 0.21
-    -> 0.10 ms per matmul; SmolLM2's tied LM head (49152, 576) 8.2 -> 4.3 ms (bfloat16), 26.9 ->
-    9.6 ms (float32). The decode loop reads every weight once per token, so this is where it spends
-    its time (benchmarks/RESULTS_lm.md).
+    how fast the weight streams from memory. Measured on one core, 20 distinct (1536, 576)
+    bfloat16 weights, 8 rows: 0.21 -> 0.10 ms per matmul; SmolLM2's tied LM head (49152, 576)
+    8.2 -> 4.3 ms (bfloat16), 26.9 -> 9.6 ms (float32). The decode loop reads every weight once
+    per token, so this is where it spends its time (benchmarks/RESULTS_lm.md).
 
     ``weight`` and ``bias`` stay the module's parameters (the same objects: tied weights stay tied,
     :func:`copy_weights` still sees the model's structure), so the blocked copy, the non-persistent
@@ -336,7 +336,7 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling():  # rows flattened here, where a view is free, not inside the kernel (~2.4 us a call)
             rows = torch.ops.rlalign.packed_linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
             return rows.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # eager: without the custom op's ~12 us a call
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # eager: the kernel itself, without the op's dispatch
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed for oneDNN"
