@@ -5,6 +5,7 @@
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --autocast     # model.autocast=bfloat16 (float32 master weights)
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --fast         # + eager training attention, SDPA decode, bfloat16 sampling copy
     /work/benchvenv/bin/python benchmarks/mfu.py --steps 4 --autocast --compile   # the compiled training forward (step 1 compiles; SDPA: compile rejects eager attention)
+    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --fast --ceiling       # + the update's ceiling: its matmuls replayed alone (4. below)
 
 1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048), float32 and bfloat16, best of
    ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's thread count.
