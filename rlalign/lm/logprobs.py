@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from rlalign.core.logprobs import token_logprobs
-from rlalign.lm.models import position_ids_from_mask
+from rlalign.lm.models import cache_argument, position_ids_from_mask
 
 __all__ = ["completion_positions", "completion_logits", "completion_logprobs", "rollout_logprobs"]
 
@@ -92,7 +92,7 @@ def _shared_prompt_logits(
         input_ids=prompt_ids[first_row],
         attention_mask=prompt_mask[first_row],
         position_ids=position_ids_from_mask(prompt_mask[first_row]),
-        past_key_values=cache,
+        **{cache_argument(model): cache},
         use_cache=True,
         logits_to_keep=torch.tensor([prompt_len - 1], device=prompt_ids.device),
     ).logits[rows_group]  # (B, 1, V): the last prompt position predicts completion token 0
@@ -104,7 +104,7 @@ def _shared_prompt_logits(
         input_ids=completion_ids[:, :-1],
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask)[:, prompt_len:],
-        past_key_values=cache,
+        **{cache_argument(model): cache},
         use_cache=True,
     ).logits  # (B, C - 1, V): completion token t predicts token t + 1
     return torch.cat([head, tail], dim=1)  # (B, C, V)

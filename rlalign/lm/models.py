@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -244,6 +245,13 @@ def attention_kernel(model: nn.Module, attn_implementation: str | None) -> Itera
 def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     """The transformers causal LM inside ``model`` (a peft model's base model, with its adapters)."""
     return model.get_base_model() if _is_peft(model) else model
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (and in models whose forward still names it so)."""
+    parameters = inspect.signature(type(unwrap_causal_lm(model)).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from rlalign.lm.models import position_ids_from_mask, unwrap_causal_lm
+from rlalign.lm.models import cache_argument, position_ids_from_mask, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
 
 __all__ = ["SamplingParams", "left_pad", "filter_logits", "cache_bucket", "sample"]
@@ -197,7 +197,7 @@ def _prefill(
         input_ids=ids,
         attention_mask=_model_mask(_prefill_mask(mask.bool(), total, dtype)[..., :visible], windowed, by_layer_type),
         position_ids=position_ids_from_mask(mask),
-        past_key_values=prefill_cache,
+        **{cache_argument(model): prefill_cache},
         use_cache=True,
         logits_to_keep=torch.tensor([prompt_len - 1], device=ids.device),  # an index, not 1: a contiguous LM-head input (rlalign.lm.logprobs)
     ).logits[:, -1, :]  # (N, V)
@@ -225,11 +225,14 @@ def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tup
     return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
 
 
-def _decode_step(model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
+def _decode_step(
+    model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache, cache_keyword: str
+) -> Tensor:
     """One decode step: the logits (B, V) after feeding ``token`` (B,) at ``position_ids`` (B, 1);
-    ``step_mask``: the additive mask (B, 1, 1, L), or one per layer type (:func:`_model_mask`)."""
+    ``step_mask``: the additive mask (B, 1, 1, L), or one per layer type (:func:`_model_mask`);
+    ``cache_keyword``: :func:`~rlalign.lm.models.cache_argument` of the model (found outside the compiled step)."""
     return model(
-        input_ids=token[:, None], attention_mask=step_mask, position_ids=position_ids, past_key_values=cache, use_cache=True, logits_to_keep=1
+        input_ids=token[:, None], attention_mask=step_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{cache_keyword: cache}
     ).logits[:, -1, :]
 
 
@@ -242,8 +245,9 @@ class _StepFunctions:
     compiled RECOMPILE_LIMIT versions of one of them in this process it warns and the call goes on
     eager (no half-finished step: the limit is checked before a compiled version runs)."""
 
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, cache_keyword: str):
         self.compiled = compiled
+        self.cache_keyword = cache_keyword  # cache_argument(model): inspect has no place in a compiled step
 
     def _call(self, compiled_fn, eager_fn, *args):
         if self.compiled:
@@ -263,7 +267,7 @@ class _StepFunctions:
         return self._call(_compiled_draw, _draw, logits, params, uniform)
 
     def decode(self, model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
-        return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache)
+        return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache, self.cache_keyword)
 
 
 def cache_bucket(length: int) -> int:
@@ -320,7 +324,7 @@ def sample(
     """Sample ``group_size`` completions per prompt. Returns a :class:`Rollout` of B = prompts x G rows.
 
     Args:
-        model: a causal LM (transformers or peft-wrapped) taking ``past_key_values`` and ``logits_to_keep``.
+        model: a causal LM (transformers or peft-wrapped) taking a KV cache (``cache`` or ``past_key_values``) and ``logits_to_keep``.
         prompts: token lists, or (ids, mask) already left-padded, each (N, P).
         params: temperature / top-k / top-p / max_new_tokens.
         pad_token_id: id written after a row stops and in prompt padding.
@@ -383,7 +387,7 @@ def sample(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
     next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
 
-    fns = _StepFunctions(compile)
+    fns = _StepFunctions(compile, cache_argument(model))
     logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype, window, by_layer_type)  # (B, V)
     with contextlib.ExitStack() as stance:
         for t in range(steps):
