@@ -219,7 +219,9 @@ def value_loss(
         old_values = old_values.detach()
         clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
         clipped_error = (clipped_values - returns) ** 2
-        clip_active = (clipped_error > error).to(error.dtype).detach()
+        # inside the range V_old + (V - V_old) is V up to round-off, and "clipped_error > error" would
+        # then be a coin flip: the clipped term counts only where the clamp moved V
+        clip_active = (((values - old_values).abs() > clip_range) & (clipped_error > error)).to(error.dtype).detach()
         error = torch.max(error, clipped_error)
     loss = 0.5 * aggregate(error, mask, mode, max_len)
     m = _mask_like(values, mask)

@@ -138,6 +138,21 @@ def test_value_loss_hand_values():
         value_loss(values, torch.tensor([1.0]), clip_range=0.2)
 
 
+def test_value_clip_fraction_ignores_round_off_inside_the_range():
+    # |V - V_old| < c everywhere: nothing is clipped, although V_old + (V - V_old) != V in float32 for
+    # some entries (here ~0.2%: V_old near 0, V near 0.1); there the clipped error differs from the
+    # error in the last bits, and comparing the two alone counted ~0.03% of the entries as clipped
+    generator = torch.Generator().manual_seed(0)
+    old_values = 1e-3 * torch.rand(100_000, generator=generator)
+    values = 0.1 + 0.05 * torch.rand(100_000, generator=generator)
+    assert not torch.equal(old_values + (values - old_values), values)
+    _, stats = value_loss(values, torch.randn(100_000, generator=generator), old_values=old_values, clip_range=0.2)
+    assert stats.clip_frac.item() == 0.0
+    # and past the range on one side only: V - V_old = 0.3 > c, with V farther from R than V_clip
+    _, stats = value_loss(torch.tensor([1.3, 1.3]), torch.tensor([0.0, 2.0]), old_values=torch.tensor([1.0, 1.0]), clip_range=0.2)
+    assert stats.clip_frac.item() == 0.5  # R = 0: V_clip = 1.2 is nearer, the max keeps V's error; R = 2: V_clip's error is larger
+
+
 def test_explained_variance():
     target = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert explained_variance(target, target).item() == 1.0
