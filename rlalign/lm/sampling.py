@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -210,6 +210,42 @@ def _prefill(
     return logits.repeat_interleave(group_size, dim=0)  # (B, V)
 
 
+CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF (SmolLM2's 49152-token vocabulary: 192 blocks)
+
+
+def _last_positive(weights: Tensor) -> Tensor:
+    """Index of the last entry > 0 along the last axis (0 if none). Shape: (..., K) -> (...)."""
+    index = torch.arange(weights.shape[-1], device=weights.device)  # (K,)
+    return torch.where(weights > 0, index, 0).amax(-1)
+
+
+def inverse_cdf_draw(weights: Tensor, uniform: Tensor, block: int = CDF_BLOCK) -> Tensor:
+    """The first y with F(y) > u * F(V), F the cumulative sum of ``weights`` (B, V) (non-negative,
+    not normalised, at least one > 0 per row) and u = ``uniform`` (B,) in [0, 1): a categorical draw
+    with probabilities weights / sum. Returns (B,) int64.
+
+    Two levels, so no cumulative sum runs over the whole vocabulary (a sequential scan, ~1 ns an
+    entry on one core): the block sums' cumulative sum picks the block where F crosses u * F(V),
+    then the cumulative sum inside that block picks the token. Where float round-off would let the
+    crossing fall past the last token of positive weight (u * F(V) rounded up to F(V), or a block
+    sum and its cumulative sum that differ in the last bit), the draw is that token: a
+    zero-weight token (filtered out, or padding of the last block) is never drawn."""
+    batch, vocab = weights.shape
+    if vocab % block:
+        weights = nn.functional.pad(weights, (0, -vocab % block))  # zero weights past V
+    blocks = weights.view(batch, -1, block)  # (B, K, block)
+    block_cdf = blocks.sum(-1).cumsum(-1)  # (B, K)
+    target = uniform * block_cdf[:, -1]  # (B,)
+    chosen = torch.searchsorted(block_cdf, target[:, None], right=True).squeeze(-1)  # (B,): first block with F(end) > target
+    chosen = torch.minimum(chosen, _last_positive(block_cdf.diff(dim=-1, prepend=block_cdf.new_zeros(batch, 1))))
+    rows = torch.arange(batch, device=weights.device)
+    inside = blocks[rows, chosen]  # (B, block)
+    before = torch.where(chosen > 0, block_cdf[rows, (chosen - 1).clamp(min=0)], 0.0)  # (B,): F at the end of the previous block
+    offset = torch.searchsorted(inside.cumsum(-1), (target - before)[:, None], right=True).squeeze(-1)  # (B,)
+    offset = torch.minimum(offset, _last_positive(inside))
+    return chosen * block + offset
+
+
 def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
     """Next token (B,) and its log-prob under softmax(logits / tau) (B,), from logits (B, V) and
     one uniform in [0, 1) per row (B,) (None when greedy)."""
@@ -218,11 +254,12 @@ def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tup
         token = logits.argmax(-1)  # (B,)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     scaled = logits / params.temperature  # (B, V)
-    log_probs = torch.log_softmax(scaled, -1)  # (B, V)
-    drawn_from = filter_logits(scaled, params.top_k, params.top_p) if (params.top_k or params.top_p < 1) else scaled
-    cdf = torch.softmax(drawn_from, -1).cumsum(-1)  # (B, V); a zero-probability token has F(y) = F(y - 1) and is never drawn
-    token = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)  # (B,): first y with F(y) > u F(V)
-    return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+    probs = torch.softmax(scaled, -1)  # (B, V)
+    weights = probs
+    if params.top_k or params.top_p < 1:
+        weights = probs.masked_fill(filter_logits(scaled, params.top_k, params.top_p).isneginf(), 0.0)  # a filtered token is never drawn
+    token = inverse_cdf_draw(weights, uniform)  # (B,)
+    return token, probs.gather(-1, token[:, None]).squeeze(-1).log()  # log p of a drawn token: p > 0, round-off ~1e-7 relative
 
 
 def _decode_step(
@@ -236,7 +273,12 @@ def _decode_step(
     ).logits[:, -1, :]
 
 
-_compiled_decode_step = torch.compile(_decode_step, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+# Inductor lowers a one-query-row attention matmul on the CPU to a multiply-and-sum that inlines its
+# inputs, and so recomputed the query's rotary embedding (a cos and a sin an element) for every key
+# position: a pointwise input of more than 4 ops is now computed once into a buffer. SmolLM2's shape,
+# batch 16, 48 cache slots, one core: that attention kernel 260 -> 65 us a layer (RESULTS_lm.md).
+_DECODE_INDUCTOR_OPTIONS = {"realize_cpu_opcount_threshold": 4}
+_compiled_decode_step = torch.compile(_decode_step, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT, options=_DECODE_INDUCTOR_OPTIONS)
 _compiled_draw = torch.compile(_draw, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
 
 
@@ -268,6 +310,25 @@ class _StepFunctions:
 
     def decode(self, model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
         return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache, self.cache_keyword)
+
+
+@contextlib.contextmanager
+def _attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
+    """``model`` (a transformers model) runs attention with implementation ``name`` inside the block,
+    its own outside. The compiled decode step runs the model's "eager" attention (matmul, softmax,
+    matmul), which inductor fuses into its own kernels; measured on one core, SmolLM2's shape at
+    batch 8 (benchmarks/RESULTS_lm.md): 51.5 -> 40.7 ms a step on an AMD EPYC, where SDPA's CPU
+    kernel took 390 us a call for one query row, and about the same on a Xeon. A model that cannot
+    switch (no attention interface) keeps its own."""
+    original = model.config._attn_implementation
+    if original == name or not model._can_set_attn_implementation():
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
 
 
 def cache_bucket(length: int) -> int:
@@ -390,6 +451,8 @@ def sample(
     fns = _StepFunctions(compile, cache_argument(model))
     logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype, window, by_layer_type)  # (B, V)
     with contextlib.ExitStack() as stance:
+        if compile:
+            stance.enter_context(_attention_implementation(causal_lm, "eager"))
         for t in range(steps):
             if fns.compiled and t == 2:  # both functions have passed their guards twice (the draw on prefill and on decode logits)
                 stance.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))

@@ -10,7 +10,7 @@ import torch
 from rlalign.lm import sampling
 from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm.models import PackedLinear, can_pack_linear, cast_copy, pack_linear_layers, repack_linear_layers
-from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, left_pad, sample
+from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, inverse_cdf_draw, left_pad, sample
 
 PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 13, 12, 11, 80, 44, 45, 46, 47, 50, 51], [1, 20]]
 EOS = 2
@@ -137,6 +137,33 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept.tolist() == [[False, True, False, True]]
     assert filter_logits(logits, top_p=0.01).isfinite().tolist() == [[False, True, False, False]]  # the top token always stays
     assert filter_logits(logits, top_k=3).isfinite().tolist() == [[True, True, False, True]]
+
+
+def test_inverse_cdf_draw_by_hand():
+    # weights 0.15, 0.5, 0.05, 0.3 in blocks of 2: F = 0.15, 0.65, 0.70, 1.0; the token is the first y
+    # with F(y) > u F(V): u = 0.1 -> 0, 0.15 -> 1 (F(0) = 0.15 is not > 0.15), 0.66 -> 2, 0.75 -> 3, 0.999 -> 3
+    weights = torch.tensor([[0.15, 0.5, 0.05, 0.3]], dtype=torch.float64).repeat(5, 1)
+    uniform = torch.tensor([0.1, 0.15, 0.66, 0.75, 0.999], dtype=torch.float64)
+    assert inverse_cdf_draw(weights, uniform, block=2).tolist() == [0, 1, 2, 3, 3]
+    # unnormalised weights (x 4) and a vocabulary that is not a multiple of the block (padded to 6)
+    assert inverse_cdf_draw(4 * weights, uniform, block=3).tolist() == [0, 1, 2, 3, 3]
+
+
+def test_inverse_cdf_draw_equals_the_one_level_search_and_never_draws_a_zero_weight_token():
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.rand((64, 1000), generator=generator, dtype=torch.float64) ** 4  # (B, V)
+    weights[:, 700:] = 0.0  # a filtered tail: the end of one block of 256 and all of the last
+    weights[:, 699] = 1.0  # the last token of positive weight, too heavy for round-off to skip
+    weights[::2, 256:512] = 0.0  # a whole block of zeros in every other row
+    uniform = torch.rand(64, generator=generator, dtype=torch.float64)
+    cdf = weights.cumsum(-1)
+    one_level = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    for block in (1, 7, 256, 1000, 4096):
+        assert torch.equal(inverse_cdf_draw(weights, uniform, block=block), one_level)
+    # u * F(V) rounded up to F(V) (u = 1 stands in for it): the last token of positive weight, not
+    # the zero-weight tail nor the padding past V
+    last = inverse_cdf_draw(weights.float(), torch.ones(64), block=256)
+    assert torch.equal(last, torch.full((64,), 699))
 
 
 def test_bad_parameters_are_errors(tiny_llama):
