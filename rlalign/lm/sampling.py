@@ -318,8 +318,8 @@ def _attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
     its own outside. The compiled decode step runs the model's "eager" attention (matmul, softmax,
     matmul), which inductor fuses into its own kernels; measured on one core, SmolLM2's shape at
     batch 8 (benchmarks/RESULTS_lm.md): 51.5 -> 40.7 ms a step on an AMD EPYC, where SDPA's CPU
-    kernel took 390 us a call for one query row, and about the same on a Xeon. A model that cannot
-    switch (no attention interface) keeps its own."""
+    kernel took 390 us a call for one query row; on a Xeon with AMX an earlier session measured 3%
+    (within the noise). A model that cannot switch (no attention interface) keeps its own."""
     original = model.config._attn_implementation
     if original == name or not model._can_set_attn_implementation():
         yield

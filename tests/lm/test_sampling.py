@@ -185,10 +185,13 @@ def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
     noise = torch.rand((10, 8), generator=torch.Generator().manual_seed(1))  # (N, B)
 
+    attention = tiny_model.config._attn_implementation
+
     def both(prompts=PROMPTS, group_size=2, noise=noise):
         eager = sample(tiny_model, prompts, params, 0, [EOS], group_size=group_size, noise=noise)
         compiled = sample(tiny_model, prompts, params, 0, [EOS], group_size=group_size, noise=noise, compile=True)
         assert not torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance()  # the stance is set back
+        assert tiny_model.config._attn_implementation == attention  # and the model's attention (eager inside the compiled step)
         assert torch.equal(compiled.completion_ids, eager.completion_ids)
         assert torch.equal(compiled.completion_mask, eager.completion_mask)
         torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-4)
@@ -211,6 +214,21 @@ def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight
     both(long_prompts, group_size=3, noise=torch.rand((10, 6), generator=torch.Generator().manual_seed(2)))
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
     assert torch.equal(sample(tiny_model, PROMPTS, greedy, 0, [EOS], compile=True).completion_ids, _greedy(tiny_model, PROMPTS).completion_ids)
+
+
+def test_the_compiled_decode_step_runs_eager_attention_and_the_model_gets_its_own_back(tiny_llama, monkeypatch):
+    # inside the compiled decode loop the model runs its "eager" attention (inductor fuses it; SDPA's
+    # CPU kernel is slow for one query row); the prefill and everything after keep the model's own
+    own = tiny_llama.config._attn_implementation
+    assert own != "eager"
+    seen = []
+    decode = sampling._decode_step
+    monkeypatch.setattr(sampling, "_compiled_decode_step", lambda model, *args: seen.append(model.config._attn_implementation) or decode(model, *args))
+    sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=4), 0, [EOS], compile=True)
+    assert seen and set(seen) == {"eager"} and tiny_llama.config._attn_implementation == own
+    with pytest.raises(RuntimeError, match="boom"), sampling._attention_implementation(tiny_llama, "eager"):
+        raise RuntimeError("boom")
+    assert tiny_llama.config._attn_implementation == own
 
 
 def test_cache_buckets_by_hand():
