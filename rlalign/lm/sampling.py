@@ -25,10 +25,12 @@ step of a call on, ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` sk
 that cannot tell the process's compiled versions apart: both functions have by then passed their
 full guards, and the model, the cache object and the shapes stay the same; a guard that would
 fail raises rather than run a wrong version. The graph reads the parameters when it runs, so
-in-place weight updates need no recompile. This removes most of transformers' per-module Python
-cost, which is what a small model's step is made of; a model whose decode step is bound by
-reading its weights from memory (SmolLM2-135M at batch 8 on one CPU core) gains little. Not under
-``torch.autocast``, which rules out the StaticCache.
+in-place weight updates need no recompile. Inside the compiled step the model runs its "eager"
+attention, which inductor fuses (:func:`_attention_implementation`). This removes most of
+transformers' per-module Python cost, which is what a small model's step is made of; a model whose
+decode step is bound by reading its weights from memory (SmolLM2-135M at batch 8 on one CPU core)
+gains most from a half-precision copy with packed weights (``rlalign.lm.models.PackedLinear``).
+Not under ``torch.autocast``, which rules out the StaticCache.
 
 Sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2/3, Phi-3): every
 layer keeps all keys in the cache, and when the window is shorter than the sequence the sampler
@@ -40,7 +42,8 @@ sequences much longer than the window.
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
 set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw by
 inverse CDF: token = the first y with F(y) > u * F(V), F the cumulative sum of the probabilities,
-u ~ U[0, 1) one number per row and step. The uniforms are drawn up front, (N, B) from the
+u ~ U[0, 1) one number per row and step (found in two levels, blocks then tokens:
+:func:`inverse_cdf_draw`). The uniforms are drawn up front, (N, B) from the
 generator, or handed in as ``noise``: a trainer under torchrun draws them for the global batch
 and gives each rank its own rows' columns, so a row's completion does not depend on how the
 batch is split across processes (rlalign.train.distributed).
@@ -65,7 +68,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from rlalign.lm.models import cache_argument, position_ids_from_mask, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
 
-__all__ = ["SamplingParams", "left_pad", "filter_logits", "cache_bucket", "sample"]
+__all__ = ["SamplingParams", "left_pad", "filter_logits", "inverse_cdf_draw", "cache_bucket", "sample"]
 
 RECOMPILE_LIMIT = 64  # compiled versions kept of the decode step and of the draw (torch's default is 8)
 
