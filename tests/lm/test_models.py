@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from rlalign.lm.models import (
     PackedLinear,
     ScalarHeadModel,
     apply_lora,
+    cache_argument,
     can_pack_linear,
     cast_copy,
     copy_weights,
@@ -31,6 +34,24 @@ from .conftest import make_gpt2
 @pytest.fixture(params=["llama", "gpt2"])
 def checkpoint(request, llama_checkpoint, gpt2_checkpoint):
     return llama_checkpoint if request.param == "llama" else gpt2_checkpoint
+
+
+def test_the_kv_cache_goes_by_the_keyword_the_forward_names(tiny_llama, llama_checkpoint):
+    # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40); a
+    # model whose forward still says past_key_values (older transformers, remote code) gets that
+    class OldForward(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+            return input_ids
+
+    class NewForward(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None):
+            return input_ids
+
+    assert cache_argument(OldForward()) == "past_key_values" and cache_argument(NewForward()) == "cache"
+    expected = "cache" if "cache" in inspect.signature(type(tiny_llama).forward).parameters else "past_key_values"
+    assert cache_argument(tiny_llama) == expected
+    lora = apply_lora(load_policy(llama_checkpoint), LoraConfig(r=2))
+    assert cache_argument(lora) == expected  # a peft model: its base model's forward
 
 
 def test_reward_is_read_at_the_last_non_pad_token(checkpoint):
