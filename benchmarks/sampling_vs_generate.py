@@ -4,6 +4,7 @@
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --device cuda --dtype bfloat16
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --dtype bfloat16 --threads 1 --batch 8 16 --new-tokens 32 --packed
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --group-size 8 --prompt-len 200 256 --batch 8 16
+    python benchmarks/sampling_vs_generate.py --model smollm2-shape --dtype bfloat16 --threads 1 --batch 8 32 --new-tokens 32 --packed --compile --matmuls
 
 ``--group-size G`` samples G completions of each of B / G prompts, as GRPO does: ours with
 ``group_size=G`` (each prompt prefilled once, its cache repeated), ``generate`` with
@@ -12,7 +13,13 @@
 Both sample at temperature 1 with no EOS (every row runs ``--new-tokens`` tokens), from the same
 left-padded prompts of different lengths. Throughput = B * new tokens / wall time; each
 configuration is timed ``--repeats`` times, alternating which of the two runs first, and the
-median is reported. Models are built locally from a config (random weights: speed does not depend
+median is reported.
+
+``--matmuls`` then runs each side once more under the torch profiler and sums the time of its
+matrix multiplies (the linear layers and the LM head: ``aten::mm`` / ``addmm``, oneDNN's
+``_linear_pointwise``). Dividing ``generate``'s median time by ours spent in matmuls alone gives
+the ceiling of the speed-up with these kernels: what it would be if everything else in our step
+cost nothing. Where the ceiling is below a target, no change outside the matmul kernels reaches it. Models are built locally from a config (random weights: speed does not depend
 on them): ``tiny`` is the recipe's character-level Llama, ``smollm2-shape`` has SmolLM2-135M's
 shape (hidden 576, 30 layers, vocabulary 49152).
 """
@@ -75,6 +82,18 @@ def time_generate(model, ids, mask, new_tokens: int, device: str, group_size: in
     return time.perf_counter() - start
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")  # the linear layers and the LM head (attention runs SDPA or bmm)
+
+
+def matmul_seconds(call) -> float:
+    """Seconds ``call()`` spends in :data:`MATMUL_OPS` (self CPU time under the torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(event.self_cpu_time_total for event in prof.key_averages() if event.key in MATMUL_OPS) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["tiny", *SHAPES], default="tiny")
@@ -88,6 +107,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="ours with sample(compile=True): the decode step compiled by torch.compile (first call per shape compiles)")
     parser.add_argument("--packed", action="store_true",
                         help="ours on a copy whose linear weights are packed for oneDNN (what training's sampling copy gets: sampling.pack_weights)")
+    parser.add_argument("--matmuls", action="store_true", help="also profile each side once: time in matmuls, and the speed-up's ceiling with these kernels")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[4, 12], metavar=("MIN", "MAX"), help="prompt lengths drawn in [MIN, MAX]")
     args = parser.parse_args()
     if args.threads:
@@ -130,6 +150,11 @@ def main() -> None:
         tokens = batch * args.new_tokens
         ours_tps, gen_tps = tokens / statistics.median(ours), tokens / statistics.median(theirs)
         print(f"| {batch} | {ours_tps:,.0f} | {gen_tps:,.0f} | {ours_tps / gen_tps:.2f}x |", flush=True)
+        if args.matmuls:
+            ours_mm, gen_mm = matmul_seconds(ours_run), matmul_seconds(lambda: time_generate(model, ids, mask, *run))
+            ours_s, gen_s = statistics.median(ours), statistics.median(theirs)
+            print(f"  batch {batch} matmuls: ours {ours_mm:.3f} of {ours_s:.3f} s ({ours_mm / ours_s:.0%}), generate {gen_mm:.3f} of {gen_s:.3f} s "
+                  f"({gen_mm / gen_s:.0%}); ceiling with these kernels {gen_s / ours_mm:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
