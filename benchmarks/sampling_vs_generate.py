@@ -19,9 +19,11 @@ median is reported.
 matrix multiplies (the linear layers and the LM head: ``aten::mm`` / ``addmm``, oneDNN's
 ``_linear_pointwise``). Dividing ``generate``'s median time by ours spent in matmuls alone gives
 the ceiling of the speed-up with these kernels: what it would be if everything else in our step
-cost nothing. Where the ceiling is below a target, no change outside the matmul kernels reaches it. Models are built locally from a config (random weights: speed does not depend
-on them): ``tiny`` is the recipe's character-level Llama, ``smollm2-shape`` has SmolLM2-135M's
-shape (hidden 576, 30 layers, vocabulary 49152).
+cost nothing. Where the ceiling is below a target, no change outside the matmul kernels reaches it.
+
+Models are built locally from a config (random weights: speed does not depend on them): ``tiny``
+is the recipe's character-level Llama, ``smollm2-shape`` has SmolLM2-135M's shape (hidden 576,
+30 layers, vocabulary 49152).
 """
 
 from __future__ import annotations
