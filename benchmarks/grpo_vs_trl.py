@@ -32,7 +32,8 @@ forwards and ``sampling.attn_implementation: sdpa`` for the decode loop), ``rlal
 ``sampling.pack_weights``, on by default; ``rlalign-bf16-fast-unpacked`` turns that off),
 ``-compiled`` on a side adds ``sampling.compile: true`` (the decode step and the draw through
 torch.compile; compiled during the first step, which no statistic counts), ``-compiled-all`` also
-``compile: true`` (the training forward and backward compiled with dynamic shapes),
+``compile: true`` (the training forward and backward compiled with dynamic shapes), ``-compiled-train``
+only ``compile: true`` (the decode loop eager),
 ``trl`` (``bf16=False``, float32 throughout) and ``trl-bf16`` (``bf16=True``: float32 weights,
 bfloat16 autocast, which TRL enables on CPU too).
 
@@ -93,7 +94,7 @@ CONFIGS = {
     "tiny": dict(prompts_per_step=2, group_size=8, max_new_tokens=8, temperature=0.7, beta=0.02, lr=1e-4, num_prompts=1024),
     "smollm2": dict(prompts_per_step=2, group_size=8, max_new_tokens=32, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
 }
-SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-unpacked", "rlalign-bf16-fast-compiled", "trl", "trl-bf16")
+SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-train", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-unpacked", "rlalign-bf16-fast-compiled", "trl", "trl-bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,8 +300,8 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
 def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
     fast = "-fast" in side
-    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast, "compile_sampling": "-compiled" in side,
-            "compile_train": side.endswith("-compiled-all"), "pack": not side.endswith("-unpacked")}
+    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast, "compile_sampling": "-compiled" in side and not side.endswith("-compiled-train"),
+            "compile_train": side.endswith(("-compiled-all", "-compiled-train")), "pack": not side.endswith("-unpacked")}
     if side.startswith("rlalign"):
         rlalign_worker(spec, chan)
     else:

@@ -65,7 +65,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from rlalign.lm.models import cache_argument, position_ids_from_mask, unwrap_causal_lm
+from rlalign.lm.models import cache_argument, position_ids_from_mask, releasing_compiler_caches, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
 
 __all__ = ["SamplingParams", "left_pad", "filter_logits", "inverse_cdf_draw", "cache_bucket", "sample"]
@@ -456,6 +456,7 @@ def sample(
     logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype, window, by_layer_type)  # (B, V)
     with contextlib.ExitStack() as stance:
         if compile:
+            stance.enter_context(releasing_compiler_caches())
             stance.enter_context(_attention_implementation(causal_lm, "eager"))
         for t in range(steps):
             if fns.compiled and t == 2:  # both functions have passed their guards twice (the draw on prefill and on decode logits)

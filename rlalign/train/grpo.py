@@ -92,6 +92,7 @@ from rlalign.lm.models import (
     load_tokenizer,
     pack_linear_layers,
     reference_policy,
+    releasing_compiler_caches,
     repack_linear_layers,
 )
 from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
@@ -441,7 +442,8 @@ def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False
     device = next(model.parameters()).device
     r = rollout.to(device)
     if compiled:
-        return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+        with releasing_compiler_caches():
+            return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
     return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts() else None)
 
 
