@@ -308,3 +308,33 @@ def test_packed_copy_samples_the_tokens_and_log_probs_of_the_plain_copy(llama_ch
     gpt2 = cast_copy(make_gpt2(tie_word_embeddings=True), "bfloat16")  # a tied LM head stays tied to the embedding
     pack_linear_layers(gpt2)
     assert isinstance(gpt2.lm_head, PackedLinear) and gpt2.lm_head.weight is gpt2.transformer.wte.weight
+
+
+def test_compiler_caches_released_only_after_a_compile(monkeypatch):
+    """releasing_compiler_caches drops the caches when the block compiled a graph, and only then;
+    what was compiled still runs afterwards, with the same values."""
+    import linecache
+
+    import rlalign.lm.models as models
+
+    released = []
+    monkeypatch.setattr(models, "release_compiler_caches", lambda: released.append(True))
+    fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, dynamic=False)
+    x = torch.linspace(-1.0, 1.0, 7)
+    with models.releasing_compiler_caches():
+        first = fn(x)
+    assert released == [True]
+    with models.releasing_compiler_caches():
+        fn(x)  # the same graph: nothing compiled
+    assert released == [True]
+    with models.releasing_compiler_caches(enabled=False):
+        fn(x[:3])  # a new shape compiles, but releasing is off
+    assert released == [True]
+
+    monkeypatch.undo()
+    linecache.getline(inspect.getsourcefile(models), 1)
+    assert linecache.cache
+    models.release_compiler_caches()
+    assert not linecache.cache
+    torch.testing.assert_close(fn(x), first, rtol=0, atol=0)
+    torch.testing.assert_close(first, torch.sin(x) * 2 + 1)
