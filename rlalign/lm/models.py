@@ -289,16 +289,16 @@ def release_compiler_caches() -> None:
 
 
 @contextlib.contextmanager
-def releasing_compiler_caches(enabled: bool = True) -> Iterator[None]:
+def releasing_compiler_caches() -> Iterator[None]:
     """Run the block; when it compiled a graph (torch.compile's count of graphs grew), call
     :func:`release_compiler_caches` after it, so the next compile (the training pass after the
     reference pass, say) does not start on top of this one's leftovers. Costs a counter read
     when nothing compiled."""
-    graphs = _compiled_graph_count() if enabled else 0
+    graphs = _compiled_graph_count()
     try:
         yield
     finally:
-        if enabled and _compiled_graph_count() != graphs:
+        if _compiled_graph_count() != graphs:
             release_compiler_caches()
 
 
