@@ -57,6 +57,8 @@ __all__ = [
     "hold_matmul_weights",
     "copy_weights",
     "PackedLinear",
+    "SharedProduct",
+    "SHARED_INPUT_LAYERS",
     "can_pack_linear",
     "pack_linear_layers",
     "repack_linear_layers",
@@ -349,6 +351,40 @@ if not hasattr(torch.ops.rlalign, "packed_linear"):  # once per process (a reloa
     torch.library.register_fake("rlalign::packed_linear", _packed_linear_shape, lib=_OPS)
 
 
+# Sibling linear layers that a transformers decoder layer calls on the same input, one after the
+# other (Llama, Mistral, Qwen2/3, Gemma, SmolLM, OLMo, ...): packed as one weight, run as one matmul.
+SHARED_INPUT_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SharedProduct:
+    """The sibling layers of one :data:`SHARED_INPUT_LAYERS` group after :func:`pack_linear_layers`:
+    the first sibling called computes x @ [W_1; W_2; ...]^T (the leader's buffer ``packed``) and
+    keeps the parts until every sibling has taken its own. A sibling called on another tensor (by
+    identity) computes the product anew, so the values are always its own layer's; it is only
+    faster. Not a module (nothing is registered twice); ``weights`` and ``biases`` are the siblings'
+    parameters, the same objects."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.weights = [linear.weight for linear in linears]
+        self.biases = [linear.bias for linear in linears]
+        self.sizes = [linear.out_features for linear in linears]
+        self.leader: PackedLinear | None = None  # the sibling that holds the concatenated blocked weight
+        self.input: Tensor | None = None  # the input of the product in ``parts``, until every sibling took its part
+        self.parts: tuple[Tensor, ...] | None = None
+        self.unread = 0
+
+    def part(self, index: int, x: Tensor) -> Tensor:
+        if self.input is not x:
+            leader = self.leader
+            product = PackedLinear.product(x, leader.packed, leader.fused_bias, sum(self.sizes))
+            self.input, self.parts, self.unread = x, product.split(self.sizes, -1), len(self.sizes)
+        part = self.parts[index]
+        self.unread -= 1
+        if self.unread == 0:  # every sibling has its part: let go of the tensors
+            self.input = self.parts = None
+        return part
+
+
 class PackedLinear(nn.Module):
     """An inference-only ``nn.Linear`` whose weight is also held in oneDNN's blocked layout, the one
     its CPU matmul kernel reads fastest (``torch.ops.mkldnn._reorder_linear_weight``, run by
@@ -365,37 +401,60 @@ class PackedLinear(nn.Module):
     :func:`copy_weights` still sees the model's structure), so the blocked copy, the non-persistent
     buffer ``packed``, costs one more copy of the weight; :meth:`repack` must follow any change to
     ``weight``. Replacing the buffer does not recompile a compiled caller (buffers are graph inputs).
+    With ``shared`` (a :class:`SharedProduct`) the layer is sibling ``index`` of a group run as one
+    matmul: sibling 0 holds the blocked concatenation of the group's weights (and ``fused_bias``),
+    the others no blocked copy. SmolLM2's shape, batch 32, compiled decode loop on one core: 7% less
+    time a call (benchmarks/RESULTS_lm.md).
     No gradient flows through the packed path: when grad mode is on and the input or a parameter
     needs a gradient, under autocast, or for an input of another dtype, :meth:`forward` is
     ``F.linear``. The blocked buffer is an opaque MKLDNN tensor: ``copy.deepcopy``, pickling and
     ``.to(dtype)`` of a model holding it raise; build such copies before :func:`pack_linear_layers`.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, shared: SharedProduct | None = None, index: int = 0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.register_buffer("packed", self._pack(), persistent=False)
+        self.shared, self.index = shared, index
+        if shared is not None and index == 0:
+            shared.leader = self
+        self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("fused_bias", None, persistent=False)
+        self.repack()
 
     @torch.no_grad()
-    def _pack(self) -> Tensor:
-        # the row-count hint hardly changes the layout's speed (1-512 rows tried): any fixed value does
-        return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
-
     def repack(self) -> None:
-        self.packed = self._pack()
+        """Refresh the blocked copy from ``weight`` (a group's leader: from all its siblings' weights)."""
+        if self.shared is None:
+            self.packed = self._pack(self.weight)
+        elif self.index == 0:
+            self.packed = self._pack(torch.cat([w.detach() for w in self.shared.weights]))
+            self.fused_bias = None if self.bias is None else torch.cat([b.detach() for b in self.shared.biases])
+
+    @staticmethod
+    def _pack(weight: Tensor) -> Tensor:
+        # the row-count hint hardly changes the layout's speed (1-512 rows tried): any fixed value does
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+
+    @staticmethod
+    def product(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+        """x @ W^T + b with W blocked in ``packed``. Shape: (..., in) -> (..., out_features)."""
+        if torch.compiler.is_compiling():  # rows flattened here, where a view is free, not inside the kernel (~2.4 us a call)
+            rows = torch.ops.rlalign.packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, out_features)
+            return rows.view(*x.shape[:-1], out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # eager: the kernel itself, without the op's dispatch
 
     def forward(self, x: Tensor) -> Tensor:
         needs_grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type) or torch.is_grad_enabled() and needs_grad:
             return nn.functional.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():  # rows flattened here, where a view is free, not inside the kernel (~2.4 us a call)
-            rows = torch.ops.rlalign.packed_linear(x.reshape(-1, self.in_features), self.packed, self.bias, self.out_features)
-            return rows.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # eager: the kernel itself, without the op's dispatch
+        if self.shared is not None:
+            return self.shared.part(self.index, x)
+        return self.product(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed for oneDNN"
+        shared = "" if self.shared is None else f", sibling {self.index} of {len(self.shared.sizes)} run as one matmul"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed for oneDNN{shared}"
 
 
 def can_pack_linear(model: nn.Module) -> bool:
@@ -416,12 +475,23 @@ def can_pack_linear(model: nn.Module) -> bool:
 def pack_linear_layers(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` (exactly that class; subclasses such as quantised layers are left
     alone) of an inference-only ``model`` for a :class:`PackedLinear` holding the same parameters;
-    returns how many. Inside a peft LoRA layer the base layer and the adapters' A and B are plain
-    ``nn.Linear`` and are packed too (the LoRA layer calls them), so merging adapters into the
-    weights afterwards needs :func:`repack_linear_layers`. Check :func:`can_pack_linear` first."""
+    returns how many. Siblings named as in :data:`SHARED_INPUT_LAYERS` (all plain ``nn.Linear``
+    with the same input size, dtype and device, all with or all without bias) become one
+    :class:`SharedProduct`. Inside a peft LoRA layer the base layer and the adapters' A and B are
+    plain ``nn.Linear`` and are packed too (the LoRA layer calls them; not as siblings), so merging
+    adapters into the weights afterwards needs :func:`repack_linear_layers`. Check :func:`can_pack_linear` first."""
+    siblings: dict[int, tuple[SharedProduct, int]] = {}
+    for parent in model.modules():
+        for names in SHARED_INPUT_LAYERS:
+            linears = [parent._modules.get(name) for name in names]
+            if not all(type(linear) is nn.Linear for linear in linears):
+                continue
+            if len({(linear.in_features, linear.weight.dtype, linear.weight.device, linear.bias is None) for linear in linears}) == 1:
+                shared = SharedProduct(linears)
+                siblings.update({id(linear): (shared, index) for index, linear in enumerate(linears)})
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, *siblings.get(id(child), (None, 0))))
     return len(swaps)
 
 

@@ -277,6 +277,33 @@ def test_packed_linear_computes_what_linear_computes(dtype):
 
 
 @needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_sibling_layers_run_as_one_matmul_with_each_layers_values(bias):
+    # an attention block's q, k, v: packed as one (56, 32) blocked weight held by q; each sibling's
+    # output is bit for bit its own nn.Linear's (bfloat16), also when called on another input
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    for name, out in (("q_proj", 32), ("k_proj", 16), ("v_proj", 8), ("o_proj", 32)):
+        setattr(block, name, torch.nn.Linear(32, out, bias=bias, dtype=torch.bfloat16))
+    plain = {name: getattr(block, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert pack_linear_layers(block) == 4
+    q, k, v, o = block.q_proj, block.k_proj, block.v_proj, block.o_proj
+    assert o.shared is None and q.shared is k.shared is v.shared and q.shared.leader is q
+    assert tuple(q.packed.shape) != () and k.packed is None and v.packed is None  # one blocked copy, on the leader
+    x, other = torch.randn(5, 32, dtype=torch.bfloat16), torch.randn(2, 3, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(q(x), plain["q_proj"](x)) and q.shared.input is x and q.shared.unread == 2
+        assert torch.equal(k(other), plain["k_proj"](other))  # another input: the product anew
+        assert torch.equal(v(other), plain["v_proj"](other)) and torch.equal(q(other), plain["q_proj"](other))
+        assert q.shared.input is None and q.shared.parts is None  # every sibling took its part: released
+        for name in ("k_proj", "v_proj"):  # a non-leader's weight changes: the leader's repack sees it
+            plain[name].weight.mul_(-1.5)
+        repack_linear_layers(block)
+        assert all(torch.equal(getattr(block, name)(x), plain[name](x)) for name in ("q_proj", "k_proj", "v_proj"))
+    assert "sibling 1 of 3" in repr(k)
+
+
+@needs_onednn
 @pytest.mark.parametrize("dtype,lora", [("bfloat16", False), ("bfloat16", True), ("float16", False)])
 def test_packed_copy_samples_the_tokens_and_log_probs_of_the_plain_copy(llama_checkpoint, dtype, lora):
     from rlalign.lm.sampling import SamplingParams, sample

@@ -66,9 +66,11 @@ def test_group_index_repeats_each_prompt(tiny_llama):
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["static-cache", "dynamic-cache"])
-def test_a_group_shares_one_prefill_and_samples_as_separate_rows_would(tiny_model, autocast):
+def test_a_group_shares_one_prefill_and_samples_as_separate_rows_would(tiny_model, autocast, monkeypatch):
     # group_size G: each distinct prompt is prefilled once and its cache repeated G-fold; with the same
-    # uniforms the rows equal those of sampling the G-times repeated prompt list with group_size 1
+    # uniforms the rows equal those of sampling the G-times repeated prompt list with group_size 1.
+    # Padded prefills: packed ones of 3 and of 9 prompts round differently in bfloat16 (next test)
+    monkeypatch.setattr(sampling, "_packing_pays", lambda causal_lm, prompt_mask: False)
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     noise = torch.rand((8, 9), generator=torch.Generator().manual_seed(0))  # (N, B)
     repeated = [p for p in PROMPTS[:3] for _ in range(3)]
@@ -79,6 +81,41 @@ def test_a_group_shares_one_prefill_and_samples_as_separate_rows_would(tiny_mode
     assert torch.equal(grouped.completion_mask, one_by_one.completion_mask)
     torch.testing.assert_close(grouped.logprobs, one_by_one.logprobs, rtol=0, atol=1e-4 if autocast else 1e-5)
     assert len(set(map(tuple, grouped.completion_ids.tolist()))) > 3  # the rows of a group differ after the shared prefill
+
+
+def test_prompts_pack_first_fit_decreasing_by_hand(tiny_llama):
+    # lengths 5, 2, 4, 3, 1 into rows of 5: longest first, each into the first row it fits
+    # 5 -> row 0 (full); 4 -> row 1 (1 left); 3 -> row 2 (2 left); 2 -> row 2 (0 left); 1 -> row 1
+    assert sampling.pack_prompts([5, 2, 4, 3, 1], 5) == [[0], [2, 4], [3, 1]]
+    assert sampling.pack_prompts([3, 3, 3], 3) == [[0], [1], [2]]
+
+    def mask(*lengths):
+        return torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths])
+
+    assert sampling._packing_pays(tiny_llama, mask(4, 1, 2))  # two rows for three prompts
+    assert not sampling._packing_pays(tiny_llama, mask(4, 3))  # no two fit in one row
+    assert not sampling._packing_pays(tiny_llama, mask(4))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_packed_prefill_gives_the_padded_prefills_logits_and_cache(tiny_model, window, group_size):
+    # the S real tokens of the prompts in one row, each seeing only its own prompt (and window): the
+    # logits and the keys and values at every real slot are the padded prefill's; padding slots hold zeros
+    ids, mask = left_pad(PROMPTS, 0)
+    ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
+    total = ids.shape[1] + 4
+    caches, logits = [], []
+    for packed in (False, True):
+        caches.append(sampling._static_cache(tiny_model.config, total))
+        logits.append(sampling._prefill(tiny_model, ids, mask, group_size, caches[-1], total, torch.float32, window, False, packed))
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+    real = mask.bool()[:, None, :, None]  # (B, 1, P, 1)
+    for padded, packed in zip(caches[0].layers, caches[1].layers):
+        for a, b in ((padded.keys, packed.keys), (padded.values, packed.values)):
+            prompt_a, prompt_b = a[:, :, : ids.shape[1]], b[:, :, : ids.shape[1]]
+            torch.testing.assert_close(prompt_b * real, prompt_a * real, rtol=0, atol=1e-5)
+            assert (prompt_b.masked_select(~real) == 0).all() and (b[:, :, ids.shape[1] :] == 0).all()
 
 
 def _chi2_critical(df: int, z: float = 3.719) -> float:
@@ -330,8 +367,10 @@ def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_withou
     decode_before = compiled_sampling_calls["decode"]
     draws(packed)
     decode_steps = compiled_sampling_calls["decode"] - decode_before
-    layers = sum(isinstance(m, PackedLinear) for m in packed.modules())
-    assert decode_steps >= 9 and len(kernel_calls) >= layers * (decode_steps + 1)  # + the eager prefill
+    packed_layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+    products = sum(m.shared is None or m.index == 0 for m in packed_layers)  # q, k, v one matmul; gate and up one
+    assert products == 9 and len(packed_layers) == 15  # 2 layers of (q, k, v) + o + (gate, up) + down, and the LM head
+    assert decode_steps >= 9 and len(kernel_calls) >= products * (decode_steps + 1)  # + the eager prefill
     graphs = counters["stats"]["unique_graphs"]
     with torch.no_grad():
         for model in (plain, packed):
