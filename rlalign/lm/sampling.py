@@ -13,7 +13,8 @@ P + max_new_tokens positions, and the attention mask is one additive 4-D tensor 
 model as-is, so no mask is rebuilt and
 no tensor is concatenated per step; logits are computed for the last position only; there are no
 logits-processor or stopping-criteria objects; the prompt of a group is prefilled once and its
-cache repeated to the group's G rows. Per step the loop does one forward, one softmax and one
+cache repeated to the group's G rows; prompts of different lengths are prefilled side by side,
+several to a row, when that takes fewer rows (:func:`pack_prompts`), so padding is hardly computed. Per step the loop does one forward, one softmax and one
 draw. Eager, the model's own forward is most of the time of a step, so the gain over
 ``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios).
 
@@ -68,7 +69,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from rlalign.lm.models import cache_argument, position_ids_from_mask, releasing_compiler_caches, unwrap_causal_lm
 from rlalign.lm.rollout import Rollout
 
-__all__ = ["SamplingParams", "left_pad", "filter_logits", "inverse_cdf_draw", "cache_bucket", "sample"]
+__all__ = ["SamplingParams", "left_pad", "filter_logits", "inverse_cdf_draw", "cache_bucket", "pack_prompts", "sample"]
 
 RECOMPILE_LIMIT = 64  # compiled versions kept of the decode step and of the draw (torch's default is 8)
 
@@ -202,13 +203,21 @@ def _packed_mask(segment: Tensor, position: Tensor, dtype: torch.dtype, window: 
 
 
 @contextlib.contextmanager
-def _lm_head_on(causal_lm: nn.Module, positions: Tensor) -> Iterator[None]:
+def _lm_head_on(causal_lm: nn.Module, positions: Tensor) -> Iterator[list[bool]]:
     """Inside the block the LM head of ``causal_lm`` sees only the hidden states at ``positions``
     (K,), flat indices over (batch, sequence), as one row (1, K, hidden): logits (1, K, V) for the
-    last tokens of packed prompts, which ``logits_to_keep`` (one set of columns for every row) cannot pick."""
-    handle = causal_lm.get_output_embeddings().register_forward_pre_hook(lambda module, args: (args[0].flatten(0, -2)[positions][None], *args[1:]))
+    last tokens of packed prompts, which ``logits_to_keep`` (one set of columns for every row)
+    cannot pick. Yields a list whose one entry says whether the head ran (a model that multiplies
+    by its embedding matrix itself never calls it: its logits cover every position)."""
+    ran = [False]
+
+    def pick(module: nn.Module, args: tuple) -> tuple:
+        ran[0] = True
+        return (args[0].flatten(0, -2)[positions][None], *args[1:])
+
+    handle = causal_lm.get_output_embeddings().register_forward_pre_hook(pick)
     try:
-        yield
+        yield ran
     finally:
         handle.remove()
 
@@ -223,7 +232,7 @@ def _prefill(
     dtype: torch.dtype,
     window: int | None = None,
     by_layer_type: bool = False,
-    packed: bool = False,
+    rows: list[list[int]] | None = None,
 ) -> Tensor:
     """Run each distinct prompt once (rows 0, G, 2G, ... of the B = N G rows), fill ``cache`` with the
     prompt keys and values of all B rows, and return the logits at the last prompt position. Shape: (B, V).
@@ -231,15 +240,16 @@ def _prefill(
     With G > 1 the N prompts run into a DynamicCache that is then repeated G-fold
     (``batch_repeat_interleave``) and, for a StaticCache, written into its first P slots: the prefill
     does N rows of work instead of B (0.39 s -> 0.09 s for SmolLM2-135M, P = 46, G = 8, N = 2).
-    ``packed``: the prompts run side by side in the rows of :func:`pack_prompts`, each token seeing
+    ``rows`` (:func:`_prompt_rows`): the prompts run side by side in these rows, each token seeing
     its own prompt (:func:`_packed_mask`), and their keys and values are then laid out left-padded in
-    (N, heads, P, head dim), zeros on padding (which the decode masks hide). SmolLM2's shape, 32
-    prompts of 4-12 tokens: 384 -> ~270 tokens (benchmarks/RESULTS_lm.md).
+    (N, heads, P, head dim), zeros on padding (which the decode masks hide). SmolLM2's shape in
+    bfloat16, one core, 32 prompts of 4-12 tokens (251 in all): 23 rows of 12 instead of 32, the
+    prefill 0.50 -> 0.38 s (one row of all 251 tokens: 0.40 s, its (251, 251) attention 2x slower).
     """
     distinct = slice(None, None, group_size)
     ids, mask = prompt_ids[distinct], prompt_mask[distinct]  # (N, P)
-    if packed:
-        return _packed_prefill(model, ids, mask, group_size, cache, dtype, window, by_layer_type)
+    if rows is not None:
+        return _packed_prefill(model, ids, mask, rows, group_size, cache, dtype, window, by_layer_type)
     prompt_len = ids.shape[1]
     prefill_cache = cache if isinstance(cache, DynamicCache) or group_size == 1 else DynamicCache()
     visible = total if isinstance(prefill_cache, StaticCache) else prompt_len  # key columns: the cache's length
@@ -262,19 +272,26 @@ def _prefill(
 
 
 def _packed_prefill(
-    model: nn.Module, ids: Tensor, mask: Tensor, group_size: int, cache: DynamicCache | StaticCache, dtype: torch.dtype, window: int | None, by_layer_type: bool
+    model: nn.Module,
+    ids: Tensor,
+    mask: Tensor,
+    rows: list[list[int]],
+    group_size: int,
+    cache: DynamicCache | StaticCache,
+    dtype: torch.dtype,
+    window: int | None,
+    by_layer_type: bool,
 ) -> Tensor:
-    """:func:`_prefill` of the N distinct prompts ``ids``, ``mask`` (N, P) packed side by side in the rows of :func:`pack_prompts`. Shape: (B, V)."""
+    """:func:`_prefill` of the N distinct prompts ``ids``, ``mask`` (N, P) side by side in ``rows`` (prompt indices). Shape: (B, V)."""
     width = ids.shape[1]
     valid = mask.bool()  # (N, P)
-    lengths = valid.sum(-1)  # (N,)
+    lengths = valid.sum(-1).tolist()
     row_of, start_of = [0] * len(lengths), [0] * len(lengths)
-    rows = pack_prompts(lengths.tolist(), width)
     for row, members in enumerate(rows):
         start = 0
         for index in members:
             row_of[index], start_of[index] = row, start
-            start += int(lengths[index])
+            start += lengths[index]
     within = valid.long().cumsum(-1) - 1  # (N, P) position of a slot's token in its prompt (-1 before it)
     flat = torch.tensor(row_of, device=ids.device)[:, None] * width + torch.tensor(start_of, device=ids.device)[:, None] + within  # (N, P) place in the (R, P) grid
     grid = len(rows) * width
@@ -285,7 +302,8 @@ def _packed_prefill(
     segment = segment.index_put_((flat[valid],), prompt_index[valid]).view(len(rows), width)  # (R, P)
     windowed = None if window is None else _packed_mask(segment, position, dtype, window)
     packed_cache = DynamicCache()
-    with _lm_head_on(unwrap_causal_lm(model), flat[:, -1]):  # each prompt's last token: its slot P - 1
+    last = flat[:, -1]  # (N,) each prompt's last token: its slot P - 1
+    with _lm_head_on(unwrap_causal_lm(model), last) as head_ran:
         logits = model(
             input_ids=packed_ids,
             attention_mask=_model_mask(_packed_mask(segment, position, dtype), windowed, by_layer_type),
@@ -293,7 +311,8 @@ def _packed_prefill(
             **{cache_argument(model): packed_cache},
             use_cache=True,
             logits_to_keep=0,  # every position to the LM head, where _lm_head_on picks N of them
-        ).logits[0]  # (N, V)
+        ).logits
+    logits = logits[0] if head_ran[0] else logits.flatten(0, -2)[last]  # (N, V)
     padding = ~valid[:, None, :, None]  # (N, 1, P, 1)
     slots = torch.arange(width, device=ids.device)
     source = flat.clamp(min=0)  # (N, P); any place on padding
@@ -305,13 +324,15 @@ def _packed_prefill(
     return logits.repeat_interleave(group_size, dim=0)  # (B, V)
 
 
-def _packing_pays(causal_lm: nn.Module, prompt_mask: Tensor) -> bool:
-    """Whether :func:`pack_prompts` puts the N prompts (``prompt_mask`` (N, P)) in fewer than N rows
-    (never for an empty prompt, or a model without an output-embeddings module to pick logits at)."""
+def _prompt_rows(causal_lm: nn.Module, prompt_mask: Tensor) -> list[list[int]] | None:
+    """The rows of :func:`pack_prompts` for the N prompts of ``prompt_mask`` (N, P) when they are
+    fewer than N, else None: the padded prefill (also for an empty prompt, or a model without an
+    output-embeddings module)."""
     lengths = prompt_mask.sum(-1).tolist()
     if len(lengths) < 2 or min(lengths) == 0 or causal_lm.get_output_embeddings() is None:
-        return False
-    return len(pack_prompts(lengths, prompt_mask.shape[1])) < len(lengths)
+        return None
+    rows = pack_prompts(lengths, prompt_mask.shape[1])
+    return rows if len(rows) < len(lengths) else None
 
 
 CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF (SmolLM2's 49152-token vocabulary: 192 blocks)
@@ -554,8 +575,8 @@ def sample(
     next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
 
     fns = _StepFunctions(compile, cache_argument(model))
-    packed = _packing_pays(causal_lm, prompt_mask[::group_size])  # prompts side by side in fewer rows
-    logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype, window, by_layer_type, packed)  # (B, V)
+    rows = _prompt_rows(causal_lm, prompt_mask[::group_size])  # prompts side by side in fewer rows, or None
+    logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype, window, by_layer_type, rows)  # (B, V)
     with contextlib.ExitStack() as stance:
         if compile:
             stance.enter_context(releasing_compiler_caches())

@@ -70,7 +70,7 @@ def test_a_group_shares_one_prefill_and_samples_as_separate_rows_would(tiny_mode
     # group_size G: each distinct prompt is prefilled once and its cache repeated G-fold; with the same
     # uniforms the rows equal those of sampling the G-times repeated prompt list with group_size 1.
     # Padded prefills: packed ones of 3 and of 9 prompts round differently in bfloat16 (next test)
-    monkeypatch.setattr(sampling, "_packing_pays", lambda causal_lm, prompt_mask: False)
+    monkeypatch.setattr(sampling, "_prompt_rows", lambda causal_lm, prompt_mask: None)
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     noise = torch.rand((8, 9), generator=torch.Generator().manual_seed(0))  # (N, B)
     repeated = [p for p in PROMPTS[:3] for _ in range(3)]
@@ -92,30 +92,39 @@ def test_prompts_pack_first_fit_decreasing_by_hand(tiny_llama):
     def mask(*lengths):
         return torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths])
 
-    assert sampling._packing_pays(tiny_llama, mask(4, 1, 2))  # two rows for three prompts
-    assert not sampling._packing_pays(tiny_llama, mask(4, 3))  # no two fit in one row
-    assert not sampling._packing_pays(tiny_llama, mask(4))
+    assert sampling._prompt_rows(tiny_llama, mask(4, 1, 2)) == [[0], [2, 1]]  # two rows for three prompts
+    assert sampling._prompt_rows(tiny_llama, mask(4, 3)) is None  # no two fit in one row: padded
+    assert sampling._prompt_rows(tiny_llama, mask(4)) is None
 
 
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("group_size", [1, 2])
-def test_packed_prefill_gives_the_padded_prefills_logits_and_cache(tiny_model, window, group_size):
-    # the S real tokens of the prompts in one row, each seeing only its own prompt (and window): the
-    # logits and the keys and values at every real slot are the padded prefill's; padding slots hold zeros
+def test_packed_prefill_gives_the_padded_prefills_logits_and_cache(tiny_model, window, group_size, monkeypatch):
+    # the prompts side by side in fewer rows, each token seeing only its own prompt (and window): the
+    # logits and the keys and values at every real slot are the padded prefill's; padding slots hold
+    # zeros. Also for a model whose LM head is not a module it calls (logits then at every position)
     ids, mask = left_pad(PROMPTS, 0)
     ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
+    rows = sampling._prompt_rows(tiny_model, mask[::group_size])
+    assert rows is not None and len(rows) < len(PROMPTS)
     total = ids.shape[1] + 4
-    caches, logits = [], []
-    for packed in (False, True):
-        caches.append(sampling._static_cache(tiny_model.config, total))
-        logits.append(sampling._prefill(tiny_model, ids, mask, group_size, caches[-1], total, torch.float32, window, False, packed))
-    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+
+    def prefill(rows):
+        cache = sampling._static_cache(tiny_model.config, total)
+        return sampling._prefill(tiny_model, ids, mask, group_size, cache, total, torch.float32, window, False, rows), cache
+
+    padded_logits, padded = prefill(None)
     real = mask.bool()[:, None, :, None]  # (B, 1, P, 1)
-    for padded, packed in zip(caches[0].layers, caches[1].layers):
-        for a, b in ((padded.keys, packed.keys), (padded.values, packed.values)):
-            prompt_a, prompt_b = a[:, :, : ids.shape[1]], b[:, :, : ids.shape[1]]
-            torch.testing.assert_close(prompt_b * real, prompt_a * real, rtol=0, atol=1e-5)
-            assert (prompt_b.masked_select(~real) == 0).all() and (b[:, :, ids.shape[1] :] == 0).all()
+    for head_called in (True, False):
+        if not head_called:
+            monkeypatch.setattr(tiny_model, "get_output_embeddings", lambda: torch.nn.Identity())  # a module the forward never calls
+        logits, packed = prefill(rows)
+        torch.testing.assert_close(logits, padded_logits, rtol=0, atol=1e-5)
+        for a, b in zip(padded.layers, packed.layers):
+            for expected, got in ((a.keys, b.keys), (a.values, b.values)):
+                prompt_expected, prompt_got = expected[:, :, : ids.shape[1]], got[:, :, : ids.shape[1]]
+                torch.testing.assert_close(prompt_got * real, prompt_expected * real, rtol=0, atol=1e-5)
+                assert (prompt_got.masked_select(~real) == 0).all() and (got[:, :, ids.shape[1] :] == 0).all()
 
 
 def _chi2_critical(df: int, z: float = 3.719) -> float:
