@@ -27,6 +27,7 @@ import copy
 import functools
 import inspect
 import json
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -357,27 +358,47 @@ SHARED_INPUT_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class SharedProduct:
-    """The sibling layers of one :data:`SHARED_INPUT_LAYERS` group after :func:`pack_linear_layers`:
-    the first sibling called computes x @ [W_1; W_2; ...]^T (the leader's buffer ``packed``) and
-    keeps the parts until every sibling has taken its own. A sibling called on another tensor (by
-    identity) computes the product anew, so the values are always its own layer's; it is only
-    faster. Not a module (nothing is registered twice); ``weights`` and ``biases`` are the siblings'
-    parameters, the same objects."""
+    """The sibling layers of one :data:`SHARED_INPUT_LAYERS` group after :func:`pack_linear_layers`,
+    run as one matmul: ``packed`` holds the blocked concatenation [W_1; W_2; ...] (and ``bias`` the
+    concatenated biases). The first sibling called computes x @ packed^T and keeps the parts until
+    every sibling has taken its own; a sibling called on another tensor (by identity, and, eager,
+    by its in-place version counter) computes the product anew, so each gets its own layer's values.
+    A sibling that does not take its part before the next product (a model that skips a layer,
+    or a forward that raised midway) turns the sharing off for good: each sibling is then
+    ``F.linear`` on its own weight, correct and slower. Not a module; it refers to the siblings
+    weakly (no reference cycle keeps a model's weights alive)."""
 
-    def __init__(self, linears: list[nn.Linear]):
-        self.weights = [linear.weight for linear in linears]
-        self.biases = [linear.bias for linear in linears]
-        self.sizes = [linear.out_features for linear in linears]
-        self.leader: PackedLinear | None = None  # the sibling that holds the concatenated blocked weight
+    def __init__(self, sizes: list[int]):
+        self.sizes = sizes
+        self.siblings: list[Callable[[], PackedLinear | None]] = [lambda: None] * len(sizes)  # weak references, set by PackedLinear
+        self.packed: Tensor | None = None
+        self.bias: Tensor | None = None
+        self.sharing = True
         self.input: Tensor | None = None  # the input of the product in ``parts``, until every sibling took its part
+        self.version = 0  # ``input._version`` then (eager only)
         self.parts: tuple[Tensor, ...] | None = None
         self.unread = 0
 
-    def part(self, index: int, x: Tensor) -> Tensor:
-        if self.input is not x:
-            leader = self.leader
-            product = PackedLinear.product(x, leader.packed, leader.fused_bias, sum(self.sizes))
+    @torch.no_grad()
+    def repack(self) -> None:
+        """The blocked concatenation of the siblings' current weights and biases."""
+        siblings = [sibling() for sibling in self.siblings]
+        if any(sibling is None for sibling in siblings):  # set up, or a sibling is gone: nothing to pack yet
+            return
+        self.packed = PackedLinear.pack(torch.cat([sibling.weight.detach() for sibling in siblings]))
+        self.bias = None if siblings[0].bias is None else torch.cat([sibling.bias.detach() for sibling in siblings])
+
+    def part(self, index: int, x: Tensor) -> Tensor | None:
+        """Sibling ``index``'s output for input ``x``, or None once sharing is off."""
+        eager = not torch.compiler.is_compiling()
+        if self.input is not x or (eager and self.version != x._version):
+            if self.unread:  # the last product was not taken by every sibling
+                self.sharing, self.input, self.parts, self.unread = False, None, None, 0
+            if not self.sharing:
+                return None
+            product = PackedLinear.product(x, self.packed, self.bias, sum(self.sizes))
             self.input, self.parts, self.unread = x, product.split(self.sizes, -1), len(self.sizes)
+            self.version = x._version if eager else 0
         part = self.parts[index]
         self.unread -= 1
         if self.unread == 0:  # every sibling has its part: let go of the tensors
@@ -402,8 +423,8 @@ class PackedLinear(nn.Module):
     buffer ``packed``, costs one more copy of the weight; :meth:`repack` must follow any change to
     ``weight``. Replacing the buffer does not recompile a compiled caller (buffers are graph inputs).
     With ``shared`` (a :class:`SharedProduct`) the layer is sibling ``index`` of a group run as one
-    matmul: sibling 0 holds the blocked concatenation of the group's weights (and ``fused_bias``),
-    the others no blocked copy. SmolLM2's shape, batch 32, compiled decode loop on one core: 7% less
+    matmul, whose blocked weight the group holds (the layer none of its own); :meth:`repack` of any
+    sibling refreshes the group's. SmolLM2's shape, batch 32, compiled decode loop on one core: 7% less
     time a call (benchmarks/RESULTS_lm.md).
     No gradient flows through the packed path: when grad mode is on and the input or a parameter
     needs a gradient, under autocast, or for an input of another dtype, :meth:`forward` is
@@ -416,23 +437,22 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.shared, self.index = shared, index
-        if shared is not None and index == 0:
-            shared.leader = self
+        if shared is not None:
+            shared.siblings[index] = weakref.ref(self)
         self.register_buffer("packed", None, persistent=False)
-        self.register_buffer("fused_bias", None, persistent=False)
         self.repack()
 
     @torch.no_grad()
     def repack(self) -> None:
-        """Refresh the blocked copy from ``weight`` (a group's leader: from all its siblings' weights)."""
+        """Refresh the blocked copy from ``weight`` (a sibling's: the group's, from all siblings' weights)."""
         if self.shared is None:
-            self.packed = self._pack(self.weight)
-        elif self.index == 0:
-            self.packed = self._pack(torch.cat([w.detach() for w in self.shared.weights]))
-            self.fused_bias = None if self.bias is None else torch.cat([b.detach() for b in self.shared.biases])
+            self.packed = self.pack(self.weight)
+        else:
+            self.shared.repack()
 
     @staticmethod
-    def _pack(weight: Tensor) -> Tensor:
+    def pack(weight: Tensor) -> Tensor:
+        """``weight`` (out, in) in oneDNN's blocked layout, an opaque MKLDNN tensor."""
         # the row-count hint hardly changes the layout's speed (1-512 rows tried): any fixed value does
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
 
@@ -448,9 +468,10 @@ class PackedLinear(nn.Module):
         needs_grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type) or torch.is_grad_enabled() and needs_grad:
             return nn.functional.linear(x, self.weight, self.bias)
-        if self.shared is not None:
-            return self.shared.part(self.index, x)
-        return self.product(x, self.packed, self.bias, self.out_features)
+        if self.shared is None:
+            return self.product(x, self.packed, self.bias, self.out_features)
+        part = self.shared.part(self.index, x)
+        return nn.functional.linear(x, self.weight, self.bias) if part is None else part
 
     def extra_repr(self) -> str:
         shared = "" if self.shared is None else f", sibling {self.index} of {len(self.shared.sizes)} run as one matmul"
@@ -487,18 +508,18 @@ def pack_linear_layers(model: nn.Module) -> int:
             if not all(type(linear) is nn.Linear for linear in linears):
                 continue
             if len({(linear.in_features, linear.weight.dtype, linear.weight.device, linear.bias is None) for linear in linears}) == 1:
-                shared = SharedProduct(linears)
+                shared = SharedProduct([linear.out_features for linear in linears])
                 siblings.update({id(linear): (shared, index) for index, linear in enumerate(linears)})
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, *siblings.get(id(child), (None, 0))))
+        setattr(parent, name, PackedLinear(child, *siblings.get(id(child), (None, 0))))  # the group packs when its last sibling exists
     return len(swaps)
 
 
 def repack_linear_layers(model: nn.Module) -> None:
     """Refresh the blocked copies of ``model``'s :class:`PackedLinear` layers after its weights changed."""
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) and (module.shared is None or module.index == 0):  # a group once
             module.repack()
 
 

@@ -175,7 +175,7 @@ def _layer_types(config, window: int | None) -> bool:
 
 def pack_prompts(lengths: Sequence[int], width: int) -> list[list[int]]:
     """Prompt indices by row, the prompts of a row together no longer than ``width`` tokens: first-fit
-    decreasing bin packing (at most 11/9 of the fewest rows plus one; Johnson 1973). The packed
+    decreasing bin packing (at most 11/9 of the fewest rows plus 6/9; Dosa 2007). The packed
     prefill (:func:`_prefill`) runs these rows of width P, the longest prompt, instead of one
     left-padded row per prompt: fewer tokens, and no more attention scores (R P^2 <= N P^2)."""
     rows: list[list[int]] = []

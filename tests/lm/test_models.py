@@ -279,28 +279,51 @@ def test_packed_linear_computes_what_linear_computes(dtype):
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_sibling_layers_run_as_one_matmul_with_each_layers_values(bias):
-    # an attention block's q, k, v: packed as one (56, 32) blocked weight held by q; each sibling's
-    # output is bit for bit its own nn.Linear's (bfloat16), also when called on another input
-    torch.manual_seed(0)
-    block = torch.nn.Module()
-    for name, out in (("q_proj", 32), ("k_proj", 16), ("v_proj", 8), ("o_proj", 32)):
-        setattr(block, name, torch.nn.Linear(32, out, bias=bias, dtype=torch.bfloat16))
-    plain = {name: getattr(block, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    assert pack_linear_layers(block) == 4
-    q, k, v, o = block.q_proj, block.k_proj, block.v_proj, block.o_proj
-    assert o.shared is None and q.shared is k.shared is v.shared and q.shared.leader is q
-    assert tuple(q.packed.shape) != () and k.packed is None and v.packed is None  # one blocked copy, on the leader
+    # an attention block's q, k, v: packed as one (56, 32) blocked weight held by their group; each
+    # sibling's output is bit for bit its own nn.Linear's (bfloat16), also when called on another
+    # input, on the same tensor changed in place, and after a weight is replaced and repacked
+    import gc
+    import weakref
+
+    def block():
+        torch.manual_seed(0)
+        module = torch.nn.Module()
+        for name, out in (("q_proj", 32), ("k_proj", 16), ("v_proj", 8), ("o_proj", 32)):
+            setattr(module, name, torch.nn.Linear(32, out, bias=bias, dtype=torch.bfloat16))
+        return module
+
+    packed, plain = block(), block()
+    assert pack_linear_layers(packed) == 4
+    q, k, v, o = packed.q_proj, packed.k_proj, packed.v_proj, packed.o_proj
+    shared = q.shared
+    assert o.shared is None and q.shared is k.shared is v.shared and q.packed is None and shared.packed is not None
+    names = ("q_proj", "k_proj", "v_proj")
+
+    def matches(x, *which):
+        return all(torch.equal(getattr(packed, name)(x), getattr(plain, name)(x)) for name in which)
+
     x, other = torch.randn(5, 32, dtype=torch.bfloat16), torch.randn(2, 3, 32, dtype=torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(q(x), plain["q_proj"](x)) and q.shared.input is x and q.shared.unread == 2
-        assert torch.equal(k(other), plain["k_proj"](other))  # another input: the product anew
-        assert torch.equal(v(other), plain["v_proj"](other)) and torch.equal(q(other), plain["q_proj"](other))
-        assert q.shared.input is None and q.shared.parts is None  # every sibling took its part: released
-        for name in ("k_proj", "v_proj"):  # a non-leader's weight changes: the leader's repack sees it
-            plain[name].weight.mul_(-1.5)
-        repack_linear_layers(block)
-        assert all(torch.equal(getattr(block, name)(x), plain[name](x)) for name in ("q_proj", "k_proj", "v_proj"))
+        assert matches(x, "q_proj") and shared.input is x and shared.unread == 2
+        assert matches(x, "k_proj", "v_proj") and shared.input is None and shared.parts is None  # every sibling took its part: released
+        assert matches(other, *names) and shared.sharing
+        for name in ("k_proj", "v_proj"):  # new parameter objects (load_state_dict(assign=True)); one sibling's repack refreshes the group
+            getattr(plain, name).weight.mul_(-1.5)
+            getattr(packed, name).weight = torch.nn.Parameter(getattr(plain, name).weight.clone(), requires_grad=False)
+        v.repack()
+        assert matches(x, *names) and shared.sharing
+        assert matches(x, "q_proj")
+        x.mul_(2.0)  # changed in place after q took its part: k does not take the stale one, and sharing goes off
+        assert matches(x, "k_proj", "v_proj") and not shared.sharing and shared.parts is None
+        assert matches(x, *names) and matches(other, "k_proj", "q_proj")  # from now on each sibling is F.linear
     assert "sibling 1 of 3" in repr(k)
+    gc.disable()  # no reference cycle: a packed model is freed without the cyclic collector
+    try:
+        gone = weakref.ref(packed.q_proj)
+        del packed, q, k, v, o, shared
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 @needs_onednn

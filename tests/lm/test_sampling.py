@@ -384,6 +384,7 @@ def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_withou
     with torch.no_grad():
         for model in (plain, packed):
             model.get_output_embeddings().weight.mul_(3.0)  # sharper distributions: other draws from the same uniforms
+            model.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # and a layer of a group run as one matmul
     repack_linear_layers(packed)  # a new packed buffer: a graph input, so no recompile
     after = draws(packed)
     assert counters["stats"]["unique_graphs"] == graphs
