@@ -360,11 +360,11 @@ SHARED_INPUT_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class SharedProduct:
     """The sibling layers of one :data:`SHARED_INPUT_LAYERS` group after :func:`pack_linear_layers`,
     run as one matmul: ``packed`` holds the blocked concatenation [W_1; W_2; ...] (and ``bias`` the
-    concatenated biases). The first sibling called computes x @ packed^T and keeps the parts until
-    every sibling has taken its own; a sibling called on another tensor (by identity, and, eager,
-    by its in-place version counter) computes the product anew, so each gets its own layer's values.
-    A sibling that does not take its part before the next product (a model that skips a layer,
-    or a forward that raised midway) turns the sharing off for good: each sibling is then
+    concatenated biases). The first sibling called on an input computes x @ packed^T and keeps the
+    parts until every sibling has taken its own. A sibling called on another tensor (by identity,
+    and, eager, by the in-place version counter unless under ``torch.inference_mode``) while parts
+    are still untaken (a model that skips a sibling or feeds them different inputs, a tensor changed
+    in place, a forward that raised midway) turns the sharing off for good: each sibling is then
     ``F.linear`` on its own weight, correct and slower. Not a module; it refers to the siblings
     weakly (no reference cycle keeps a model's weights alive)."""
 
@@ -375,7 +375,7 @@ class SharedProduct:
         self.bias: Tensor | None = None
         self.sharing = True
         self.input: Tensor | None = None  # the input of the product in ``parts``, until every sibling took its part
-        self.version = 0  # ``input._version`` then (eager only)
+        self.version = 0  # ``input._version`` then (eager, outside inference mode)
         self.parts: tuple[Tensor, ...] | None = None
         self.unread = 0
 
@@ -390,15 +390,15 @@ class SharedProduct:
 
     def part(self, index: int, x: Tensor) -> Tensor | None:
         """Sibling ``index``'s output for input ``x``, or None once sharing is off."""
-        eager = not torch.compiler.is_compiling()
-        if self.input is not x or (eager and self.version != x._version):
+        versioned = not torch.compiler.is_compiling() and not x.is_inference()  # inference tensors have no version counter
+        if self.input is not x or (versioned and self.version != x._version):
             if self.unread:  # the last product was not taken by every sibling
                 self.sharing, self.input, self.parts, self.unread = False, None, None, 0
             if not self.sharing:
                 return None
             product = PackedLinear.product(x, self.packed, self.bias, sum(self.sizes))
             self.input, self.parts, self.unread = x, product.split(self.sizes, -1), len(self.sizes)
-            self.version = x._version if eager else 0
+            self.version = x._version if versioned else 0
         part = self.parts[index]
         self.unread -= 1
         if self.unread == 0:  # every sibling has its part: let go of the tensors
