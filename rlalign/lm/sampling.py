@@ -14,7 +14,8 @@ model as-is, so no mask is rebuilt and
 no tensor is concatenated per step; logits are computed for the last position only; there are no
 logits-processor or stopping-criteria objects; the prompt of a group is prefilled once and its
 cache repeated to the group's G rows; prompts of different lengths are prefilled side by side,
-several to a row, when that takes fewer rows (:func:`pack_prompts`), so padding is hardly computed. Per step the loop does one forward, one softmax and one
+several to a row, when that takes fewer rows (:func:`pack_prompts`), so padding is hardly
+computed. Per step the loop does one forward, one softmax and one
 draw. Eager, the model's own forward is most of the time of a step, so the gain over
 ``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios).
 
@@ -147,8 +148,12 @@ def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype, window: 
     k = torch.arange(total, device=prompt_valid.device)[None, :]  # (1, L)
     seen = (k <= q) if window is None else (k <= q) & (k > q - window)  # (P, L)
     allowed = (seen[None] & key_valid[:, None, :]) | (k == q)[None]  # (B, P, L)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=prompt_valid.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # (B, 1, P, L)
+    return _additive_mask(allowed, dtype)  # (B, 1, P, L)
+
+
+def _additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where ``allowed`` (B, Q, K), the dtype's minimum elsewhere, as the model's (B, 1, Q, K) attention mask."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def _model_mask(full: Tensor, windowed: Tensor | None, by_layer_type: bool) -> Tensor | dict[str, Tensor]:
@@ -198,8 +203,7 @@ def _packed_mask(segment: Tensor, position: Tensor, dtype: torch.dtype, window: 
     seen = (segment[:, :, None] == segment[:, None, :]) & (position[:, None, :] <= position[:, :, None])  # (R, T, T)
     if window is not None:
         seen &= position[:, None, :] > position[:, :, None] - window
-    mask = torch.zeros(seen.shape, dtype=dtype, device=position.device)
-    return mask.masked_fill_(~seen, torch.finfo(dtype).min)[:, None]  # (R, 1, T, T)
+    return _additive_mask(seen, dtype)  # (R, 1, T, T)
 
 
 @contextlib.contextmanager
