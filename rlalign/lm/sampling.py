@@ -19,13 +19,16 @@ computed. Per step the loop does one forward, one softmax and one
 draw. Eager, the model's own forward is most of the time of a step, so the gain over
 ``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios).
 
-``compile=True`` runs the decode step and the draw through ``torch.compile`` with static shapes.
+``compile=True`` runs the decode step, with the draw of the next token in it, through
+``torch.compile`` with static shapes (the first token's draw, from the prefill's logits, is compiled
+on its own).
 The cache length is rounded up by :func:`cache_bucket`, so prompts of nearby lengths share one
 compiled version; a new batch size, bucket, model dtype or attention kernel compiles another (at
 most ``RECOMPILE_LIMIT`` per process; past that a call warns and runs eager). From the third
 step of a call on, ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` skips the guards
-that cannot tell the process's compiled versions apart: both functions have by then passed their
-full guards, and the model, the cache object and the shapes stay the same; a guard that would
+that cannot tell the process's compiled versions apart: the decode step has by then passed its
+full guards twice (the first draw runs before the loop, with its full guards), and the model, the
+cache object and the shapes stay the same; a guard that would
 fail raises rather than run a wrong version. The graph reads the parameters when it runs, so
 in-place weight updates need no recompile. Inside the compiled step the model runs its "eager"
 attention, which inductor fuses (:func:`_attention_implementation`). This removes most of
@@ -391,15 +394,33 @@ def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tup
     return token, probs.gather(-1, token[:, None]).squeeze(-1).log()  # log p of a drawn token: p > 0, round-off ~1e-7 relative
 
 
-def _decode_step(
+def _next_logits(
     model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache, cache_keyword: str
 ) -> Tensor:
-    """One decode step: the logits (B, V) after feeding ``token`` (B,) at ``position_ids`` (B, 1);
+    """The logits (B, V) after feeding ``token`` (B,) at ``position_ids`` (B, 1);
     ``step_mask``: the additive mask (B, 1, 1, L), or one per layer type (:func:`_model_mask`);
     ``cache_keyword``: :func:`~rlalign.lm.models.cache_argument` of the model (found outside the compiled step)."""
     return model(
         input_ids=token[:, None], attention_mask=step_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1, **{cache_keyword: cache}
     ).logits[:, -1, :]
+
+
+def _decode_step(
+    model: nn.Module,
+    token: Tensor,
+    step_mask: Tensor | dict[str, Tensor],
+    position_ids: Tensor,
+    cache: DynamicCache | StaticCache,
+    cache_keyword: str,
+    params: SamplingParams,
+    uniform: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """One decode step: feed ``token`` (B,) (:func:`_next_logits`) and draw the next token from the
+    logits (:func:`_draw`). Returns the token (B,) and its log-prob (B,). Compiled, the step and the
+    draw are one call: one guard check and one graph wrapper a step instead of two. SmolLM2's shape,
+    bfloat16, packed, one core, 32 tokens (the same tokens and log-probs): 2509 -> 2442 ms a call at
+    batch 32, 4697 -> 4470 ms at batch 64 (RESULTS_lm.md)."""
+    return _draw(_next_logits(model, token, step_mask, position_ids, cache, cache_keyword), params, uniform)
 
 
 # Inductor lowers a one-query-row attention matmul on the CPU to a multiply-and-sum that inlines its
@@ -437,8 +458,11 @@ class _StepFunctions:
     def draw(self, logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
         return self._call(_compiled_draw, _draw, logits, params, uniform)
 
-    def decode(self, model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache) -> Tensor:
-        return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache, self.cache_keyword)
+    def decode(
+        self, model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache,
+        params: SamplingParams, uniform: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache, self.cache_keyword, params, uniform)
 
 
 @contextlib.contextmanager
@@ -585,10 +609,10 @@ def sample(
         if compile:
             stance.enter_context(releasing_compiler_caches())
             stance.enter_context(_attention_implementation(causal_lm, "eager"))
+        token, token_logp = fns.draw(logits, params, None if noise is None else noise[0])  # (B,), (B,): the first token, from the prefill's logits
         for t in range(steps):
-            if fns.compiled and t == 2:  # both functions have passed their guards twice (the draw on prefill and on decode logits)
+            if fns.compiled and t == 2:  # the decode step has passed its full guards twice (the draw ran once, before the loop)
                 stance.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
-            token, token_logp = fns.draw(logits, params, None if noise is None else noise[t])  # (B,), (B,)
             alive = ~finished  # (B,)
             token = torch.where(alive, token, pad_token_id)
             completion_ids[:, t] = token
@@ -604,7 +628,7 @@ def sample(
                     window_mask[:, 0, 0, prompt_len + t - window] = torch.finfo(dtype).min  # leaves the window of query slot prompt_len + t
             columns = visible(prompt_len + t + 1)
             attention_mask = _model_mask(step_mask[..., :columns], None if window_mask is None else window_mask[..., :columns], by_layer_type)
-            logits = fns.decode(model, token, attention_mask, next_position + t, cache)  # (B, V)
+            token, token_logp = fns.decode(model, token, attention_mask, next_position + t, cache, params, None if noise is None else noise[t + 1])  # (B,), (B,)
 
     used = int(completion_mask.any(0).nonzero().max()) + 1  # drop trailing all-padding columns
     return Rollout(
