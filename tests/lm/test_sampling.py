@@ -281,11 +281,12 @@ def test_cache_buckets_by_hand():
     assert [cache_bucket(n) for n in (1, 16, 17, 64, 65, 80, 81, 128, 129, 200, 1000, 1025)] == [16, 16, 32, 64, 80, 80, 96, 128, 160, 224, 1024, 1280]
 
 
-def test_past_the_cap_on_compiled_versions_a_call_warns_and_runs_eager(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("capped_function", ["_compiled_draw", "_compiled_decode_step"])  # the first token's draw; the steps (with their draws)
+def test_past_the_cap_on_compiled_versions_a_call_warns_and_runs_eager(tiny_llama, monkeypatch, capped_function):
     def capped(*args):
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit reached")
 
-    monkeypatch.setattr(sampling, "_compiled_draw", capped)
+    monkeypatch.setattr(sampling, capped_function, capped)
     params = SamplingParams(max_new_tokens=6)
     noise = torch.rand((6, 4), generator=torch.Generator().manual_seed(0))
     with pytest.warns(RuntimeWarning, match="compiled versions"):
