@@ -5,6 +5,7 @@
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --dtype bfloat16 --threads 1 --batch 8 16 --new-tokens 32 --packed
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --group-size 8 --prompt-len 200 256 --batch 8 16
     python benchmarks/sampling_vs_generate.py --model smollm2-shape --dtype bfloat16 --threads 1 --batch 8 32 --new-tokens 32 --packed --compile --matmuls
+    python benchmarks/sampling_vs_generate.py --model tiny --ours-dtype bfloat16 --packed --threads 1 --compile --batch 8 64
 
 ``--group-size G`` samples G completions of each of B / G prompts, as GRPO does: ours with
 ``group_size=G`` (each prompt prefilled once, its cache repeated), ``generate`` with
@@ -14,6 +15,11 @@ Both sample at temperature 1 with no EOS (every row runs ``--new-tokens`` tokens
 left-padded prompts of different lengths. Throughput = B * new tokens / wall time; each
 configuration is timed ``--repeats`` times, alternating which of the two runs first, and the
 median is reported.
+
+``--ours-dtype bfloat16`` on a float32 ``--model``: each side at its fastest setting where
+``generate`` is fastest in float32 (the tiny model, whose float32 matmuls are small): ``generate``
+on the float32 model, ours on a bfloat16 copy of it, as training samples with
+``sampling.dtype: bfloat16`` (its distribution is the bfloat16 model's, not the float32 one's).
 
 ``--matmuls`` then runs each side once more under the torch profiler and sums the time of its
 matrix multiplies (the linear layers and the LM head: ``aten::mm`` / ``addmm``, oneDNN's
@@ -37,7 +43,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlalign.lm.models import can_pack_linear, pack_linear_layers
+from rlalign.lm.models import can_pack_linear, cast_copy, pack_linear_layers
 from rlalign.lm.sampling import SamplingParams, left_pad, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
 
@@ -103,7 +109,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's dtype: generate's, and ours unless --ours-dtype")
+    parser.add_argument("--ours-dtype", choices=["float32", "bfloat16"], default=None,
+                        help="ours on a copy of the model cast to this dtype (what training's sampling.dtype does), generate on the model itself")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--group-size", type=int, default=1, help="completions per prompt (batch / group-size prompts)")
     parser.add_argument("--compile", action="store_true", help="ours with sample(compile=True): the decode step compiled by torch.compile (first call per shape compiles)")
@@ -116,18 +124,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     model = build_model(args.model, dtype, args.device)
-    ours_model = model
+    ours_dtype = args.ours_dtype or args.dtype
+    ours_model = model if ours_dtype == args.dtype else cast_copy(model, ours_dtype)
     if args.packed:
-        if not can_pack_linear(model):
+        if not can_pack_linear(ours_model):
             raise SystemExit("--packed: no oneDNN kernels for this device and dtype")
-        ours_model = copy.deepcopy(model)  # the same weights; generate keeps the plain nn.Linear ones
+        ours_model = copy.deepcopy(ours_model) if ours_model is model else ours_model  # the same weights; generate keeps the plain nn.Linear ones
         pack_linear_layers(ours_model)
     vocab = model.config.vocab_size
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    print(f"model={args.model} params={sum(p.numel() for p in model.parameters()) / 1e6:.1f}M dtype={args.dtype} device={device_name} "
+    print(f"model={args.model} params={sum(p.numel() for p in model.parameters()) / 1e6:.1f}M dtype={args.dtype} ours_dtype={ours_dtype} device={device_name} "
           f"new_tokens={args.new_tokens} packed={args.packed} repeats={args.repeats} group_size={args.group_size} prompt_len={args.prompt_len} torch={torch.__version__}")
-    print("| batch | ours tokens/s | generate tokens/s | speed-up |")
-    print("|---:|---:|---:|---:|")
+    # generate on a copy in ours' dtype too, so one run shows which dtype is generate's fastest
+    generate_cast = None if ours_dtype == args.dtype else cast_copy(model, ours_dtype)
+    extra = f" generate {ours_dtype} tokens/s |" if generate_cast is not None else ""
+    print(f"| batch | ours tokens/s | generate tokens/s | speed-up |{extra}")
+    print("|---:|---:|---:|---:|" + ("---:|" if extra else ""))
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch:
         if batch % args.group_size:
@@ -137,21 +149,23 @@ def main() -> None:
         ids, mask = left_pad(prompts, 0, args.device)
         run = (args.new_tokens, args.device, args.group_size)
         ours_run = lambda: time_ours(ours_model, ids, mask, *run, compile=args.compile)  # noqa: E731
-        warm = ours_run()  # warm-up both (and compile)
+        sides = {"ours": ours_run, "generate": lambda: time_generate(model, ids, mask, *run)}
+        if generate_cast is not None:
+            sides["generate_cast"] = lambda: time_generate(generate_cast, ids, mask, *run)
+        warm = ours_run()  # warm-up every side (and compile)
         if args.compile:
             print(f"batch {batch}: first call (compiling) {warm:.1f} s", flush=True)
-        time_generate(model, ids, mask, *run)
-        ours, theirs = [], []
-        for rep in range(args.repeats):
-            if rep % 2 == 0:
-                ours.append(ours_run())
-                theirs.append(time_generate(model, ids, mask, *run))
-            else:
-                theirs.append(time_generate(model, ids, mask, *run))
-                ours.append(ours_run())
+        times = {name: [] for name in sides}
+        for rep in range(args.repeats + 1):  # the first round is a warm-up, not timed
+            for name in list(sides) if rep % 2 == 0 else list(sides)[::-1]:  # alternate which runs first
+                seconds = sides[name]()
+                if rep:
+                    times[name].append(seconds)
+        ours, theirs = times["ours"], times["generate"]
         tokens = batch * args.new_tokens
         ours_tps, gen_tps = tokens / statistics.median(ours), tokens / statistics.median(theirs)
-        print(f"| {batch} | {ours_tps:,.0f} | {gen_tps:,.0f} | {ours_tps / gen_tps:.2f}x |", flush=True)
+        extra = f" {tokens / statistics.median(times['generate_cast']):,.0f} |" if generate_cast is not None else ""
+        print(f"| {batch} | {ours_tps:,.0f} | {gen_tps:,.0f} | {ours_tps / gen_tps:.2f}x |{extra}", flush=True)
         if args.matmuls:
             ours_mm, gen_mm = matmul_seconds(ours_run), matmul_seconds(lambda: time_generate(model, ids, mask, *run))
             ours_s, gen_s = statistics.median(ours), statistics.median(theirs)
