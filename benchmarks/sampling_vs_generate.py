@@ -137,9 +137,9 @@ def main() -> None:
           f"new_tokens={args.new_tokens} packed={args.packed} repeats={args.repeats} group_size={args.group_size} prompt_len={args.prompt_len} torch={torch.__version__}")
     # generate on a copy in ours' dtype too, so one run shows which dtype is generate's fastest
     generate_cast = None if ours_dtype == args.dtype else cast_copy(model, ours_dtype)
-    extra = f" generate {ours_dtype} tokens/s |" if generate_cast is not None else ""
-    print(f"| batch | ours tokens/s | generate tokens/s | speed-up |{extra}")
-    print("|---:|---:|---:|---:|" + ("---:|" if extra else ""))
+    cast_header = f" generate {ours_dtype} tokens/s |" if generate_cast is not None else ""
+    print(f"| batch | ours tokens/s | generate tokens/s | speed-up |{cast_header}")
+    print("|---:|---:|---:|---:|" + ("---:|" if cast_header else ""))
     gen = torch.Generator().manual_seed(0)
     for batch in args.batch:
         if batch % args.group_size:
@@ -164,8 +164,8 @@ def main() -> None:
         ours, theirs = times["ours"], times["generate"]
         tokens = batch * args.new_tokens
         ours_tps, gen_tps = tokens / statistics.median(ours), tokens / statistics.median(theirs)
-        extra = f" {tokens / statistics.median(times['generate_cast']):,.0f} |" if generate_cast is not None else ""
-        print(f"| {batch} | {ours_tps:,.0f} | {gen_tps:,.0f} | {ours_tps / gen_tps:.2f}x |{extra}", flush=True)
+        cast_cell = f" {tokens / statistics.median(times['generate_cast']):,.0f} |" if generate_cast is not None else ""
+        print(f"| {batch} | {ours_tps:,.0f} | {gen_tps:,.0f} | {ours_tps / gen_tps:.2f}x |{cast_cell}", flush=True)
         if args.matmuls:
             ours_mm, gen_mm = matmul_seconds(ours_run), matmul_seconds(lambda: time_generate(model, ids, mask, *run))
             ours_s, gen_s = statistics.median(ours), statistics.median(theirs)
