@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -428,8 +428,25 @@ def _decode_step(
 # position: a pointwise input of more than 4 ops is now computed once into a buffer. SmolLM2's shape,
 # batch 16, 48 cache slots, one core: that attention kernel 260 -> 65 us a layer (RESULTS_lm.md).
 _DECODE_INDUCTOR_OPTIONS = {"realize_cpu_opcount_threshold": 4}
-_compiled_decode_step = torch.compile(_decode_step, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT, options=_DECODE_INDUCTOR_OPTIONS)
-_compiled_draw = torch.compile(_draw, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+
+
+class _CompiledOnFirstCall:
+    """``torch.compile(fn, **options)``, made at the first call. Calling ``torch.compile`` imports
+    dynamo's backends (AOT autograd, its partitioner, networkx: ~380 modules), which a process that
+    only samples eagerly never needs: the tiny model's GRPO step without compile options 419 -> 399 MB
+    resident after 30 steps (benchmarks/RESULTS_speed.md 5.17)."""
+
+    def __init__(self, fn: Callable, **options):
+        self.fn, self.options, self.compiled = fn, options, None
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, **self.options)
+        return self.compiled(*args)
+
+
+_compiled_decode_step = _CompiledOnFirstCall(_decode_step, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT, options=_DECODE_INDUCTOR_OPTIONS)
+_compiled_draw = _CompiledOnFirstCall(_draw, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
 
 
 class _StepFunctions:

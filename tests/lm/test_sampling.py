@@ -294,6 +294,40 @@ def test_past_the_cap_on_compiled_versions_a_call_warns_and_runs_eager(tiny_llam
     assert torch.equal(compiled.completion_ids, sample(tiny_llama, PROMPTS, params, 0, [EOS], noise=noise).completion_ids)
 
 
+_SAMPLE_EAGERLY = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import rlalign.train.grpo
+from rlalign.lm.sampling import SamplingParams, sample
+model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+sample(model, [[1, 5, 6], [1, 7]], SamplingParams(max_new_tokens=3), 0, [2])
+print([name in sys.modules for name in ("torch._functorch.aot_autograd", "networkx")])
+"""
+
+
+def test_a_process_that_samples_eagerly_never_imports_the_compile_backends():
+    # calling torch.compile imports dynamo's backends (~20 MB resident), so the sampler calls it at its first compiled call
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _SAMPLE_EAGERLY], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["[False, False]"]
+
+
+def test_compiled_on_first_call_compiles_once_with_its_options():
+    def double(x):
+        return x * 2
+
+    compiled = sampling._CompiledOnFirstCall(double, fullgraph=True, dynamic=False)
+    assert compiled.compiled is None
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+    made = compiled.compiled
+    assert made._torchdynamo_orig_callable is double  # torch.compile's wrapper of this function
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0)) and compiled.compiled is made
+
+
 def _sliding_window_model(kind: str):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
