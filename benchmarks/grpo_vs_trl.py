@@ -41,7 +41,10 @@ How it is measured. Each side runs in its own worker subprocess that loads its m
 then waits; the parent hands out blocks of ``--block`` steps in turn (rlalign, rlalign-bf16, TRL
 float32, TRL bf16, rlalign, ...), so exactly one side computes at any time and slow drift of the
 machine's load hits all sides alike. Peak RSS is each worker's own ``getrusage(RUSAGE_SELF).ru_maxrss``: its
-models, optimiser and activations, nothing of the other sides. A step is, on both sides, prompt
+models, optimiser and activations, nothing of the other sides. The TRL worker imports of rlalign
+only ``rlalign.tasks`` (the prompts and the reward); the parent computes rlalign's prompt order
+for it (until the tenth session it imported ``rlalign.train.common`` for that, 11-30 MB of
+rlalign's imports in TRL's peak). A step is, on both sides, prompt
 batch -> sampling -> reward -> reference log-probs -> policy forward/backward -> clip -> AdamW
 step: rlalign's ``grpo_step`` call; for TRL the time from the end of the previous step's logging to
 ``on_step_end`` (batch fetch, ``training_step`` with generation, clip, optimiser, scheduler). The
@@ -221,8 +224,7 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
 
     rss_import = lb.current_rss_mb()
     path, records, reward_fn = setting(spec)
-    order = step_prompt_indices(len(records), spec["steps"], spec["prompts_per_step"], spec["seed"])
-    dataset = Dataset.from_list([records[i] for batch in order for i in batch])
+    dataset = Dataset.from_list([records[i] for batch in spec["prompt_order"] for i in batch])
     batch = spec["prompts_per_step"] * spec["group_size"]
     args = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
@@ -408,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model_path = lb.smollm2_checkpoint()
     spec = {"config": args.config, "model_path": str(model_path), "steps": args.steps, "threads": args.threads, "seed": args.seed, **CONFIGS[args.config]}
+    # rlalign's prompt order, computed here: the TRL worker then imports no more of rlalign than the task's prompts and reward
+    spec["prompt_order"] = step_prompt_indices(len(setting(spec)[1]), spec["steps"], spec["prompts_per_step"], spec["seed"])
     log_dir = Path(tempfile.mkdtemp(prefix=f"grpo_vs_trl_{args.config}_"))
     print(f"worker logs in {log_dir}", file=sys.stderr)
     load_before = lb.machine_load()
