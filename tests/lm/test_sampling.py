@@ -316,7 +316,7 @@ def test_a_process_that_samples_eagerly_never_imports_the_compile_backends():
     assert proc.stdout.splitlines() == ["[False, False]"]
 
 
-def test_compiled_on_first_call_compiles_once_with_its_options():
+def test_compiled_on_first_call_compiles_at_the_first_call_and_only_then():
     def double(x):
         return x * 2
 
