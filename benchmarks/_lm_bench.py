@@ -161,7 +161,19 @@ def chat_arithmetic_records(n: int, seed: int = 0) -> list[dict]:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far (getrusage ru_maxrss, KiB on Linux), in MiB."""
+    """Peak resident set size of this process so far, in MiB: ``VmHWM`` of /proc/self/status, the
+    high-water mark of this process's own memory. ``getrusage(RUSAGE_SELF).ru_maxrss`` is not that
+    for a subprocess: Linux carries the parent's peak over into the child at ``exec`` (a child of a
+    parent that once held 800 MB reports ru_maxrss >= 800 MB, measured), so a benchmark worker
+    started by a parent that had trained or converted a model reported the parent's peak. Falls back
+    to ru_maxrss where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

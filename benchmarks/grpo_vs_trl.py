@@ -40,8 +40,9 @@ bfloat16 autocast, which TRL enables on CPU too).
 How it is measured. Each side runs in its own worker subprocess that loads its models once and
 then waits; the parent hands out blocks of ``--block`` steps in turn (rlalign, rlalign-bf16, TRL
 float32, TRL bf16, rlalign, ...), so exactly one side computes at any time and slow drift of the
-machine's load hits all sides alike. Peak RSS is each worker's own ``getrusage(RUSAGE_SELF).ru_maxrss``: its
-models, optimiser and activations, nothing of the other sides. The TRL worker imports of rlalign
+machine's load hits all sides alike. Peak RSS is each worker's own high-water mark (``VmHWM``; until
+the eleventh session ``ru_maxrss``, which a worker inherits from the parent's peak: see
+``_lm_bench.peak_rss_mb``): its models, optimiser and activations, nothing of the other sides. The TRL worker imports of rlalign
 only ``rlalign.tasks`` (the prompts and the reward); the parent computes rlalign's prompt order
 for it (until the tenth session it imported ``rlalign.train.common`` for that, 11-30 MB of
 rlalign's imports in TRL's peak). A step is, on both sides, prompt

@@ -21,7 +21,7 @@ The reward model and critic are SmolLM2's backbone with a fresh scalar head (no 
 training is needed for a memory measurement).
 
 Measured per variant: RSS after imports (the baseline: Python, torch, transformers), and peak
-RSS (``getrusage ru_maxrss``) after the step(s). transformers maps the safetensors weights from the
+RSS (``VmHWM``, ``_lm_bench.peak_rss_mb``) after the step(s). transformers maps the safetensors weights from the
 file; RSS counts every resident mapped page, so each loaded copy counts once it has been read.
 Reported next to the seeds' estimate (weights only: PPO ~4x the policy, GRPO ~3x with a reward
 model, 2x without) and the full count: W = parameters x 4 bytes per model held, plus gradient and

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -387,3 +390,34 @@ def test_compiler_caches_released_only_after_a_compile(monkeypatch):
     assert not linecache.cache
     torch.testing.assert_close(fn(x), first, rtol=0, atol=0)
     torch.testing.assert_close(first, torch.sin(x) * 2 + 1)
+
+
+def test_compiling_inside_releasing_compiler_caches_skips_the_guard_profile():
+    """dynamo flushes the CPU caches with a fresh 32 MiB buffer to time each new graph's guards, which
+    sets the process's peak memory that far above its resident memory; a compile inside
+    releasing_compiler_caches does not, one outside it still does (so the mechanism is still there to
+    skip), and the guards still work: a changed input shape recompiles. In a fresh process, where the
+    peak (VmHWM) is not already above the resident memory (VmRSS)."""
+    script = textwrap.dedent(
+        """
+        import torch
+        from rlalign.lm.models import releasing_compiler_caches
+
+        def peak_over_resident_mib():
+            status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+            return (int(status["VmHWM"].split()[0]) - int(status["VmRSS"].split()[0])) / 1024
+
+        inside = torch.compile(lambda x: x * 3 - 1, backend="eager")
+        outside = torch.compile(lambda x: x * 2 + 1, backend="eager")
+        with releasing_compiler_caches():
+            assert inside(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+            assert inside(torch.ones(2, 2)).tolist() == [[2.0, 2.0], [2.0, 2.0]]  # guards failed: a second graph
+        print(peak_over_resident_mib())
+        outside(torch.ones(3))
+        print(peak_over_resident_mib())
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    inside_mib, outside_mib = map(float, result.stdout.split())
+    assert inside_mib < 12, result.stdout
+    assert outside_mib > 24, result.stdout
