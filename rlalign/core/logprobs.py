@@ -14,8 +14,10 @@ is recomputed chunk by chunk straight into a gradient of the logits' own dtype.
 Measured peak RSS growth over the inputs, forward + backward, B=4 T=512 V=32000, temperature 0.7
 (``python benchmarks/logprobs_memory.py [--dtype bfloat16]``, one fresh process per variant):
 
-    float32 logits (250 MB):   naive 757 MB (3.0x the logits)   here 306 MB (1.2x)   ratio 0.40
-    bfloat16 logits (125 MB):  naive 757 MB (6.1x the logits)   here 186 MB (1.5x)   ratio 0.25
+    float32 logits (250 MB):   naive 757 MB (3.0x the logits)   here 275 MB (1.1x)   ratio 0.36
+    bfloat16 logits (125 MB):  naive 757 MB (6.1x the logits)   here 150 MB (1.2x)   ratio 0.20
+
+(306 and 186 MB before every chunk worked in the same two buffers, 9b413c2.)
 
 Most of what remains is the logits' gradient itself, which any method must return.
 """
@@ -41,6 +43,26 @@ def _rows_per_chunk(vocab: int, chunk_elements: int) -> int:
     return max(1, chunk_elements // max(vocab, 1))
 
 
+def _workspaces(flat_logits: Tensor, rows: int, dtype: torch.dtype, pair: bool = True) -> tuple[Tensor, Tensor | None]:
+    """One chunk's worth of ``dtype`` values, (min(rows, N), V), twice (once unless ``pair``): every
+    chunk works in the same buffers. A fresh tensor per chunk and per operation cost more than the
+    arithmetic on it: such a buffer (16 MB at the default chunk) comes from the OS as new pages, and
+    each page faults on first touch (SmolLM2's (496, 49152) logits, one core, measured in
+    benchmarks/RESULTS_speed.md 5.18)."""
+    shape = (min(rows, flat_logits.shape[0]), flat_logits.shape[1])
+    first = torch.empty(shape, dtype=dtype, device=flat_logits.device)
+    return first, (torch.empty_like(first) if pair else None)
+
+
+def _logsumexp(values: Tensor, work: Tensor) -> Tensor:
+    """``torch.logsumexp(values, -1)`` with its (n, V) temporaries in ``work`` (same shape), the same
+    operations in the same order as torch's CPU kernel (max, a max of +-inf taken as 0, exp of the
+    difference, sum, log, add the max back), so the same values bit for bit. Shape: (n,)."""
+    maxes = values.amax(dim=-1, keepdim=True)  # (n, 1)
+    maxes.masked_fill_(maxes.abs() == float("inf"), 0)
+    return torch.sub(values, maxes, out=work).exp_().sum(-1).log_().add_(maxes.squeeze(-1))
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, chunk_elements: int, with_entropy: bool = False):
@@ -52,17 +74,19 @@ class _TokenLogprobs(torch.autograd.Function):
         logsumexp = torch.empty_like(logp)  # (N,)
         entropy = torch.empty_like(logp) if with_entropy else None  # (N,)
         rows = _rows_per_chunk(vocab, chunk_elements)
+        chunk_copy, chunk_work = _workspaces(flat_logits, rows, compute_dtype)  # (n, V) each, reused by every chunk
         for start in range(0, flat_logits.shape[0], rows):
-            scaled = flat_logits[start : start + rows].to(compute_dtype, copy=True)  # (n, V), a fresh copy: modified in place below
+            chunk = flat_logits[start : start + rows]
+            scaled = chunk_copy[: len(chunk)].copy_(chunk)  # (n, V) in compute_dtype, modified in place below
             if temperature != 1.0:
                 scaled.div_(temperature)
-            chunk_lse = torch.logsumexp(scaled, dim=-1)
+            chunk_lse = _logsumexp(scaled, chunk_work[: len(chunk)])
             logsumexp[start : start + rows] = chunk_lse
             logp[start : start + rows] = scaled.gather(1, flat_tokens[start : start + rows]).squeeze(1) - chunk_lse
             if with_entropy:  # H = -sum_v p_v log p_v, log p = z / tau - logsumexp
                 # clamped: a -inf logit (an entry masked out) has p = 0 and must add 0, not 0 * -inf = NaN
                 log_probs = scaled.sub_(chunk_lse[:, None]).clamp_(min=torch.finfo(compute_dtype).min)  # (n, V)
-                entropy[start : start + rows] = -(log_probs.exp() * log_probs).sum(-1)
+                entropy[start : start + rows] = -torch.exp(log_probs, out=chunk_work[: len(chunk)]).mul_(log_probs).sum(-1)
         ctx.save_for_backward(logits, tokens, logsumexp)
         ctx.temperature = temperature
         ctx.chunk_elements = chunk_elements
@@ -82,9 +106,11 @@ class _TokenLogprobs(torch.autograd.Function):
         flat_grad_out = grad_output.reshape(-1, 1).to(logsumexp.dtype) / temperature  # (N, 1)
         grad_logits = torch.empty_like(flat_logits)  # (N, V), the logits' dtype
         rows = _rows_per_chunk(vocab, ctx.chunk_elements)
+        chunk_copy, _ = _workspaces(flat_logits, rows, logsumexp.dtype, pair=False)
         for start in range(0, flat_logits.shape[0], rows):
             end = start + rows
-            probs = flat_logits[start:end].to(logsumexp.dtype, copy=True)
+            chunk = flat_logits[start:end]
+            probs = chunk_copy[: len(chunk)].copy_(chunk)
             if temperature != 1.0:
                 probs.div_(temperature)
             probs.sub_(logsumexp[start:end, None]).exp_()  # softmax(z / tau)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rlalign.core.logprobs import token_logprobs
+from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 
 
 def naive(logits, tokens, temperature=1.0):
@@ -99,3 +99,35 @@ def test_masked_out_vocabulary_entries_add_nothing_to_the_entropy():
     differentiable.sum().backward()
     # dH/dz_v = -p_v (log p_v + H): (-1/4 (ln 1/4 + H), -3/4 (ln 3/4 + H), 0) = (0.205990, -0.205990, 0)
     torch.testing.assert_close(logits.grad, torch.tensor([[[0.205990, -0.205990, 0.0]]]), atol=1e-6, rtol=0)
+
+
+def test_logsumexp_in_a_workspace_is_torchs_bit_for_bit():
+    """The chunked pass computes logsumexp with its temporaries in a reused buffer; the values are
+    torch.logsumexp's exactly, rows of -inf and +inf included, in every float dtype."""
+    from rlalign.core.logprobs import _logsumexp
+
+    for dtype in (torch.float32, torch.float64):
+        values = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(dtype) * 30
+        values[1] = float("-inf")
+        values[2, 17] = float("inf")
+        values[3, :500] = float("-inf")
+        expected = torch.logsumexp(values, dim=-1)
+        work = torch.full_like(values, 123.0)  # stale contents must not matter
+        assert torch.equal(_logsumexp(values, work).nan_to_num(0.5), expected.nan_to_num(0.5))
+
+
+def test_chunks_share_one_workspace_and_match_a_single_chunk():
+    """Many small chunks (each reusing the first chunk's buffers) give the log-probs, entropies and
+    gradient of one chunk over all rows, bit for bit."""
+    logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1)) * 3
+    tokens = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(3, 7, generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for chunk_elements in (50 * 21, 50 * 2, 1):  # one chunk; 2 rows a chunk (the last chunk shorter); 1 row
+        x = logits.clone().requires_grad_()
+        logp, entropy = token_logprobs_and_entropy(x, tokens, temperature=0.7, chunk_elements=chunk_elements)
+        (logp * weights).sum().backward()
+        outputs.append((logp, entropy, x.grad))
+    for other in outputs[1:]:
+        for a, b in zip(outputs[0], other):
+            assert torch.equal(a, b)
