@@ -11,12 +11,16 @@ log-softmax. Position P - 1 + t predicts completion token t, so the kept positio
 P - 1 .. P + C - 2.
 
 Shared prompts: the G completions of a GRPO group share their prompt. With ``group_index`` the
-prompt runs once per group (U rows instead of B = U G), its KV cache is indexed out to the B rows
-(``DynamicCache.batch_select_indices``: differentiable, so the prompt positions get the summed
-gradient of their G rows), and only the completion tokens run per row. The logits are those of the
-full forward up to float round-off (tested for Llama and GPT-2, with LoRA, forward and backward);
-the work on prompt positions shrinks G-fold. Measured on SmolLM2-135M with its chat template (P = 46,
-C = 32, B = 16, G = 8): see benchmarks/RESULTS_speed.md, section 5.6.
+prompt but its last token runs once per group (U rows instead of B = U G), its KV cache is indexed
+out to the B rows (``DynamicCache.batch_select_indices``: differentiable, so the prompt positions
+get the summed gradient of their G rows), and each row runs its last prompt token and its
+completion tokens: the C positions that predict the completion, so the LM head runs once, on one
+(B C, H) block, and its weight gets one gradient (not a second, dense (V, H) one from the prompt
+pass's single position, plus their sum: 113 MB of float32 each on SmolLM2, ~110 ms of a one-core
+update, RESULTS_speed.md 5.18). The logits are those of the full forward up to float round-off
+(tested for Llama and GPT-2, with LoRA, forward and backward); the work on prompt positions
+shrinks G-fold. Measured on SmolLM2-135M with its chat template (P = 46, C = 32, B = 16, G = 8):
+see benchmarks/RESULTS_speed.md, section 5.6.
 
 The positions are handed over as an index tensor, not as a count: indexing copies the kept hidden
 states into one contiguous (B, C, H) block, which torch folds into a single (B C, H) x (H, V)
@@ -67,7 +71,7 @@ def completion_logits(
     """
     if group_index is not None:
         groups, rows_group = torch.unique(group_index, return_inverse=True)  # (U,), (B,): each row's group among the U
-        if len(groups) < len(group_index):
+        if len(groups) < len(group_index) and prompt_ids.shape[1] > 1:  # a one-token prompt has nothing to share
             return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, len(groups))
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + C)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # (B, P + C)
@@ -87,27 +91,26 @@ def _shared_prompt_logits(
     prompt_mask = prompt_mask.long()
     if not (torch.equal(prompt_ids[first_row][rows_group], prompt_ids) and torch.equal(prompt_mask[first_row][rows_group], prompt_mask)):
         raise ValueError("group_index groups rows whose prompts differ (e.g. rollouts concatenated without renumbering their groups)")
+    head_ids, head_mask = prompt_ids[first_row, :-1], prompt_mask[first_row, :-1]  # (U, P - 1): each group's prompt but its last token
     cache = DynamicCache()
-    head = model(
-        input_ids=prompt_ids[first_row],
-        attention_mask=prompt_mask[first_row],
-        position_ids=position_ids_from_mask(prompt_mask[first_row]),
+    model(
+        input_ids=head_ids,
+        attention_mask=head_mask,
+        position_ids=position_ids_from_mask(head_mask),
         **{cache_argument(model): cache},
         use_cache=True,
-        logits_to_keep=torch.tensor([prompt_len - 1], device=prompt_ids.device),
-    ).logits[rows_group]  # (B, 1, V): the last prompt position predicts completion token 0
-    if completion_ids.shape[1] == 1:
-        return head
+        logits_to_keep=torch.tensor([prompt_len - 2], device=prompt_ids.device),  # unused: one position's logits, no gradient
+    )
     cache.batch_select_indices(rows_group)  # (U, ...) -> (B, ...) keys and values of every layer
+    tail_ids = torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1)  # (B, C): last prompt token (left padding: real) + completion
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1].long()], dim=1)  # (B, P + C - 1)
-    tail = model(
-        input_ids=completion_ids[:, :-1],
+    return model(
+        input_ids=tail_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask)[:, prompt_len:],
+        position_ids=position_ids_from_mask(attention_mask)[:, prompt_len - 1 :],
         **{cache_argument(model): cache},
         use_cache=True,
-    ).logits  # (B, C - 1, V): completion token t predicts token t + 1
-    return torch.cat([head, tail], dim=1)  # (B, C, V)
+    ).logits  # (B, C, V): position t predicts completion token t
 
 
 def completion_logprobs(

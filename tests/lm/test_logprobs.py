@@ -61,20 +61,28 @@ def test_lm_head_gets_a_contiguous_input(tiny_llama):
     assert all(contiguous for _, contiguous in seen), seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "lora"])
-def test_shared_prompt_logits_equal_the_full_forward(arch, tiny_llama, tiny_gpt2, llama_checkpoint):
-    # group_index: each group's prompt runs once and its KV cache is indexed out to the group's rows;
-    # logits and gradients equal those of one forward over prompt + completion per row
-    from rlalign.lm.logprobs import completion_logits
-    from rlalign.lm.models import LoraConfig, load_policy
+@pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2", "lora"])
+@pytest.mark.parametrize("prompts", [PROMPTS, [[7], *PROMPTS[:2]]], ids=["prompts", "one-token-prompt"])
+def test_shared_prompt_logits_equal_the_full_forward(arch, prompts, tiny_llama, tiny_gpt2, llama_checkpoint):
+    # group_index: each group's prompt but its last token runs once and its KV cache is indexed out to
+    # the group's rows; logits and gradients equal those of one forward over prompt + completion per
+    # row. A one-token prompt beside longer ones leaves that group's shared part all padding.
+    from rlalign.lm.models import LoraConfig, attention_kernel, load_policy
 
-    model = {"llama": tiny_llama, "gpt2": tiny_gpt2}.get(arch) or load_policy(llama_checkpoint, lora=LoraConfig(r=4))
+    model = {"llama": tiny_llama, "llama-eager": tiny_llama, "gpt2": tiny_gpt2}.get(arch) or load_policy(llama_checkpoint, lora=LoraConfig(r=4))
     if arch == "lora":  # non-zero adapters, so they take part
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.1)
-    rollout = sample(model, PROMPTS, SamplingParams(max_new_tokens=7, temperature=1.0), 0, [2], group_size=3, generator=torch.Generator().manual_seed(1))
+    with attention_kernel(model, "eager" if arch == "llama-eager" else None):
+        _check_shared_prompt_logits(model, prompts)
+
+
+def _check_shared_prompt_logits(model, prompts):
+    from rlalign.lm.logprobs import completion_logits
+
+    rollout = sample(model, prompts, SamplingParams(max_new_tokens=7, temperature=1.0), 0, [2], group_size=3, generator=torch.Generator().manual_seed(1))
     completion_mask = rollout.completion_mask.clone()
     completion_mask[1, 4:], completion_mask[5, 2:] = 0, 0  # two completions that ended early (right padding after them)
     rollout = dataclasses.replace(rollout, completion_mask=completion_mask, completion_ids=rollout.completion_ids.masked_fill(completion_mask == 0, 0))
