@@ -19,9 +19,11 @@
                    then per decode step 2 (N_body + N_head) B + attention over the cache
        reference   forward over B (P + C) positions: 2 N_body B (P + C) + 2 N_head B C
                    (the LM head at the C positions that predict completion tokens) + attention;
-                   with shared prompts (one process: each of the U groups' prompts runs once)
-                   2 N_body U P + 2 N_head U + U attn(P, P) + 2 (N_body + N_head) B (C - 1)
-                   + B attn(C - 1, P + C - 1): the FLOPs executed, which MFU counts
+                   with shared prompts (one process: each of the U groups' prompts but its last
+                   token runs once, with one position's unused logits; each row then runs its last
+                   prompt token and C - 1 completion tokens against that cache, since 21525e0)
+                   2 N_body U (P - 1) + 2 N_head U + U attn(P - 1, P - 1) + 2 (N_body + N_head) B C
+                   + B attn(C, P + C - 1): the FLOPs executed, which MFU counts
        policy      forward + backward = 3 x the reference forward
        pi_old      only when the sampler's numerics differ (bfloat16) and a rollout gets more than one
                    update (mu x minibatches > 1; with one update pi_old is the detached training
@@ -184,9 +186,9 @@ def step_flops(
     total = prompt_len + completion_len
     if groups is None:  # one forward over prompt + completion per row
         forward = 2 * nb * batch * total + 2 * nh * batch * completion_len + batch * attn(total, total)
-    else:  # U prompt rows (LM head at the last position), then B rows of C - 1 completion tokens against the cache
-        forward = 2 * nb * groups * prompt_len + 2 * nh * groups + groups * attn(prompt_len, prompt_len)
-        forward += 2 * (nb + nh) * batch * (completion_len - 1) + batch * attn(completion_len - 1, total - 1)
+    else:  # U rows of P - 1 prompt tokens (one position's logits), then B rows of the last prompt token + C - 1 completion tokens
+        forward = 2 * nb * groups * (prompt_len - 1) + 2 * nh * groups + groups * attn(prompt_len - 1, prompt_len - 1)
+        forward += 2 * (nb + nh) * batch * completion_len + batch * attn(completion_len, total - 1)
     return {"generate": gen, "reference": forward, "policy_fwd_bwd": 3 * forward}
 
 
