@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
+
+
+def _peak_rss_bytes() -> int:
+    """This process's own peak RSS (VmHWM; ru_maxrss would carry the parent's peak over: see _lm_bench.peak_rss_mb)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _measure(variant: str, batch: int, length: int, vocab: int, dtype: str, temperature: float) -> dict:
@@ -25,13 +30,13 @@ def _measure(variant: str, batch: int, length: int, vocab: int, dtype: str, temp
     logits = torch.randn(batch, length, vocab, dtype=getattr(torch, dtype)).requires_grad_()
     tokens = torch.randint(0, vocab, (batch, length))
     weights = torch.randn(batch, length)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _peak_rss_bytes()
     if variant == "naive":
         logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
     else:
         logp = token_logprobs(logits, tokens, temperature)
     (logp * weights).sum().backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     logits_bytes = logits.numel() * logits.element_size()
     return {"variant": variant, "peak_growth_mb": (peak - base) / 2**20, "logits_mb": logits_bytes / 2**20,
             "ratio_to_logits": (peak - base) / logits_bytes}

@@ -184,7 +184,7 @@ def step_flops(
     for t in range(1, decode_steps):  # decode step t feeds token t-1 at context P + t
         gen += 2 * (nb + nh) * batch + batch * attn(1, prompt_len + t)
     total = prompt_len + completion_len
-    if groups is None:  # one forward over prompt + completion per row
+    if groups is None or prompt_len == 1:  # one forward over prompt + completion per row (a one-token prompt shares nothing)
         forward = 2 * nb * batch * total + 2 * nh * batch * completion_len + batch * attn(total, total)
     else:  # U rows of P - 1 prompt tokens (one position's logits), then B rows of the last prompt token + C - 1 completion tokens
         forward = 2 * nb * groups * (prompt_len - 1) + 2 * nh * groups + groups * attn(prompt_len - 1, prompt_len - 1)

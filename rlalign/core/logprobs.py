@@ -17,7 +17,7 @@ Measured peak RSS growth over the inputs, forward + backward, B=4 T=512 V=32000,
     float32 logits (250 MB):   naive 757 MB (3.0x the logits)   here 275 MB (1.1x)   ratio 0.36
     bfloat16 logits (125 MB):  naive 757 MB (6.1x the logits)   here 150 MB (1.2x)   ratio 0.20
 
-(306 and 186 MB before every chunk worked in the same two buffers, 9b413c2.)
+(306 and 186 MB, measured at 9b413c2, before every chunk worked in the same two buffers.)
 
 Most of what remains is the logits' gradient itself, which any method must return.
 """

@@ -15,9 +15,11 @@ prompt but its last token runs once per group (U rows instead of B = U G), its K
 out to the B rows (``DynamicCache.batch_select_indices``: differentiable, so the prompt positions
 get the summed gradient of their G rows), and each row runs its last prompt token and its
 completion tokens: the C positions that predict the completion, so the LM head runs once, on one
-(B C, H) block, and its weight gets one gradient (not a second, dense (V, H) one from the prompt
-pass's single position, plus their sum: 113 MB of float32 each on SmolLM2, ~110 ms of a one-core
-update, RESULTS_speed.md 5.18). The logits are those of the full forward up to float round-off
+(B C, H) block, and the token embeddings of both passes are looked up in one call. Each call of
+either gives its weight a dense (V, H) gradient in backward, and autograd sums a weight's several
+into a new one: with the LM head and the embedding called once per pass, SmolLM2 (tied: one
+weight) got four of 113 MB float32 plus three sums per update, now two plus one
+(RESULTS_speed.md 5.18). The logits are those of the full forward up to float round-off
 (tested for Llama and GPT-2, with LoRA, forward and backward); the work on prompt positions
 shrinks G-fold. Measured on SmolLM2-135M with its chat template (P = 46, C = 32, B = 16, G = 8):
 see benchmarks/RESULTS_speed.md, section 5.6.
@@ -92,9 +94,13 @@ def _shared_prompt_logits(
     if not (torch.equal(prompt_ids[first_row][rows_group], prompt_ids) and torch.equal(prompt_mask[first_row][rows_group], prompt_mask)):
         raise ValueError("group_index groups rows whose prompts differ (e.g. rollouts concatenated without renumbering their groups)")
     head_ids, head_mask = prompt_ids[first_row, :-1], prompt_mask[first_row, :-1]  # (U, P - 1): each group's prompt but its last token
+    tail_ids = torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1)  # (B, C): last prompt token (left padding: real) + completion
+    # one embedding lookup for both passes: the embedding's backward writes a dense (V, H) gradient per call
+    embeds = model.get_input_embeddings()(torch.cat([head_ids.flatten(), tail_ids.flatten()]))  # (U (P - 1) + B C, H)
+    head_embeds, tail_embeds = embeds.split([head_ids.numel(), tail_ids.numel()])
     cache = DynamicCache()
     model(
-        input_ids=head_ids,
+        inputs_embeds=head_embeds.view(*head_ids.shape, -1),
         attention_mask=head_mask,
         position_ids=position_ids_from_mask(head_mask),
         **{cache_argument(model): cache},
@@ -102,10 +108,9 @@ def _shared_prompt_logits(
         logits_to_keep=torch.tensor([prompt_len - 2], device=prompt_ids.device),  # unused: one position's logits, no gradient
     )
     cache.batch_select_indices(rows_group)  # (U, ...) -> (B, ...) keys and values of every layer
-    tail_ids = torch.cat([prompt_ids[:, -1:], completion_ids[:, :-1]], dim=1)  # (B, C): last prompt token (left padding: real) + completion
     attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1].long()], dim=1)  # (B, P + C - 1)
     return model(
-        input_ids=tail_ids,
+        inputs_embeds=tail_embeds.view(*tail_ids.shape, -1),
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask)[:, prompt_len - 1 :],
         **{cache_argument(model): cache},

@@ -27,6 +27,7 @@ import copy
 import functools
 import inspect
 import json
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -323,15 +324,26 @@ def skipping_guard_profiling() -> Iterator[None]:
     if not hasattr(guards, "profile_guard_manager"):  # a torch without the measurement
         yield
         return
-    profile = guards.profile_guard_manager
-    guards.profile_guard_manager = _no_guard_profile
+    global _guard_profiling_depth, _torch_guard_profile
+    with _guard_profiling_lock:  # nested blocks, or blocks in several threads: the first in swaps, the last out restores
+        if _guard_profiling_depth == 0:
+            _torch_guard_profile, guards.profile_guard_manager = guards.profile_guard_manager, _no_guard_profile
+        _guard_profiling_depth += 1
     try:
         yield
     finally:
-        guards.profile_guard_manager = profile
+        with _guard_profiling_lock:
+            _guard_profiling_depth -= 1
+            if _guard_profiling_depth == 0:
+                guards.profile_guard_manager = _torch_guard_profile
 
 
-def _no_guard_profile(root, scope, n_iters) -> float:
+_guard_profiling_lock = threading.Lock()
+_guard_profiling_depth = 0  # blocks now inside skipping_guard_profiling
+_torch_guard_profile: Callable | None = None  # torch's own function, while they are
+
+
+def _no_guard_profile(*args, **kwargs) -> float:
     return 0.0
 
 

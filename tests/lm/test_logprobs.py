@@ -62,11 +62,12 @@ def test_lm_head_gets_a_contiguous_input(tiny_llama):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2", "lora"])
-@pytest.mark.parametrize("prompts", [PROMPTS, [[7], *PROMPTS[:2]]], ids=["prompts", "one-token-prompt"])
+@pytest.mark.parametrize("prompts", [PROMPTS, [[7], *PROMPTS[:2]], [[7], [8]]], ids=["prompts", "one-token-prompt", "one-token-prompts"])
 def test_shared_prompt_logits_equal_the_full_forward(arch, prompts, tiny_llama, tiny_gpt2, llama_checkpoint):
     # group_index: each group's prompt but its last token runs once and its KV cache is indexed out to
     # the group's rows; logits and gradients equal those of one forward over prompt + completion per
-    # row. A one-token prompt beside longer ones leaves that group's shared part all padding.
+    # row. A one-token prompt beside longer ones leaves that group's shared part all padding; when
+    # every prompt is one token long there is nothing to share and one forward runs.
     from rlalign.lm.models import LoraConfig, attention_kernel, load_policy
 
     model = {"llama": tiny_llama, "llama-eager": tiny_llama, "gpt2": tiny_gpt2}.get(arch) or load_policy(llama_checkpoint, lora=LoraConfig(r=4))
@@ -81,22 +82,32 @@ def test_shared_prompt_logits_equal_the_full_forward(arch, prompts, tiny_llama, 
 
 def _check_shared_prompt_logits(model, prompts):
     from rlalign.lm.logprobs import completion_logits
+    from rlalign.lm.models import unwrap_causal_lm
 
     rollout = sample(model, prompts, SamplingParams(max_new_tokens=7, temperature=1.0), 0, [2], group_size=3, generator=torch.Generator().manual_seed(1))
     completion_mask = rollout.completion_mask.clone()
     completion_mask[1, 4:], completion_mask[5, 2:] = 0, 0  # two completions that ended early (right padding after them)
     rollout = dataclasses.replace(rollout, completion_mask=completion_mask, completion_ids=rollout.completion_ids.masked_fill(completion_mask == 0, 0))
-    assert (rollout.prompt_mask == 0).any()  # left padding too
+    assert (rollout.prompt_mask == 0).any() == (len({len(p) for p in prompts}) > 1)  # left padding where lengths differ
     order = torch.randperm(rollout.batch_size, generator=torch.Generator().manual_seed(0))  # groups need not be adjacent
     r = rollout.select(order)
     args = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    outputs = {}
-    for shared in (False, True):
-        model.zero_grad()
-        logits = completion_logits(model, *args, r.group_index if shared else None)  # (B, C, V)
-        (token_logprobs(logits, r.completion_ids) * r.completion_mask).sum().backward()
-        outputs[shared] = (logits.detach(), [p.grad.clone() for p in trainable])
+    outputs, calls = {}, []  # calls: (rows, positions) of each forward of the transformers model
+    record = lambda module, args, kwargs: calls.append(tuple((kwargs.get("inputs_embeds") if kwargs.get("input_ids") is None else kwargs["input_ids"]).shape[:2]))  # noqa: E731
+    handle = unwrap_causal_lm(model).register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        for shared in (False, True):
+            model.zero_grad()
+            calls.clear()
+            logits = completion_logits(model, *args, r.group_index if shared else None)  # (B, C, V)
+            (token_logprobs(logits, r.completion_ids) * r.completion_mask).sum().backward()
+            outputs[shared] = (logits.detach(), [p.grad.clone() for p in trainable])
+    finally:
+        handle.remove()
+    (batch, prompt_len), completion_len = r.prompt_ids.shape, r.completion_ids.shape[1]
+    groups = len(set(r.group_index.tolist()))
+    assert calls == ([(groups, prompt_len - 1), (batch, completion_len)] if prompt_len > 1 else [(batch, prompt_len + completion_len)])
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-5, atol=1e-5)
     for shared_grad, full_grad in zip(outputs[True][1], outputs[False][1]):  # float32 summation order: ~2e-6 of the largest entry
         torch.testing.assert_close(shared_grad, full_grad, rtol=0, atol=1e-5 * full_grad.abs().max().item())

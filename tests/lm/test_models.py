@@ -421,3 +421,20 @@ def test_compiling_inside_releasing_compiler_caches_skips_the_guard_profile():
     inside_mib, outside_mib = map(float, result.stdout.split())
     assert inside_mib < 12, result.stdout
     assert outside_mib > 24, result.stdout
+
+
+def test_guard_profiling_comes_back_after_overlapping_blocks():
+    """Blocks that overlap without nesting (as two threads' would): the skip holds until the last one
+    ends, and torch's own function is back after it."""
+    from torch._dynamo import guards
+
+    from rlalign.lm.models import skipping_guard_profiling
+
+    original = guards.profile_guard_manager
+    first, second = skipping_guard_profiling(), skipping_guard_profiling()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert guards.profile_guard_manager is not original
+    second.__exit__(None, None, None)
+    assert guards.profile_guard_manager is original
