@@ -37,7 +37,6 @@ import numpy as np
 import torch
 import yaml
 from pydantic import Field
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from rlalign.config import Config
 from rlalign.lm.data import encode_prompts, render_prompt
@@ -186,7 +185,9 @@ class MetricsLogger:
             except ImportError:
                 print("tensorboard is not installed; logging to metrics.jsonl only")
         self._progress = None
-        if progress:
+        if progress:  # rich imported here: a run without a bar (notebooks, ranks but 0, benchmarks) does without its ~2 MB
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
             self._progress = Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[summary]}")
             )

@@ -148,3 +148,27 @@ def test_forward_precision_runs_forwards_in_bfloat16_only_when_asked():
     with forward_precision(ModelConfig(), model):
         assert model(input_ids=ids).logits.dtype == torch.float32
     assert next(model.parameters()).dtype == torch.float32  # master weights untouched
+
+
+_LOG_WITHOUT_A_BAR = """
+import sys, tempfile
+import rlalign.train.grpo, rlalign.train.ppo, rlalign.train.sft, rlalign.train.reward_model
+from rlalign.train.common import MetricsLogger
+with MetricsLogger(tempfile.mkdtemp(), total_steps=2, progress=False) as log:
+    log.log(0, {"loss": 1.0})
+print("without a bar, rich imported:", "rich" in sys.modules)
+with MetricsLogger(tempfile.mkdtemp(), total_steps=2, progress=True) as log:
+    log.log(0, {"loss": 1.0}, ("loss",))
+print("with a bar, rich imported:", "rich.progress" in sys.modules)
+"""
+
+
+def test_rich_is_imported_only_for_a_progress_bar():
+    # a process that trains without a bar (a notebook, every rank but 0, a benchmark) never imports rich (~2 MB resident)
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _LOG_WITHOUT_A_BAR], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = [line.rsplit(":", 1) for line in proc.stdout.splitlines() if "rich imported:" in line]
+    assert [(what.strip(), imported.strip()) for what, imported in answers] == [("without a bar, rich imported", "False"), ("with a bar, rich imported", "True")]
