@@ -13,12 +13,14 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _lm_bench as lb  # noqa: E402
 
 
-def _peak_rss_bytes() -> int:
-    """This process's own peak RSS (VmHWM; ru_maxrss would carry the parent's peak over: see _lm_bench.peak_rss_mb)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+def _peak_rss_bytes() -> float:
+    return lb.peak_rss_mb() * 2**20  # this process's own peak (VmHWM), not one carried over from the parent
 
 
 def _measure(variant: str, batch: int, length: int, vocab: int, dtype: str, temperature: float) -> dict:
