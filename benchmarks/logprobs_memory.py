@@ -19,10 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lm_bench as lb  # noqa: E402
 
 
-def _peak_rss_bytes() -> float:
-    return lb.peak_rss_mb() * 2**20  # this process's own peak (VmHWM), not one carried over from the parent
-
-
 def _measure(variant: str, batch: int, length: int, vocab: int, dtype: str, temperature: float) -> dict:
     import torch
 
@@ -32,16 +28,16 @@ def _measure(variant: str, batch: int, length: int, vocab: int, dtype: str, temp
     logits = torch.randn(batch, length, vocab, dtype=getattr(torch, dtype)).requires_grad_()
     tokens = torch.randint(0, vocab, (batch, length))
     weights = torch.randn(batch, length)
-    base = _peak_rss_bytes()
+    base = lb.peak_rss_mb()  # this process's own peak (VmHWM), not one carried over from the parent
     if variant == "naive":
         logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
     else:
         logp = token_logprobs(logits, tokens, temperature)
     (logp * weights).sum().backward()
-    peak = _peak_rss_bytes()
+    peak = lb.peak_rss_mb()
     logits_bytes = logits.numel() * logits.element_size()
-    return {"variant": variant, "peak_growth_mb": (peak - base) / 2**20, "logits_mb": logits_bytes / 2**20,
-            "ratio_to_logits": (peak - base) / logits_bytes}
+    return {"variant": variant, "peak_growth_mb": peak - base, "logits_mb": logits_bytes / 2**20,
+            "ratio_to_logits": (peak - base) * 2**20 / logits_bytes}
 
 
 def main() -> None:
