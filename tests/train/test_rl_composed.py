@@ -42,7 +42,8 @@ torch.set_num_threads(1)
 
 PROMPTS = ["1+2=", "1+2=", "10+20=", "10+20="]
 COMPLETIONS = [["3", "4", "5", "EOS"], ["7", "EOS"], ["a", "b", "c", "d"], ["x", "y", "EOS"]]
-C = 4  # completion budget (sampling.max_new_tokens)
+C = 4  # completion length of the fixed rollout (its longest completion)
+BUDGET = 6  # sampling.max_new_tokens in the loss tests: Dr.GRPO's fixed L, longer than this batch's C
 # target ratios pi / pi_old per completion token (rows as above)
 RATIOS = [[1.25, 1.35, 0.7, 1.0], [0.75, 0.85], [1.3, 0.78, 1.1, 0.95], [1.5, 0.6, 1.02]]
 REF_SHIFTS = [[0.3, -0.4, 0.2, -0.1], [0.5, -0.2], [-0.3, 0.1, 0.4, -0.6], [0.2, 0.3, -0.5]]  # log pi_ref - log pi
@@ -162,15 +163,15 @@ def k3(logp, ref_logp: float):
     return torch.exp(x) - x - 1.0
 
 
-def hand_grpo_loss(logp, old_logp, ref_logp, advantages, counted, eps_low, eps_high, beta, mode, rows=None):
+def hand_grpo_loss(logp, old_logp, ref_logp, advantages, counted, eps_low, eps_high, beta, mode, rows=None, max_len=C):
     """aggregate(-min(r A, clip(r) A)) + beta * aggregate(k3) over the counted tokens (``counted``: a
     bool per token) of the minibatch's ``rows`` (default: every row)."""
     rows = range(len(logp)) if rows is None else rows
     surrogate = [[clipped_term(torch.exp(lp - old_logp[i][t]), advantages[i], eps_low, eps_high) for t, lp in enumerate(logp[i]) if counted[i][t]] for i in rows]
-    loss = hand_aggregate(surrogate, mode)
+    loss = hand_aggregate(surrogate, mode, max_len)
     if beta > 0:
         kl = [[k3(lp, ref_logp[i][t]) for t, lp in enumerate(logp[i]) if counted[i][t]] for i in rows]
-        loss = loss + beta * hand_aggregate(kl, mode)
+        loss = loss + beta * hand_aggregate(kl, mode, max_len)
     return loss
 
 
@@ -278,7 +279,7 @@ def shifted_rollout(policy, tokenizer, prompt_texts: list[str] = PROMPTS, group_
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("eps_low, eps_high", [(0.2, 0.28), (0.2, 0.2)], ids=["clip-higher", "symmetric"])
 def test_grpo_loss_is_clipped_surrogate_plus_beta_k3(tiny_path, tmp_path, tokenizer, mode, beta, eps_low, eps_high):
-    cfg = grpo_cfg(tiny_path, tmp_path, aggregation=mode, beta=beta, eps_low=eps_low, eps_high=eps_high)
+    cfg = grpo_cfg(tiny_path, tmp_path, aggregation=mode, beta=beta, eps_low=eps_low, eps_high=eps_high, **{"sampling.max_new_tokens": BUDGET})
     policy = load_policy(tiny_path)
     rollout, _, old, ref = shifted_rollout(policy, tokenizer)
     advantages = [1.0, -0.5, 0.8, -1.2]
@@ -290,12 +291,12 @@ def test_grpo_loss_is_clipped_surrogate_plus_beta_k3(tiny_path, tmp_path, tokeni
 
     policy.zero_grad()
     logp = hand_forward(policy, tokenizer)
-    expected = hand_grpo_loss(logp, old, ref, advantages, all_counted(logp), eps_low, eps_high, beta, mode)
+    expected = hand_grpo_loss(logp, old, ref, advantages, all_counted(logp), eps_low, eps_high, beta, mode, max_len=BUDGET)
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(trainer_grads, grads(policy))
     # the statistics: the policy term alone, the clip fractions by side, the mean k3
-    surrogate = hand_grpo_loss(logp, old, ref, advantages, all_counted(logp), eps_low, eps_high, 0.0, mode)
+    surrogate = hand_grpo_loss(logp, old, ref, advantages, all_counted(logp), eps_low, eps_high, 0.0, mode, max_len=BUDGET)
     torch.testing.assert_close(stats["loss/policy"], surrogate.detach(), rtol=1e-5, atol=1e-6)
     ratios = [(r, advantages[i]) for i, row in enumerate(RATIOS) for r in row]
     low = sum(r < 1 - eps_low and a < 0 for r, a in ratios) / len(ratios)  # clipped below: 0.75 and 0.6 (A < 0), 0.78 too at eps_low 0.2
@@ -466,15 +467,15 @@ def ppo_cfg(tiny_path, tmp_path, **overrides) -> ppo.PPOConfig:
     return load_config(ppo.PPOConfig, None, {**base, **overrides})
 
 
-def hand_ppo_policy_loss(logp, entropy, old, advantages, eps, entropy_coef, mode, rows=None):
+def hand_ppo_policy_loss(logp, entropy, old, advantages, eps, entropy_coef, mode, rows=None, max_len=C):
     """aggregate(-min(r A, clip(r, 1 - eps, 1 + eps) A)) - c2 * aggregate(H) over the minibatch's ``rows``: the entropy is a bonus."""
     rows = range(len(logp)) if rows is None else rows
     surrogate = [[clipped_term(torch.exp(lp - old[i][t]), advantages[i][t], eps, eps) for t, lp in enumerate(logp[i])] for i in rows]
     bonus = [entropy[i] for i in rows]
-    return hand_aggregate(surrogate, mode) - entropy_coef * hand_aggregate(bonus, mode)
+    return hand_aggregate(surrogate, mode, max_len) - entropy_coef * hand_aggregate(bonus, mode, max_len)
 
 
-def hand_value_loss(values, returns, old_values, clip, mode, rows=None):
+def hand_value_loss(values, returns, old_values, clip, mode, rows=None, max_len=C):
     """1/2 aggregate(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)), or 1/2 aggregate((V - R)^2), over ``rows``."""
     errors = []
     for i in range(len(values)) if rows is None else rows:
@@ -485,7 +486,7 @@ def hand_value_loss(values, returns, old_values, clip, mode, rows=None):
                 moved = torch.minimum(torch.maximum(v - old_values[i][t], torch.tensor(-clip)), torch.tensor(clip))
                 error = torch.maximum(error, (old_values[i][t] + moved - returns[i][t]) ** 2)
             errors[-1].append(error)
-    return 0.5 * hand_aggregate(errors, mode)
+    return 0.5 * hand_aggregate(errors, mode, max_len)
 
 
 TOKEN_ADVANTAGES = [[1.0, -0.4, 0.6, 0.3], [-1.0, 0.5], [0.9, -0.8, 0.2, -0.3], [1.5, -0.6, 0.7]]
@@ -494,7 +495,7 @@ TOKEN_ADVANTAGES = [[1.0, -0.4, 0.6, 0.3], [-1.0, 0.5], [0.9, -0.8, 0.2, -0.3], 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
 def test_ppo_policy_loss_is_clipped_surrogate_minus_entropy_bonus(tiny_path, tmp_path, tokenizer, mode, entropy_coef):
-    cfg = ppo_cfg(tiny_path, tmp_path, aggregation=mode, entropy_coef=entropy_coef, eps=0.2)
+    cfg = ppo_cfg(tiny_path, tmp_path, aggregation=mode, entropy_coef=entropy_coef, eps=0.2, **{"sampling.max_new_tokens": BUDGET})
     policy = load_policy(tiny_path)
     rollout, _, old, _ = shifted_rollout(policy, tokenizer)
     loss, stats = ppo.policy_loss(policy, rollout, padded(TOKEN_ADVANTAGES), rollout.completion_mask.float(), cfg)
@@ -502,7 +503,7 @@ def test_ppo_policy_loss_is_clipped_surrogate_minus_entropy_bonus(tiny_path, tmp
     trainer_grads = grads(policy)
     policy.zero_grad()
     logp, entropy = hand_forward(policy, tokenizer, with_entropy=True)
-    expected = hand_ppo_policy_loss(logp, entropy, old, TOKEN_ADVANTAGES, 0.2, entropy_coef, mode)
+    expected = hand_ppo_policy_loss(logp, entropy, old, TOKEN_ADVANTAGES, 0.2, entropy_coef, mode, max_len=BUDGET)
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(trainer_grads, grads(policy))
@@ -511,11 +512,12 @@ def test_ppo_policy_loss_is_clipped_surrogate_minus_entropy_bonus(tiny_path, tmp
 
 
 @pytest.mark.parametrize("value_clip", [None, 0.2])
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_ppo_critic_loss_reads_v_at_the_state_before_each_token(tiny_path, tmp_path, tokenizer, value_clip, mode):
     # V(s_t) is the critic's scalar where the policy's logits for token t are read (P_i - 1 + t of
     # row i): one position later (the state after token t) or earlier fails the comparison
-    cfg = ppo_cfg(tiny_path, tmp_path, value_clip=value_clip, aggregation=mode)
+    cfg = ppo_cfg(tiny_path, tmp_path, value_clip=value_clip, aggregation=mode, **{"sampling.max_new_tokens": BUDGET})
+    torch.manual_seed(0)  # the critic's fresh value head
     critic = load_critic(tiny_path)
     rollout = build_rollout(tokenizer, [[0.0] * len(c) for c in COMPLETIONS])
     values = detached(hand_values(critic, tokenizer))
@@ -527,7 +529,7 @@ def test_ppo_critic_loss_reads_v_at_the_state_before_each_token(tiny_path, tmp_p
     loss.backward()
     trainer_grads = grads(critic)
     critic.zero_grad()
-    expected = hand_value_loss(hand_values(critic, tokenizer), returns, old_values, value_clip, mode)
+    expected = hand_value_loss(hand_values(critic, tokenizer), returns, old_values, value_clip, mode, max_len=BUDGET)
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(trainer_grads, grads(critic))
@@ -579,19 +581,27 @@ def test_ppo_advantages_by_hand(gamma, lam, whiten, estimator):
     [
         {},  # the defaults: k1, gamma 1, lambda 0.95, whitening, value clip 0.2, fixed beta, 4 epochs x 2 minibatches
         {"kl_estimator": "k3", "gamma": 0.9, "lam": 0.5, "whiten_advantages": False, "value_clip": None, "entropy_coef": 0.05},
-        {"kl_target": 0.5, "kl_horizon": 20.0, "missing_eos_penalty": 1.5, "num_minibatches": 3, "ppo_epochs": 2, "aggregation": "seq-mean-token-sum-norm"},
+        # kl_target: "near" = 0.95 x the rollout's KL, so the controller's error 1/0.95 - 1 is inside its +-0.2 clip
+        {"kl_target": "near", "kl_horizon": 20.0, "missing_eos_penalty": 1.5, "num_minibatches": 3, "ppo_epochs": 2, "aggregation": "seq-mean-token-sum-norm"},
+        # a bfloat16 sampler: log pi_old is recomputed by the training forward before the rewards are shaped
+        {"sampling.dtype": "bfloat16", "ppo_epochs": 1},
     ],
-    ids=["defaults", "k3-gamma-lambda-unwhitened-unclipped-entropy", "adaptive-kl-eos-penalty-3-minibatches-sum-norm"],
+    ids=["defaults", "k3-gamma-lambda-unwhitened-unclipped-entropy", "adaptive-kl-eos-penalty-3-minibatches-sum-norm", "recompute-pi-old"],
 )
 def test_ppo_step_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, overrides):
     # the whole step: scores (minus the missing-EOS penalty), KL-shaped rewards at pi_old (the
-    # sampler's log-probs) against the reference, GAE on the critic's values before any update,
-    # then epochs x shuffled minibatches (the step's own permutations), a policy and a critic step each
-    cfg = ppo_cfg(tiny_path, tmp_path, kl_coef=0.2, **{"optim.grad_clip": None, "critic.optim.grad_clip": None}, **overrides)
+    # sampler's log-probs, or the training forward's when the sampler is bfloat16) against the
+    # reference, GAE on the critic's values before any update, then epochs x shuffled minibatches (the step's own permutations), a policy and a critic step each
     torch.manual_seed(0)  # the critic's fresh value head
     policy, reference, critic = load_policy(tiny_path), load_policy(ref_path), load_critic(tiny_path)
     old_values = detached(hand_values(critic, tokenizer))
-    rollout, _, old, _ = shifted_rollout(policy, tokenizer)
+    rollout, logp0, sampler_logp, _ = shifted_rollout(policy, tokenizer)
+    old = detached(logp0) if overrides.get("sampling.dtype") else sampler_logp  # log pi_old
+    ref = detached(hand_forward(reference, tokenizer))
+    if overrides.get("kl_target") == "near":
+        rollout_kl = sum(o - r for old_row, ref_row in zip(old, ref) for o, r in zip(old_row, ref_row)) / 4  # mean per-sequence k1
+        overrides = {**overrides, "kl_target": 0.95 * rollout_kl}
+    cfg = ppo_cfg(tiny_path, tmp_path, kl_coef=0.2, **{"optim.grad_clip": None, "critic.optim.grad_clip": None}, **overrides)
     fixed_sampler(monkeypatch, ppo, rollout)
     lr, critic_lr = 0.1, 0.02
     policy_updater, critic_updater = sgd_updater(policy, lr), sgd_updater(critic, critic_lr)
@@ -603,7 +613,6 @@ def test_ppo_step_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch,
     metrics, _ = ppo.ppo_step(policy_updater, critic_updater, reference, kl_ctl, tokenizer, [fixed_scores(SCORES)], prompts, state, cfg)
 
     scores = [s - (cfg.missing_eos_penalty or 0.0) * (i == 2) for i, s in enumerate(SCORES)]  # row 2 has no EOS
-    ref = detached(hand_forward(reference, tokenizer))
     advantages, returns, kl = hand_ppo_advantages(scores, old, ref, old_values, 0.2, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages)
     size = -(-4 // cfg.num_minibatches)
     generator = torch.Generator().manual_seed(3)
@@ -623,12 +632,13 @@ def test_ppo_step_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch,
 
     # metrics and the KL coefficient for the next step: beta <- beta (1 + clip(KL / target - 1, +-0.2) B / horizon)
     seq_kl = sum(sum(row) for row in kl) / 4
-    assert metrics["kl"] == pytest.approx(seq_kl, rel=1e-5)
+    assert metrics["kl"] == pytest.approx(seq_kl, rel=1e-5, abs=1e-6)  # a difference of log-probs ~ -3: float32 cancellation
     assert metrics["score"] == pytest.approx(sum(scores) / 4, rel=1e-6)
     assert metrics["beta"] == 0.2
-    assert metrics["non_score_reward"] == pytest.approx(-0.2 * seq_kl, rel=1e-5)
+    assert metrics["non_score_reward"] == pytest.approx(-0.2 * seq_kl, rel=1e-5, abs=1e-6)
     if cfg.kl_target:
         error = min(max(seq_kl / cfg.kl_target - 1, -0.2), 0.2)
+        assert error == pytest.approx(1 / 0.95 - 1, rel=1e-4)  # not clipped: the controller's size is pinned, not only its sign
         assert kl_ctl.value == pytest.approx(0.2 * (1 + error * 4 / cfg.kl_horizon), rel=1e-6)
         assert kl_ctl.value != 0.2
     else:
