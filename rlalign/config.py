@@ -23,9 +23,9 @@ class ConfigError(ValueError):
 
 
 class Config(BaseModel):
-    """Base of every command's config: unknown keys are errors, assignments are validated."""
+    """Base of every command's config: unknown keys are errors; defaults and assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
 
 
 C = TypeVar("C", bound=Config)

@@ -1,6 +1,7 @@
 """Shared helpers: schedules, episode tracking, MLP initialisation, evaluation."""
 
 import numpy as np
+import pytest
 import torch
 
 from rlalign.classic.common import EpisodeTracker, evaluate, linear_schedule, mlp, state_index
@@ -11,6 +12,9 @@ def test_linear_schedule():
     assert linear_schedule(1.0, 0.1, 10, 5) == 0.55
     assert linear_schedule(1.0, 0.1, 10, 50) == 0.1
     assert linear_schedule(0.0, 1.0, 4, 2) == 0.5
+    # rising from 0.2 to 1.0 over 4 steps: slope 0.2; t=2 -> 0.6; past the end it stays at 1.0
+    assert linear_schedule(0.2, 1.0, 4, 2) == pytest.approx(0.6)
+    assert linear_schedule(0.2, 1.0, 4, 9) == 1.0
 
 
 def test_episode_tracker_reports_and_resets_per_env():

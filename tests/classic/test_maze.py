@@ -47,3 +47,12 @@ def test_walls_and_borders_block_moves():
     assert P[3][RIGHT] == [(1.0, 4, 0.0, False)]
     assert P[4][RIGHT] == [(1.0, 5, 10.0, True)]
     assert P[GOAL][UP] == [(1.0, GOAL, 0.0, True)]  # terminal states absorb
+
+
+def test_render_draws_the_layout_and_the_agent():
+    # 2 rows x 3 columns: start (0, 0), trap (0, 2), goal (1, 2) (the seed's layout); A = the agent
+    env = Maze2x3Env()
+    env.reset(seed=0)
+    assert env.render() == "A . T\n. . G\n"
+    env.step(RIGHT)
+    assert env.render() == "S A T\n. . G\n"

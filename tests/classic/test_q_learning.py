@@ -35,3 +35,9 @@ def test_same_seed_same_returns():
     c = train(QLearningConfig(total_steps=1_000, seed=4), MAZE_ID)
     assert a.episode_returns == b.episode_returns
     assert a.episode_returns != c.episode_returns
+
+
+def test_evaluates_every_eval_every_steps_from_the_start():
+    # eval_every = 5 over 20 steps: greedy evaluations after steps 5, 10, 15 and 20, none earlier
+    result = train(QLearningConfig(total_steps=20, eval_every=5, eval_episodes=1), MAZE_ID)
+    assert [step for step, _ in result.log.evals] == [5, 10, 15, 20]

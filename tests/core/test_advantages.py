@@ -199,3 +199,12 @@ def test_group_advantages_have_mean_zero_std_one_per_group(group_size, n_groups,
         else:
             assert abs(row.mean().item()) < 1e-12
             assert abs(row.std().item() - 1.0) < 1e-12
+
+
+def test_rloo_gives_a_tied_group_exactly_zero():
+    # r_i - mean of the other G - 1 is 0 in exact arithmetic for a tie, but not in float32: three
+    # rewards of 0.1 give (0.3 - 0.1) / 2 - 0.1 = -7.5e-9. A tied group carries no signal: exactly 0.
+    scores = torch.tensor([0.1, 0.1, 0.1, 0.0, 1.0, 2.0])
+    advantages = rloo_advantages(scores, group_size=3)
+    assert (advantages[:3] == 0).all()
+    torch.testing.assert_close(advantages[3:], torch.tensor([-1.5, 0.0, 1.5]))  # 0 - 1.5, 1 - 1, 2 - 0.5

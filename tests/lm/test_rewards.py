@@ -55,3 +55,12 @@ def test_reward_model_as_reward_function(llama_checkpoint, tokenizer):
         expected = rm.sequence_scores(ids, torch.ones_like(ids))
         assert s == pytest.approx(expected.item(), abs=1e-5)
     assert fn.name.startswith("RewardModelReward(")
+
+
+def test_reward_model_reward_reads_up_to_1024_tokens_by_default():
+    # the documented default: pairs longer than 1024 tokens keep their last 1024 (the completion's end)
+    import inspect
+
+    from rlalign.lm.rewards import RewardModelReward
+
+    assert inspect.signature(RewardModelReward).parameters["max_length"].default == 1024

@@ -425,3 +425,29 @@ def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_withou
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.equal(after.completion_ids, same()) and not torch.equal(after.completion_ids, before)
     assert compiled_sampling_calls["decode"] >= 45  # five compiled calls of 9+ decode steps
+
+
+def test_sampling_params_reject_top_p_outside_0_1():
+    SamplingParams(max_new_tokens=4, top_p=1.0)
+    for top_p in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(max_new_tokens=4, top_p=top_p)
+
+
+def test_packed_prefill_padding_never_joins_a_prompts_segment(tiny_llama):
+    # lengths 4, 2, 2, 2, 2, 2, 2, 2, 3 into rows of 4, first fit decreasing: [0], [8], [1, 2], [3, 4],
+    # [5, 6], [7]. Row 1 holds prompt 8 at grid slots 4-6 and padding at slot 7. Padding slots are
+    # segments of their own (negative ids): were slot 7's id 7 + 1 = 8, prompt 8 would attend to it.
+    lengths = [4, 2, 2, 2, 2, 2, 2, 2, 3]
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 100, (n,), generator=generator).tolist() for n in lengths]
+    ids, mask = left_pad(prompts, 0)
+    rows = sampling._prompt_rows(tiny_llama, mask)
+    assert rows == [[0], [8], [1, 2], [3, 4], [5, 6], [7]]
+    total = ids.shape[1] + 2
+
+    def prefill(rows):
+        cache = sampling._static_cache(tiny_llama.config, total)
+        return sampling._prefill(tiny_llama, ids, mask, 1, cache, total, torch.float32, None, False, rows)
+
+    torch.testing.assert_close(prefill(rows), prefill(None), rtol=0, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -172,3 +173,25 @@ def test_rich_is_imported_only_for_a_progress_bar():
     assert proc.returncode == 0, proc.stderr[-3000:]
     answers = [line.rsplit(":", 1) for line in proc.stdout.splitlines() if "rich imported:" in line]
     assert [(what.strip(), imported.strip()) for what, imported in answers] == [("without a bar, rich imported", "False"), ("with a bar, rich imported", "True")]
+
+
+def test_set_seed_takes_seeds_past_numpys_32_bits():
+    # NumPy's legacy seed must be < 2**32: a larger seed is reduced modulo 2**32 (2**32 + 5 draws as 5 does)
+    set_seed(2**32 + 5)
+    large = np.random.rand(3)
+    set_seed(5)
+    np.testing.assert_array_equal(large, np.random.rand(3))
+
+
+def test_plot_metrics_labels_each_panel_and_the_shared_step_axis(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, out, **kwargs: saved.append(fig))
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "a": s * 1.0, "b": -s * 1.0}) + "\n" for s in range(3)))
+    plot_metrics(path, ["a", "b"], tmp_path / "curves.png")
+    (fig,) = saved
+    axes = fig.axes
+    assert [ax.get_ylabel() for ax in axes] == ["a", "b"]
+    assert [ax.get_xlabel() for ax in axes] == ["", "step"]  # the bottom panel carries the shared x axis

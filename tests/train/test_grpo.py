@@ -454,3 +454,17 @@ def test_compiled_sampling_trains_as_eager_sampling_does(tiny_path, tmp_path, co
     assert grpo.load_config(grpo.GRPOConfig, None, {"sampling.compile": True, "model.autocast": "bfloat16", "sampling.dtype": "bfloat16"}).sampling.compile
     with pytest.raises(ConfigError, match="fsdp"):
         grpo.load_config(grpo.GRPOConfig, None, {"sampling.compile": True, "model.sharding": "fsdp"})
+
+
+def test_prompts_come_from_exactly_one_source(tiny_path, tmp_path):
+    with pytest.raises(ConfigError, match="exactly one of data.task or data.path"):
+        make_cfg(tiny_path, tmp_path, **{"data.task": None})
+    with pytest.raises(ConfigError, match="exactly one of data.task or data.path"):
+        make_cfg(tiny_path, tmp_path, **{"data.path": str(tmp_path / "prompts.jsonl")})
+
+
+def test_a_reward_that_needs_a_column_names_the_first_record_without_it(tiny_path, tmp_path):
+    records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, {"prompt": "3+3=", "answer": "6"}, {"prompt": "4+4="}]
+    cfg = make_cfg(tiny_path, tmp_path, rewards=[{"function": "exact_match"}])
+    with pytest.raises(ConfigError, match="needs a 'answer' column in the prompts; prompt record 1 has none"):
+        grpo.train(cfg, prompts=records)

@@ -661,3 +661,51 @@ def test_ppo_next_step_uses_the_updated_beta(tiny_path, ref_path, tmp_path, toke
     second, _ = ppo.ppo_step(*args)
     assert first["beta"] == 0.2 and second["beta"] == beta_2 != 0.2
     assert second["non_score_reward"] == pytest.approx(-beta_2 * second["kl"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Under torchrun: each rank's loss is multiplied by its share of the global normaliser
+# ----------------------------------------------------------------------------------------------
+
+
+def test_grpo_step_scales_each_update_by_the_distributed_loss_scale(tiny_path, tmp_path, tokenizer, monkeypatch):
+    # loss_scale is 1 in one process; under torchrun rank r's minibatch loss is multiplied by
+    # W n_r / sum_s n_s (rlalign.train.distributed.loss_scale, pinned in test_sft_rm_composed.py).
+    # With a scale of 0.25 the optimiser must see 0.25 x the hand loss and its gradient.
+    cfg = grpo_cfg(tiny_path, tmp_path, beta=0.0, mu=1, num_minibatches=2)
+    policy = load_policy(tiny_path)
+    rollout, _, sampler_logp, _ = shifted_rollout(policy, tokenizer)
+    fixed_sampler(monkeypatch, grpo, rollout)
+    monkeypatch.setattr(grpo.distributed, "loss_scale", lambda count, world: 0.25)
+    updater = sgd_updater(policy, 0.0)
+    updates = recording(updater)
+    grpo.grpo_step(updater, None, tokenizer, [fixed_scores(SCORES)], prompt_examples(), grpo.TrainState(0, torch.Generator().manual_seed(0)), cfg)
+    advantages = hand_group_advantages(SCORES, 2, "group")
+    for k, update in enumerate(updates):
+        twin = at_params(copy.deepcopy(policy), update.params)
+        logp = hand_forward(twin, tokenizer)
+        loss = hand_grpo_loss(logp, sampler_logp, None, advantages, all_counted(logp), cfg.eps_low, cfg.eps_high, 0.0, cfg.aggregation, range(k, 4, 2))
+        assert_update(update, twin, 0.25 * loss, 0.0)
+
+
+def test_ppo_step_scales_policy_and_critic_updates_by_the_distributed_loss_scale(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch):
+    cfg = ppo_cfg(tiny_path, tmp_path, kl_coef=0.2, ppo_epochs=1, num_minibatches=1, **{"optim.grad_clip": None, "critic.optim.grad_clip": None})
+    torch.manual_seed(0)  # the critic's fresh value head
+    policy, reference, critic = load_policy(tiny_path), load_policy(ref_path), load_critic(tiny_path)
+    old_values = detached(hand_values(critic, tokenizer))
+    rollout, _, old, _ = shifted_rollout(policy, tokenizer)
+    ref = detached(hand_forward(reference, tokenizer))
+    fixed_sampler(monkeypatch, ppo, rollout)
+    monkeypatch.setattr(ppo.distributed, "loss_scale", lambda count, world: 0.25)
+    policy_updater, critic_updater = sgd_updater(policy, 0.0), sgd_updater(critic, 0.0)
+    policy_updates, critic_updates = recording(policy_updater), recording(critic_updater)
+    prompts = load_prompts([{"prompt": p} for p in PROMPTS])
+    state = ppo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
+    ppo.ppo_step(policy_updater, critic_updater, reference, cfg.kl_controller(), tokenizer, [fixed_scores(SCORES)], prompts, state, cfg)
+    advantages, returns, _ = hand_ppo_advantages(SCORES, old, ref, old_values, 0.2, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages)
+    twin = at_params(copy.deepcopy(policy), policy_updates[0].params)
+    logp, entropy = hand_forward(twin, tokenizer, with_entropy=True)
+    assert_update(policy_updates[0], twin, 0.25 * hand_ppo_policy_loss(logp, entropy, old, advantages, cfg.eps, cfg.entropy_coef, cfg.aggregation), 0.0)
+    twin_critic = at_params(copy.deepcopy(critic), critic_updates[0].params)
+    loss_v = hand_value_loss(hand_values(twin_critic, tokenizer), returns, old_values, cfg.value_clip, cfg.aggregation)
+    assert_update(critic_updates[0], twin_critic, 0.25 * loss_v, 0.0)

@@ -431,3 +431,10 @@ def test_loss_scale_makes_two_ranks_compute_the_global_loss(monkeypatch, mode):
     want = torch.autograd.grad(expected, values)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_loss_scale_is_zero_when_no_rank_has_anything_to_count(monkeypatch):
+    # every rank's minibatch fully masked (e.g. mask_truncated with every completion truncated): the
+    # global count is 0, so each rank's (zero) loss is scaled by 0, never by 0 / 0 = NaN
+    monkeypatch.setattr(distributed, "all_sum", lambda x, world: torch.zeros((), dtype=torch.float64))
+    assert distributed.loss_scale(0.0, distributed.World(rank=0, size=2)) == 0.0
