@@ -19,11 +19,13 @@ import os
 import re
 import resource
 import sys
+import tempfile
 from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR = Path(os.environ.get("RLALIGN_SMOLLM2_DIR", "/tmp/smollm2-135m"))
-TINY_DIR = Path(os.environ.get("RLALIGN_TINY_DIR", "/tmp/rlalign-tiny-h128-l4"))
+# Where the converted checkpoints are cached: environment variables, else the system temp directory.
+SMOLLM2_DIR = Path(os.environ.get("RLALIGN_SMOLLM2_DIR", Path(tempfile.gettempdir()) / "smollm2-135m"))
+TINY_DIR = Path(os.environ.get("RLALIGN_TINY_DIR", Path(tempfile.gettempdir()) / "rlalign-tiny-h128-l4"))
 
 # SmolLM2-135M's shape (LlamaConfig fields), for random-weight timing runs that need no download.
 SMOLLM2_SHAPE = dict(

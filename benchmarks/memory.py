@@ -1,7 +1,7 @@
 """Peak memory of one PPO step against one GRPO step on the same model, each in its own process.
 
-    /work/benchvenv/bin/python benchmarks/memory.py --model smollm2 --out runs/bench/memory_smollm2.json
-    /work/benchvenv/bin/python benchmarks/memory.py --model tiny          # seconds; a check of the harness
+    .venv/bin/python benchmarks/memory.py --model smollm2 --out runs/bench/memory_smollm2.json
+    .venv/bin/python benchmarks/memory.py --model tiny          # seconds; a check of the harness
 
 Variants (``--variants``), each run for ``--steps`` steps (default 2) in a fresh subprocess. One
 step is not enough: AdamW's two moments are allocated by the first ``optimizer.step``, after the

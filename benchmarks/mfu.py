@@ -1,11 +1,11 @@
 """Model FLOPs utilisation of one rlalign GRPO step on this machine.
 
-    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --out runs/bench/mfu_smollm2.json
-    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --threads 2
-    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --autocast     # model.autocast=bfloat16 (float32 master weights)
-    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --fast         # + eager training attention, SDPA decode, bfloat16 sampling copy
-    /work/benchvenv/bin/python benchmarks/mfu.py --steps 4 --autocast --compile   # the compiled training forward (step 1 compiles; SDPA: compile rejects eager attention)
-    /work/benchvenv/bin/python benchmarks/mfu.py --steps 3 --fast --ceiling       # + the update's ceiling: its matmuls replayed alone (4. below)
+    .venv/bin/python benchmarks/mfu.py --steps 3 --out runs/bench/mfu_smollm2.json
+    .venv/bin/python benchmarks/mfu.py --steps 3 --threads 2
+    .venv/bin/python benchmarks/mfu.py --steps 3 --autocast     # model.autocast=bfloat16 (float32 master weights)
+    .venv/bin/python benchmarks/mfu.py --steps 3 --fast         # + eager training attention, SDPA decode, bfloat16 sampling copy
+    .venv/bin/python benchmarks/mfu.py --steps 4 --autocast --compile   # the compiled training forward (step 1 compiles; SDPA: compile rejects eager attention)
+    .venv/bin/python benchmarks/mfu.py --steps 3 --fast --ceiling       # + the update's ceiling: its matmuls replayed alone (4. below)
 
 1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048), float32 and bfloat16, best of
    ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's thread count.
@@ -15,13 +15,13 @@
    counted as 4 L d T per token (QK^T and AV, T the context length, no causal halving: the PaLM
    convention):
        generation  prefill 2 N_body U P + 2 N_head U (each of the U distinct prompts once, logits at
-                   the last position only; B before b2e4724),
+                   the last position only),
                    then per decode step 2 (N_body + N_head) B + attention over the cache
        reference   forward over B (P + C) positions: 2 N_body B (P + C) + 2 N_head B C
                    (the LM head at the C positions that predict completion tokens) + attention;
                    with shared prompts (one process: each of the U groups' prompts but its last
                    token runs once, with one position's unused logits; each row then runs its last
-                   prompt token and C - 1 completion tokens against that cache, since 21525e0)
+                   prompt token and C - 1 completion tokens against that cache)
                    2 N_body U (P - 1) + 2 N_head U + U attn(P - 1, P - 1) + 2 (N_body + N_head) B C
                    + B attn(C, P + C - 1): the FLOPs executed, which MFU counts
        policy      forward + backward = 3 x the reference forward
@@ -152,7 +152,7 @@ def random_checkpoint(shape: str) -> Path:
         return lb.tiny_checkpoint()
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    path = Path("/tmp/smollm2-shape-random")
+    path = Path(tempfile.gettempdir()) / "smollm2-shape-random"
     if not (path / "config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(str(lb.smollm2_checkpoint()))
         torch.manual_seed(0)

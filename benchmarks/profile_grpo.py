@@ -1,8 +1,8 @@
 """Where the time of one rlalign GRPO step goes: cProfile by phase, then torch.profiler by operator.
 
-    /work/benchvenv/bin/python benchmarks/profile_grpo.py --out runs/bench/profile_grpo_smollm2.json
-    /work/benchvenv/bin/python benchmarks/profile_grpo.py --autocast      # model.autocast=bfloat16 (float32 master weights)
-    /work/benchvenv/bin/python benchmarks/profile_grpo.py --real          # SmolLM2-135M-Instruct's weights (EOS ends rows early)
+    .venv/bin/python benchmarks/profile_grpo.py --out runs/bench/profile_grpo_smollm2.json
+    .venv/bin/python benchmarks/profile_grpo.py --autocast      # model.autocast=bfloat16 (float32 master weights)
+    .venv/bin/python benchmarks/profile_grpo.py --real          # SmolLM2-135M-Instruct's weights (EOS ends rows early)
 
 The step: ``rlalign.train.grpo.grpo_step`` on SmolLM2-135M's shape (random weights, so every row
 runs the full 32 new tokens; ``--real`` for the real weights), SmolLM2's tokenizer and chat

@@ -2,7 +2,7 @@
 real trainers, the table and summary.json come out, the KL of the SFT rows to themselves is ~0.
 
 The full-budget numbers (GRPO above SFT, PPO raising the hidden score at bounded KL) are measured
-by running ``rlalign demo`` itself; they are recorded in the README and the issue note.
+by running ``rlalign demo`` itself; they are recorded in the README and benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

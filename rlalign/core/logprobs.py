@@ -11,15 +11,9 @@ forward pass works on row chunks of at most ``chunk_elements`` float32 values an
 
 is recomputed chunk by chunk straight into a gradient of the logits' own dtype.
 
-Measured peak RSS growth over the inputs, forward + backward, B=4 T=512 V=32000, temperature 0.7
-(``python benchmarks/logprobs_memory.py [--dtype bfloat16]``, one fresh process per variant):
-
-    float32 logits (250 MB):   naive 757 MB (3.0x the logits)   here 275 MB (1.1x)   ratio 0.36
-    bfloat16 logits (125 MB):  naive 757 MB (6.1x the logits)   here 150 MB (1.2x)   ratio 0.20
-
-(306 and 186 MB, measured at 9b413c2, before every chunk worked in the same two buffers.)
-
-Most of what remains is the logits' gradient itself, which any method must return.
+``benchmarks/logprobs_memory.py`` measures the peak memory of both paths, forward + backward
+(figures in benchmarks/RESULTS.md). Most of what this one needs is the logits' gradient itself,
+which any method must return.
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ def _workspaces(flat_logits: Tensor, rows: int, dtype: torch.dtype, pair: bool =
     """One chunk's worth of ``dtype`` values, (min(rows, N), V), twice (once unless ``pair``): every
     chunk works in the same buffers. A fresh tensor per chunk and per operation cost more than the
     arithmetic on it: such a buffer (16 MB at the default chunk) comes from the OS as new pages, and
-    each page faults on first touch (SmolLM2's (496, 49152) logits, one core, measured in
-    benchmarks/RESULTS_speed.md 5.18)."""
+    each page faults on first touch."""
     shape = (min(rows, flat_logits.shape[0]), flat_logits.shape[1])
     first = torch.empty(shape, dtype=dtype, device=flat_logits.device)
     return first, (torch.empty_like(first) if pair else None)
@@ -146,9 +139,8 @@ def token_logprobs_and_entropy(
 
     (seed 003's entropy; equal to :func:`rlalign.core.kl.entropy_from_logits` of ``logits / tau``).
     The entropy is a statistic here, without gradient; an entropy bonus uses ``entropy_from_logits``.
-    One pass over the (B, T, V) logits instead of two, no scaled (B, T, V) copy: SmolLM2's
-    (16, 32, 49152) bfloat16 logits, one core, 72 ms for the log-probs, 240 ms more for a separate
-    entropy (measured for this change).
+    One pass over the (B, T, V) logits instead of two, and no scaled (B, T, V) copy: a separate
+    entropy pass would cost more than the log-probs themselves.
 
     Returns:
         (log-probs with gradient, entropy detached), each (B, T), float32 (float64 for float64 logits).

@@ -17,26 +17,20 @@ get the summed gradient of their G rows), and each row runs its last prompt toke
 completion tokens: the C positions that predict the completion, so the LM head runs once, on one
 (B C, H) block, and the token embeddings of both passes are looked up in one call. Each call of
 either gives its weight a dense (V, H) gradient in backward, and autograd sums a weight's several
-into a new one: with the LM head and the embedding called once per pass, SmolLM2 (tied: one
-weight) got four of 113 MB float32 plus three sums per update, now two plus one
-(RESULTS_speed.md 5.18). The logits are those of the full forward up to float round-off
-(tested for Llama and GPT-2, with LoRA, forward and backward); the work on prompt positions
-shrinks G-fold. Measured on SmolLM2-135M with its chat template (P = 46, C = 32, B = 16, G = 8):
-see benchmarks/RESULTS_speed.md, section 5.6.
+into a new one: a tied LM head and embedding called once each get two such gradients and one
+sum per update, where calling both in each of the two passes would give four and three. The logits are
+those of the full forward up to float round-off (tested for Llama and GPT-2, with LoRA, forward
+and backward); the work on prompt positions shrinks G-fold.
 
 The positions are handed over as an index tensor, not as a count: indexing copies the kept hidden
 states into one contiguous (B, C, H) block, which torch folds into a single (B C, H) x (H, V)
 matmul. A count makes transformers take a strided slice, and without autograd torch then runs the
-LM head as a batched matmul against the weight expanded (and, in bfloat16, copied) once per row:
-measured on SmolLM2-135M (B = 16, P = 13, C = 32, no grad, under bfloat16 autocast), a
-bfloat16-held model's pass took 2.5 s with the slice and 0.41 s with the index tensor.
+LM head as a batched matmul against the weight expanded (and, in bfloat16, copied) once per row,
+which is much slower for a bfloat16-held model.
 
 Memory saved: the logits tensor shrinks from B (P + C) V to B C V values, a fraction
 P / (P + C) of it (half when prompt and completion are equally long), and its gradient shrinks
-alike. Measured (when C + 1 positions were still kept) peak RSS of forward + backward above the model's baseline (B=8, P=C=256,
-V=49152 as SmolLM2, float32, a one-layer hidden-64 Llama so the logits dominate; one process
-each): full logits then log_softmax + gather 1922 MB, this function 1240 MB, i.e. 682 MB
-(35%) less; the (B, P + C, V) float32 logits alone are 805 MB against 404 MB here.
+alike.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ def cache_argument(model: nn.Module) -> str:
 @functools.cache
 def _cache_keyword(forward: Callable) -> str:
     """:func:`cache_argument` of a forward function, looked up once per function: ``inspect.signature``
-    costs ~140 us, and a GRPO step asks ~6 times (the prefill and every log-prob pass)."""
+    is not free, and a GRPO step asks several times (the prefill and every log-prob pass)."""
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
@@ -273,8 +273,7 @@ def release_compiler_caches() -> None:
     """Drop what torch.compile keeps only to compile faster, not to run what it compiled: the source
     lines dynamo read (``linecache``), the fake-tensor dispatch cache, sympy's cache; then collect and
     hand freed heap pages back to the OS (glibc's ``malloc_trim``). A later compile refills them.
-    Measured on the tiny GRPO step (reference pass then training forward/backward compiled, a cold
-    inductor cache): resident memory after both compiles 540 -> 511 MB, the peak 563 -> 545 MB."""
+    Lowers both the resident memory after a compile and the process's peak (benchmarks/RESULTS.md)."""
     import ctypes
     import gc
     import linecache
@@ -316,9 +315,8 @@ def skipping_guard_profiling() -> Iterator[None]:
     (``torch._C._dynamo.guards.profile_guard_manager``, torch 2.13). The buffer is freed at once,
     but it sets the process's peak resident memory 32 MiB above what compiling needs, at every
     compile. Here the measurement reports 0 us instead; guards are still built, checked once
-    against the frame that made them, and evaluated at every call as before. Measured on the tiny
-    GRPO step with both compile options (4 graphs, warm inductor cache, benchmarks/RESULTS_speed.md
-    5.18): peak 536 -> 514 MB, resident after 30 steps 514 MB either way."""
+    against the frame that made them, and evaluated at every call as before. Resident memory is
+    unchanged; only the peak goes down."""
     from torch._dynamo import guards  # imported by transformers' models already; the block is about to compile anyway
 
     if not hasattr(guards, "profile_guard_manager"):  # a torch without the measurement
@@ -453,12 +451,10 @@ class PackedLinear(nn.Module):
     its CPU matmul kernel reads fastest (``torch.ops.mkldnn._reorder_linear_weight``, run by
     ``torch.ops.mkldnn._linear_pointwise``: the kernel inductor uses for frozen weights).
 
-    The values are those of ``F.linear`` (bit for bit on this machine in bfloat16 for contiguous
-    inputs, at 1 to 100 rows; float32 round-off apart, as F.linear runs MKL there); what changes is
-    how fast the weight streams from memory. Measured on one core, 20 distinct (1536, 576)
-    bfloat16 weights, 8 rows: 0.21 -> 0.10 ms per matmul; SmolLM2's tied LM head (49152, 576)
-    8.2 -> 4.3 ms (bfloat16), 26.9 -> 9.6 ms (float32). The decode loop reads every weight once
-    per token, so this is where it spends its time (benchmarks/RESULTS_lm.md).
+    The values are those of ``F.linear`` (bit for bit in bfloat16 for contiguous inputs, at 1 to
+    100 rows, on the CPUs tested; float32 round-off apart, as F.linear runs MKL there); what changes
+    is how fast the weight streams from memory, which is where a decode loop spends its time: it
+    reads every weight once per token (benchmarks/RESULTS.md has the measured speed).
 
     ``weight`` and ``bias`` stay the module's parameters (the same objects: tied weights stay tied,
     :func:`copy_weights` still sees the model's structure), so the blocked copy, the non-persistent
@@ -466,8 +462,7 @@ class PackedLinear(nn.Module):
     ``weight``. Replacing the buffer does not recompile a compiled caller (buffers are graph inputs).
     With ``shared`` (a :class:`SharedProduct`) the layer is sibling ``index`` of a group run as one
     matmul, whose blocked weight the group holds (the layer none of its own); :meth:`repack` of any
-    sibling refreshes the group's. SmolLM2's shape, batch 32, compiled decode loop on one core: 7% less
-    time a call (benchmarks/RESULTS_lm.md).
+    sibling refreshes the group's: fewer, larger matmuls a token.
     No gradient flows through the packed path: when grad mode is on and the input or a parameter
     needs a gradient, under autocast, or for an input of another dtype, :meth:`forward` is
     ``F.linear``. The blocked buffer is an opaque MKLDNN tensor: ``copy.deepcopy``, pickling and
@@ -523,8 +518,8 @@ class PackedLinear(nn.Module):
 def can_pack_linear(model: nn.Module) -> bool:
     """Whether :func:`pack_linear_layers` pays: every parameter on the CPU, in bfloat16 or float16,
     with oneDNN kernels for that dtype on this CPU. Float32 is left out: there F.linear runs MKL,
-    which is as fast or faster below ~1024 x 512 weights (measured one core, 8-64 rows: 64 x 64
-    0.2-0.4x, 576 x 576 0.9-1.0x); the half-precision kernels gain 1.1x at 64 x 64 to 1.8x."""
+    which is as fast or faster for all but large weights; in half precision the blocked kernel is
+    the faster one at every size measured."""
     if not torch.backends.mkldnn.is_available():
         return False
     supported = set()

@@ -17,7 +17,7 @@ cache repeated to the group's G rows; prompts of different lengths are prefilled
 several to a row, when that takes fewer rows (:func:`pack_prompts`), so padding is hardly
 computed. Per step the loop does one forward, one softmax and one
 draw. Eager, the model's own forward is most of the time of a step, so the gain over
-``generate`` is modest (benchmarks/RESULTS_lm.md has the measured ratios).
+``generate`` is modest (benchmarks/RESULTS.md has the measured ratios).
 
 ``compile=True`` runs the decode step, with the draw of the next token in it, through
 ``torch.compile`` with static shapes (the first token's draw, from the prefill's logits, is compiled
@@ -246,12 +246,12 @@ def _prefill(
 
     With G > 1 the N prompts run into a DynamicCache that is then repeated G-fold
     (``batch_repeat_interleave``) and, for a StaticCache, written into its first P slots: the prefill
-    does N rows of work instead of B (0.39 s -> 0.09 s for SmolLM2-135M, P = 46, G = 8, N = 2).
+    does N rows of work instead of B.
     ``rows`` (:func:`_prompt_rows`): the prompts run side by side in these rows, each token seeing
     its own prompt (:func:`_packed_mask`), and their keys and values are then laid out left-padded in
-    (N, heads, P, head dim), zeros on padding (which the decode masks hide). SmolLM2's shape in
-    bfloat16, one core, 32 prompts of 4-12 tokens (251 in all): 23 rows of 12 instead of 32, the
-    prefill 0.50 -> 0.38 s (one row of all 251 tokens: 0.40 s, its (251, 251) attention 2x slower).
+    (N, heads, P, head dim), zeros on padding (which the decode masks hide). For example 32 prompts
+    of 4-12 tokens (251 in all) fit in 23 rows of 12 instead of 32; rows of the longest prompt's
+    width, not one row of all tokens, keep the attention's (L, L) scores small.
     """
     distinct = slice(None, None, group_size)
     ids, mask = prompt_ids[distinct], prompt_mask[distinct]  # (N, P)
@@ -417,24 +417,22 @@ def _decode_step(
 ) -> tuple[Tensor, Tensor]:
     """One decode step: feed ``token`` (B,) (:func:`_next_logits`) and draw the next token from the
     logits (:func:`_draw`). Returns the token (B,) and its log-prob (B,). Compiled, the step and the
-    draw are one call: one guard check and one graph wrapper a step instead of two. SmolLM2's shape,
-    bfloat16, packed, one core, 32 tokens (the same tokens and log-probs): 2509 -> 2442 ms a call at
-    batch 32, 4697 -> 4470 ms at batch 64 (RESULTS_lm.md)."""
+    draw are one call: one guard check and one graph wrapper a step instead of two, with the same
+    tokens and log-probs."""
     return _draw(_next_logits(model, token, step_mask, position_ids, cache, cache_keyword), params, uniform)
 
 
 # Inductor lowers a one-query-row attention matmul on the CPU to a multiply-and-sum that inlines its
 # inputs, and so recomputed the query's rotary embedding (a cos and a sin an element) for every key
-# position: a pointwise input of more than 4 ops is now computed once into a buffer. SmolLM2's shape,
-# batch 16, 48 cache slots, one core: that attention kernel 260 -> 65 us a layer (RESULTS_lm.md).
+# position: a pointwise input of more than 4 ops is computed once into a buffer instead, which makes
+# that attention kernel several times faster.
 _DECODE_INDUCTOR_OPTIONS = {"realize_cpu_opcount_threshold": 4}
 
 
 class _CompiledOnFirstCall:
     """``torch.compile(fn, **options)``, made at the first call. Calling ``torch.compile`` imports
     dynamo's backends (AOT autograd, its partitioner, networkx: ~380 modules), which a process that
-    only samples eagerly never needs: the tiny model's GRPO step without compile options 419 -> 399 MB
-    resident after 30 steps (benchmarks/RESULTS_speed.md 5.17)."""
+    only samples eagerly never needs, and whose memory it would carry for nothing."""
 
     def __init__(self, fn: Callable, **options):
         self.fn, self.options, self.compiled = fn, options, None
@@ -486,10 +484,8 @@ class _StepFunctions:
 def _attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
     """``model`` (a transformers model) runs attention with implementation ``name`` inside the block,
     its own outside. The compiled decode step runs the model's "eager" attention (matmul, softmax,
-    matmul), which inductor fuses into its own kernels; measured on one core, SmolLM2's shape at
-    batch 8 (benchmarks/RESULTS_lm.md): 51.5 -> 40.7 ms a step on an AMD EPYC, where SDPA's CPU
-    kernel took 390 us a call for one query row; on a Xeon with AMX an earlier session measured 3%
-    (within the noise). A model that cannot switch (no attention interface) keeps its own."""
+    matmul), which inductor fuses into its own kernels, where SDPA's CPU kernel is slow for one
+    query row on some CPUs. A model that cannot switch (no attention interface) keeps its own."""
     original = model.config._attn_implementation
     can_switch = getattr(model, "_can_set_attn_implementation", None)  # transformers' own check (not in every version)
     if original == name or can_switch is None or not can_switch():
@@ -566,7 +562,7 @@ def sample(
             uniforms, drawn whether or not every row runs to the end.
         noise: those uniforms given instead (then ``generator`` is unused). Shape: (max_new_tokens, B).
         compile: run the decode step and the draw compiled (see the module docstring); the first
-            call per batch size and cache bucket pays the compile (seconds for the tiny model).
+            call per batch size and cache bucket pays the compile.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")

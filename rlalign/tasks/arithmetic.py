@@ -3,7 +3,7 @@
 Problems have ``min_operands``..``max_operands`` integers in [0, ``max_operand``] joined by "+" or
 "-"; the answer may be negative. The default (two operands of up to two digits: "57-83=" -> "-26")
 is hard enough that a short SFT on the tiny model gets only part of the answers right (0% -> 27% in
-1500 steps, benchmarks/RESULTS_lm.md), which leaves room for RL to improve. Three operands
+1500 steps, benchmarks/RESULTS.md), which leaves room for RL to improve. Three operands
 (``ArithmeticSpec(max_operands=3)``) is a harder variant.
 
 Splits are disjoint by construction: a problem belongs to the eval split when a hash of its text

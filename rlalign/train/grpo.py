@@ -229,14 +229,13 @@ class SamplingConfig(Config):
     compile: bool = Field(
         False,
         description="torch.compile the decode step and the draw (static shapes; one compile per batch size and cache-length bucket, "
-        "seconds for the tiny model, ~35 s for SmolLM2-135M; at most 64 versions per process, then eager with a warning). "
-        "Tiny Llama, batch 8, one core: 2.1x model.generate's tokens/s against 1.1x eager. "
+        "paid in the first steps; at most 64 versions per process, then eager with a warning); speed in benchmarks/RESULTS.md. "
         "Not under model.autocast without sampling.dtype, nor with model.sharding fsdp",
     )
     pack_weights: bool = Field(
         True,
-        description="with sampling.dtype on a CPU, hold the copy's linear weights in oneDNN's blocked layout (the same values; "
-        "SmolLM2-135M bfloat16, batch 8: 1.3x the decode loop's tokens/s eager, 1.4x with sampling.compile, for one more copy of those weights)",
+        description="with sampling.dtype on a CPU, hold the copy's linear weights in oneDNN's blocked layout (the same values, "
+        "read faster by the decode loop, for one more copy of those weights; figures in benchmarks/RESULTS.md)",
     )
 
     def params(self) -> SamplingParams:
@@ -258,8 +257,7 @@ class RLOptimConfig(OptimConfig):
 COMPILE_HELP = (
     "torch.compile the policy's training forward and backward, the pi_old recompute and the reference pass (dynamic shapes; compiled during "
     "the first step; the decode loop has sampling.compile). "
-    "SmolLM2-135M on one CPU core, bfloat16 autocast, SDPA, before the reference pass was compiled too: 175 s to compile, then 3.56 -> 3.01 s "
-    "per update (pays back after ~230 steps). The compiled passes run every row's prompt (no shared prompts)"
+    "The compile time pays back only over a long run; figures in benchmarks/RESULTS.md. The compiled passes run every row's prompt (no shared prompts)"
 )
 
 
@@ -936,7 +934,7 @@ class RunSetup(Run):
         """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
         Under ``model.autocast: bfloat16`` its matmul weights are held in bfloat16 (:func:`hold_matmul_weights`: the values
         autocast would cast them to, so its log-probs equal the policy's at equal weights; no cast per forward, about half
-        the memory; reference pass 0.58 s -> 0.41 s on SmolLM2-135M at B = 16, benchmarks/RESULTS_speed.md)."""
+        the memory, a faster reference pass)."""
         if model_cfg.lora is not None and path is None:
             return None
         reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)

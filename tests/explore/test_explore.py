@@ -1,6 +1,6 @@
 """Every explorer returns the known truth of its problem, and ``rlalign explore`` writes its figure and data.
 
-Each ``compute()`` runs once per session (default arguments, the ones the CLI uses) and is shared
+Each ``compute()`` runs once per test process (default arguments, the ones the CLI uses) and is shared
 by the tests of that explorer. Monte-Carlo checks use a stated number of standard errors.
 """
 
@@ -24,7 +24,7 @@ _CACHE: dict[str, object] = {}
 
 
 def result_of(module):
-    """compute() once per session per explorer module."""
+    """compute() once per test process per explorer module."""
     if module.__name__ not in _CACHE:
         _CACHE[module.__name__] = module.compute()
     return _CACHE[module.__name__]
