@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten
+from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten, whiten
 
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
 M = torch.tensor([[1, 1, 1], [1, 0, 0]])
@@ -53,3 +53,23 @@ def test_whitened_values_have_mean_zero_and_unit_std(values, seed):
 def test_fractional_weights_give_the_weighted_mean():
     # weights 0.2 and 0.3 (sum 0.5 < 1): (0.2*1 + 0.3*3) / 0.5 = 2.2
     assert masked_mean(torch.tensor([1.0, 3.0]), torch.tensor([0.2, 0.3])).item() == pytest.approx(2.2)
+
+
+def test_masked_mean_of_an_empty_row_is_zero_with_a_zero_gradient():
+    # row 1 has no counted position: its mean is 0 and its gradient 0, never NaN (no 0 / 0 in
+    # either branch of the where: autograd would carry 0 x inf = NaN back from the unused one)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    means = masked_mean(x, mask, dim=-1)
+    torch.testing.assert_close(means, torch.tensor([1.5, 0.0]))
+    means.sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([[0.5, 0.5], [0.0, 0.0]]))
+
+
+def test_whiten_with_given_statistics_centres_by_default():
+    # (x - mean) / sqrt(var + eps), 0 on padding; shift_mean=False adds the mean back (only the scale changes)
+    x = torch.tensor([1.0, 3.0, 9.0])
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    mean, var = torch.tensor(2.0), torch.tensor(4.0)
+    torch.testing.assert_close(whiten(x, mean, var, mask), torch.tensor([-0.5, 0.5, 0.0]))
+    torch.testing.assert_close(whiten(x, mean, var, mask, shift_mean=False), torch.tensor([1.5, 2.5, 0.0]))

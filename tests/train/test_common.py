@@ -180,7 +180,10 @@ def test_set_seed_takes_seeds_past_numpys_32_bits():
     set_seed(2**32 + 5)
     large = np.random.rand(3)
     set_seed(5)
-    np.testing.assert_array_equal(large, np.random.rand(3))
+    five = np.random.rand(3)
+    np.testing.assert_array_equal(large, five)
+    set_seed(6)
+    assert not np.array_equal(np.random.rand(3), five)  # and distinct seeds draw distinct numbers
 
 
 def test_plot_metrics_labels_each_panel_and_the_shared_step_axis(tmp_path, monkeypatch):
