@@ -996,28 +996,9 @@ def test_dqn_run_matches_hand_replay(case, monkeypatch, recorder):
 # --------------------------------------------------------------------------------------------
 
 
-class Counter(gym.Env):
-    """obs = [k], the steps taken in this episode; reward 1 a step; terminates when k == term_at."""
-
-    observation_space = spaces.Box(0.0, 100.0, shape=(1,), dtype=np.float32)
-    action_space = spaces.Discrete(2)
-
-    def __init__(self, term_at: int) -> None:
-        self.term_at, self.k = term_at, 0
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.k = 0
-        return np.array([0.0], dtype=np.float32), {}
-
-    def step(self, action):
-        self.k += 1
-        return np.array([self.k], dtype=np.float32), 1.0, self.k == self.term_at, False, {}
-
-
-def test_collect_rollout_by_hand():
+def test_collect_rollout_by_hand(counter_env):
     # env 0 terminates every 2 steps; env 1 is truncated (TimeLimit) after 3. SAME_STEP autoreset.
-    envs = gym.vector.SyncVectorEnv([lambda: Counter(2), lambda: gym.wrappers.TimeLimit(Counter(99), 3)],
+    envs = gym.vector.SyncVectorEnv([lambda: counter_env(2), lambda: gym.wrappers.TimeLimit(counter_env(99), 3)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     obs, _ = envs.reset(seed=0)
     torch.manual_seed(0)

@@ -14,28 +14,9 @@ from rlalign.classic.ppo import PPOConfig, train
 from rlalign.core.advantages import gae
 
 
-class CounterEnv(gym.Env):
-    """obs = [k], the steps taken in this episode; reward 1 per step; terminates when k == term_at."""
-
-    observation_space = spaces.Box(0.0, 100.0, shape=(1,), dtype=np.float32)
-    action_space = spaces.Discrete(2)
-
-    def __init__(self, term_at: int) -> None:
-        self.term_at, self.k = term_at, 0
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.k = 0
-        return np.array([0.0], dtype=np.float32), {}
-
-    def step(self, action):
-        self.k += 1
-        return np.array([self.k], dtype=np.float32), 1.0, self.k == self.term_at, False, {}
-
-
-def test_gae_over_vector_rollout_with_truncation_and_termination():
+def test_gae_over_vector_rollout_with_truncation_and_termination(counter_env):
     # env 0 terminates after 3 steps; env 1 is truncated (TimeLimit) after 2. SAME_STEP autoreset.
-    envs = SyncVectorEnv([lambda: CounterEnv(3), lambda: TimeLimit(CounterEnv(99), 2)], autoreset_mode=AutoresetMode.SAME_STEP)
+    envs = SyncVectorEnv([lambda: counter_env(3), lambda: TimeLimit(counter_env(99), 2)], autoreset_mode=AutoresetMode.SAME_STEP)
     obs, _ = envs.reset(seed=0)
     critic = nn.Linear(1, 1)  # V(s) = 10 k + 1
     nn.init.constant_(critic.weight, 10.0)
