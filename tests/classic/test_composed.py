@@ -256,6 +256,18 @@ def assert_made_and_reset(seam: SimpleNamespace, cfg) -> None:
     assert (env_id, num_envs, seed, envs.reset_seeds) == ("fixed-batch", cfg.num_envs, cfg.seed, [cfg.seed])
 
 
+
+def run_on_policy(monkeypatch, module, cfg, batch: Batch):
+    """``module.train`` on the fixed batch, after checking what every on-policy trainer builds: one
+    seeded vector env, reset once, and an actor (gain 0.01) and a critic (gain 1) of the fixed nets.
+    Returns (the trainer's result, the rollouts it was handed)."""
+    seam = patch_on_policy(monkeypatch, module, batch)
+    result = module.train(cfg, "fixed-batch")
+    assert_made_and_reset(seam, cfg)
+    assert seam.mlp_calls == [([DIM, N_ACTIONS], nn.Tanh, 0.01), ([DIM, 1], nn.Tanh, 1.0)]
+    return result, seam.rollouts
+
+
 def gae_by_loop(ro: Rollout, gamma: float, lam: float) -> tuple[list, list]:
     """GAE per env column, backwards (Schulman et al. 2016, eq. 16):
     delta_t = r_t + gamma * (1 - terminated_t) * V(s_{t+1}) - V(s_t),
@@ -373,12 +385,7 @@ def ppo_minibatch_by_hand(params: list[Tensor], samples: list, mb: list[int], cl
 @pytest.mark.parametrize("case", PPO_CASES.values(), ids=PPO_CASES.keys())
 def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
     cfg = ppo.PPOConfig(**{**PPO_BASE, **case})
-    seam = patch_on_policy(monkeypatch, ppo, PPO_BATCH)
-    result = ppo.train(cfg, "fixed-batch")
-    rollouts, mlp_calls = seam.rollouts, seam.mlp_calls
-    assert_made_and_reset(seam, cfg)
-
-    assert mlp_calls == [([DIM, N_ACTIONS], nn.Tanh, 0.01), ([DIM, 1], nn.Tanh, 1.0)]
+    result, rollouts = run_on_policy(monkeypatch, ppo, cfg, PPO_BATCH)
     (opt,) = recorder.optimizers
     assert opt.kwargs["eps"] == 1e-5 and opt.defaults["lr"] == cfg.lr
     assert [p.shape for p in opt.param_groups[0]["params"]] == [(3, 3), (3,), (1, 3), (1,)]  # actor and critic
@@ -525,12 +532,7 @@ def test_psi_by_loop_by_hand():
 @pytest.mark.parametrize("case", VPG_CASES.values(), ids=VPG_CASES.keys())
 def test_vpg_update_matches_hand_computation(case, monkeypatch, recorder):
     cfg = vpg.VPGConfig(**{**VPG_BASE, **case})
-    seam = patch_on_policy(monkeypatch, vpg, VPG_BATCH)
-    result = vpg.train(cfg, "fixed-batch")
-    rollouts, mlp_calls = seam.rollouts, seam.mlp_calls
-    assert_made_and_reset(seam, cfg)
-
-    assert mlp_calls == [([DIM, N_ACTIONS], nn.Tanh, 0.01), ([DIM, 1], nn.Tanh, 1.0)]
+    result, rollouts = run_on_policy(monkeypatch, vpg, cfg, VPG_BATCH)
     (ro,) = rollouts
     actor_opt, critic_opt = recorder.optimizers
     T, N = 5, 2
@@ -676,12 +678,7 @@ def test_conjugate_gradient_by_hand_is_one_step_closed_form():
 @pytest.mark.parametrize("case,accepted_k", TRPO_CASES.values(), ids=TRPO_CASES.keys())
 def test_trpo_update_matches_hand_computation(case, accepted_k, monkeypatch, recorder):
     cfg = trpo.TRPOConfig(**{**TRPO_BASE, **case})
-    seam = patch_on_policy(monkeypatch, trpo, TRPO_BATCH)
-    result = trpo.train(cfg, "fixed-batch")
-    rollouts, mlp_calls = seam.rollouts, seam.mlp_calls
-    assert_made_and_reset(seam, cfg)
-
-    assert mlp_calls == [([DIM, N_ACTIONS], nn.Tanh, 0.01), ([DIM, 1], nn.Tanh, 1.0)]
+    result, rollouts = run_on_policy(monkeypatch, trpo, cfg, TRPO_BATCH)
     (ro,) = rollouts
     want = trpo_update_by_hand(ro, cfg)
     assert want.k == accepted_k, want.trials  # the case exercises what its name says

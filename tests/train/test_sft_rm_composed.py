@@ -103,36 +103,32 @@ def _captured_batch_loss(module, config_cls, overrides: list[str]):
     return captured["batch_loss"]
 
 
-@pytest.fixture(scope="module")
-def sft_batch_loss(base_path, tmp_path_factory):
+def _cached_batch_losses(module, config_cls, base_path, tmp_path_factory):
+    """``get(**options)``: the trainer's batch loss under these config options, built once per options."""
     cache = {}
 
-    def get(packing: bool, max_length: int = 20):
-        key = (packing, max_length)
+    def get(**options):
+        key = tuple(sorted(options.items()))
         if key not in cache:
-            out = tmp_path_factory.mktemp("sft")
-            cache[key] = _captured_batch_loss(sft, sft.SFTConfig, [
-                f"output_dir={out}", f"model.path={base_path}", "data.num_train=2", "data.num_eval=1", "progress=false",
-                f"data.packing={str(packing).lower()}", f"data.max_length={max_length}"])
+            out = tmp_path_factory.mktemp(module.__name__.rsplit(".", 1)[-1])
+            overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()]
+            cache[key] = _captured_batch_loss(module, config_cls, [
+                f"output_dir={out}", f"model.path={base_path}", "data.num_train=2", "data.num_eval=1", "progress=false", *overrides])
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def sft_batch_loss(base_path, tmp_path_factory):
+    get = _cached_batch_losses(sft, sft.SFTConfig, base_path, tmp_path_factory)
+    return lambda packing, max_length=20: get(**{"data.packing": packing, "data.max_length": max_length})
 
 
 @pytest.fixture(scope="module")
 def rm_batch_loss(base_path, tmp_path_factory):
-    cache = {}
-
-    def get(use_margin: bool, center_coef: float):
-        key = (use_margin, center_coef)
-        if key not in cache:
-            out = tmp_path_factory.mktemp("rm")
-            cache[key] = _captured_batch_loss(reward_model, reward_model.RMConfig, [
-                f"output_dir={out}", f"model.path={base_path}", "data.num_train=2", "data.num_eval=1", "progress=false",
-                f"use_margin={str(use_margin).lower()}", f"center_coef={center_coef}"])
-        return cache[key]
-
-    return get
+    get = _cached_batch_losses(reward_model, reward_model.RMConfig, base_path, tmp_path_factory)
+    return lambda use_margin, center_coef: get(use_margin=use_margin, center_coef=center_coef)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
