@@ -239,20 +239,23 @@ class Channel:
 
 class GRPOSetup:
     """What :func:`rlalign.train.grpo.train` builds before its first step, built the same way
-    (``setup_run``, ``load_policy``, ``load_reference``, ``Updater.create``, ``resume_state``); the
+    (``start_rl_run``, ``load_policy``, ``load_reference``, ``Updater.create``, ``resume_state``); the
     outer loop (``run_steps``: metrics file, samples, checkpoints, final weights, plots) is left
     out, so a benchmark can time and pace single steps and nothing is written to disk."""
 
     def __init__(self, cfg, records: list[dict], reward_fn):
         from rlalign.train import grpo
+        from rlalign.train.loop import resume_state, start_rl_run
+        from rlalign.train.rollouts import RewardTerm
+        from rlalign.train.updater import Updater
 
         self.cfg = cfg
-        self.run = grpo.setup_run(cfg, None, records, [grpo.RewardTerm("reward", 1.0, reward_fn)] if reward_fn else [],
-                                  cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
+        self.run = start_rl_run(cfg, None, records, [RewardTerm("reward", 1.0, reward_fn)] if reward_fn else [],
+                                cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
         self.policy = self.run.load_policy(cfg.model)
         self.reference = self.run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None
-        self.updater = grpo.Updater.create(self.policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, self.run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
-        self.state = grpo.resume_state(None, cfg.seed, {"policy": self.updater}, self.run.world)
+        self.updater = Updater.create(self.policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, self.run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
+        self.state = resume_state(None, cfg.seed, {"policy": self.updater}, self.run.world)
         self._grpo = grpo
 
     def step(self) -> dict[str, float]:
@@ -268,10 +271,13 @@ class PPOSetup:
 
     def __init__(self, cfg, records: list[dict], reward_fn=None):
         from rlalign.lm.models import load_critic
-        from rlalign.train import grpo, ppo
+        from rlalign.train import ppo
+        from rlalign.train.loop import resume_state, start_rl_run
+        from rlalign.train.rollouts import RewardTerm
+        from rlalign.train.updater import Updater
 
         self.cfg = cfg
-        self.run = grpo.setup_run(cfg, None, records, [grpo.RewardTerm("reward", 1.0, reward_fn)] if reward_fn else [], cfg.prompts_per_step, 1)
+        self.run = start_rl_run(cfg, None, records, [RewardTerm("reward", 1.0, reward_fn)] if reward_fn else [], cfg.prompts_per_step, 1)
         m = cfg.model
         self.policy = self.run.load_policy(m)
         self.reference = self.run.load_reference(m, cfg.reference)
@@ -279,10 +285,10 @@ class PPOSetup:
         self.critic = load_critic(critic_init, m.dtype, self.run.device)
         updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
         self.updaters = {
-            "policy": grpo.Updater.create(self.policy, cfg.optim, updates, self.run.world, m.sharding),
-            "critic": grpo.Updater.create(self.critic, cfg.critic.optim, updates, self.run.world, m.sharding),
+            "policy": Updater.create(self.policy, cfg.optim, updates, self.run.world, m.sharding),
+            "critic": Updater.create(self.critic, cfg.critic.optim, updates, self.run.world, m.sharding),
         }
-        self.state = grpo.resume_state(None, cfg.seed, self.updaters, self.run.world)
+        self.state = resume_state(None, cfg.seed, self.updaters, self.run.world)
         self.kl_ctl = cfg.kl_controller()
         self._ppo = ppo
 

@@ -196,7 +196,9 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     from rlalign.lm.data import encode_prompts
     from rlalign.tasks import TASKS
-    from rlalign.train.grpo import GRPOConfig, prompt_batch, sampler_differs, share_prompts
+    from rlalign.train.grpo import GRPOConfig
+    from rlalign.train.passes import share_prompts
+    from rlalign.train.rollouts import prompt_batch
 
     peaks = {"float32": matmul_peak(torch.float32, args.n, args.repeats), "bfloat16": matmul_peak(torch.bfloat16, args.n, args.repeats)}
     path = random_checkpoint(args.shape)
@@ -229,7 +231,7 @@ def run(args) -> dict:
         shared = share_prompts() and not cfg.compile  # the compiled training forward runs prompt + completion per row
         flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if shared else None, cfg.prompts_per_step)
         flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len)  # had every row run its own prompt
-        if sampler_differs(cfg) and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
+        if cfg.recompute_old_logprobs and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
             flops["old_logp"] = flops["reference"]
         return flops, flops_full, completion_len
 

@@ -14,11 +14,11 @@ Phases (cProfile cumulative time; nested entries are part of their parent):
 
     generate            rlalign.lm.sampling.sample (prefill + decode loop, KV cache)
     decode text         Rollout.decode_completions
-    score               grpo.score_rollout (the reward function)
-    reference pass      grpo.reference_logprobs (frozen model forward, no grad)
-    pi_old recompute    grpo.training_logprobs (only with model.autocast: bfloat16)
+    score               rollouts.score_rollout (the reward function)
+    reference pass      passes.reference_logprobs (frozen model forward, no grad)
+    pi_old recompute    passes.training_logprobs (only with model.autocast: bfloat16)
     loss (forward)      grpo.grpo_loss, of which:
-      policy forward      grpo.completion_logits
+      policy forward      passes.completion_logits
       token log-probs     core.logprobs.token_logprobs
       entropy metric      core.kl.entropy_from_logits (no grad, over the (B, C, V) logits)
     backward            torch.Tensor.backward (inside Updater.step)
@@ -48,11 +48,11 @@ from mfu import random_checkpoint  # noqa: E402
 PHASES = [
     ("generate", "rlalign/lm/sampling.py", "sample"),
     ("decode text", "rlalign/lm/rollout.py", "decode_completions"),
-    ("score", "rlalign/train/grpo.py", "score_rollout"),
-    ("reference pass", "rlalign/train/grpo.py", "reference_logprobs"),
-    ("pi_old recompute", "rlalign/train/grpo.py", "training_logprobs"),
+    ("score", "rlalign/train/rollouts.py", "score_rollout"),
+    ("reference pass", "rlalign/train/passes.py", "reference_logprobs"),
+    ("pi_old recompute", "rlalign/train/passes.py", "training_logprobs"),
     ("loss (forward)", "rlalign/train/grpo.py", "grpo_loss"),
-    ("  policy forward", "rlalign/train/grpo.py", "completion_logits"),
+    ("  policy forward", "rlalign/train/passes.py", "completion_logits"),
     ("  token log-probs", "rlalign/core/logprobs.py", "token_logprobs"),
     ("  entropy metric", "rlalign/core/kl.py", "entropy_from_logits"),
     ("backward", "torch/_tensor.py", "backward"),

@@ -25,6 +25,7 @@ from rlalign.core.masks import masked_mean, masked_sum, masked_var
 
 __all__ = [
     "AGGREGATION_MODES",
+    "Aggregation",
     "aggregate",
     "explained_variance",
     "policy_gradient_loss",
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGGREGATION_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATION_MODES: tuple[str, ...] = Aggregation.__args__
 
 
 def _mask_like(x: Tensor, mask: Tensor | None) -> Tensor:

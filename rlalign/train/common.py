@@ -40,10 +40,9 @@ from pydantic import Field
 
 from rlalign.config import Config
 from rlalign.lm.data import encode_prompts, render_prompt
-from rlalign.lm.models import LoraConfig, load_tokenizer
+from rlalign.lm.models import LoraConfig
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
-from rlalign.train import distributed
 
 __all__ = [
     "OptimConfig",
@@ -52,6 +51,7 @@ __all__ = [
     "prepare_model_path",
     "batch_order",
     "set_seed",
+    "autocast_context",
     "forward_precision",
     "rng_state",
     "restore_rng_state",
@@ -68,10 +68,6 @@ __all__ = [
     "latest_checkpoint",
     "generation_eval",
     "greedy_eval",
-    "Run",
-    "start_run",
-    "save_checkpoint_from_ranks",
-    "save_model_from_ranks",
 ]
 
 CHECKPOINT_MARKER = "checkpoint.json"
@@ -90,13 +86,18 @@ class OptimConfig(Config):
     grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this value; null = no clipping")
 
 
-def forward_precision(model_cfg: ModelConfig, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """A fresh ``torch.autocast(bfloat16)`` on ``model``'s device when ``model_cfg.autocast`` asks
-    for it, else a no-op. Within one context the bfloat16 copies of the weights are cast once (the
-    autocast cache), so a whole sampling loop reads half the bytes a float32 one does."""
-    if model_cfg.autocast == "none":
+def autocast_context(autocast: str, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """A fresh ``torch.autocast(bfloat16)`` on ``model``'s device when ``autocast`` is ``"bfloat16"``
+    (:attr:`ModelConfig.autocast`), else a no-op. Within one context the bfloat16 copies of the weights
+    are cast once (the autocast cache), so a whole sampling loop reads half the bytes a float32 one does."""
+    if autocast == "none":
         return contextlib.nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
+
+
+def forward_precision(model_cfg: ModelConfig, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """:func:`autocast_context` of ``model_cfg.autocast``."""
+    return autocast_context(model_cfg.autocast, model)
 
 
 def set_seed(seed: int) -> None:
@@ -343,54 +344,6 @@ def save_checkpoint(
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old)
     return final
-
-
-def save_checkpoint_from_ranks(world, trained, model, optimizer, run_dir: str | Path, step: int, **kwargs: Any) -> None:
-    """:func:`save_checkpoint` of a model trained under torchrun: its weights and optimiser state
-    gathered from every rank (FSDP2; collective, so every rank calls this), written by rank 0 while
-    the others wait. ``trained``: the wrapped model; ``model``: the module to save."""
-    model_state, optimizer_state = distributed.model_state(trained), distributed.optimizer_state(trained, optimizer)
-    if world.is_main:
-        save_checkpoint(run_dir, step, model, optimizer, model_state=model_state, optimizer_state=optimizer_state, **kwargs)
-    world.barrier()
-
-
-def save_model_from_ranks(world, trained, model, tokenizer, path: str | Path) -> Path:
-    """``save_pretrained`` of ``model`` and ``tokenizer`` to ``path`` (weights gathered from every rank under FSDP2; rank 0 writes)."""
-    model_state = distributed.model_state(trained)
-    if world.is_main:
-        model.save_pretrained(path, **({} if model_state is None else {"state_dict": model_state}))
-        tokenizer.save_pretrained(path)
-    world.barrier()
-    return Path(path)
-
-
-@dataclass
-class Run:
-    """A run's place and start: this process among the others, its directory, the starting model, its tokenizer."""
-
-    world: distributed.World
-    run_dir: Path
-    base_path: Path
-    tokenizer: Any
-    device: str  # this rank's device
-
-
-def start_run(cfg: Config, global_batch: int, batch_field: str) -> Run:
-    """Join the process group (under torchrun), check that ``global_batch`` (the config's
-    ``batch_field``) splits evenly across it, set threads and seeds, create the run directory, build
-    or find the starting model (rank 0 first) and load its tokenizer. ``cfg`` has output_dir, seed,
-    num_threads and model."""
-    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
-    world.shard(global_batch, batch_field)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    set_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with world.main_first():
-        base_path = prepare_model_path(cfg.model, run_dir)
-    return Run(world, run_dir, base_path, load_tokenizer(base_path, cfg.model.gguf_file), world.device(cfg.model.device))
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

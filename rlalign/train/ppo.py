@@ -56,42 +56,18 @@ from rlalign.config import Config, load_config
 from rlalign.core.advantages import kl_shaped_rewards, token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_k1, kl_k3
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
-from rlalign.core.losses import AGGREGATION_MODES, clipped_surrogate_loss, entropy_loss, value_loss
+from rlalign.core.losses import Aggregation, clipped_surrogate_loss, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
-from rlalign.lm.data import PromptExample, render_prompt
+from rlalign.lm.data import PromptExample
 from rlalign.lm.models import load_critic
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
-from rlalign.train.common import ModelConfig, forward_precision
-from rlalign.train.grpo import (
-    COMPILE_HELP,
-    Aggregation,
-    DataConfig,
-    RewardConfig,
-    RewardTerm,
-    RLOptimConfig,
-    SamplingConfig,
-    SavedModels,
-    TrainState,
-    Updater,
-    completion_logits,
-    completion_stats,
-    logprob_mismatch,
-    prompt_batch,
-    ratio_deviation,
-    reference_logprobs,
-    resume_state,
-    reward_stats,
-    sample_rows,
-    sample_shard,
-    sampler_differs,
-    check_compile,
-    step_timings,
-    score_rollout,
-    setup_run,
-    run_steps,
-    training_logprobs,
-)
+from rlalign.train.common import forward_precision
+from rlalign.train.loop import SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.passes import completion_logits, logprob_mismatch, ratio_deviation, reference_logprobs, training_logprobs
+from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
+from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
+from rlalign.train.updater import Updater
 
 __all__ = [
     "CriticConfig", "PPOConfig", "PPOResult", "KL_ESTIMATORS", "ppo_advantages", "critic_values", "policy_loss", "critic_loss", "ppo_step", "train",
@@ -112,20 +88,12 @@ class CriticConfig(Config):
     )
 
 
-class PPOConfig(Config):
+class PPOConfig(RLConfig):
     """``rlalign ppo``: every field can be overridden on the command line as key.sub=value."""
 
     output_dir: str = Field("runs/ppo", description="run directory: metrics.jsonl, samples.jsonl, checkpoints/, final/ (critic in final/critic), curves.png")
-    seed: int = Field(0, description="seeds Python, NumPy, torch, the prompt order and the sampling / shuffling generator")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy's starting checkpoint (e.g. an SFT run's final/), dtype, device, LoRA")
-    reference: str | None = Field(None, description="frozen reference checkpoint; null = the policy's start (LoRA: the base with adapters off)")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model and its optimiser")
     data: DataConfig = Field(default_factory=lambda: DataConfig(task="preference"), description="training prompts")
-    rewards: list[RewardConfig] = Field(default_factory=list, description="score terms summed with weights, typically one reward_model (train() also takes Python reward functions)")
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling during training")
-    optim: RLOptimConfig = Field(default_factory=RLOptimConfig, description="the policy's AdamW, schedule and gradient clipping")
-    steps: int = Field(100, ge=1, description="PPO steps (one rollout each)")
     prompts_per_step: int = Field(16, ge=1, description="rollout size B (one completion per prompt)")
     ppo_epochs: int = Field(4, ge=1, description="passes over each rollout")
     num_minibatches: int = Field(2, ge=1, description="shuffled minibatches per pass; one policy and one critic update each")
@@ -140,20 +108,7 @@ class PPOConfig(Config):
     kl_horizon: float = Field(10000.0, gt=0, description="adaptive controller horizon, in sequences")
     missing_eos_penalty: float | None = Field(None, ge=0, description="subtract this from the score of completions without EOS; null = no penalty")
     entropy_coef: float = Field(0.0, ge=0, description="c2: weight of the entropy bonus")
-    aggregation: Aggregation = Field("token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
-    sample_every: int = Field(10, ge=1, description="log a few completions with their scores every N steps (samples.jsonl)")
-    num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
-    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
-    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
-    progress: bool = Field(True, description="show a progress bar with score, KL and beta")
-    tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
-    plots: bool = Field(True, description="write curves.png (score, KL, beta, entropy, value loss, explained variance) at the end")
-    compile: bool = Field(False, description=COMPILE_HELP)
-
-    @model_validator(mode="after")
-    def _compile_needs_sdpa(self) -> PPOConfig:
-        check_compile(self.compile, self.model, self.sampling)
-        return self
+    aggregation: Aggregation = Field("token-mean", description="token-loss reduction (as for GRPO)")
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> PPOConfig:
@@ -272,45 +227,39 @@ def ppo_step(
     # 1. sample one completion per prompt; the sampling log-probs are log pi_old
     t0 = time.perf_counter()
     batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
-    rollout = sample_shard(policy, tokenizer, batch, cfg, 1, state)
-    shard = world.shard(len(batch))  # this rank's rows
-    prompt_texts = [render_prompt(tokenizer, p) for p in batch[shard]]
-    completions = rollout.decode_completions(tokenizer)
+    rollout = sample_shard(policy, tokenizer, batch, cfg.sampling, cfg.model, 1, state)
     t1 = time.perf_counter()
 
     # 2. score (reward model and/or rules), minus a penalty when the completion never ended
-    local_scores, local_per_term = score_rollout(rewards, prompt_texts, completions)  # (B,)
-    if cfg.missing_eos_penalty is not None:
-        local_scores = local_scores - cfg.missing_eos_penalty * rollout.truncated.float()
-    scores = distributed.gather_rows(local_scores, world)  # (B global,)
-    per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
+    scored = score_shard(rewards, tokenizer, batch, rollout, 1, world, cfg.missing_eos_penalty)  # local rows (B,), scores (B global,)
     t2 = time.perf_counter()
 
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
     mask = rollout.completion_mask.float()  # (B, C)
     minibatch = -(-len(batch) // cfg.num_minibatches)  # global rows per minibatch
-    ref_logp = reference_logprobs(policy.module, reference, rollout, cfg.sampling.temperature, minibatch, cfg.model, cfg.compile)  # (B, C)
+    temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
+    ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, minibatch, autocast, cfg.compile)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
     t_ref = time.perf_counter()
     mismatch = None
-    if sampler_differs(cfg):  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
+    if cfg.recompute_old_logprobs:  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + minibatch) for s in range(0, rollout.batch_size, minibatch)]
-        old_logp = training_logprobs(policy.module, rollout, cfg.sampling.temperature, chunks, cfg.model, cfg.compile)  # (B, C)
+        old_logp = training_logprobs(policy.module, rollout, temperature, chunks, autocast, cfg.compile)  # (B, C)
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()
     beta = kl_ctl.value
     _, advantages, returns, kl = ppo_advantages(
-        local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world
+        scored.local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world
     )  # (B, C) each
 
     # 4. ppo_epochs x shuffled minibatches: one policy update and one critic update each. The
     #    permutation is of the global batch (the same on every rank); each rank trains on its rows
     #    of the minibatch, or on one row weighted 0 when it has none (DDP needs every rank's backward).
-    sums: dict[str, float] = {}
-    updates, first_ratio_dev = 0, None
+    shard = world.shard(len(batch))  # this rank's rows
+    updates = UpdateMeans()
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch), generator=state.generator)  # (B global,)
         for start in range(0, len(batch), minibatch):
@@ -325,32 +274,29 @@ def ppo_step(
             grad_norm_v = critic.step(loss_v * scale)
             stats = distributed.reduce_stats({k: float(v) for k, v in {**stats, **value_stats}.items()}, float(mb_mask.sum()), scale, world)
             stats["grad_norm/policy"], stats["grad_norm/critic"] = grad_norm_pi, grad_norm_v
-            first_ratio_dev = stats["ratio_dev"] if first_ratio_dev is None else first_ratio_dev
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value
-            updates += 1
+            updates.add(stats)
     t3 = time.perf_counter()
 
     # 5. the KL coefficient for the next step (adaptive: towards kl_target), from the global batch
     seq_kl = distributed.gather_rows(kl.sum(-1), world)  # (B global,)
     kl_ctl.update(seq_kl.mean().item(), len(batch))
 
-    metrics = {key: value / updates for key, value in sums.items()}
-    metrics.update(reward_stats(scores, per_term))
+    metrics = updates.means()
+    metrics.update(reward_stats(scored.scores, scored.per_term))
     metrics.update(completion_stats(rollout, world))
     adv_mean, adv_var = distributed.global_mean_var(advantages, mask, world)
-    metrics["score"] = scores.mean().item()
+    metrics["score"] = scored.scores.mean().item()
     metrics["kl"] = seq_kl.mean().item()
     metrics["non_score_reward"] = (-beta * seq_kl).mean().item()
     metrics["beta"] = beta
-    metrics["ratio_dev/first"] = first_ratio_dev
+    metrics["ratio_dev/first"] = updates.first_ratio_dev
     if mismatch is not None:
         metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["adv/std"] = adv_var.sqrt().item()
     metrics["returns/mean"] = distributed.global_mean_var(returns, mask, world)[0].item()
-    metrics["lr"] = float(policy.scheduler.get_last_lr()[0])
+    metrics["lr"] = policy.lr
     metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"], t_ref, t_old))
-    return metrics, sample_rows(state.step, prompt_texts, completions, local_per_term, local_scores, cfg.num_samples_logged)
+    return metrics, sample_rows(state.step, scored, cfg.num_samples_logged)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +329,7 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         reward_functions: extra score terms from Python, added to ``cfg.rewards``.
         prompts: prompt records to use instead of ``cfg.data``.
     """
-    run = setup_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step, 1)  # minibatches may hold any share of a rank's rows
+    run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step, 1)  # minibatches may hold any share of a rank's rows
     m, ckpt = cfg.model, run.checkpoint
     policy = run.load_policy(m)
     reference = run.load_reference(m, cfg.reference)
@@ -402,9 +348,11 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         return ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, run.tokenizer, run.rewards, run.prompts, state, cfg)
 
     history, final_dir = run_steps(
-        step, cfg, run, state, SavedModels(policy, critic=critic), updaters, lambda: {"kl_controller": kl_ctl.state_dict()},
+        step, cfg, run, state, SavedModels(policy, critic=critic), updaters,
+        total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
+        checkpoint_extra=lambda: {"kl_controller": kl_ctl.state_dict()},
         summary_keys=("score", "kl", "beta"),
-        plot_keys=("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac"),
+        plot_keys=("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac") if cfg.plots else (),
     )
     return PPOResult(policy=policy, critic=critic, history=history, output_dir=run.run_dir, final_dir=final_dir)
 
@@ -415,9 +363,7 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML recipe, e.g. configs/ppo_preference.yaml")
-    parser.add_argument("--resume", metavar="DIR", help="checkpoint directory (or run directory: its latest checkpoint) to continue from")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. kl_coef=0.1 steps=50")
+    add_run_arguments(parser, "configs/ppo_preference.yaml", "kl_coef=0.1 steps=50")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ Held-out metrics: ``eval/accuracy`` (fraction of pairs with r_c > r_r) and ``eva
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -27,7 +28,8 @@ from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
 from rlalign.lm.models import ScalarHeadModel, last_token_values, load_reward_model
 from rlalign.tasks import TASKS
-from rlalign.train.common import ModelConfig, OptimConfig, start_run, load_checkpoint
+from rlalign.train.common import ModelConfig, OptimConfig
+from rlalign.train.loop import add_run_arguments, start_run
 from rlalign.train.supervised import supervised_loop
 
 __all__ = ["RMDataConfig", "RMConfig", "pair_rewards", "evaluate_pairs", "train", "add_arguments", "run"]
@@ -69,7 +71,6 @@ class RMConfig(Config):
     eval_batch_size: int = Field(128, ge=1, description="pairs per forward at eval")
     save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
     keep_last: int = Field(2, ge=1, description="checkpoints kept")
-    resume_from: str | None = Field(None, description="checkpoint dir (or run dir) to resume from")
     progress: bool = Field(True, description="show a progress bar")
     tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
 
@@ -118,13 +119,12 @@ def _datasets(cfg: RMConfig) -> tuple[list[PreferenceExample], list[PreferenceEx
     )
 
 
-def train(cfg: RMConfig) -> dict[str, float]:
+def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
     """Train the reward model; returns the final held-out metrics and ``eval/accuracy_initial``, ``time/total``."""
-    run = start_run(cfg, cfg.batch_size, "batch_size")
+    run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     train_set, eval_set = _datasets(cfg)
-    resumed = load_checkpoint(cfg.resume_from) if cfg.resume_from is not None else None
     m = cfg.model
-    model = load_reward_model(resumed.model_dir if resumed else run.base_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)
+    model = load_reward_model(run.model_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)
     model.train()
 
     def batch_loss(trained, pairs: list[PreferenceExample]):
@@ -136,16 +136,15 @@ def train(cfg: RMConfig) -> dict[str, float]:
     def evaluate(model) -> dict[str, float]:
         return evaluate_pairs(model, run.tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)
 
-    return supervised_loop(cfg, run, model, resumed, train_set, batch_loss, evaluate, "rm", "eval/accuracy", "pairs")
+    return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "rm", "eval/accuracy", "pairs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML recipe, e.g. configs/rm_preference.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. optim.lr=1e-3 max_steps=50")
+    add_run_arguments(parser, "configs/rm_preference.yaml", "optim.lr=1e-3 max_steps=50")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(RMConfig, args.config, args.overrides)
-    result = train(cfg)
+    result = train(cfg, resume=args.resume)
     print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
     return 0

@@ -19,6 +19,7 @@ model is built in ``<output_dir>/base_model``. The trained model is saved to ``<
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -34,7 +35,8 @@ from rlalign.lm.models import load_policy
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
-from rlalign.train.common import ModelConfig, OptimConfig, start_run, generation_eval, load_checkpoint
+from rlalign.train.common import ModelConfig, OptimConfig, generation_eval
+from rlalign.train.loop import add_run_arguments, start_run
 from rlalign.train.supervised import supervised_loop
 
 __all__ = ["SFTDataConfig", "SFTConfig", "train", "add_arguments", "run"]
@@ -76,7 +78,6 @@ class SFTConfig(Config):
     max_new_tokens: int | None = Field(None, ge=1, description="tokens generated per eval prompt; null = the task's default (32 for files)")
     save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
     keep_last: int = Field(2, ge=1, description="checkpoints kept")
-    resume_from: str | None = Field(None, description="checkpoint dir (or run dir) to resume from")
     progress: bool = Field(True, description="show a progress bar")
     tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
 
@@ -136,13 +137,12 @@ def _evaluate(model, tokenizer, eval_set: list[SFTExample], spec: _EvalSpec, cfg
     return {"eval/loss": _eval_loss(model, tokenizer, eval_set, cfg), "eval/reward": reward}
 
 
-def train(cfg: SFTConfig) -> dict[str, float]:
+def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
     """Run SFT; returns the final metrics (``eval/reward_initial``, ``eval/reward``, ``eval/loss``, ``time/total``)."""
-    run = start_run(cfg, cfg.batch_size, "batch_size")
+    run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     train_set, eval_set, eval_spec = _datasets(cfg)
-    resumed = load_checkpoint(cfg.resume_from) if cfg.resume_from is not None else None
     m = cfg.model
-    model = load_policy(resumed.model_dir if resumed else run.base_path, m.dtype, run.device, None if resumed else m.lora, m.gguf_file, m.attn_implementation)
+    model = load_policy(run.model_path, m.dtype, run.device, None if run.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
 
     def batch_loss(trained, examples: list[SFTExample]):
         loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing)
@@ -151,16 +151,15 @@ def train(cfg: SFTConfig) -> dict[str, float]:
     def evaluate(model) -> dict[str, float]:
         return _evaluate(model, run.tokenizer, eval_set, eval_spec, cfg)
 
-    return supervised_loop(cfg, run, model, resumed, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
+    return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML recipe, e.g. configs/sft_arithmetic.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. optim.lr=1e-3 max_steps=50")
+    add_run_arguments(parser, "configs/sft_arithmetic.yaml", "optim.lr=1e-3 max_steps=50")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(SFTConfig, args.config, args.overrides)
-    result = train(cfg)
+    result = train(cfg, resume=args.resume)
     print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
     return 0

@@ -1,15 +1,15 @@
-"""The loop SFT and reward-model training share: minibatches of a fixed dataset, AdamW, evaluation.
+"""The step SFT and reward-model training share: minibatches of a fixed dataset, AdamW, evaluation.
 
-    run = start_run(cfg, cfg.batch_size, "batch_size")      # process group, seeds, run dir, starting model, tokenizer
-    resumed = load_checkpoint(cfg.resume_from) if cfg.resume_from else None
-    model = load(resumed.model_dir if resumed else run.base_path)
-    return supervised_loop(cfg, run, model, resumed, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
+    run = start_run(cfg, cfg.batch_size, "batch_size", resume)   # process group, seeds, run dir, starting model, tokenizer, checkpoint
+    model = load(run.model_path)
+    return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
 
 Each step: the next ``batch_size`` examples of a per-epoch permutation (this rank's share under
 torchrun), ``batch_loss`` (the task's loss, stats, and the count its mean is over), backward,
-gradient clipping, AdamW, schedule. Every ``eval_every`` steps and at the end ``evaluate``; every
-``save_every`` steps and at the end a checkpoint; then the model in ``<output_dir>/final``.
-:mod:`rlalign.train.sft` and :mod:`rlalign.train.reward_model` supply the three task pieces.
+gradient clipping, AdamW, schedule (:class:`rlalign.train.updater.Updater`). Every ``eval_every``
+steps and at the end ``evaluate``. The run around the steps (checkpoints every ``save_every`` steps
+and at the end, ``--resume``, the model in ``<output_dir>/final``) is :func:`rlalign.train.loop.run_steps`,
+as for GRPO and PPO. :mod:`rlalign.train.sft` and :mod:`rlalign.train.reward_model` supply the task pieces.
 """
 
 from __future__ import annotations
@@ -22,17 +22,9 @@ from torch import Tensor, nn
 
 from rlalign.config import Config
 from rlalign.train import distributed
-from rlalign.train.common import (
-    Checkpoint,
-    MetricsLogger,
-    Run,
-    batch_order,
-    forward_precision,
-    make_optimizer,
-    restore_rng_state,
-    save_checkpoint_from_ranks,
-    save_model_from_ranks,
-)
+from rlalign.train.common import batch_order, forward_precision
+from rlalign.train.loop import Run, SavedModels, TrainState, resume_state, run_steps
+from rlalign.train.updater import Updater
 
 __all__ = ["supervised_loop"]
 
@@ -44,7 +36,6 @@ def supervised_loop(
     cfg: Config,
     run: Run,
     model: nn.Module,
-    resumed: Checkpoint | None,
     train_set: Sequence,
     batch_loss: BatchLoss,
     evaluate: Callable[[nn.Module], dict[str, float]],
@@ -57,7 +48,7 @@ def supervised_loop(
     Args:
         cfg: an SFT or reward-model config (optim, batch_size, max_steps, eval_every, save_every,
             keep_last, progress, tensorboard, model.sharding).
-        model: loaded from ``resumed`` when resuming, else the starting model.
+        model: loaded from ``run.model_path`` (the checkpoint's weights when resuming).
         batch_loss: ``(model, examples) -> (loss, stats, count)``: the loss of this rank's
             examples, its statistics (``loss/<name>`` and means), and what the mean is over
             (tokens, pairs), which makes the loss global under torchrun (``loss_scale``).
@@ -67,52 +58,39 @@ def supervised_loop(
         count_name: metric name of the global count per step (``tokens``, ``pairs``).
     """
     world = run.world
-    trained = distributed.wrap(model, world, cfg.model.sharding)  # under torchrun: DDP, or sharded in place by FSDP2
-    model = distributed.unwrap(trained)  # for evaluation and saving, which need no gradient sync
-    optimizer, scheduler = make_optimizer(trained.parameters(), cfg.optim, cfg.max_steps)
-    start_step, data_position = 0, 0
-    if resumed is not None:
-        distributed.load_optimizer_state(trained, optimizer, resumed.optimizer_state)
-        scheduler.load_state_dict(resumed.scheduler_state)
-        restore_rng_state(resumed.rng)
-        start_step, data_position = resumed.step + 1, resumed.data_position
-    initial = resumed.extra.get(f"{headline}_initial") if resumed else None
+    updater = Updater.create(model, cfg.optim, cfg.max_steps, world, cfg.model.sharding)  # under torchrun: DDP, or sharded in place by FSDP2
+    model = updater.module  # for evaluation and saving, which need no gradient sync
+    state = resume_state(run.checkpoint, cfg.seed, {"model": updater}, world)
+    initial = run.checkpoint.extra.get(f"{headline}_initial") if run.checkpoint else None
     if initial is None:
         with forward_precision(cfg.model, model):
             initial = evaluate(model)[headline]
 
-    metrics: dict[str, float] = {}
+    def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
+        t0 = time.perf_counter()
+        indices = batch_order(len(train_set), state.step * cfg.batch_size, cfg.batch_size, cfg.seed)  # the global batch
+        with forward_precision(cfg.model, updater.model):  # bfloat16 autocast when model.autocast asks for it
+            loss, stats, count = batch_loss(updater.model, [train_set[i] for i in indices[world.shard(len(indices))]])  # this rank's share
+        scale = distributed.loss_scale(count, world)  # the mean over every rank's count; 1 in one process
+        grad_norm = updater.step(loss * scale)
+        metrics = distributed.reduce_stats(stats, count, scale, world)
+        metrics.update({
+            "grad_norm": grad_norm,
+            "lr": updater.lr,
+            count_name: float(distributed.all_sum(torch.tensor(float(count)), world)),
+            "time/train": time.perf_counter() - t0,
+        })
+        if (state.step + 1) % cfg.eval_every == 0 or state.step == cfg.max_steps - 1:
+            with forward_precision(cfg.model, model):
+                metrics.update(evaluate(model))
+        return metrics, []
+
     started = time.perf_counter()
-    with MetricsLogger(run.run_dir, cfg.max_steps, cfg.progress, cfg.tensorboard, name, start_step, enabled=world.is_main) as log:
-        log.log(start_step - 1, {headline: initial})
-        for step in range(start_step, cfg.max_steps):
-            t0 = time.perf_counter()
-            indices = batch_order(len(train_set), data_position, cfg.batch_size, cfg.seed)  # the global batch
-            data_position += cfg.batch_size
-            with forward_precision(cfg.model, trained):  # bfloat16 autocast when model.autocast asks for it
-                loss, stats, count = batch_loss(trained, [train_set[i] for i in indices[world.shard(len(indices))]])  # this rank's share
-            scale = distributed.loss_scale(count, world)  # the mean over every rank's count; 1 in one process
-            optimizer.zero_grad(set_to_none=True)
-            (loss * scale).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trained.parameters(), cfg.optim.grad_clip or float("inf"))
-            optimizer.step()
-            scheduler.step()
-            metrics = distributed.reduce_stats(stats, count, scale, world)
-            metrics.update({
-                "grad_norm": float(grad_norm),
-                "lr": scheduler.get_last_lr()[0],
-                count_name: float(distributed.all_sum(torch.tensor(float(count)), world)),
-                "time/train": time.perf_counter() - t0,
-            })
-            last = step == cfg.max_steps - 1
-            if (step + 1) % cfg.eval_every == 0 or last:
-                with forward_precision(cfg.model, model):
-                    metrics.update(evaluate(model))
-            log.log(step, metrics, summary_keys=(f"loss/{name}", headline))
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or last:
-                save_checkpoint_from_ranks(world, trained, model, optimizer, run.run_dir, step, scheduler=scheduler, tokenizer=run.tokenizer,
-                                           config=cfg, data_position=data_position, extra={f"{headline}_initial": initial}, keep_last=cfg.keep_last)
-    save_model_from_ranks(world, trained, model, run.tokenizer, run.run_dir / "final")
+    history, _ = run_steps(
+        step, cfg, run, state, SavedModels(model), {"model": updater},
+        total_steps=cfg.max_steps, batch_size=cfg.batch_size, summary_keys=(f"loss/{name}", headline),
+        checkpoint_extra=lambda: {f"{headline}_initial": initial}, first_record={headline: initial},
+    )
     result = {f"{headline}_initial": initial, "time/total": time.perf_counter() - started}
-    result.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
+    result.update({k: v for k, v in (history[-1] if history else {}).items() if k.startswith("eval/")})
     return result

@@ -119,7 +119,7 @@ def test_one_process_world_is_the_identity():
 
 def test_uneven_shares_are_clear_errors():
     from rlalign.config import ConfigError
-    from rlalign.train.grpo import check_world
+    from rlalign.train.loop import check_world
 
     world = distributed.World(rank=0, size=2)
     with pytest.raises(ValueError, match="cannot be split evenly across 2 processes"):

@@ -16,11 +16,11 @@ from rlalign.config import ConfigError, load_config
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.masks import masked_mean
 from rlalign.lm.data import DataError, encode_prompts
-from rlalign.lm.models import PackedLinear, can_pack_linear, cast_copy
+from rlalign.lm.models import PackedLinear, can_pack_linear, cast_copy, load_policy, load_tokenizer
 from rlalign.lm.rewards import RewardFunctionError
-from rlalign.lm.sampling import sample
+from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train import grpo
+from rlalign.train import grpo, loop, rollouts
 from rlalign.train.common import CheckpointError, set_seed
 
 torch.set_num_threads(1)
@@ -68,11 +68,11 @@ def test_gradient_is_reinforce_with_group_mean_baseline_over_group_std(tiny_path
     cfg = make_cfg(tiny_path, tmp_path, beta=0.0, mu=1, steps=1, **{"optim.grad_clip": None, "sampling.temperature": 0.8})
     assert cfg.aggregation == "seq-mean-token-mean"  # the default
     set_seed(0)
-    tokenizer = grpo.load_tokenizer(tiny_path)
-    policy = grpo.load_policy(tiny_path)
+    tokenizer = load_tokenizer(tiny_path)
+    policy = load_policy(tiny_path)
     updater = grpo.Updater(policy, torch.optim.SGD(policy.parameters(), lr=0.0), None, None)
     updater.scheduler = torch.optim.lr_scheduler.LambdaLR(updater.optimizer, lambda s: 1.0)
-    prompts = grpo.load_prompt_set(cfg.data)
+    prompts = rollouts.load_prompt_set(cfg.data)
     state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(7))
     twin = torch.Generator()
     twin.set_state(state.generator.get_state())
@@ -82,7 +82,7 @@ def test_gradient_is_reinforce_with_group_mean_baseline_over_group_std(tiny_path
     trainer_grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
 
     # the same rollout, drawn again with the twin generator
-    batch = [ex.prompt for ex in grpo.prompt_batch(prompts, 0, cfg.prompts_per_step, cfg.seed)]
+    batch = [ex.prompt for ex in rollouts.prompt_batch(prompts, 0, cfg.prompts_per_step, cfg.seed)]
     rollout = sample(policy, encode_prompts(tokenizer, batch), cfg.sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], 4, twin)
     scores = char_code_reward([], rollout.decode_completions(tokenizer))
     advantages = []
@@ -235,18 +235,18 @@ def test_beta_zero_loads_no_reference(tiny_path, tmp_path, monkeypatch):
     def no_reference(*args, **kwargs):
         raise AssertionError("beta = 0 must not load a reference model")
 
-    monkeypatch.setattr(grpo, "load_reference", no_reference)
+    monkeypatch.setattr(loop, "load_reference", no_reference)
     result = grpo.train(make_cfg(tiny_path, tmp_path, steps=1, beta=0.0), reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)])
     assert "kl" not in result.history[0]  # no KL term, no KL metric
 
 
 def test_lora_policy_uses_its_base_as_reference(tiny_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "load_reference", lambda *a, **k: (_ for _ in ()).throw(AssertionError("LoRA needs no second copy")))
+    monkeypatch.setattr(loop, "load_reference", lambda *a, **k: (_ for _ in ()).throw(AssertionError("LoRA needs no second copy")))
     cfg = make_cfg(tiny_path, tmp_path, steps=2, beta=0.1, **{"model.lora": {"r": 4, "alpha": 8}, "optim.lr": 1e-2})
     result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)])
     assert result.history[0]["kl"] < 1e-6  # adapters start at zero: policy = base
     assert result.history[1]["kl"] > 1e-6  # after one update the adapters moved away from the base
-    base = grpo.load_policy(tiny_path)
+    base = load_policy(tiny_path)
     trained = {n.replace(".base_layer", ""): p for n, p in result.policy.get_base_model().named_parameters() if "lora_" not in n}
     assert set(trained) == {n for n, _ in base.named_parameters()}
     for name, p in base.named_parameters():  # the base weights themselves never change
@@ -267,8 +267,8 @@ def test_builtin_reward_terms_from_the_config(tiny_path, tmp_path):
     expected = row["reward/exact_match/mean"] + 0.5 * row["reward/math_answer/mean"] + 0.25 * row["reward/format/mean"] + row["reward/imported/mean"]
     assert row["reward/mean"] == pytest.approx(expected, abs=1e-6)
     # the score functions themselves, on known answers
-    terms = grpo.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {"answer": "5"})], grpo.load_tokenizer(tiny_path), cfg.model)
-    total, per_term = grpo.score_rollout(terms, ["2+3=", "2+3="], ["5", "five"])
+    terms = rollouts.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {"answer": "5"})], load_tokenizer(tiny_path), cfg.model)
+    total, per_term = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["5", "five"])
     assert {k: v.tolist() for k, v in per_term.items()} == {"exact_match": [1.0, 0.0], "math_answer": [1.0, 0.0], "format": [1.0, 0.0], "imported": [1.0, 0.0]}
     assert total.tolist() == [2.75, 0.0]
     with pytest.raises(ConfigError, match="'pattern' goes with function: format"):
@@ -287,8 +287,8 @@ def test_dr_grpo_normalises_by_the_fixed_max_length(tiny_path, tmp_path):
     # seq-mean-token-sum-norm at ratio 1: L = -1/(B * L_max) sum_i A_i |o_i|, with L_max = sampling.max_new_tokens = 10
     # even though this rollout is only 4 tokens long
     cfg = make_cfg(tiny_path, tmp_path, aggregation="seq-mean-token-sum-norm", beta=0.0, **{"sampling.max_new_tokens": 10})
-    tokenizer, policy = grpo.load_tokenizer(tiny_path), grpo.load_policy(tiny_path)
-    rollout = sample(policy, encode_prompts(tokenizer, ["1+2=", "30-4="]), grpo.SamplingParams(4), tokenizer.pad_token_id, [tokenizer.eos_token_id], 4,
+    tokenizer, policy = load_tokenizer(tiny_path), load_policy(tiny_path)
+    rollout = sample(policy, encode_prompts(tokenizer, ["1+2=", "30-4="]), SamplingParams(4), tokenizer.pad_token_id, [tokenizer.eos_token_id], 4,
                      torch.Generator().manual_seed(0))
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0, -2.0, 0.0])
     loss, stats = grpo.grpo_loss(policy, rollout, advantages, rollout.completion_mask.float(), None, cfg)
@@ -304,11 +304,11 @@ def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
     # the prompts' 'tests' column is run against each completion's program in the sandbox
     cfg = make_cfg(tiny_path, tmp_path, steps=1, beta=0.0, rewards=[{"function": "code_execution"}])
     prompts = [grpo.PromptExample("2+3=", {"tests": "assert f() == 5"})]
-    terms = grpo.build_rewards(cfg.rewards, prompts, grpo.load_tokenizer(tiny_path), cfg.model)
-    total, _ = grpo.score_rollout(terms, ["2+3=", "2+3="], ["def f():\n    return 5", "def f():\n    return 6"])
+    terms = rollouts.build_rewards(cfg.rewards, prompts, load_tokenizer(tiny_path), cfg.model)
+    total, _ = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["def f():\n    return 5", "def f():\n    return 6"])
     assert total.tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match="'tests' column"):
-        grpo.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {})], grpo.load_tokenizer(tiny_path), cfg.model)
+        rollouts.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {})], load_tokenizer(tiny_path), cfg.model)
 
 
 def test_bfloat16_autocast_recomputes_old_logprobs_and_learns(tiny_path, tmp_path):
@@ -344,7 +344,7 @@ def test_one_update_per_rollout_takes_pi_old_from_the_update_itself(tiny_path, t
     # before the first update the two forwards agree bit for bit, so the KL starts at exactly 0
     assert result.history[0]["kl"] == 0.0 and result.history[1]["kl"] > 0
     assert result.policy.dtype == torch.float32  # master weights
-    reference = grpo.setup_run(cfg, None, None, [grpo.RewardTerm("code", 1.0, char_code_reward)], 8, 1).load_reference(cfg.model, None)
+    reference = loop.start_rl_run(cfg, None, None, [grpo.RewardTerm("code", 1.0, char_code_reward)], 8, 1).load_reference(cfg.model, None)
     assert reference.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16 and reference.model.norm.weight.dtype == torch.float32
 
 
@@ -357,8 +357,8 @@ def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(
     original = grpo.training_logprobs
     monkeypatch.setattr(grpo, "training_logprobs", lambda *a, **k: recomputed.append(1) or original(*a, **k))
     seen = {}
-    original_sample = grpo.sample
-    monkeypatch.setattr(grpo, "sample", lambda model, *a, **k: seen.setdefault("model", model) and original_sample(model, *a, **k))
+    original_sample = rollouts.sample
+    monkeypatch.setattr(rollouts, "sample", lambda model, *a, **k: seen.setdefault("model", model) and original_sample(model, *a, **k))
     cfg = make_cfg(tiny_path, tmp_path, steps=2, mu=2, beta=0.1, **{"sampling.dtype": "bfloat16", "sampling.compile": compile_sampling})
     result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("code", 1.0, char_code_reward)])
     assert len(recomputed) == 2
@@ -371,7 +371,7 @@ def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(
     assert any(isinstance(m, PackedLinear) for m in copy.modules()) == can_pack_linear(copy)  # sampling.pack_weights, on by default
     assert next(result.policy.parameters()).dtype == torch.float32
     # refreshed before step 2's sampling: it holds the weights after step 1's updates, not the start's
-    start = grpo.load_policy(tiny_path)
+    start = load_policy(tiny_path)
     assert any(not torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(copy.parameters(), start.parameters()))
     with pytest.raises(ConfigError, match="sampling.dtype"):
         grpo.Updater.create(start, cfg.optim, 1, sharding="fsdp", sampling_dtype="bfloat16")
@@ -380,7 +380,7 @@ def test_sampling_from_a_bfloat16_copy_recomputes_pi_old_and_refreshes_the_copy(
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_sampling_copy_is_refreshed_after_each_update_and_only_then(tiny_path, tmp_path, packed):
     cfg = make_cfg(tiny_path, tmp_path)
-    policy = grpo.load_policy(tiny_path)
+    policy = load_policy(tiny_path)
     updater = grpo.Updater.create(policy, cfg.optim, 10, sampling_dtype="bfloat16", pack_sampler=packed)
     as_bf16 = lambda: [p.detach().to(torch.bfloat16) for p in policy.parameters()]  # noqa: E731
     copy = updater.sampler()
@@ -412,10 +412,10 @@ def test_compiled_training_forward_matches_the_eager_one(tiny_path, tmp_path):
     # compile: the policy's training forward + backward through torch.compile (dynamic shapes): the
     # same loss and gradient as the eager forward, on two batches of different shapes (one compile)
     cfg = make_cfg(tiny_path, tmp_path, beta=0.0)
-    policy, reference = grpo.load_policy(tiny_path), grpo.load_policy(tiny_path)
-    tokenizer = grpo.load_tokenizer(tiny_path)
+    policy, reference = load_policy(tiny_path), load_policy(tiny_path)
+    tokenizer = load_tokenizer(tiny_path)
     for prompts, new_tokens in ((["12+3=", "4-1="], 6), (["1+1=", "45+17=", "9-8="], 4)):
-        rollout = sample(policy, encode_prompts(tokenizer, prompts), grpo.SamplingParams(new_tokens), tokenizer.pad_token_id, [tokenizer.eos_token_id],
+        rollout = sample(policy, encode_prompts(tokenizer, prompts), SamplingParams(new_tokens), tokenizer.pad_token_id, [tokenizer.eos_token_id],
                          2, torch.Generator().manual_seed(0))
         grads, losses = [], []
         for compiled in (False, True):

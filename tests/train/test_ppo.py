@@ -16,9 +16,9 @@ from rlalign.core.kl import AdaptiveKLController, FixedKLController
 from rlalign.lm.models import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train import grpo, ppo
+from rlalign.train import grpo, ppo, rollouts
 from rlalign.train.common import CheckpointError
-from rlalign.train.grpo import RewardTerm
+from rlalign.train.rollouts import RewardTerm
 
 torch.set_num_threads(1)
 
@@ -191,8 +191,8 @@ def test_bfloat16_autocast_recomputes_old_logprobs(tiny_path, tmp_path, monkeypa
     # the sampler runs under autocast, or on a bfloat16 copy of the policy (sampling.dtype) whose
     # linear layers are packed for oneDNN (sampling.pack_weights, on by default)
     samplers = []
-    original_sample = grpo.sample
-    monkeypatch.setattr(grpo, "sample", lambda model, *a, **k: samplers.append(model) or original_sample(model, *a, **k))
+    original_sample = rollouts.sample
+    monkeypatch.setattr(rollouts, "sample", lambda model, *a, **k: samplers.append(model) or original_sample(model, *a, **k))
     cfg = make_cfg(tiny_path, tmp_path, **{"model.autocast": "bfloat16", "sampling.dtype": sampling_dtype})
     result = ppo.train(cfg, reward_functions=[RewardTerm("digits", 1.0, digit_share)])
     packed = [any(isinstance(m, PackedLinear) for m in model.modules()) for model in samplers]

@@ -49,9 +49,9 @@ def test_cli_smoke_with_packing_and_builtin_task(tmp_path):
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     common = TINY + ["data.num_train=64", "data.num_eval=4", "batch_size=8", "eval_every=100", "max_steps=4", "optim.warmup_steps=1", "save_every=2"]
     train(load_config(SFTConfig, None, common + [f"output_dir={tmp_path / 'full'}"]))
-    # a second run that starts from the full run's step-1 checkpoint (steps 0-1 done) and does steps 2-3
-    step1 = tmp_path / "full" / "checkpoints" / "step_00000001"
-    train(load_config(SFTConfig, None, common + [f"output_dir={tmp_path / 'resumed'}", f"resume_from={step1}"]))
+    # a second run that starts from the full run's checkpoint after 2 steps (steps 0-1 done) and does steps 2-3
+    step1 = tmp_path / "full" / "checkpoints" / "step_00000002"
+    train(load_config(SFTConfig, None, common + [f"output_dir={tmp_path / 'resumed'}"]), resume=step1)
     full = load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
     resumed = load_file(str(tmp_path / "resumed" / "final" / "model.safetensors"))
     before = load_file(str(step1 / "model" / "model.safetensors"))
@@ -70,7 +70,7 @@ def test_bad_config_and_resume_path_are_errors(tmp_path):
     from rlalign.train.common import CheckpointError
 
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
-        train(load_config(SFTConfig, None, TINY + [f"output_dir={tmp_path}", f"resume_from={tmp_path}", "data.num_train=8", "data.num_eval=2"]))
+        train(load_config(SFTConfig, None, TINY + [f"output_dir={tmp_path}", "data.num_train=8", "data.num_eval=2"]), resume=tmp_path)
 
 
 def test_lora_sft_saves_an_adapter_that_reloads(tmp_path):

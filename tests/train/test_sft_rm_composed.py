@@ -92,7 +92,7 @@ def _captured_batch_loss(module, config_cls, overrides: list[str]):
     """The ``batch_loss`` closure ``module.train`` builds for ``overrides``, taken from its call to supervised_loop."""
     captured = {}
 
-    def fake_loop(cfg, run, model, resumed, train_set, batch_loss, *rest):
+    def fake_loop(cfg, run, model, train_set, batch_loss, *rest):
         captured["batch_loss"] = batch_loss
         return {}
 

@@ -1,0 +1,309 @@
+"""One run lifecycle for every LM trainer (SFT, reward model, GRPO, PPO): start, resume, the step
+loop, checkpoints, the final model.
+
+    run = start_run(cfg, global_batch, "batch_size", resume)   # process group, seeds, run dir, base model, tokenizer, checkpoint
+    updater = Updater.create(run.load_policy(cfg.model), cfg.optim, total_updates, run.world, sharding)
+    state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
+    history, final_dir = run_steps(step_fn, cfg, run, state, SavedModels(updater.module), {"policy": updater}, ...)
+
+A checkpoint after ``n`` steps is ``<output_dir>/checkpoints/step_<n>`` (weights and tokenizer in
+``model/``, every updater's optimiser and schedule, the RNGs and the sampling generator, the
+config); ``--resume DIR`` (a checkpoint, or a run directory: its latest) continues with step ``n``,
+so a resumed run is the uninterrupted one. The trained model ends in ``<output_dir>/final``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlalign.config import Config, ConfigError
+from rlalign.lm.data import PromptExample
+from rlalign.lm.models import hold_matmul_weights, load_policy, load_reference, load_tokenizer
+from rlalign.train import distributed
+from rlalign.train.common import (
+    Checkpoint,
+    MetricsLogger,
+    ModelConfig,
+    load_checkpoint,
+    plot_metrics,
+    prepare_model_path,
+    read_metrics,
+    restore_rng_state,
+    save_checkpoint,
+    set_seed,
+)
+from rlalign.train.rollouts import RewardTerm, build_rewards, load_prompt_set
+from rlalign.train.updater import Updater
+
+__all__ = [
+    "Run",
+    "start_run",
+    "RLRun",
+    "start_rl_run",
+    "check_world",
+    "TrainState",
+    "resume_state",
+    "SavedModels",
+    "write_checkpoint",
+    "save_final",
+    "run_steps",
+    "UpdateMeans",
+    "step_timings",
+]
+
+StepFn = Callable[["TrainState"], tuple[dict[str, float], list[dict]]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Start
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """A run's place and start: this process among the others, its directory, the starting model,
+    its tokenizer, and the checkpoint it resumes from (None for a fresh run)."""
+
+    world: distributed.World
+    run_dir: Path
+    base_path: Path
+    tokenizer: Any
+    device: str  # this rank's device
+    checkpoint: Checkpoint | None = None
+
+    def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
+        """The trained causal LM: from the checkpoint when resuming (LoRA adapters included), else the start with optional fresh LoRA."""
+        m, ckpt = model_cfg, self.checkpoint
+        return load_policy(ckpt.model_dir if ckpt else self.base_path, m.dtype, self.device, None if ckpt else m.lora, m.gguf_file, m.attn_implementation)
+
+    @property
+    def model_path(self) -> Path:
+        """Where the trained model's weights come from: the checkpoint's when resuming, else the start."""
+        return self.checkpoint.model_dir if self.checkpoint else self.base_path
+
+
+def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Path | None = None) -> Run:
+    """Join the process group (under torchrun), check that ``global_batch`` (the config's
+    ``batch_field``) splits evenly across it, set threads and seeds, create the run directory, build
+    or find the starting model (rank 0 first), load its tokenizer and the checkpoint ``resume``
+    (a checkpoint dir, or a run dir: its latest). ``cfg`` has output_dir, seed, num_threads and model."""
+    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    world.shard(global_batch, batch_field)
+    checkpoint = None if resume is None else load_checkpoint(resume)  # a bad path fails before anything is built
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with world.main_first():
+        base_path = prepare_model_path(cfg.model, run_dir)
+    return Run(world, run_dir, base_path, load_tokenizer(base_path, cfg.model.gguf_file), world.device(cfg.model.device), checkpoint)
+
+
+@dataclass
+class RLRun(Run):
+    """What GRPO and PPO build before their first step (:func:`start_rl_run`): a :class:`Run` with the prompts and the reward terms."""
+
+    prompts: list[PromptExample] = field(default_factory=list)
+    rewards: list[RewardTerm] = field(default_factory=list)
+
+    def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
+        """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
+        Under ``model.autocast: bfloat16`` its matmul weights are held in bfloat16 (:func:`hold_matmul_weights`: the values
+        autocast would cast them to, so its log-probs equal the policy's at equal weights; no cast per forward, about half
+        the memory, a faster reference pass)."""
+        if model_cfg.lora is not None and path is None:
+            return None
+        reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
+        if model_cfg.autocast != "none":
+            hold_matmul_weights(reference, model_cfg.autocast)
+        return distributed.shard_frozen(reference, self.world, model_cfg.sharding)
+
+
+def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None, reward_functions: Sequence[RewardTerm], rows_per_step: int, minibatches: int) -> RLRun:
+    """:func:`start_run`, then the prompts and the reward terms. Shared by GRPO and PPO (``cfg``: an :class:`rlalign.train.rl_config.RLConfig`)."""
+    check_world(distributed.init(cfg.model.device), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
+    run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step", resume)
+    prompt_set = load_prompt_set(cfg.data, prompts)
+    rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world)
+    return RLRun(**vars(run), prompts=prompt_set, rewards=rewards)
+
+
+def check_world(world: distributed.World, prompts_per_step: int, rows_per_step: int, num_minibatches: int) -> None:
+    """Under torchrun each rank takes an equal share of the prompts, and of every minibatch."""
+    if prompts_per_step % world.size:
+        raise ConfigError(f"prompts_per_step={prompts_per_step} must be a multiple of the number of processes ({world.size})")
+    local_rows = rows_per_step // world.size
+    if local_rows % num_minibatches:
+        raise ConfigError(
+            f"num_minibatches={num_minibatches} must divide each process's {local_rows} rows ({rows_per_step} rows over {world.size} processes)"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# State, checkpoints, final model
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """Restored by a checkpoint besides weights and optimisers: steps done (the data position is
+    step * batch) and the generator that draws samples and minibatch orders (in step on every
+    rank). ``world``: this process's place under torchrun (one process by default)."""
+
+    step: int
+    generator: torch.Generator
+    world: distributed.World = field(default_factory=distributed.World)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+
+def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater], world: distributed.World = distributed.World()) -> TrainState:
+    """A fresh TrainState, or the checkpoint's: optimisers, schedules, RNGs, generator, step."""
+    state = TrainState(step=0, generator=torch.Generator().manual_seed(seed), world=world)
+    if ckpt is not None:
+        for name, updater in updaters.items():
+            updater.load_state_dict(ckpt.extra[f"updater/{name}"])
+        restore_rng_state(ckpt.rng)
+        state.generator.set_state(ckpt.extra["generator"])
+        state.step = ckpt.step
+    return state
+
+
+class SavedModels:
+    """What a checkpoint's ``model/`` holds: the policy, and other models in named subdirectories
+    (PPO's critic), so one atomic :func:`rlalign.train.common.save_checkpoint` writes them all."""
+
+    def __init__(self, policy: nn.Module, **others: nn.Module):
+        self.policy, self.others = policy, others
+        self.states: dict[str, dict | None] = {}  # full weights gathered by gather() (FSDP2), else empty
+
+    def gather(self) -> SavedModels:
+        """Every model's full weights when FSDP2 shards it (collective: call on every rank)."""
+        self.states = {"policy": distributed.model_state(self.policy), **{name: distributed.model_state(m) for name, m in self.others.items()}}
+        return self
+
+    def save_pretrained(self, path: str | Path, state_dict: None = None) -> None:
+        self.policy.save_pretrained(path, state_dict=self.states.get("policy"))
+        for name, model in self.others.items():
+            model.save_pretrained(Path(path) / name, state_dict=self.states.get(name))
+
+
+def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: SavedModels, updaters: dict[str, Updater], tokenizer,
+                     data_position: int, extra: dict[str, Any]) -> None:
+    """Checkpoint after ``state.step`` steps (named by it): weights, optimisers and schedules of
+    every updater, RNGs, the generator, and ``extra`` (e.g. the KL controller). Rank 0 writes
+    (every rank holds the same weights and optimiser state under DDP); the others wait."""
+    models.gather()  # collective under FSDP2, like the optimiser states below
+    extra = {**extra, **state.state_dict(), **{f"updater/{name}": u.state_dict() for name, u in updaters.items()}}
+    if state.world.is_main:
+        save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last)
+    state.world.barrier()
+
+
+def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World()) -> Path:
+    """The trained model(s) as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final`` (rank 0 writes)."""
+    final = run_dir / "final"
+    models.gather()
+    if world.is_main:
+        models.save_pretrained(final)
+        tokenizer.save_pretrained(final)
+    world.barrier()
+    return final
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+
+
+def run_steps(
+    step_fn: StepFn,
+    cfg: Config,
+    run: Run,
+    state: TrainState,
+    models: SavedModels,
+    updaters: dict[str, Updater],
+    *,
+    total_steps: int,
+    batch_size: int,
+    summary_keys: tuple[str, ...],
+    plot_keys: tuple[str, ...] = (),
+    sample_every: int = 1,
+    checkpoint_extra: Callable[[], dict[str, Any]] = dict,
+    first_record: dict[str, float] | None = None,
+) -> tuple[list[dict[str, float]], Path]:
+    """The outer loop of every trainer: ``step_fn`` until ``total_steps``, each step's metrics
+    logged (``first_record`` before the first, as step ``state.step - 1``), the samples it returns
+    every ``sample_every`` steps, a checkpoint every ``cfg.save_every`` steps and at the end, then
+    the final model and the curves of ``plot_keys``. ``batch_size``: examples (prompts) per step, for
+    the checkpoint's data position. Returns (this call's metrics, final dir)."""
+    history: list[dict[str, float]] = []
+    is_main = state.world.is_main
+    with MetricsLogger(run.run_dir, total_steps, cfg.progress, cfg.tensorboard, run.run_dir.name, state.step, enabled=is_main) as log:
+        if first_record is not None:
+            log.log(state.step - 1, first_record)
+        while state.step < total_steps:
+            metrics, samples = step_fn(state)
+            log.log(state.step, metrics, summary_keys=summary_keys)
+            if samples and (state.step + 1) % sample_every == 0 and is_main:
+                with (run.run_dir / "samples.jsonl").open("a") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in samples)
+            history.append({"step": state.step, **metrics})
+            state.step += 1
+            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total_steps:
+                write_checkpoint(run.run_dir, cfg, state, models, updaters, run.tokenizer, state.step * batch_size, checkpoint_extra())
+    final_dir = save_final(run.run_dir, models, run.tokenizer, state.world)
+    if plot_keys and is_main:
+        records = read_metrics(run.run_dir / "metrics.jsonl")
+        plot_metrics(run.run_dir / "metrics.jsonl", [k for k in plot_keys if any(k in r for r in records)], run.run_dir / "curves.png")
+    return history, final_dir
+
+
+class UpdateMeans:
+    """Means of the updates' statistics over one step, and the first update's ``ratio_dev``."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count = 0
+        self.first_ratio_dev: float | None = None
+
+    def add(self, stats: dict[str, float]) -> None:
+        if self.first_ratio_dev is None:
+            self.first_ratio_dev = stats.get("ratio_dev")
+        for key, value in stats.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.count += 1
+
+    def means(self) -> dict[str, float]:
+        return {key: value / self.count for key, value in self.sums.items()}
+
+
+def step_timings(t0: float, t1: float, t2: float, t3: float, tokens: float, t_ref: float, t_old: float) -> dict[str, float]:
+    """time/generate (t0..t1), time/score (t1..t2), time/train (t2..t3: all of the rest), and inside it
+    time/reference (t2..t_ref: advantages and the reference pass), time/old_logp (t_ref..t_old: the
+    pi_old recompute, 0 when none) and time/update (t_old..t3); tokens_per_s is completion tokens over t0..t3."""
+    return {
+        "time/generate": t1 - t0,
+        "time/score": t2 - t1,
+        "time/train": t3 - t2,
+        "time/reference": t_ref - t2,
+        "time/old_logp": t_old - t_ref,
+        "time/update": t3 - t_old,
+        "tokens_per_s": tokens / max(t3 - t0, 1e-9),
+    }
+
+
+def add_run_arguments(parser, recipe: str, example: str) -> None:
+    """The command line of every LM trainer: ``--config RECIPE``, ``--resume DIR`` and dotted overrides."""
+    parser.add_argument("--config", help=f"YAML recipe, e.g. {recipe}")
+    parser.add_argument("--resume", metavar="DIR", help="checkpoint directory (or run directory: its latest checkpoint) to continue from")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help=f"dotted overrides, e.g. {example}")

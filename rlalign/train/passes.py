@@ -1,0 +1,123 @@
+"""The forward passes of an RL step besides sampling: the policy's completion logits (each group's
+prompt run once, or compiled), the reference pass, the pi_old recompute, and the statistics that
+compare log-probs (the sampler's against the training forward's, pi against pi_old).
+
+    ref_logp = reference_logprobs(policy, reference, rollout, temperature, batch_size, autocast)   # (B, C)
+    old_logp = training_logprobs(policy, rollout, temperature, minibatches, autocast)               # (B, C)
+    logits = completion_logits(policy, minibatch)                                                    # (B, C, V)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from rlalign.core.logprobs import token_logprobs
+from rlalign.lm.logprobs import completion_logits as lm_completion_logits
+from rlalign.lm.models import reference_policy
+from rlalign.lm.rollout import Rollout
+from rlalign.train import distributed
+from rlalign.train.common import autocast_context
+
+__all__ = [
+    "completion_logits",
+    "share_prompts",
+    "compiled_completion_logits",
+    "rollout_token_logprobs",
+    "reference_logprobs",
+    "training_logprobs",
+    "loss_mask",
+    "logprob_mismatch",
+    "ratio_deviation",
+]
+
+
+def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False) -> Tensor:
+    """:func:`rlalign.lm.logprobs.completion_logits` of a rollout (the trainer needs the logits
+    themselves for the entropy), on the model's device, each group's prompt run once when
+    :func:`share_prompts`; ``compiled``: through :func:`compiled_completion_logits` (one forward). Shape: (B, C, V)."""
+    device = next(model.parameters()).device
+    r = rollout.to(device)
+    if compiled:
+        from rlalign.lm.models import releasing_compiler_caches  # the compile machinery, only when asked for
+
+        with releasing_compiler_caches():
+            return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts() else None)
+
+
+def share_prompts() -> bool:
+    """Whether the training and reference passes run each group's prompt once (rlalign.lm.logprobs):
+    in one process. Under torchrun they make one forward per pass, since DDP and FSDP2 expect one
+    forward per backward; the logits are the same to float round-off either way."""
+    return not torch.distributed.is_initialized()
+
+
+@functools.cache
+def compiled_completion_logits() -> Callable[..., Tensor]:
+    """:func:`rlalign.lm.logprobs.completion_logits` under ``torch.compile`` with dynamic shapes, so
+    one compilation serves every (B, P, C) of a run (the ``compile`` option of GRPO and PPO: the
+    training forward and its backward, the pi_old recompute and the reference pass; with and
+    without grad are separate graphs, and a model of another structure or dtype compiles another;
+    the decode loop is ``sampling.compile``). The compiled forward runs every row's prompt (no
+    shared prompts), which for long prompts and large G can cost more than it saves."""
+    return torch.compile(lm_completion_logits, dynamic=True)
+
+
+def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: float, compiled: bool = False) -> Tensor:
+    """log pi(y_t | x, y_<t) of a rollout's completion tokens by :func:`completion_logits` (compiled
+    or not), 0 on padding; float32, on the CPU. Shape: (B, C)."""
+    logits = completion_logits(model, rollout, compiled)  # (B, C, V)
+    completion_ids, completion_mask = rollout.completion_ids.to(logits.device), rollout.completion_mask.to(logits.device)
+    return token_logprobs(logits, completion_ids, temperature).masked_fill(completion_mask == 0, 0.0).float().cpu()
+
+
+@torch.no_grad()
+def reference_logprobs(
+    policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int, autocast: str = "none", compiled: bool = False
+) -> Tensor:
+    """Completion log-probs under the frozen reference (or the LoRA base, adapters off), by the same
+    forward as the updates (compiled when they are), in minibatches of ``batch_size`` rows, under
+    ``autocast`` (:attr:`rlalign.train.common.ModelConfig.autocast`). Shape: (B, C)."""
+    with reference_policy(policy, reference) as ref, distributed.gathered(ref), autocast_context(autocast, ref):
+        return torch.cat([rollout_token_logprobs(ref, mb, temperature, compiled) for mb in rollout.minibatches(batch_size)])
+
+
+@torch.no_grad()
+def training_logprobs(
+    policy: nn.Module, rollout: Rollout, temperature: float, minibatches: Sequence[Tensor | slice], autocast: str = "none", compiled: bool = False
+) -> Tensor:
+    """log pi_old recomputed by the training forward (:func:`completion_logits`, compiled or not as
+    the updates are), on the same minibatches (same shapes, so the same kernels) as the updates that
+    follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
+    logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
+    with autocast_context(autocast, policy):
+        for rows in minibatches:
+            logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled)
+    return logprobs
+
+
+def loss_mask(rollout: Rollout, mask_truncated: bool) -> Tensor:
+    """1 on completion tokens that count in the loss; rows without EOS zeroed when ``mask_truncated``. Shape: (B, C)."""
+    mask = rollout.completion_mask.float()  # (B, C)
+    if mask_truncated:
+        mask = mask * (~rollout.truncated).float()[:, None]
+    return mask
+
+
+def logprob_mismatch(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> Tensor:
+    """max |training log-prob - sampler log-prob| over counted tokens (detached); 0 for no tokens."""
+    with torch.no_grad():
+        gap = (logp - sampler_logp).abs() * mask  # (B, C)
+        return gap.max() if gap.numel() else gap.new_zeros(())
+
+
+def ratio_deviation(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """max |pi / pi_old - 1| over counted tokens (detached). On the first minibatch, before any
+    update, it is the mismatch between the sampler's log-probs and the training pass's."""
+    with torch.no_grad():
+        deviation = (torch.exp(logp - old_logp) - 1.0).abs() * mask  # (B, C)
+        return deviation.max() if deviation.numel() else deviation.new_zeros(())

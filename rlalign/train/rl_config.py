@@ -1,0 +1,177 @@
+"""The config pieces GRPO and PPO share: prompts, reward terms, sampling, the RL optimiser, and
+:class:`RLConfig`, the fields of every RL run (where it writes, what it loads, how it logs and saves).
+
+:class:`rlalign.train.grpo.GRPOConfig` and :class:`rlalign.train.ppo.PPOConfig` extend
+:class:`RLConfig` with their algorithm's own fields; every field can be overridden on the command
+line as ``key.sub=value``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlalign.config import Config
+from rlalign.core.losses import AGGREGATION_MODES, Aggregation
+from rlalign.lm.sampling import SamplingParams
+from rlalign.train.common import ModelConfig, OptimConfig
+
+__all__ = [
+    "DataConfig",
+    "BUILTIN_REWARDS",
+    "RewardConfig",
+    "SamplingConfig",
+    "RLOptimConfig",
+    "COMPILE_HELP",
+    "check_compile",
+    "RLConfig",
+]
+
+
+class DataConfig(Config):
+    """Where the training prompts come from: an embedded task or a file (exactly one)."""
+
+    task: Literal["arithmetic", "preference"] | None = Field(None, description="embedded offline task (rlalign.tasks) giving the prompts")
+    path: str | None = Field(None, description="JSONL / JSON / Parquet of prompt records (a 'prompt' column; other columns kept, e.g. 'answer')")
+    num_prompts: int = Field(1024, ge=1, description="training prompts drawn from an embedded task")
+    seed: int = Field(0, description="seed of the embedded task's prompt draw")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError(f"set exactly one of data.task or data.path (got task={self.task!r}, path={self.path!r})")
+        return self
+
+
+BUILTIN_REWARDS = ("arithmetic", "preference", "exact_match", "math_answer", "format", "code_execution")
+
+
+class RewardConfig(Config):
+    """One weighted term of the reward: a reward function or a reward model (exactly one)."""
+
+    function: str | None = Field(
+        None,
+        description="arithmetic | preference (the task's reward) | exact_match | math_answer (vs the prompts' 'answer' column, "
+        "math_answer through math-verify) | format (regex 'pattern') | code_execution (runs the completion's code with the prompts' "
+        "'tests' column in a sandbox: time, memory and network limits) | 'package.module:function' taking (prompts, completions)",
+    )
+    reward_model: str | None = Field(None, description="reward-model checkpoint (backbone + value_head.safetensors); its score is the reward")
+    pattern: str | None = Field(None, description="regular expression the whole completion must match (function: format)")
+    weight: float = Field(1.0, description="coefficient of this term in the total reward")
+    name: str | None = Field(None, description="metric name, reward/<name>/mean; defaults to the function name or 'rm'")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if (self.function is None) == (self.reward_model is None):
+            raise ValueError(f"set exactly one of function or reward_model (got function={self.function!r}, reward_model={self.reward_model!r})")
+        if self.function is not None and ":" not in self.function and self.function not in BUILTIN_REWARDS:
+            raise ValueError(f"function {self.function!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'package.module:function'")
+        if (self.function == "format") != (self.pattern is not None):
+            raise ValueError("'pattern' goes with function: format, and format needs a pattern")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return "rm" if self.reward_model else str(self.function).split(":")[-1]
+
+
+class SamplingConfig(Config):
+    """How completions are drawn during training."""
+
+    max_new_tokens: int = Field(32, ge=1, description="completion length cap; a completion without EOS by then is 'truncated'")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature (> 0: RL needs a stochastic policy); training log-probs use the same")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1 = off)")
+    attn_implementation: str | None = Field(
+        None, description="attention kernel for the decode loop only (null = model.attn_implementation); e.g. sdpa with eager for training on CPU"
+    )
+    dtype: Literal["bfloat16", "float16"] | None = Field(
+        None,
+        description="run the decode loop on a copy of the policy held in this dtype, refreshed after each update "
+        "(half a policy of memory more; null = sample from the policy itself, under model.autocast if set)",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the decode step and the draw (static shapes; one compile per batch size and cache-length bucket, "
+        "paid in the first steps; at most 64 versions per process, then eager with a warning); speed in benchmarks/RESULTS.md. "
+        "Not under model.autocast without sampling.dtype, nor with model.sharding fsdp",
+    )
+    pack_weights: bool = Field(
+        True,
+        description="with sampling.dtype on a CPU, hold the copy's linear weights in oneDNN's blocked layout (the same values, "
+        "read faster by the decode loop, for one more copy of those weights; figures in benchmarks/RESULTS.md)",
+    )
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+
+    @property
+    def packed_copy(self) -> bool:
+        """Whether the copy in ``dtype`` gets packed linear weights (``pack_weights``)."""
+        return self.dtype is not None and self.pack_weights
+
+
+class RLOptimConfig(OptimConfig):
+    """:class:`rlalign.train.common.OptimConfig` with RL defaults: a small, constant learning rate."""
+
+    lr: float = Field(1e-5, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(1.0, ge=0, le=1, description="final learning rate as a fraction of lr (cosine decay); 1 = constant")
+
+
+COMPILE_HELP = (
+    "torch.compile the policy's training forward and backward, the pi_old recompute and the reference pass (dynamic shapes; compiled during "
+    "the first step; the decode loop has sampling.compile). "
+    "The compile time pays back only over a long run; figures in benchmarks/RESULTS.md. The compiled passes run every row's prompt (no shared prompts)"
+)
+
+
+def check_compile(compile: bool, model: ModelConfig, sampling: SamplingConfig) -> None:
+    """torch 2.13's inductor fails on transformers' eager attention with dynamic shapes (ValueRangeError
+    in its symbolic shapes, seen on Llama); SDPA compiles. The compiled decode step needs a StaticCache,
+    which autocast rules out (keys and values reach the cache in different dtypes), and whole weights."""
+    if compile and model.attn_implementation == "eager":
+        raise ValueError("compile=true needs model.attn_implementation sdpa (or null): the eager attention does not compile with dynamic shapes")
+    if sampling.compile and model.autocast != "none" and sampling.dtype is None:
+        raise ValueError("sampling.compile=true does not work under model.autocast: also set sampling.dtype (e.g. bfloat16) to sample from a low-precision copy")
+    if sampling.compile and model.sharding == "fsdp":
+        raise ValueError("sampling.compile=true needs whole weights on every rank; with model.sharding=fsdp leave it false")
+
+
+class RLConfig(Config):
+    """The fields every RL run has; GRPO and PPO set their own defaults for some of them."""
+
+    output_dir: str = Field("runs/rl", description="run directory: metrics.jsonl, samples.jsonl, checkpoints/, final/, curves.png")
+    seed: int = Field(0, description="seeds Python, NumPy, torch, the prompt order and the sampling / shuffling generator")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy's starting checkpoint (e.g. an SFT run's final/), dtype, device, LoRA")
+    reference: str | None = Field(None, description="frozen reference checkpoint for the KL term; null = the policy's start (LoRA: the base with adapters off)")
+    data: DataConfig = Field(default_factory=lambda: DataConfig(task="arithmetic"), description="training prompts")
+    rewards: list[RewardConfig] = Field(default_factory=list, description="reward terms, summed with their weights (train() also takes Python reward functions)")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling during training")
+    optim: RLOptimConfig = Field(default_factory=RLOptimConfig, description="the policy's AdamW, schedule and gradient clipping")
+    steps: int = Field(100, ge=1, description="RL steps (one rollout each)")
+    prompts_per_step: int = Field(8, ge=1, description="prompts per rollout")
+    num_minibatches: int = Field(1, ge=1, description="optimiser steps per pass over the rollout")
+    aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
+    sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
+    num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
+    progress: bool = Field(True, description="show a progress bar with the step's headline metrics")
+    tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
+    plots: bool = Field(True, description="write curves.png of the headline metrics at the end")
+    compile: bool = Field(False, description=COMPILE_HELP)
+
+    @model_validator(mode="after")
+    def _compile_needs_sdpa(self) -> RLConfig:
+        check_compile(self.compile, self.model, self.sampling)
+        return self
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the sampler's log-probs may differ from the training forward's by more than float32
+        round-off (bfloat16 autocast, or a low-precision sampling copy): then log pi_old is recomputed."""
+        return self.model.autocast != "none" or self.sampling.dtype is not None

@@ -1,0 +1,228 @@
+"""Rollout collection for GRPO and PPO: the prompt set and each step's batch, the reward terms,
+sampling this rank's share of the batch, and scoring it.
+
+    prompts = load_prompt_set(cfg.data)                              # validated PromptExamples
+    batch = [ex.prompt for ex in prompt_batch(prompts, step, n, seed)]  # the step's global batch
+    rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, state)
+    scored = score_shard(rewards, tokenizer, batch, rollout, G, world)   # texts, scores, gathered scores
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlalign.config import ConfigError
+from rlalign.lm.code_execution import code_execution
+from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
+from rlalign.lm.models import attention_kernel, load_reward_model, load_tokenizer
+from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
+from rlalign.lm.rollout import Rollout
+from rlalign.lm.sampling import sample
+from rlalign.tasks import TASKS
+from rlalign.train import distributed
+from rlalign.train.common import ModelConfig, batch_order, forward_precision
+from rlalign.train.rl_config import DataConfig, RewardConfig, SamplingConfig
+
+__all__ = [
+    "load_prompt_set",
+    "prompt_batch",
+    "RewardTerm",
+    "build_rewards",
+    "score_rollout",
+    "sample_shard",
+    "ScoredRollout",
+    "score_shard",
+    "reward_stats",
+    "completion_stats",
+    "sample_rows",
+]
+
+
+def load_prompt_set(data: DataConfig, records: Sequence[dict] | None = None) -> list[PromptExample]:
+    """Validated prompt examples from ``records`` when given, else the embedded task or the file."""
+    if records is not None:
+        return load_prompts(list(records))
+    if data.task is not None:
+        return load_prompts(TASKS[data.task].prompt_records("train", data.num_prompts, data.seed))
+    return load_prompts(data.path)
+
+
+def prompt_batch(prompts: Sequence[PromptExample], step: int, batch_size: int, seed: int) -> list[PromptExample]:
+    """The prompts of RL step ``step`` (0-based): data positions [step * n, (step + 1) * n) of a
+    per-epoch permutation, so a resumed run draws exactly the prompts of the uninterrupted one."""
+    return [prompts[i] for i in batch_order(len(prompts), step * batch_size, batch_size, seed)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward terms
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardTerm:
+    """One weighted reward term, ``fn(prompts, completions) -> list[float]`` (rlalign.lm.rewards protocol)."""
+
+    name: str
+    weight: float
+    fn: Callable[[list[str], list[str]], Sequence[float]]
+
+
+def _references(prompts: Sequence[PromptExample], tokenizer, function: str, column: str = "answer") -> dict[str, str]:
+    missing = [i for i, ex in enumerate(prompts) if column not in ex.metadata]
+    if missing:
+        raise ConfigError(f"reward function {function!r} needs a {column!r} column in the prompts; prompt record {missing[0]} has none")
+    return {render_prompt(tokenizer, ex.prompt): str(ex.metadata[column]) for ex in prompts}
+
+
+def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable[[list[str], list[str]], Sequence[float]]:
+    name = spec.function
+    if name in TASKS:
+        return TASKS[name].reward
+    if name == "exact_match":
+        return exact_match(_references(prompts, tokenizer, name))
+    if name == "math_answer":
+        return math_answer(_references(prompts, tokenizer, name))
+    if name == "format":
+        return format_check(spec.pattern)
+    if name == "code_execution":
+        return code_execution(_references(prompts, tokenizer, name, column="tests"))
+    module_name, attr = name.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"reward function {name!r} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward function {name!r} is not callable")
+    return fn
+
+
+def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer, world: distributed.World) -> RewardModelReward:
+    model = load_reward_model(spec.reward_model, model_cfg.dtype, world.device(model_cfg.device), attn_implementation=model_cfg.attn_implementation)
+    model = distributed.shard_frozen(model, world, model_cfg.sharding)
+    try:
+        rm_tokenizer = load_tokenizer(spec.reward_model)
+    except (OSError, ValueError):  # a reward model saved without its tokenizer shares the policy's
+        rm_tokenizer = tokenizer
+    return RewardModelReward(model, rm_tokenizer)
+
+
+def build_rewards(
+    specs: Sequence[RewardConfig],
+    prompts: Sequence[PromptExample],
+    tokenizer,
+    model_cfg: ModelConfig,
+    extra: Sequence[RewardTerm] = (),
+    world: distributed.World = distributed.World(),
+) -> list[RewardTerm]:
+    """Reward terms of the config (functions resolved, reward models loaded frozen) plus ``extra``."""
+    terms = [
+        RewardTerm(spec.label, spec.weight, _reward_model(spec, model_cfg, tokenizer, world) if spec.reward_model else _reward_function(spec, prompts, tokenizer))
+        for spec in specs
+    ]
+    terms.extend(extra)
+    if not terms:
+        raise ConfigError("no reward: add at least one term under 'rewards' (a function or a reward_model)")
+    names = [t.name for t in terms]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward names must be unique (set 'name' on a reward term), got {names}")
+    return terms
+
+
+def score_rollout(terms: Sequence[RewardTerm], prompts: list[str], completions: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Total reward sum_k w_k R_k per completion (B,) and each term's unweighted values.
+
+    Every call goes through :func:`rlalign.lm.rewards.score_completions`, so a function that
+    raises or returns NaN is an error naming it and the prompt.
+    """
+    per_term = {t.name: score_completions([t.fn], prompts, completions) for t in terms}  # name -> (B,)
+    total = torch.zeros(len(prompts))
+    for t in terms:
+        total = total + t.weight * per_term[t.name]
+    return total, per_term
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling and scoring this rank's share of a step
+# ----------------------------------------------------------------------------------------------
+
+
+def sample_shard(updater, tokenizer, prompts: Sequence, sampling: SamplingConfig, model_cfg: ModelConfig, group_size: int, state) -> Rollout:
+    """This rank's rollout of the step's global prompt batch: its share of the prompts, G completions
+    each, with the uniforms drawn for the global batch (so the rows do not depend on the world size).
+    Drawn by ``updater``'s policy (under ``model_cfg.autocast`` if set), or by its copy in ``sampling.dtype``
+    (:meth:`rlalign.train.updater.Updater.sampler`); ``state``: the run's :class:`rlalign.train.loop.TrainState`."""
+    world = state.world
+    shard = world.shard(len(prompts), "prompts_per_step")
+    noise = torch.rand((sampling.max_new_tokens, len(prompts) * group_size), generator=state.generator)  # (N, B global)
+    rows = slice(shard.start * group_size, shard.stop * group_size)
+    ids = encode_prompts(tokenizer, list(prompts[shard]))
+    policy, sampler = updater.module, updater.sampler()
+    precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()  # a copy is already low-precision
+    with distributed.gathered(policy), precision, attention_kernel(sampler, sampling.attn_implementation):
+        rollout = sample(sampler, ids, sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows], compile=sampling.compile)
+    return rollout.to("cpu")
+
+
+@dataclass
+class ScoredRollout:
+    """A rollout's texts and rewards: this rank's rows, and the scores gathered from every rank."""
+
+    prompts: list[str]  # (B,) this rank's rendered prompts, one per row (groups adjacent)
+    completions: list[str]  # (B,)
+    local_scores: Tensor  # (B,) total reward of this rank's rows
+    local_per_term: dict[str, Tensor]  # name -> (B,), unweighted
+    scores: Tensor  # (B global,)
+    per_term: dict[str, Tensor]  # name -> (B global,)
+
+
+def score_shard(
+    rewards: Sequence[RewardTerm], tokenizer, batch: Sequence, rollout: Rollout, group_size: int, world: distributed.World,
+    missing_eos_penalty: float | None = None,
+) -> ScoredRollout:
+    """Decode this rank's rows of the global prompt ``batch``, score them (the weighted reward terms,
+    minus ``missing_eos_penalty`` for completions without EOS) and gather the scores of every rank."""
+    prompts = [render_prompt(tokenizer, p) for p in batch[world.shard(len(batch))] for _ in range(group_size)]
+    completions = rollout.decode_completions(tokenizer)
+    local_scores, local_per_term = score_rollout(rewards, prompts, completions)  # (B,)
+    if missing_eos_penalty is not None:
+        local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()
+    scores = distributed.gather_rows(local_scores, world)  # (B global,)
+    per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
+    return ScoredRollout(prompts, completions, local_scores, local_per_term, scores, per_term)
+
+
+def reward_stats(total: Tensor, per_term: dict[str, Tensor]) -> dict[str, float]:
+    """reward/mean, reward/std and reward/<name>/mean|std of each term."""
+    std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # noqa: E731
+    stats = {"reward/mean": total.mean().item(), "reward/std": std(total)}
+    for name, values in per_term.items():
+        stats[f"reward/{name}/mean"] = values.mean().item()
+        stats[f"reward/{name}/std"] = std(values)
+    return stats
+
+
+def completion_stats(rollout: Rollout, world: distributed.World = distributed.World()) -> dict[str, float]:
+    """completion_len/mean, completion_len/max, completion_len/clipped_frac (share without EOS), over every rank's rows."""
+    lengths = distributed.gather_rows(rollout.completion_lengths().float(), world)  # (B global,)
+    truncated = distributed.gather_rows(rollout.truncated.float(), world)  # (B global,)
+    return {
+        "completion_len/mean": lengths.mean().item(),
+        "completion_len/max": lengths.max().item(),
+        "completion_len/clipped_frac": truncated.mean().item(),
+        "tokens": lengths.sum().item(),
+    }
+
+
+def sample_rows(step: int, scored: ScoredRollout, n: int) -> list[dict]:
+    """The first ``n`` completions with their rewards (seed 003: watch the outputs, not only the reward)."""
+    return [
+        {"step": step, "prompt": scored.prompts[i], "completion": scored.completions[i], "reward": scored.local_scores[i].item(),
+         **{k: v[i].item() for k, v in scored.local_per_term.items()}}
+        for i in range(min(n, len(scored.prompts)))
+    ]
