@@ -43,7 +43,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlalign.lm.models import can_pack_linear, cast_copy, pack_linear_layers
+from rlalign.lm.models import cast_copy
+from rlalign.lm.packed import can_pack_linear, pack_linear_layers
 from rlalign.lm.sampling import SamplingParams, left_pad, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
 

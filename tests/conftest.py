@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlalign.lm import sampling
+from rlalign.lm import compiled
 
 
 @pytest.fixture
@@ -20,6 +20,6 @@ def compiled_sampling_calls(monkeypatch) -> dict[str, int]:
 
         return call
 
-    monkeypatch.setattr(sampling, "_compiled_decode_step", counting("decode", sampling._compiled_decode_step))
-    monkeypatch.setattr(sampling, "_compiled_draw", counting("draw", sampling._compiled_draw))
+    monkeypatch.setattr(compiled, "_compiled_decode_step", counting("decode", compiled._compiled_decode_step))
+    monkeypatch.setattr(compiled, "_compiled_draw", counting("draw", compiled._compiled_draw))
     return calls

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "whiten"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "whiten", "position_ids_from_mask"]
 
 
 def _as_weight(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -79,3 +79,9 @@ def whiten(x: Tensor, mean: Tensor, var: Tensor, mask: Tensor | None = None, shi
     if not shift_mean:
         whitened = whitened + mean
     return whitened * weight
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Position of each token among the real tokens of its row; 0 on padding (as HF generate). Shape: (B, T)."""
+    positions = attention_mask.long().cumsum(-1) - 1  # (B, T)
+    return positions.clamp(min=0)

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from rlalign.core.masks import position_ids_from_mask
+
 __all__ = [
     "DataError",
     "Prompt",
@@ -248,8 +250,7 @@ def collate_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExampl
         input_ids[b, : len(ids)] = torch.tensor(ids)
         attention_mask[b, : len(ids)] = 1
         is_target[b, : len(ids)] = torch.tensor(target)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return SFTBatch(input_ids, attention_mask, position_ids, is_target[:, 1:])
+    return SFTBatch(input_ids, attention_mask, position_ids_from_mask(attention_mask), is_target[:, 1:])
 
 
 def pack_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int = 512) -> SFTBatch:

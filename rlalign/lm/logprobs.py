@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from rlalign.core.logprobs import token_logprobs
-from rlalign.lm.models import cache_argument, position_ids_from_mask
+from rlalign.core.masks import position_ids_from_mask
+from rlalign.lm.models import cache_argument
 
 __all__ = ["completion_positions", "completion_logits", "completion_logprobs", "rollout_logprobs"]
 

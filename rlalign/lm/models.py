@@ -2,7 +2,7 @@
 
     policy = load_policy("runs/sft/final", dtype="bfloat16", lora=LoraConfig(r=16))
     with reference_policy(policy) as ref:         # LoRA: the same weights with adapters disabled
-        ref_logp = completion_logprobs(ref, rollout)
+        ref_logp = rollout_logprobs(ref, rollout)     # rlalign.lm.logprobs
     reward_model = load_reward_model("runs/rm/final")           # backbone + scalar head, frozen
     critic = load_critic("runs/rm/final")                       # critic initialised from the RM
 
@@ -27,8 +27,6 @@ import copy
 import functools
 import inspect
 import json
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -41,6 +39,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 
 from rlalign.config import Config
 from rlalign.core.advantages import last_token_index
+from rlalign.core.masks import position_ids_from_mask
 
 __all__ = [
     "DType",
@@ -58,13 +57,6 @@ __all__ = [
     "cast_copy",
     "hold_matmul_weights",
     "copy_weights",
-    "PackedLinear",
-    "SharedProduct",
-    "SHARED_INPUT_LAYERS",
-    "can_pack_linear",
-    "pack_linear_layers",
-    "repack_linear_layers",
-    "position_ids_from_mask",
     "ScalarHeadModel",
     "load_reward_model",
     "load_critic",
@@ -234,10 +226,13 @@ def reference_policy(policy: nn.Module, reference: nn.Module | None = None) -> I
 @contextlib.contextmanager
 def attention_kernel(model: nn.Module, attn_implementation: str | None) -> Iterator[nn.Module]:
     """``model`` with transformers' attention kernel set to ``attn_implementation`` for the block
-    (None: unchanged), then set back: e.g. SDPA for a decode loop and eager for training forwards."""
+    (None: unchanged), then set back: e.g. SDPA for a decode loop and eager for training forwards.
+    A model that says it cannot switch (transformers' ``_can_set_attn_implementation``, where that
+    exists) keeps its own."""
     causal_lm = unwrap_causal_lm(model)
     before = causal_lm.config._attn_implementation
-    if attn_implementation is None or attn_implementation == before:
+    can_switch = getattr(causal_lm, "_can_set_attn_implementation", lambda: True)
+    if attn_implementation is None or attn_implementation == before or not can_switch():
         yield model
         return
     causal_lm.set_attn_implementation(attn_implementation)
@@ -265,92 +260,6 @@ def _cache_keyword(forward: Callable) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-def _compiled_graph_count() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def release_compiler_caches() -> None:
-    """Drop what torch.compile keeps only to compile faster, not to run what it compiled: the source
-    lines dynamo read (``linecache``), the fake-tensor dispatch cache, sympy's cache; then collect and
-    hand freed heap pages back to the OS (glibc's ``malloc_trim``). A later compile refills them.
-    Lowers both the resident memory after a compile and the process's peak (benchmarks/RESULTS.md)."""
-    import ctypes
-    import gc
-    import linecache
-
-    import sympy
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    linecache.clearcache()
-    getattr(FakeTensorMode, "cache", {}).clear()
-    sympy.core.cache.clear_cache()
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-@contextlib.contextmanager
-def releasing_compiler_caches() -> Iterator[None]:
-    """Run the block with :func:`skipping_guard_profiling`; when it compiled a graph (torch.compile's
-    count of graphs grew), call :func:`release_compiler_caches` after it, so the next compile (the
-    training pass after the reference pass, say) does not start on top of this one's leftovers.
-    Costs a counter read and two attribute swaps when nothing compiled."""
-    graphs = _compiled_graph_count()
-    try:
-        with skipping_guard_profiling():
-            yield
-    finally:
-        if _compiled_graph_count() != graphs:
-            release_compiler_caches()
-
-
-@contextlib.contextmanager
-def skipping_guard_profiling() -> Iterator[None]:
-    """Inside the block, a graph dynamo compiles skips its guard-latency measurement.
-
-    After building a graph's guards, dynamo times one evaluation of them for a log metric
-    (``guard_latency_us``), first flushing the CPU caches by writing a fresh 32 MiB buffer
-    (``torch._C._dynamo.guards.profile_guard_manager``, torch 2.13). The buffer is freed at once,
-    but it sets the process's peak resident memory 32 MiB above what compiling needs, at every
-    compile. Here the measurement reports 0 us instead; guards are still built, checked once
-    against the frame that made them, and evaluated at every call as before. Resident memory is
-    unchanged; only the peak goes down."""
-    from torch._dynamo import guards  # imported by transformers' models already; the block is about to compile anyway
-
-    if not hasattr(guards, "profile_guard_manager"):  # a torch without the measurement
-        yield
-        return
-    global _guard_profiling_depth, _torch_guard_profile
-    with _guard_profiling_lock:  # nested blocks, or blocks in several threads: the first in swaps, the last out restores
-        if _guard_profiling_depth == 0:
-            _torch_guard_profile, guards.profile_guard_manager = guards.profile_guard_manager, _no_guard_profile
-        _guard_profiling_depth += 1
-    try:
-        yield
-    finally:
-        with _guard_profiling_lock:
-            _guard_profiling_depth -= 1
-            if _guard_profiling_depth == 0:
-                guards.profile_guard_manager = _torch_guard_profile
-
-
-_guard_profiling_lock = threading.Lock()
-_guard_profiling_depth = 0  # blocks now inside skipping_guard_profiling
-_torch_guard_profile: Callable | None = None  # torch's own function, while they are
-
-
-def _no_guard_profile(*args, **kwargs) -> float:
-    return 0.0
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Position of each token among the real tokens of its row; 0 on padding (as HF generate). Shape: (B, T)."""
-    positions = attention_mask.long().cumsum(-1) - 1  # (B, T)
-    return positions.clamp(min=0)
-
-
 def last_token_values(values: Tensor, attention_mask: Tensor) -> Tensor:
     """``values`` (B, T) read at each row's last non-padding token -> (B,): a sequence's reward
     from :class:`ScalarHeadModel`'s per-token scalars (also when the model is wrapped in DDP)."""
@@ -371,193 +280,6 @@ def copy_weights(target: nn.Module, source: nn.Module) -> None:
     """Copy ``source``'s parameters into ``target``'s (cast to its dtypes); same structure, e.g. a :func:`cast_copy`."""
     for dst, src in zip(target.parameters(), source.parameters(), strict=True):
         dst.copy_(src)
-
-
-def _packed_linear_kernel(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _packed_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-# oneDNN's linear on a weight in its blocked layout as an opaque op, so torch.compile calls it as it
-# is (inductor's own lowering of _linear_pointwise wants the weight as a graph constant). Defined
-# through torch.library.Library rather than torch.library.custom_op: ~19 us a call against ~29 us
-# (the kernel alone ~16 us), and the decode loop makes 211 such calls a token on SmolLM2.
-_OPS = torch.library.Library("rlalign", "FRAGMENT")
-if not hasattr(torch.ops.rlalign, "packed_linear"):  # once per process (a reloaded module finds it)
-    _OPS.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
-    _OPS.impl("packed_linear", _packed_linear_kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake("rlalign::packed_linear", _packed_linear_shape, lib=_OPS)
-
-
-# Sibling linear layers that a transformers decoder layer calls on the same input, one after the
-# other (Llama, Mistral, Qwen2/3, Gemma, SmolLM, OLMo, ...): packed as one weight, run as one matmul.
-SHARED_INPUT_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-class SharedProduct:
-    """The sibling layers of one :data:`SHARED_INPUT_LAYERS` group after :func:`pack_linear_layers`,
-    run as one matmul: ``packed`` holds the blocked concatenation [W_1; W_2; ...] (and ``bias`` the
-    concatenated biases). The first sibling called on an input computes x @ packed^T and keeps the
-    parts until every sibling has taken its own. A sibling called on another tensor (by identity,
-    and, eager, by the in-place version counter unless under ``torch.inference_mode``) while parts
-    are still untaken (a model that skips a sibling or feeds them different inputs, a tensor changed
-    in place, a forward that raised midway) turns the sharing off for good: each sibling is then
-    ``F.linear`` on its own weight, correct and slower. Not a module; it refers to the siblings
-    weakly (no reference cycle keeps a model's weights alive)."""
-
-    def __init__(self, sizes: list[int]):
-        self.sizes = sizes
-        self.siblings: list[Callable[[], PackedLinear | None]] = [lambda: None] * len(sizes)  # weak references, set by PackedLinear
-        self.packed: Tensor | None = None
-        self.bias: Tensor | None = None
-        self.sharing = True
-        self.input: Tensor | None = None  # the input of the product in ``parts``, until every sibling took its part
-        self.version = 0  # ``input._version`` then (eager, outside inference mode)
-        self.parts: tuple[Tensor, ...] | None = None
-        self.unread = 0
-
-    @torch.no_grad()
-    def repack(self) -> None:
-        """The blocked concatenation of the siblings' current weights and biases."""
-        siblings = [sibling() for sibling in self.siblings]
-        if any(sibling is None for sibling in siblings):  # set up, or a sibling is gone: nothing to pack yet
-            return
-        self.packed = PackedLinear.pack(torch.cat([sibling.weight.detach() for sibling in siblings]))
-        self.bias = None if siblings[0].bias is None else torch.cat([sibling.bias.detach() for sibling in siblings])
-
-    def part(self, index: int, x: Tensor) -> Tensor | None:
-        """Sibling ``index``'s output for input ``x``, or None once sharing is off."""
-        versioned = not torch.compiler.is_compiling() and not x.is_inference()  # inference tensors have no version counter
-        if self.input is not x or (versioned and self.version != x._version):
-            if self.unread:  # the last product was not taken by every sibling
-                self.sharing, self.input, self.parts, self.unread = False, None, None, 0
-            if not self.sharing:
-                return None
-            product = PackedLinear.product(x, self.packed, self.bias, sum(self.sizes))
-            self.input, self.parts, self.unread = x, product.split(self.sizes, -1), len(self.sizes)
-            self.version = x._version if versioned else 0
-        part = self.parts[index]
-        self.unread -= 1
-        if self.unread == 0:  # every sibling has its part: let go of the tensors
-            self.input = self.parts = None
-        return part
-
-
-class PackedLinear(nn.Module):
-    """An inference-only ``nn.Linear`` whose weight is also held in oneDNN's blocked layout, the one
-    its CPU matmul kernel reads fastest (``torch.ops.mkldnn._reorder_linear_weight``, run by
-    ``torch.ops.mkldnn._linear_pointwise``: the kernel inductor uses for frozen weights).
-
-    The values are those of ``F.linear`` (bit for bit in bfloat16 for contiguous inputs, at 1 to
-    100 rows, on the CPUs tested; float32 round-off apart, as F.linear runs MKL there); what changes
-    is how fast the weight streams from memory, which is where a decode loop spends its time: it
-    reads every weight once per token (benchmarks/RESULTS.md has the measured speed).
-
-    ``weight`` and ``bias`` stay the module's parameters (the same objects: tied weights stay tied,
-    :func:`copy_weights` still sees the model's structure), so the blocked copy, the non-persistent
-    buffer ``packed``, costs one more copy of the weight; :meth:`repack` must follow any change to
-    ``weight``. Replacing the buffer does not recompile a compiled caller (buffers are graph inputs).
-    With ``shared`` (a :class:`SharedProduct`) the layer is sibling ``index`` of a group run as one
-    matmul, whose blocked weight the group holds (the layer none of its own); :meth:`repack` of any
-    sibling refreshes the group's: fewer, larger matmuls a token.
-    No gradient flows through the packed path: when grad mode is on and the input or a parameter
-    needs a gradient, under autocast, or for an input of another dtype, :meth:`forward` is
-    ``F.linear``. The blocked buffer is an opaque MKLDNN tensor: ``copy.deepcopy``, pickling and
-    ``.to(dtype)`` of a model holding it raise; build such copies before :func:`pack_linear_layers`.
-    """
-
-    def __init__(self, linear: nn.Linear, shared: SharedProduct | None = None, index: int = 0):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.shared, self.index = shared, index
-        if shared is not None:
-            shared.siblings[index] = weakref.ref(self)
-        self.register_buffer("packed", None, persistent=False)
-        self.repack()
-
-    @torch.no_grad()
-    def repack(self) -> None:
-        """Refresh the blocked copy from ``weight`` (a sibling's: the group's, from all siblings' weights)."""
-        if self.shared is None:
-            self.packed = self.pack(self.weight)
-        else:
-            self.shared.repack()
-
-    @staticmethod
-    def pack(weight: Tensor) -> Tensor:
-        """``weight`` (out, in) in oneDNN's blocked layout, an opaque MKLDNN tensor."""
-        # the row-count hint hardly changes the layout's speed (1-512 rows tried): any fixed value does
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-
-    @staticmethod
-    def product(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-        """x @ W^T + b with W blocked in ``packed``. Shape: (..., in) -> (..., out_features)."""
-        if torch.compiler.is_compiling():  # rows flattened here, where a view is free, not inside the kernel (~2.4 us a call)
-            rows = torch.ops.rlalign.packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, out_features)
-            return rows.view(*x.shape[:-1], out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # eager: the kernel itself, without the op's dispatch
-
-    def forward(self, x: Tensor) -> Tensor:
-        needs_grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        if x.dtype != self.weight.dtype or torch.is_autocast_enabled(x.device.type) or torch.is_grad_enabled() and needs_grad:
-            return nn.functional.linear(x, self.weight, self.bias)
-        if self.shared is None:
-            return self.product(x, self.packed, self.bias, self.out_features)
-        part = self.shared.part(self.index, x)
-        return nn.functional.linear(x, self.weight, self.bias) if part is None else part
-
-    def extra_repr(self) -> str:
-        shared = "" if self.shared is None else f", sibling {self.index} of {len(self.shared.sizes)} run as one matmul"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed for oneDNN{shared}"
-
-
-def can_pack_linear(model: nn.Module) -> bool:
-    """Whether :func:`pack_linear_layers` pays: every parameter on the CPU, in bfloat16 or float16,
-    with oneDNN kernels for that dtype on this CPU. Float32 is left out: there F.linear runs MKL,
-    which is as fast or faster for all but large weights; in half precision the blocked kernel is
-    the faster one at every size measured."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    supported = set()
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        supported.add(torch.bfloat16)
-    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
-        supported.add(torch.float16)
-    return all(p.device.type == "cpu" and p.dtype in supported for p in model.parameters())
-
-
-def pack_linear_layers(model: nn.Module) -> int:
-    """Swap every ``nn.Linear`` (exactly that class; subclasses such as quantised layers are left
-    alone) of an inference-only ``model`` for a :class:`PackedLinear` holding the same parameters;
-    returns how many. Siblings named as in :data:`SHARED_INPUT_LAYERS` (all plain ``nn.Linear``
-    with the same input size, dtype and device, all with or all without bias) become one
-    :class:`SharedProduct`. Inside a peft LoRA layer the base layer and the adapters' A and B are
-    plain ``nn.Linear`` and are packed too (the LoRA layer calls them; not as siblings), so merging
-    adapters into the weights afterwards needs :func:`repack_linear_layers`. Check :func:`can_pack_linear` first."""
-    siblings: dict[int, tuple[SharedProduct, int]] = {}
-    for parent in model.modules():
-        for names in SHARED_INPUT_LAYERS:
-            linears = [parent._modules.get(name) for name in names]
-            if not all(type(linear) is nn.Linear for linear in linears):
-                continue
-            if len({(linear.in_features, linear.weight.dtype, linear.weight.device, linear.bias is None) for linear in linears}) == 1:
-                shared = SharedProduct([linear.out_features for linear in linears])
-                siblings.update({id(linear): (shared, index) for index, linear in enumerate(linears)})
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) is nn.Linear]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, *siblings.get(id(child), (None, 0))))  # the group packs when its last sibling exists
-    return len(swaps)
-
-
-def repack_linear_layers(model: nn.Module) -> None:
-    """Refresh the blocked copies of ``model``'s :class:`PackedLinear` layers after its weights changed."""
-    for module in model.modules():
-        if isinstance(module, PackedLinear) and (module.shared is None or module.index == 0):  # a group once
-            module.repack()
 
 
 class ScalarHeadModel(nn.Module):

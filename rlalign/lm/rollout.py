@@ -25,6 +25,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from rlalign.core.masks import position_ids_from_mask
+
 __all__ = ["Rollout"]
 
 
@@ -73,7 +75,7 @@ class Rollout:
 
     def position_ids(self) -> Tensor:
         """0, 1, ... over each row's real tokens (0 on padding), as HF generate numbers them. Shape: (B, P + C)."""
-        return (self.attention_mask().long().cumsum(-1) - 1).clamp(min=0)
+        return position_ids_from_mask(self.attention_mask())
 
     def completion_lengths(self) -> Tensor:
         """Number of completion tokens (EOS included). Shape: (B,)."""

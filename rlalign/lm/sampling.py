@@ -24,17 +24,17 @@ draw. Eager, the model's own forward is most of the time of a step, so the gain 
 on its own).
 The cache length is rounded up by :func:`cache_bucket`, so prompts of nearby lengths share one
 compiled version; a new batch size, bucket, model dtype or attention kernel compiles another (at
-most ``RECOMPILE_LIMIT`` per process; past that a call warns and runs eager). From the third
+most ``rlalign.lm.compiled.RECOMPILE_LIMIT`` per process; past that a call warns and runs eager). From the third
 step of a call on, ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` skips the guards
 that cannot tell the process's compiled versions apart: the decode step has by then passed its
 full guards twice (the first draw runs before the loop, with its full guards), and the model, the
 cache object and the shapes stay the same; a guard that would
 fail raises rather than run a wrong version. The graph reads the parameters when it runs, so
 in-place weight updates need no recompile. Inside the compiled step the model runs its "eager"
-attention, which inductor fuses (:func:`_attention_implementation`). This removes most of
+attention, which inductor fuses (:func:`rlalign.lm.models.attention_kernel`). This removes most of
 transformers' per-module Python cost, which is what a small model's step is made of; a model whose
 decode step is bound by reading its weights from memory (SmolLM2-135M at batch 8 on one CPU core)
-gains most from a half-precision copy with packed weights (``rlalign.lm.models.PackedLinear``).
+gains most from a half-precision copy with packed weights (``rlalign.lm.packed.PackedLinear``).
 Not under ``torch.autocast``, which rules out the StaticCache.
 
 Sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2/3, Phi-3): every
@@ -61,21 +61,19 @@ the first update the PPO ratio is exactly 1 (top-k / top-p only decide which tok
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from rlalign.lm.models import cache_argument, position_ids_from_mask, releasing_compiler_caches, unwrap_causal_lm
+from rlalign.lm import private
+from rlalign.lm.models import attention_kernel, cache_argument, unwrap_causal_lm
+from rlalign.lm.prefill import _layer_types, _model_mask, _prefill, _prompt_rows, pack_prompts
 from rlalign.lm.rollout import Rollout
 
 __all__ = ["SamplingParams", "left_pad", "filter_logits", "inverse_cdf_draw", "cache_bucket", "pack_prompts", "sample"]
-
-RECOMPILE_LIMIT = 64  # compiled versions kept of the decode step and of the draw (torch's default is 8)
 
 
 @dataclass(frozen=True)
@@ -135,211 +133,6 @@ def filter_logits(scaled_logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> 
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out
-
-
-def _prefill_mask(prompt_valid: Tensor, total: int, dtype: torch.dtype, window: int | None = None) -> Tensor:
-    """Additive mask (B, 1, P, L) over the L = P + N cache slots: query q sees key k <= q when k is
-    a real prompt token (0 where allowed, the dtype's minimum elsewhere); with a sliding ``window``
-    also only k > q - window (transformers' sliding-window rule, on cache slots).
-
-    A padding query also sees itself, so no softmax row is empty (its output is never used).
-    """
-    prompt_len = prompt_valid.shape[1]
-    key_valid = torch.ones((prompt_valid.shape[0], total), dtype=torch.bool, device=prompt_valid.device)  # (B, L)
-    key_valid[:, :prompt_len] = prompt_valid
-    q = torch.arange(prompt_len, device=prompt_valid.device)[:, None]  # (P, 1)
-    k = torch.arange(total, device=prompt_valid.device)[None, :]  # (1, L)
-    seen = (k <= q) if window is None else (k <= q) & (k > q - window)  # (P, L)
-    allowed = (seen[None] & key_valid[:, None, :]) | (k == q)[None]  # (B, P, L)
-    return _additive_mask(allowed, dtype)  # (B, 1, P, L)
-
-
-def _additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """0 where ``allowed`` (B, Q, K), the dtype's minimum elsewhere, as the model's (B, 1, Q, K) attention mask."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
-
-
-def _model_mask(full: Tensor, windowed: Tensor | None, by_layer_type: bool) -> Tensor | dict[str, Tensor]:
-    """The ``attention_mask`` argument: the full-attention mask, or with a sliding window the windowed
-    one (every layer slides, e.g. Mistral), or both by layer type (models with ``config.layer_types``
-    of full and sliding layers, e.g. Qwen2, Gemma 2/3, which take a prepared mask per type; other
-    layer types are refused by :func:`_layer_types`)."""
-    if windowed is None:
-        return full
-    return {"full_attention": full, "sliding_attention": windowed} if by_layer_type else windowed
-
-
-def _layer_types(config, window: int | None) -> bool:
-    """Whether the model takes its masks by layer type (``config.layer_types``); with a window, only
-    full and sliding layers are supported (a KeyError deep in the model otherwise)."""
-    layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None)
-    if layer_types is None:
-        return False
-    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if window is not None and other:
-        raise ValueError(f"the sampler's sliding-window masks cover full and sliding attention layers; this model also has {other}")
-    return True
-
-
-def pack_prompts(lengths: Sequence[int], width: int) -> list[list[int]]:
-    """Prompt indices by row, the prompts of a row together no longer than ``width`` tokens: first-fit
-    decreasing bin packing (at most 11/9 of the fewest rows plus 6/9; Dosa 2007). The packed
-    prefill (:func:`_prefill`) runs these rows of width P, the longest prompt, instead of one
-    left-padded row per prompt: fewer tokens, and no more attention scores (R P^2 <= N P^2)."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda n: -lengths[n]):
-        row = next((r for r, free in enumerate(room) if free >= lengths[index]), len(rows))
-        if row == len(rows):
-            rows.append([])
-            room.append(width)
-        rows[row].append(index)
-        room[row] -= lengths[index]
-    return rows
-
-
-def _packed_mask(segment: Tensor, position: Tensor, dtype: torch.dtype, window: int | None = None) -> Tensor:
-    """Additive mask (R, 1, T, T) over rows of prompts packed side by side: token i sees token j of
-    its row when both belong to the same prompt (``segment`` (R, T), unique per padding token) and j
-    is not after i (``position`` (R, T), the position within the prompt); with a sliding ``window``
-    also only position_j > position_i - window (the rule of :func:`_prefill_mask`, whose slots differ by positions)."""
-    seen = (segment[:, :, None] == segment[:, None, :]) & (position[:, None, :] <= position[:, :, None])  # (R, T, T)
-    if window is not None:
-        seen &= position[:, None, :] > position[:, :, None] - window
-    return _additive_mask(seen, dtype)  # (R, 1, T, T)
-
-
-@contextlib.contextmanager
-def _lm_head_on(causal_lm: nn.Module, positions: Tensor) -> Iterator[list[bool]]:
-    """Inside the block the LM head of ``causal_lm`` sees only the hidden states at ``positions``
-    (K,), flat indices over (batch, sequence), as one row (1, K, hidden): logits (1, K, V) for the
-    last tokens of packed prompts, which ``logits_to_keep`` (one set of columns for every row)
-    cannot pick. Yields a list whose one entry says whether the head ran (a model that multiplies
-    by its embedding matrix itself never calls it: its logits cover every position)."""
-    ran = [False]
-
-    def pick(module: nn.Module, args: tuple) -> tuple:
-        ran[0] = True
-        return (args[0].flatten(0, -2)[positions][None], *args[1:])
-
-    handle = causal_lm.get_output_embeddings().register_forward_pre_hook(pick)
-    try:
-        yield ran
-    finally:
-        handle.remove()
-
-
-def _prefill(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    group_size: int,
-    cache: DynamicCache | StaticCache,
-    total: int,
-    dtype: torch.dtype,
-    window: int | None = None,
-    by_layer_type: bool = False,
-    rows: list[list[int]] | None = None,
-) -> Tensor:
-    """Run each distinct prompt once (rows 0, G, 2G, ... of the B = N G rows), fill ``cache`` with the
-    prompt keys and values of all B rows, and return the logits at the last prompt position. Shape: (B, V).
-
-    With G > 1 the N prompts run into a DynamicCache that is then repeated G-fold
-    (``batch_repeat_interleave``) and, for a StaticCache, written into its first P slots: the prefill
-    does N rows of work instead of B.
-    ``rows`` (:func:`_prompt_rows`): the prompts run side by side in these rows, each token seeing
-    its own prompt (:func:`_packed_mask`), and their keys and values are then laid out left-padded in
-    (N, heads, P, head dim), zeros on padding (which the decode masks hide). For example 32 prompts
-    of 4-12 tokens (251 in all) fit in 23 rows of 12 instead of 32; rows of the longest prompt's
-    width, not one row of all tokens, keep the attention's (L, L) scores small.
-    """
-    distinct = slice(None, None, group_size)
-    ids, mask = prompt_ids[distinct], prompt_mask[distinct]  # (N, P)
-    if rows is not None:
-        return _packed_prefill(model, ids, mask, rows, group_size, cache, dtype, window, by_layer_type)
-    prompt_len = ids.shape[1]
-    prefill_cache = cache if isinstance(cache, DynamicCache) or group_size == 1 else DynamicCache()
-    visible = total if isinstance(prefill_cache, StaticCache) else prompt_len  # key columns: the cache's length
-    windowed = None if window is None else _prefill_mask(mask.bool(), total, dtype, window)[..., :visible]
-    logits = model(
-        input_ids=ids,
-        attention_mask=_model_mask(_prefill_mask(mask.bool(), total, dtype)[..., :visible], windowed, by_layer_type),
-        position_ids=position_ids_from_mask(mask),
-        **{cache_argument(model): prefill_cache},
-        use_cache=True,
-        logits_to_keep=torch.tensor([prompt_len - 1], device=ids.device),  # an index, not 1: a contiguous LM-head input (rlalign.lm.logprobs)
-    ).logits[:, -1, :]  # (N, V)
-    if group_size > 1:
-        prefill_cache.batch_repeat_interleave(group_size)  # (N, ...) -> (B, ...) in every layer
-        if prefill_cache is not cache:
-            positions = torch.arange(prompt_len, device=ids.device)
-            for layer_idx, layer in enumerate(prefill_cache.layers):
-                cache.update(layer.keys, layer.values, layer_idx, {"cache_position": positions})
-    return logits.repeat_interleave(group_size, dim=0)  # (B, V)
-
-
-def _packed_prefill(
-    model: nn.Module,
-    ids: Tensor,
-    mask: Tensor,
-    rows: list[list[int]],
-    group_size: int,
-    cache: DynamicCache | StaticCache,
-    dtype: torch.dtype,
-    window: int | None,
-    by_layer_type: bool,
-) -> Tensor:
-    """:func:`_prefill` of the N distinct prompts ``ids``, ``mask`` (N, P) side by side in ``rows`` (prompt indices). Shape: (B, V)."""
-    width = ids.shape[1]
-    valid = mask.bool()  # (N, P)
-    lengths = valid.sum(-1).tolist()
-    row_of, start_of = [0] * len(lengths), [0] * len(lengths)
-    for row, members in enumerate(rows):
-        start = 0
-        for index in members:
-            row_of[index], start_of[index] = row, start
-            start += lengths[index]
-    within = valid.long().cumsum(-1) - 1  # (N, P) position of a slot's token in its prompt (-1 before it)
-    flat = torch.tensor(row_of, device=ids.device)[:, None] * width + torch.tensor(start_of, device=ids.device)[:, None] + within  # (N, P) place in the (R, P) grid
-    grid = len(rows) * width
-    packed_ids = ids.new_zeros(grid).index_put_((flat[valid],), ids[valid]).view(len(rows), width)  # (R, P)
-    position = within.new_zeros(grid).index_put_((flat[valid],), within[valid]).view(len(rows), width)  # (R, P)
-    segment = -torch.arange(1, grid + 1, device=ids.device)  # a padding token is its own segment: it sees itself only
-    prompt_index = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
-    segment = segment.index_put_((flat[valid],), prompt_index[valid]).view(len(rows), width)  # (R, P)
-    windowed = None if window is None else _packed_mask(segment, position, dtype, window)
-    packed_cache = DynamicCache()
-    last = flat[:, -1]  # (N,) each prompt's last token: its slot P - 1
-    with _lm_head_on(unwrap_causal_lm(model), last) as head_ran:
-        logits = model(
-            input_ids=packed_ids,
-            attention_mask=_model_mask(_packed_mask(segment, position, dtype), windowed, by_layer_type),
-            position_ids=position,
-            **{cache_argument(model): packed_cache},
-            use_cache=True,
-            logits_to_keep=0,  # every position to the LM head, where _lm_head_on picks N of them
-        ).logits
-    logits = logits[0] if head_ran[0] else logits.flatten(0, -2)[last]  # (N, V)
-    padding = ~valid[:, None, :, None]  # (N, 1, P, 1)
-    slots = torch.arange(width, device=ids.device)
-    source = flat.clamp(min=0)  # (N, P); any place on padding
-    for layer_idx, layer in enumerate(packed_cache.layers):
-        keys, values = (
-            t.transpose(0, 1).flatten(1, 2)[:, source].transpose(0, 1).masked_fill(padding, 0).repeat_interleave(group_size, dim=0) for t in (layer.keys, layer.values)
-        )  # (R, H, P, D) -> (H, R P, D) -> (N, H, P, D) -> (B, H, P, D)
-        cache.update(keys, values, layer_idx, {"cache_position": slots})
-    return logits.repeat_interleave(group_size, dim=0)  # (B, V)
-
-
-def _prompt_rows(causal_lm: nn.Module, prompt_mask: Tensor) -> list[list[int]] | None:
-    """The rows of :func:`pack_prompts` for the N prompts of ``prompt_mask`` (N, P) when they are
-    fewer than N, else None: the padded prefill (also for an empty prompt, or a model without an
-    output-embeddings module)."""
-    lengths = prompt_mask.sum(-1).tolist()
-    if len(lengths) < 2 or min(lengths) == 0 or causal_lm.get_output_embeddings() is None:
-        return None
-    rows = pack_prompts(lengths, prompt_mask.shape[1])
-    return rows if len(rows) < len(lengths) else None
 
 
 CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF (SmolLM2's 49152-token vocabulary: 192 blocks)
@@ -422,82 +215,6 @@ def _decode_step(
     return _draw(_next_logits(model, token, step_mask, position_ids, cache, cache_keyword), params, uniform)
 
 
-# Inductor lowers a one-query-row attention matmul on the CPU to a multiply-and-sum that inlines its
-# inputs, and so recomputed the query's rotary embedding (a cos and a sin an element) for every key
-# position: a pointwise input of more than 4 ops is computed once into a buffer instead, which makes
-# that attention kernel several times faster.
-_DECODE_INDUCTOR_OPTIONS = {"realize_cpu_opcount_threshold": 4}
-
-
-class _CompiledOnFirstCall:
-    """``torch.compile(fn, **options)``, made at the first call. Calling ``torch.compile`` imports
-    dynamo's backends (AOT autograd, its partitioner, networkx: ~380 modules), which a process that
-    only samples eagerly never needs, and whose memory it would carry for nothing."""
-
-    def __init__(self, fn: Callable, **options):
-        self.fn, self.options, self.compiled = fn, options, None
-
-    def __call__(self, *args):
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, **self.options)
-        return self.compiled(*args)
-
-
-_compiled_decode_step = _CompiledOnFirstCall(_decode_step, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT, options=_DECODE_INDUCTOR_OPTIONS)
-_compiled_draw = _CompiledOnFirstCall(_draw, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
-
-
-class _StepFunctions:
-    """The decode step and the draw of one :func:`sample` call: compiled, or eager. When torch has
-    compiled RECOMPILE_LIMIT versions of one of them in this process it warns and the call goes on
-    eager (no half-finished step: the limit is checked before a compiled version runs)."""
-
-    def __init__(self, compiled: bool, cache_keyword: str):
-        self.compiled = compiled
-        self.cache_keyword = cache_keyword  # cache_argument(model): inspect has no place in a compiled step
-
-    def _call(self, compiled_fn, eager_fn, *args):
-        if self.compiled:
-            try:
-                return compiled_fn(*args)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                warnings.warn(
-                    f"sample(compile=True): {RECOMPILE_LIMIT} compiled versions of the decode step exist in this process (one per batch "
-                    "size, cache-length bucket, model dtype, attention kernel, ...); this call runs eager",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                self.compiled = False
-        return eager_fn(*args)
-
-    def draw(self, logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
-        return self._call(_compiled_draw, _draw, logits, params, uniform)
-
-    def decode(
-        self, model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache: DynamicCache | StaticCache,
-        params: SamplingParams, uniform: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache, self.cache_keyword, params, uniform)
-
-
-@contextlib.contextmanager
-def _attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
-    """``model`` (a transformers model) runs attention with implementation ``name`` inside the block,
-    its own outside. The compiled decode step runs the model's "eager" attention (matmul, softmax,
-    matmul), which inductor fuses into its own kernels, where SDPA's CPU kernel is slow for one
-    query row on some CPUs. A model that cannot switch (no attention interface) keeps its own."""
-    original = model.config._attn_implementation
-    can_switch = getattr(model, "_can_set_attn_implementation", None)  # transformers' own check (not in every version)
-    if original == name or can_switch is None or not can_switch():
-        yield
-        return
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(original)
-
-
 def cache_bucket(length: int) -> int:
     """Cache slots for ``length`` positions under ``compile=True``: a multiple of 16 up to 64, then of a
     quarter of the power of two below (at most 25% unused slots; 64 -> 64, 65 -> 80, 200 -> 224, 1000 ->
@@ -518,23 +235,107 @@ def _sliding_window(config, length: int) -> int | None:
     text_config = config.get_text_config(decoder=True)
     if getattr(text_config, "attention_chunk_size", None) is not None:
         raise ValueError(f"chunked attention (attention_chunk_size={text_config.attention_chunk_size}) is not supported by the sampler at {length} positions")
-    kinds = {type(layer).__name__ for layer in short if type(layer) is not StaticSlidingWindowLayer}
+    sliding_layer = private.resolve("transformers.cache_utils:StaticSlidingWindowLayer")
+    kinds = {type(layer).__name__ for layer in short if type(layer) is not sliding_layer}
     windows = {layer.max_cache_len for layer in short}  # a sliding layer's size is min(window, length)
     if kinds or len(windows) > 1:
         raise ValueError(f"the sampler masks one sliding window over plain attention layers; this model has {sorted(kinds) or sorted(windows)} at {length} positions")
     return windows.pop()
 
 
-def _static_cache(config, slots: int) -> StaticCache:
+def _static_cache(config, slots: int) -> StaticCache | None:
     """A StaticCache of ``slots`` positions for a model of ``config``, its sliding-window layers made
     full-attention layers: they keep all keys, and the sampler's mask hides those outside the window
     (transformers' sliding layer keeps a rolling buffer and its write position in a Python int,
-    which a compiled decode step would have to be recompiled for at every step)."""
+    which a compiled decode step would have to be recompiled for at every step). None when this
+    transformers lacks the layer classes (:mod:`rlalign.lm.private`): the sampler then grows a DynamicCache."""
+    if not private.ready("static_cache"):
+        return None
+    static_layer = private.resolve("transformers.cache_utils:StaticLayer")
+    sliding_layer = private.resolve("transformers.cache_utils:StaticSlidingWindowLayer")
     cache = StaticCache(config=config, max_cache_len=slots)  # tensors are allocated on first use
     for index, layer in enumerate(cache.layers):
-        if type(layer) is StaticSlidingWindowLayer:
-            cache.layers[index] = StaticLayer(max_cache_len=slots)
+        if type(layer) is sliding_layer:
+            cache.layers[index] = static_layer(max_cache_len=slots)
     return cache
+
+
+class _DecodeMask:
+    """The decode loop's additive attention mask over the cache's slots, (B, 1, 1, L), updated in place:
+    a drawn token's slot becomes visible; with a sliding window a second mask also hides the keys at
+    or before q - window, q the query's slot (as transformers' sliding layers do)."""
+
+    def __init__(self, prompt_mask: Tensor, slots: int, dtype: torch.dtype, window: int | None, by_layer_type: bool):
+        batch, self.prompt_len = prompt_mask.shape
+        self.window, self.by_layer_type, self.hidden = window, by_layer_type, torch.finfo(dtype).min
+        self.full = torch.full((batch, 1, 1, slots), self.hidden, dtype=dtype, device=prompt_mask.device)  # (B, 1, 1, L)
+        self.full[:, 0, 0, : self.prompt_len].masked_fill_(prompt_mask.bool(), 0.0)
+        self.windowed = None
+        if window is not None:
+            self.windowed = self.full.clone()
+            self.windowed[..., : max(self.prompt_len - window + 1, 0)] = self.hidden  # out of the first decode query's window
+
+    def reveal(self, t: int) -> None:
+        """Completion token ``t``, just drawn, becomes a visible key (its slot is P + t)."""
+        slot = self.prompt_len + t
+        self.full[:, 0, 0, slot] = 0.0
+        if self.windowed is not None:
+            self.windowed[:, 0, 0, slot] = 0.0
+            if slot - self.window >= 0:
+                self.windowed[:, 0, 0, slot - self.window] = self.hidden  # leaves the window of query slot P + t
+
+    def for_model(self, columns: int) -> Tensor | dict[str, Tensor]:
+        """The ``attention_mask`` argument over the first ``columns`` key slots."""
+        return _model_mask(self.full[..., :columns], None if self.windowed is None else self.windowed[..., :columns], self.by_layer_type)
+
+
+class _EagerSteps:
+    """The decode step and the draw of :func:`sample`, eager (``rlalign.lm.compiled.CompiledSteps`` compiles them)."""
+
+    compiled = False
+
+    def __init__(self, cache_keyword: str):
+        self.cache_keyword = cache_keyword
+
+    def draw(self, logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
+        return _draw(logits, params, uniform)
+
+    def decode(self, model: nn.Module, token: Tensor, step_mask, position_ids: Tensor, cache, params: SamplingParams, uniform: Tensor | None) -> tuple[Tensor, Tensor]:
+        return _decode_step(model, token, step_mask, position_ids, cache, self.cache_keyword, params, uniform)
+
+
+def _grouped_prompts(prompts, pad_token_id: int, group_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(prompt_ids, prompt_mask, group_index): each prompt left-padded and repeated G times. Shapes: (B, P), (B, P), (B,)."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    prompt_ids, prompt_mask = (t.to(device) for t in prompts) if isinstance(prompts, tuple) else left_pad(prompts, pad_token_id, device)
+    group_index = torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(group_size)  # (B,)
+    return prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0).long(), group_index
+
+
+def _uniforms(params: SamplingParams, noise: Tensor | None, generator: torch.Generator | None, batch: int, device: torch.device) -> Tensor | None:
+    """The (N, B) uniforms of the draws: ``noise``, or drawn from ``generator``; None when greedy."""
+    if params.greedy:
+        return None
+    if noise is None:
+        noise = torch.rand((params.max_new_tokens, batch), generator=generator)  # (N, B)
+    elif tuple(noise.shape) != (params.max_new_tokens, batch):
+        raise ValueError(f"noise has shape {tuple(noise.shape)}, expected (max_new_tokens, B) = {(params.max_new_tokens, batch)}")
+    return noise.to(device)
+
+
+def _decode_steps(model: nn.Module, compile: bool) -> tuple[_EagerSteps, contextlib.AbstractContextManager]:
+    """The step functions of one call and the context they run in: compiled (the model's eager
+    attention, which inductor fuses; the compiler's caches released after a compile), or eager when
+    ``compile`` is off or this torch lacks what the compiled step needs (:mod:`rlalign.lm.private`)."""
+    if not (compile and private.ready("compiled")):
+        return _EagerSteps(cache_argument(model)), contextlib.nullcontext()
+    from rlalign.lm.compiled import CompiledSteps, releasing_compiler_caches  # the compile machinery, only when asked for
+
+    context = contextlib.ExitStack()
+    context.enter_context(releasing_compiler_caches())
+    context.enter_context(attention_kernel(model, "eager"))
+    return CompiledSteps(cache_argument(model)), context
 
 
 @torch.no_grad()
@@ -564,31 +365,12 @@ def sample(
         compile: run the decode step and the draw compiled (see the module docstring); the first
             call per batch size and cache bucket pays the compile.
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
     if not eos_token_ids:
         raise ValueError("eos_token_ids is empty: every completion would run to max_new_tokens")
     device = next(model.parameters()).device
-    if isinstance(prompts, tuple):
-        prompt_ids, prompt_mask = (t.to(device) for t in prompts)
-    else:
-        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
-    group_index = torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(group_size)  # (B,)
-    prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (B, P)
-    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0).long()  # (B, P)
-    batch, prompt_len = prompt_ids.shape
-    steps = params.max_new_tokens
-    length = prompt_len + steps
-    total = cache_bucket(length) if compile else length  # cache slots; rounded up, prompts of nearby lengths share a compiled step
-    check_every = 8 if device.type == "cuda" else 1  # "all rows finished?" costs a device sync on GPUs
-    if params.greedy:
-        noise = None
-    elif noise is None:
-        noise = torch.rand((steps, batch), generator=generator)  # (N, B)
-    elif tuple(noise.shape) != (steps, batch):
-        raise ValueError(f"noise has shape {tuple(noise.shape)}, expected (max_new_tokens, B) = {(steps, batch)}")
-    noise = None if noise is None else noise.to(device)
-
+    prompt_ids, prompt_mask, group_index = _grouped_prompts(prompts, pad_token_id, group_size, device)  # (B, P), (B, P), (B,)
+    (batch, prompt_len), steps = prompt_ids.shape, params.max_new_tokens
+    noise = _uniforms(params, noise, generator, batch, device)  # (N, B) or None
     causal_lm = unwrap_causal_lm(model)
     dtype = next(causal_lm.parameters()).dtype
     # Under torch.autocast keys (after RoPE) and values reach the cache in different dtypes, which a
@@ -596,60 +378,38 @@ def sample(
     autocast = torch.is_autocast_enabled(device.type)
     if compile and autocast:
         raise ValueError("sample(compile=True) needs a StaticCache, which torch.autocast rules out: sample from a model held in the low dtype instead")
-    cache = DynamicCache() if autocast else _static_cache(causal_lm.config, total)
-    window = _sliding_window(causal_lm.config, length)  # None unless a sliding window is shorter than the sequence
+    slots = cache_bucket(prompt_len + steps) if compile else prompt_len + steps  # rounded up: prompts of nearby lengths share a compiled step
+    cache = None if autocast else _static_cache(causal_lm.config, slots)
+    growing = cache is None  # a DynamicCache: the mask handed to the model covers the keys so far, not every slot
+    cache = DynamicCache() if growing else cache
+    window = _sliding_window(causal_lm.config, prompt_len + steps)  # None unless a sliding window is shorter than the sequence
     by_layer_type = _layer_types(causal_lm.config, window)
-    visible = (lambda n: n) if autocast else (lambda n: total)  # key columns the mask hands the model: the cache's length
-    key_valid = prompt_mask.bool()  # (B, P)
-    step_mask = torch.full((batch, 1, 1, total), torch.finfo(dtype).min, dtype=dtype, device=device)  # (B, 1, 1, L)
-    step_mask[:, 0, 0, :prompt_len].masked_fill_(key_valid, 0.0)
-    window_mask = None  # with a sliding window: step_mask without the keys at or before q - window, q the query's slot
-    if window is not None:
-        window_mask = step_mask.clone()
-        window_mask[..., : max(prompt_len - window + 1, 0)] = torch.finfo(dtype).min  # out of the first decode query's window
+    mask = _DecodeMask(prompt_mask, slots, dtype, window, by_layer_type)
     eos = torch.as_tensor(list(eos_token_ids), device=device)
+    check_every = 8 if device.type == "cuda" else 1  # "all rows finished?" costs a device sync on GPUs
 
     completion_ids = torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device)  # (B, N)
     completion_mask = torch.zeros((batch, steps), dtype=torch.long, device=device)  # (B, N)
     logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)  # (B, N)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
     next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
-
-    fns = _StepFunctions(compile, cache_argument(model))
     rows = _prompt_rows(causal_lm, prompt_mask[::group_size])  # prompts side by side in fewer rows, or None
-    logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, total, dtype, window, by_layer_type, rows)  # (B, V)
-    with contextlib.ExitStack() as stance:
-        if compile:
-            stance.enter_context(releasing_compiler_caches())
-            stance.enter_context(_attention_implementation(causal_lm, "eager"))
+    logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, slots, dtype, window, by_layer_type, rows)  # (B, V)
+    fns, context = _decode_steps(causal_lm, compile)
+    with context, contextlib.ExitStack() as stance:
         token, token_logp = fns.draw(logits, params, None if noise is None else noise[0])  # (B,), (B,): the first token, from the prefill's logits
         for t in range(steps):
             if fns.compiled and t == 2:  # the decode step has passed its full guards twice (the draw ran once, before the loop)
                 stance.enter_context(torch.compiler.set_stance(skip_guard_eval_unsafe=True))
             alive = ~finished  # (B,)
             token = torch.where(alive, token, pad_token_id)
-            completion_ids[:, t] = token
-            completion_mask[:, t] = alive.long()
-            logprobs[:, t] = torch.where(alive, token_logp, 0.0)
+            completion_ids[:, t], completion_mask[:, t], logprobs[:, t] = token, alive.long(), torch.where(alive, token_logp, 0.0)
             finished = finished | torch.isin(token, eos)
             if t == steps - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
                 break
-            step_mask[:, 0, 0, prompt_len + t] = 0.0  # the token just drawn becomes a visible key
-            if window_mask is not None:
-                window_mask[:, 0, 0, prompt_len + t] = 0.0
-                if prompt_len + t - window >= 0:
-                    window_mask[:, 0, 0, prompt_len + t - window] = torch.finfo(dtype).min  # leaves the window of query slot prompt_len + t
-            columns = visible(prompt_len + t + 1)
-            attention_mask = _model_mask(step_mask[..., :columns], None if window_mask is None else window_mask[..., :columns], by_layer_type)
-            token, token_logp = fns.decode(model, token, attention_mask, next_position + t, cache, params, None if noise is None else noise[t + 1])  # (B,), (B,)
+            mask.reveal(t)
+            step_mask = mask.for_model(prompt_len + t + 1 if growing else slots)
+            token, token_logp = fns.decode(model, token, step_mask, next_position + t, cache, params, None if noise is None else noise[t + 1])  # (B,), (B,)
 
     used = int(completion_mask.any(0).nonzero().max()) + 1  # drop trailing all-padding columns
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completion_ids[:, :used],
-        completion_mask=completion_mask[:, :used],
-        logprobs=logprobs[:, :used],
-        group_index=group_index,
-        truncated=~finished,
-    )
+    return Rollout(prompt_ids, prompt_mask, completion_ids[:, :used], completion_mask[:, :used], logprobs[:, :used], group_index, ~finished)

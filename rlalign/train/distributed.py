@@ -49,7 +49,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
-    "World", "init", "shutdown", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
+    "World", "init", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
     "gather_rows", "all_sum", "all_max", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of",
 ]
 
@@ -110,11 +110,6 @@ def init(device: str = "cpu") -> World:
             torch.cuda.set_device(world.local_rank)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
     return world
-
-
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 SHARDINGS = ("ddp", "fsdp")

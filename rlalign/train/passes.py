@@ -42,7 +42,7 @@ def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False
     device = next(model.parameters()).device
     r = rollout.to(device)
     if compiled:
-        from rlalign.lm.models import releasing_compiler_caches  # the compile machinery, only when asked for
+        from rlalign.lm.compiled import releasing_compiler_caches  # the compile machinery, only when asked for
 
         with releasing_compiler_caches():
             return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)

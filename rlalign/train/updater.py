@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.config import ConfigError
-from rlalign.lm.models import can_pack_linear, cast_copy, copy_weights, pack_linear_layers, repack_linear_layers
+from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, make_optimizer
 
@@ -62,16 +62,22 @@ class Updater:
         """The model the decode loop runs on: :attr:`module`, or its copy held in ``sampling_dtype``
         (:func:`rlalign.lm.models.cast_copy`), whose weights are refreshed when an update moved them;
         with ``pack_sampler`` on a CPU its linear layers read their weights in oneDNN's blocked layout
-        (:mod:`rlalign.lm.fast`: the same values, faster)."""
+        (:mod:`rlalign.lm.packed`: the same values, faster)."""
         if self.sampling_dtype is None:
             return self.module
         if self._sampling_copy is None:
             self._sampling_copy = cast_copy(self.module, self.sampling_dtype)
-            if self.pack_sampler and can_pack_linear(self._sampling_copy):
-                pack_linear_layers(self._sampling_copy)
+            if self.pack_sampler:
+                from rlalign.lm.packed import can_pack_linear, pack_linear_layers  # the packing machinery, only when asked for
+
+                if can_pack_linear(self._sampling_copy):
+                    pack_linear_layers(self._sampling_copy)
         elif self._copy_at != self.updates:
             copy_weights(self._sampling_copy, self.module)
-            repack_linear_layers(self._sampling_copy)  # a no-op when nothing is packed
+            if self.pack_sampler:
+                from rlalign.lm.packed import repack_linear_layers
+
+                repack_linear_layers(self._sampling_copy)  # a no-op when nothing is packed
         self._copy_at = self.updates
         return self._sampling_copy
 

@@ -13,11 +13,9 @@ import torch
 from rlalign.lm.models import (
     HEAD_FILE,
     LoraConfig,
-    PackedLinear,
     ScalarHeadModel,
     apply_lora,
     cache_argument,
-    can_pack_linear,
     cast_copy,
     copy_weights,
     hold_matmul_weights,
@@ -26,10 +24,9 @@ from rlalign.lm.models import (
     load_reference,
     load_reward_model,
     load_tokenizer,
-    pack_linear_layers,
     reference_policy,
-    repack_linear_layers,
 )
+from rlalign.lm.packed import PackedLinear, can_pack_linear, pack_linear_layers, repack_linear_layers
 
 from .conftest import make_gpt2
 
@@ -247,6 +244,7 @@ def test_matmul_weights_held_in_bfloat16_compute_what_autocast_computes(arch):
 needs_onednn = pytest.mark.skipif(not can_pack_linear(torch.nn.Linear(2, 2).bfloat16()), reason="no oneDNN bfloat16 kernels on this CPU")
 
 
+@pytest.mark.canary
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_computes_what_linear_computes(dtype):
@@ -279,6 +277,7 @@ def test_packed_linear_computes_what_linear_computes(dtype):
         assert torch.equal(packed(x), linear(x))
 
 
+@pytest.mark.canary
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 def test_sibling_layers_run_as_one_matmul_with_each_layers_values(bias):
@@ -365,33 +364,35 @@ def test_packed_copy_samples_the_tokens_and_log_probs_of_the_plain_copy(llama_ch
     assert isinstance(gpt2.lm_head, PackedLinear) and gpt2.lm_head.weight is gpt2.transformer.wte.weight
 
 
+@pytest.mark.canary
 def test_compiler_caches_released_only_after_a_compile(monkeypatch):
     """releasing_compiler_caches drops the caches when the block compiled a graph, and only then;
     what was compiled still runs afterwards, with the same values."""
     import linecache
 
-    import rlalign.lm.models as models
+    import rlalign.lm.compiled as compiled
 
     released = []
-    monkeypatch.setattr(models, "release_compiler_caches", lambda: released.append(True))
+    monkeypatch.setattr(compiled, "release_compiler_caches", lambda: released.append(True))
     fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, dynamic=False)
     x = torch.linspace(-1.0, 1.0, 7)
-    with models.releasing_compiler_caches():
+    with compiled.releasing_compiler_caches():
         first = fn(x)
     assert released == [True]
-    with models.releasing_compiler_caches():
+    with compiled.releasing_compiler_caches():
         fn(x)  # the same graph: nothing compiled
     assert released == [True]
 
     monkeypatch.undo()
-    linecache.getline(inspect.getsourcefile(models), 1)
+    linecache.getline(inspect.getsourcefile(compiled), 1)
     assert linecache.cache
-    models.release_compiler_caches()
+    compiled.release_compiler_caches()
     assert not linecache.cache
     torch.testing.assert_close(fn(x), first, rtol=0, atol=0)
     torch.testing.assert_close(first, torch.sin(x) * 2 + 1)
 
 
+@pytest.mark.canary
 def test_compiling_inside_releasing_compiler_caches_skips_the_guard_profile():
     """dynamo flushes the CPU caches with a fresh 32 MiB buffer to time each new graph's guards, which
     sets the process's peak memory that far above its resident memory; a compile inside
@@ -401,7 +402,7 @@ def test_compiling_inside_releasing_compiler_caches_skips_the_guard_profile():
     script = textwrap.dedent(
         """
         import torch
-        from rlalign.lm.models import releasing_compiler_caches
+        from rlalign.lm.compiled import releasing_compiler_caches
 
         def peak_over_resident_mib():
             status = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -423,12 +424,13 @@ def test_compiling_inside_releasing_compiler_caches_skips_the_guard_profile():
     assert outside_mib > 24, result.stdout
 
 
+@pytest.mark.canary
 def test_guard_profiling_comes_back_after_overlapping_blocks():
     """Blocks that overlap without nesting (as two threads' would): the skip holds until the last one
     ends, and torch's own function is back after it."""
     from torch._dynamo import guards
 
-    from rlalign.lm.models import skipping_guard_profiling
+    from rlalign.lm.compiled import skipping_guard_profiling
 
     original = guards.profile_guard_manager
     first, second = skipping_guard_profiling(), skipping_guard_profiling()

@@ -9,7 +9,9 @@ import torch
 
 from rlalign.lm import sampling
 from rlalign.lm.logprobs import rollout_logprobs
-from rlalign.lm.models import PackedLinear, can_pack_linear, cast_copy, pack_linear_layers, repack_linear_layers
+from rlalign.lm import compiled as compiled_steps
+from rlalign.lm.models import attention_kernel, cast_copy
+from rlalign.lm.packed import PackedLinear, can_pack_linear, pack_linear_layers, repack_linear_layers
 from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, inverse_cdf_draw, left_pad, sample
 
 PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 13, 12, 11, 80, 44, 45, 46, 47, 50, 51], [1, 20]]
@@ -269,10 +271,10 @@ def test_the_compiled_decode_step_runs_eager_attention_and_the_model_gets_its_ow
     assert own != "eager"
     seen = []
     decode = sampling._decode_step
-    monkeypatch.setattr(sampling, "_compiled_decode_step", lambda model, *args: seen.append(model.config._attn_implementation) or decode(model, *args))
+    monkeypatch.setattr(compiled_steps, "_compiled_decode_step", lambda model, *args: seen.append(model.config._attn_implementation) or decode(model, *args))
     sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=4), 0, [EOS], compile=True)
     assert seen and set(seen) == {"eager"} and tiny_llama.config._attn_implementation == own
-    with pytest.raises(RuntimeError, match="boom"), sampling._attention_implementation(tiny_llama, "eager"):
+    with pytest.raises(RuntimeError, match="boom"), attention_kernel(tiny_llama, "eager"):
         raise RuntimeError("boom")
     assert tiny_llama.config._attn_implementation == own
 
@@ -286,7 +288,7 @@ def test_past_the_cap_on_compiled_versions_a_call_warns_and_runs_eager(tiny_llam
     def capped(*args):
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile limit reached")
 
-    monkeypatch.setattr(sampling, capped_function, capped)
+    monkeypatch.setattr(compiled_steps, capped_function, capped)
     params = SamplingParams(max_new_tokens=6)
     noise = torch.rand((6, 4), generator=torch.Generator().manual_seed(0))
     with pytest.warns(RuntimeWarning, match="compiled versions"):
@@ -306,6 +308,7 @@ print([name in sys.modules for name in ("torch._functorch.aot_autograd", "networ
 """
 
 
+@pytest.mark.canary
 def test_a_process_that_samples_eagerly_never_imports_the_compile_backends():
     # calling torch.compile imports dynamo's backends (~20 MB resident), so the sampler calls it at its first compiled call
     import subprocess
@@ -320,7 +323,7 @@ def test_compiled_on_first_call_compiles_at_the_first_call_and_only_then():
     def double(x):
         return x * 2
 
-    compiled = sampling._CompiledOnFirstCall(double, fullgraph=True, dynamic=False)
+    compiled = compiled_steps._CompiledOnFirstCall(double, fullgraph=True, dynamic=False)
     assert compiled.compiled is None
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
     made = compiled.compiled
@@ -382,6 +385,7 @@ def test_compile_under_autocast_is_an_error(tiny_llama):
         sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=4), 0, [EOS], compile=True)
 
 
+@pytest.mark.canary
 @pytest.mark.skipif(not can_pack_linear(torch.nn.Linear(2, 2).bfloat16()), reason="no oneDNN bfloat16 kernels on this CPU")
 def test_compiled_decode_step_runs_packed_linear_layers_and_sees_a_repack_without_recompiling(tiny_llama, compiled_sampling_calls, monkeypatch):
     # a bfloat16 copy with its linear layers packed for oneDNN (the training sampler's copy): compiled,

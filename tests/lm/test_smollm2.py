@@ -54,7 +54,8 @@ def test_chat_sampling_matches_generate_and_answers(smollm2):
     compiled = sample(model, ids, SamplingParams(max_new_tokens=16, temperature=0.0), tok.pad_token_id, [tok.eos_token_id], compile=True)
     assert torch.equal(compiled.completion_ids, rollout.completion_ids)
     # the trainers' sampling copy: bfloat16, linear weights packed for oneDNN; it samples what the plain bfloat16 copy samples
-    from rlalign.lm.models import can_pack_linear, cast_copy, pack_linear_layers
+    from rlalign.lm.models import cast_copy
+    from rlalign.lm.packed import can_pack_linear, pack_linear_layers
 
     plain, packed = cast_copy(model, "bfloat16"), cast_copy(model, "bfloat16")
     if can_pack_linear(packed):

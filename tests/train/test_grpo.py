@@ -16,7 +16,8 @@ from rlalign.config import ConfigError, load_config
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.masks import masked_mean
 from rlalign.lm.data import DataError, encode_prompts
-from rlalign.lm.models import PackedLinear, can_pack_linear, cast_copy, load_policy, load_tokenizer
+from rlalign.lm.models import cast_copy, load_policy, load_tokenizer
+from rlalign.lm.packed import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint

@@ -13,7 +13,7 @@ import torch
 
 from rlalign.config import ConfigError, load_config
 from rlalign.core.kl import AdaptiveKLController, FixedKLController
-from rlalign.lm.models import PackedLinear, can_pack_linear
+from rlalign.lm.packed import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo, ppo, rollouts
