@@ -6,7 +6,7 @@
 Variants (``--variants``), each run for ``--steps`` steps (default 2) in a fresh subprocess. One
 step is not enough: AdamW's two moments are allocated by the first ``optimizer.step``, after the
 first backward, so only from the second step on does a backward run with weights, moments,
-gradients and activations all alive (measured on SmolLM2 GRPO: 3.6 GB peak after 1 step):
+gradients and activations all alive, and the peak after one step understates a run's:
 
     grpo        policy + frozen reference, rule reward                        (rlalign.train.grpo)
     grpo-rm     policy + frozen reference + reward model (the seeds' GRPO)

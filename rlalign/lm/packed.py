@@ -35,8 +35,8 @@ def _packed_linear_shape(x: Tensor, packed: Tensor, bias: Tensor | None, out_fea
 
 # oneDNN's linear on a weight in its blocked layout as an opaque op, so torch.compile calls it as it
 # is (inductor's own lowering of _linear_pointwise wants the weight as a graph constant). Defined
-# through torch.library.Library rather than torch.library.custom_op: ~19 us a call against ~29 us
-# (the kernel alone ~16 us), and the decode loop makes 211 such calls a token on SmolLM2.
+# through torch.library.Library rather than torch.library.custom_op, whose Python dispatch costs about
+# half the kernel's own time again, and the decode loop makes hundreds of such calls a token.
 _OPS = torch.library.Library("rlalign", "FRAGMENT")
 if not hasattr(torch.ops.rlalign, "packed_linear"):  # once per process (a reloaded module finds it)
     _OPS.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
@@ -148,7 +148,7 @@ class PackedLinear(nn.Module):
     @staticmethod
     def product(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
         """x @ W^T + b with W blocked in ``packed``. Shape: (..., in) -> (..., out_features)."""
-        if torch.compiler.is_compiling():  # rows flattened here, where a view is free, not inside the kernel (~2.4 us a call)
+        if torch.compiler.is_compiling():  # rows flattened here, where a view is free, not inside the kernel
             rows = torch.ops.rlalign.packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, out_features)
             return rows.view(*x.shape[:-1], out_features)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # eager: the kernel itself, without the op's dispatch

@@ -178,7 +178,7 @@ def _draw(logits: Tensor, params: SamplingParams, uniform: Tensor | None) -> tup
     if params.greedy:
         token = logits.argmax(-1)  # (B,)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
-    scaled = logits if params.temperature == 1 else logits / params.temperature  # (B, V); a pass less at tau = 1 (1.7 ms at B = 32, V = 49152)
+    scaled = logits if params.temperature == 1 else logits / params.temperature  # (B, V); a pass over the logits less at tau = 1
     probs = torch.softmax(scaled, -1)  # (B, V)
     weights = probs
     if params.top_k or params.top_p < 1:

@@ -186,7 +186,7 @@ class MetricsLogger:
             except ImportError:
                 print("tensorboard is not installed; logging to metrics.jsonl only")
         self._progress = None
-        if progress:  # rich imported here: a run without a bar (notebooks, ranks but 0, benchmarks) does without its ~2 MB
+        if progress:  # rich imported here: a run without a bar (notebooks, ranks but 0, benchmarks) does without its imports
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
             self._progress = Progress(

@@ -160,7 +160,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def _fsdp_modules(model: nn.Module | None) -> list[FSDPModule]:
-    if model is None or not torch.distributed.is_initialized():  # FSDP2 needs a process group: skip the walk (~0.2 ms a call)
+    if model is None or not torch.distributed.is_initialized():  # FSDP2 needs a process group: skip the module walk
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 

@@ -58,10 +58,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -78,13 +76,13 @@ from rlalign.lm.data import PromptExample
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
-from rlalign.train.loop import SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprob_mismatch, loss_mask, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
 from rlalign.train.updater import Updater
 
-__all__ = ["GRPOConfig", "GRPOResult", "ADVANTAGE_ESTIMATORS", "grpo_loss", "grpo_step", "train", "add_arguments", "run"]
+__all__ = ["GRPOConfig", "ADVANTAGE_ESTIMATORS", "grpo_loss", "grpo_step", "train", "add_arguments", "run"]
 
 
 class GRPOConfig(RLConfig):
@@ -235,17 +233,7 @@ def grpo_step(
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class GRPOResult:
-    """What :func:`train` returns."""
-
-    policy: nn.Module
-    history: list[dict[str, float]] = field(default_factory=list)  # one metrics dict per step run by this call
-    output_dir: Path | None = None
-    final_dir: Path | None = None
-
-
-def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> GRPOResult:
+def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> RLResult:
     """Run GRPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
     Args:
@@ -267,7 +255,7 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
         summary_keys=("reward/mean", "kl", "completion_len/mean"),
         plot_keys=("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups") if cfg.plots else (),
     )
-    return GRPOResult(policy=policy, history=history, output_dir=run.run_dir, final_dir=final_dir)
+    return RLResult(policy, history, run.run_dir, final_dir)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,9 +269,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(GRPOConfig, args.config, args.overrides)
-    result = train(cfg, resume=args.resume)
-    last = result.history[-1] if result.history else {}
-    summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps_run": len(result.history)}
-    summary.update({k: round(last[k], 4) for k in ("reward/mean", "kl", "completion_len/mean") if k in last})
-    print(json.dumps(summary))
+    print(train(cfg, resume=args.resume).summary(("reward/mean", "kl", "completion_len/mean")))
     return 0

@@ -56,6 +56,8 @@ __all__ = [
     "run_steps",
     "UpdateMeans",
     "step_timings",
+    "RLResult",
+    "add_run_arguments",
 ]
 
 StepFn = Callable[["TrainState"], tuple[dict[str, float], list[dict]]]
@@ -300,6 +302,24 @@ def step_timings(t0: float, t1: float, t2: float, t3: float, tokens: float, t_re
         "time/update": t3 - t_old,
         "tokens_per_s": tokens / max(t3 - t0, 1e-9),
     }
+
+
+@dataclass
+class RLResult:
+    """What :func:`rlalign.train.grpo.train` and :func:`rlalign.train.ppo.train` return."""
+
+    policy: nn.Module
+    history: list[dict[str, float]] = field(default_factory=list)  # one metrics dict per step run by this call
+    output_dir: Path | None = None
+    final_dir: Path | None = None
+    critic: nn.Module | None = None  # PPO's value model
+
+    def summary(self, keys: Sequence[str]) -> str:
+        """One JSON line: the run and final directories, the steps run, and the last step's ``keys``."""
+        last = self.history[-1] if self.history else {}
+        summary = {"output_dir": str(self.output_dir), "final": str(self.final_dir), "steps_run": len(self.history)}
+        summary.update({k: round(last[k], 4) for k in keys if k in last})
+        return json.dumps(summary)
 
 
 def add_run_arguments(parser, recipe: str, example: str) -> None:

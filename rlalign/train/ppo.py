@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -63,14 +61,14 @@ from rlalign.lm.models import load_critic
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
-from rlalign.train.loop import SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprob_mismatch, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
 from rlalign.train.updater import Updater
 
 __all__ = [
-    "CriticConfig", "PPOConfig", "PPOResult", "KL_ESTIMATORS", "ppo_advantages", "critic_values", "policy_loss", "critic_loss", "ppo_step", "train",
+    "CriticConfig", "PPOConfig", "KL_ESTIMATORS", "ppo_advantages", "critic_values", "policy_loss", "critic_loss", "ppo_step", "train",
     "add_arguments", "run",
 ]
 
@@ -304,17 +302,6 @@ def ppo_step(
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class PPOResult:
-    """What :func:`train` returns."""
-
-    policy: nn.Module
-    critic: nn.Module
-    history: list[dict[str, float]] = field(default_factory=list)  # one metrics dict per step run by this call
-    output_dir: Path | None = None
-    final_dir: Path | None = None
-
-
 def _critic_init(cfg: PPOConfig, base_path: Path) -> str | Path:
     if cfg.critic.path is not None:
         return cfg.critic.path
@@ -322,7 +309,7 @@ def _critic_init(cfg: PPOConfig, base_path: Path) -> str | Path:
     return reward_models[0] if reward_models else base_path
 
 
-def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> PPOResult:
+def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> RLResult:
     """Run PPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
     Args:
@@ -354,7 +341,7 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         summary_keys=("score", "kl", "beta"),
         plot_keys=("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac") if cfg.plots else (),
     )
-    return PPOResult(policy=policy, critic=critic, history=history, output_dir=run.run_dir, final_dir=final_dir)
+    return RLResult(policy, history, run.run_dir, final_dir, critic)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,9 +355,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(PPOConfig, args.config, args.overrides)
-    result = train(cfg, resume=args.resume)
-    last = result.history[-1] if result.history else {}
-    summary = {"output_dir": str(result.output_dir), "final": str(result.final_dir), "steps_run": len(result.history)}
-    summary.update({k: round(last[k], 4) for k in ("score", "kl", "beta") if k in last})
-    print(json.dumps(summary))
+    print(train(cfg, resume=args.resume).summary(("score", "kl", "beta")))
     return 0
