@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from rlalign.lm.sampling import SamplingParams, _decode_step, _draw
+from rlalign.lm.decode import SamplingParams, _decode_step, _draw
 
 __all__ = ["RECOMPILE_LIMIT", "CompiledSteps", "release_compiler_caches", "releasing_compiler_caches", "skipping_guard_profiling"]
 
