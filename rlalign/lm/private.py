@@ -1,7 +1,8 @@
 """Every private torch / transformers symbol rlalign's CPU speed machinery touches, in one place.
 
 The plain path (loading, LoRA, the reference, the eager decode loop, masks, log-probs) uses public
-APIs only. The fast path, :mod:`rlalign.lm.packed` (oneDNN's blocked weights) and
+APIs, apart from reading a model's ``config._attn_implementation`` (and asking its
+``_can_set_attn_implementation`` where that exists) to switch attention kernels. The fast path, :mod:`rlalign.lm.packed` (oneDNN's blocked weights) and
 :mod:`rlalign.lm.compiled` (the compiled decode step and its compiler workarounds), relies on the
 symbols below. :func:`ready` checks a feature's symbols against the installed versions: where one
 is missing, the feature turns itself off with one warning and the plain path runs instead.

@@ -1,19 +1,12 @@
-"""What every trainer shares: seeding, optimiser, metrics logging, checkpoints, curves.
+"""The building blocks every trainer uses: model and optimiser configs, seeding and RNG states, the
+AdamW schedule, metrics logging and curves, the checkpoint directory format. The run lifecycle
+built from them (start, resume, step loop, checkpoints, ``final/``) is :mod:`rlalign.train.loop`.
 
-    set_seed(cfg.seed)
-    optimizer, scheduler = make_optimizer(model.parameters(), cfg.optim, total_steps)
-    with MetricsLogger(run_dir, total_steps=cfg.max_steps) as log:
-        for step in range(start, cfg.max_steps):
-            ...
-            log.log(step, {"loss": loss.item(), "time/train": dt})
-            if step % cfg.save_every == 0:
-                save_checkpoint(run_dir, step, model, optimizer, scheduler=scheduler, config=cfg,
-                                data_position=i, keep_last=cfg.keep_last)
-
-Checkpoints are directories ``<run_dir>/checkpoints/step_00000100`` holding
-``model/`` (``save_pretrained``: safetensors weights, config, tokenizer when given),
-``optimizer.pt`` and ``trainer_state.pt`` (optimizer / scheduler state, Python / NumPy / torch RNG
-states, data position, extra state: all tensors and plain containers, read back with
+Checkpoints are directories ``<run_dir>/checkpoints/step_<n>`` (n steps done) holding ``model/``
+(``save_pretrained``: safetensors weights, config, tokenizer when given), ``optimizer.pt`` (an
+optimizer / scheduler given to :func:`save_checkpoint`; the trainers keep theirs in ``extra``
+instead, one entry per updater), ``trainer_state.pt`` (step, Python / NumPy / torch RNG states,
+data position, extra state: all tensors and plain containers, read back with
 ``torch.load(weights_only=True)``), ``config.yaml`` and ``checkpoint.json`` (written last; its
 presence is what makes a directory a checkpoint). A checkpoint is written in a temporary sibling
 directory and moved into place with ``os.replace``, so a crash mid-save leaves the previous
@@ -88,8 +81,11 @@ class OptimConfig(Config):
 
 def autocast_context(autocast: str, model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """A fresh ``torch.autocast(bfloat16)`` on ``model``'s device when ``autocast`` is ``"bfloat16"``
-    (:attr:`ModelConfig.autocast`), else a no-op. Within one context the bfloat16 copies of the weights
-    are cast once (the autocast cache), so a whole sampling loop reads half the bytes a float32 one does."""
+    (:attr:`ModelConfig.autocast`), a no-op for ``"none"``. Within one context the bfloat16 copies of
+    the weights are cast once (the autocast cache), so a whole sampling loop reads half the bytes a
+    float32 one does."""
+    if autocast not in ("none", "bfloat16"):
+        raise ValueError(f"autocast must be 'none' or 'bfloat16', got {autocast!r}")
     if autocast == "none":
         return contextlib.nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
@@ -306,15 +302,12 @@ def save_checkpoint(
     data_position: int = 0,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = 3,
-    model_state: dict[str, torch.Tensor] | None = None,
-    optimizer_state: dict | None = None,
 ) -> Path:
     """Write ``<run_dir>/checkpoints/step_<step>`` atomically; keep the newest ``keep_last`` (None = all).
 
     ``model`` is anything with ``save_pretrained`` (a transformers or peft model, a
-    :class:`rlalign.lm.models.ScalarHeadModel`). ``extra`` must hold tensors and plain containers.
-    ``model_state`` / ``optimizer_state``: weights and optimiser state gathered beforehand (a sharded
-    model's, :mod:`rlalign.train.distributed`), saved instead of the model's and optimizer's own.
+    :class:`rlalign.lm.models.ScalarHeadModel`, :class:`rlalign.train.loop.SavedModels`). ``extra``
+    must hold tensors and plain containers.
     """
     root = _checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -324,11 +317,10 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp / "model", **({} if model_state is None else {"state_dict": model_state}))
+        model.save_pretrained(tmp / "model")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
-        if optimizer_state is None and optimizer is not None:
-            optimizer_state = optimizer.state_dict()
+        optimizer_state = optimizer.state_dict() if optimizer is not None else None
         torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
         torch.save({"step": step, "data_position": data_position, "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
         config_dict = config.model_dump(mode="json") if isinstance(config, Config) else (config or {})

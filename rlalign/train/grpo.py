@@ -180,10 +180,11 @@ def grpo_step(
     t0 = time.perf_counter()
     batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
     rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, state)
+    completions = rollout.decode_completions(tokenizer)
     t1 = time.perf_counter()
 
     # 2. score: the weighted sum of the reward terms; gathered from every rank for the statistics
-    scored = score_shard(rewards, tokenizer, batch, rollout, G, world)  # local rows (B,), scores (B global,)
+    scored = score_shard(rewards, tokenizer, batch, rollout, completions, G, world)  # local rows (B,), scores (B global,)
     t2 = time.perf_counter()
 
     # 3. group-relative advantages, one per completion (broadcast over its tokens by the loss)

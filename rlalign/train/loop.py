@@ -14,8 +14,9 @@ so a resumed run is the uninterrupted one. The trained model ends in ``<output_d
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from rlalign.lm.models import hold_matmul_weights, load_policy, load_reference, 
 from rlalign.train import distributed
 from rlalign.train.common import (
     Checkpoint,
+    CheckpointError,
     MetricsLogger,
     ModelConfig,
     load_checkpoint,
@@ -82,8 +84,8 @@ class Run:
 
     def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
         """The trained causal LM: from the checkpoint when resuming (LoRA adapters included), else the start with optional fresh LoRA."""
-        m, ckpt = model_cfg, self.checkpoint
-        return load_policy(ckpt.model_dir if ckpt else self.base_path, m.dtype, self.device, None if ckpt else m.lora, m.gguf_file, m.attn_implementation)
+        m = model_cfg
+        return load_policy(self.model_path, m.dtype, self.device, None if self.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
 
     @property
     def model_path(self) -> Path:
@@ -172,6 +174,12 @@ def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater
     """A fresh TrainState, or the checkpoint's: optimisers, schedules, RNGs, generator, step."""
     state = TrainState(step=0, generator=torch.Generator().manual_seed(seed), world=world)
     if ckpt is not None:
+        missing = [name for name in updaters if f"updater/{name}" not in ckpt.extra]
+        if missing:
+            raise CheckpointError(
+                f"cannot resume from {ckpt.path}: it holds no optimiser state for {', '.join(missing)} (a checkpoint of another "
+                "trainer, or of an rlalign older than this run lifecycle); to start from its weights instead, set model.path to its model/ directory"
+            )
         for name, updater in updaters.items():
             updater.load_state_dict(ckpt.extra[f"updater/{name}"])
         restore_rng_state(ckpt.rng)
@@ -186,14 +194,19 @@ class SavedModels:
 
     def __init__(self, policy: nn.Module, **others: nn.Module):
         self.policy, self.others = policy, others
-        self.states: dict[str, dict | None] = {}  # full weights gathered by gather() (FSDP2), else empty
+        self.states: dict[str, dict | None] = {}  # full weights gathered by gathered() (FSDP2), else empty
 
-    def gather(self) -> SavedModels:
-        """Every model's full weights when FSDP2 shards it (collective: call on every rank)."""
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[SavedModels]:
+        """Inside the block, every model's full weights gathered when FSDP2 shards it (collective: call
+        on every rank), for :meth:`save_pretrained`; let go of after it."""
         self.states = {"policy": distributed.model_state(self.policy), **{name: distributed.model_state(m) for name, m in self.others.items()}}
-        return self
+        try:
+            yield self
+        finally:
+            self.states = {}
 
-    def save_pretrained(self, path: str | Path, state_dict: None = None) -> None:
+    def save_pretrained(self, path: str | Path) -> None:
         self.policy.save_pretrained(path, state_dict=self.states.get("policy"))
         for name, model in self.others.items():
             model.save_pretrained(Path(path) / name, state_dict=self.states.get(name))
@@ -204,20 +217,20 @@ def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: Save
     """Checkpoint after ``state.step`` steps (named by it): weights, optimisers and schedules of
     every updater, RNGs, the generator, and ``extra`` (e.g. the KL controller). Rank 0 writes
     (every rank holds the same weights and optimiser state under DDP); the others wait."""
-    models.gather()  # collective under FSDP2, like the optimiser states below
-    extra = {**extra, **state.state_dict(), **{f"updater/{name}": u.state_dict() for name, u in updaters.items()}}
-    if state.world.is_main:
-        save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last)
+    with models.gathered():  # collective under FSDP2, like the optimiser states below
+        extra = {**extra, **state.state_dict(), **{f"updater/{name}": u.state_dict() for name, u in updaters.items()}}
+        if state.world.is_main:
+            save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last)
     state.world.barrier()
 
 
 def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World()) -> Path:
     """The trained model(s) as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final`` (rank 0 writes)."""
     final = run_dir / "final"
-    models.gather()
-    if world.is_main:
-        models.save_pretrained(final)
-        tokenizer.save_pretrained(final)
+    with models.gathered():
+        if world.is_main:
+            models.save_pretrained(final)
+            tokenizer.save_pretrained(final)
     world.barrier()
     return final
 

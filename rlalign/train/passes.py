@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.core.logprobs import token_logprobs
+from rlalign.lm import private
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
 from rlalign.lm.models import reference_policy
 from rlalign.lm.rollout import Rollout
@@ -38,10 +39,11 @@ __all__ = [
 def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False) -> Tensor:
     """:func:`rlalign.lm.logprobs.completion_logits` of a rollout (the trainer needs the logits
     themselves for the entropy), on the model's device, each group's prompt run once when
-    :func:`share_prompts`; ``compiled``: through :func:`compiled_completion_logits` (one forward). Shape: (B, C, V)."""
+    :func:`share_prompts`; ``compiled``: through :func:`compiled_completion_logits` (one forward), unless this
+    torch lacks what that needs (:mod:`rlalign.lm.private`: one warning, then eager). Shape: (B, C, V)."""
     device = next(model.parameters()).device
     r = rollout.to(device)
-    if compiled:
+    if compiled and private.ready("compiled"):
         from rlalign.lm.compiled import releasing_compiler_caches  # the compile machinery, only when asked for
 
         with releasing_compiler_caches():

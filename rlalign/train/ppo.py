@@ -226,10 +226,11 @@ def ppo_step(
     t0 = time.perf_counter()
     batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
     rollout = sample_shard(policy, tokenizer, batch, cfg.sampling, cfg.model, 1, state)
+    completions = rollout.decode_completions(tokenizer)
     t1 = time.perf_counter()
 
     # 2. score (reward model and/or rules), minus a penalty when the completion never ended
-    scored = score_shard(rewards, tokenizer, batch, rollout, 1, world, cfg.missing_eos_penalty)  # local rows (B,), scores (B global,)
+    scored = score_shard(rewards, tokenizer, batch, rollout, completions, 1, world, cfg.missing_eos_penalty)  # local rows (B,), scores (B global,)
     t2 = time.perf_counter()
 
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns

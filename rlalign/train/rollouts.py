@@ -4,7 +4,7 @@ sampling this rank's share of the batch, and scoring it.
     prompts = load_prompt_set(cfg.data)                              # validated PromptExamples
     batch = [ex.prompt for ex in prompt_batch(prompts, step, n, seed)]  # the step's global batch
     rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, state)
-    scored = score_shard(rewards, tokenizer, batch, rollout, G, world)   # texts, scores, gathered scores
+    scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), G, world)
 """
 
 from __future__ import annotations
@@ -182,13 +182,12 @@ class ScoredRollout:
 
 
 def score_shard(
-    rewards: Sequence[RewardTerm], tokenizer, batch: Sequence, rollout: Rollout, group_size: int, world: distributed.World,
+    rewards: Sequence[RewardTerm], tokenizer, batch: Sequence, rollout: Rollout, completions: list[str], group_size: int, world: distributed.World,
     missing_eos_penalty: float | None = None,
 ) -> ScoredRollout:
-    """Decode this rank's rows of the global prompt ``batch``, score them (the weighted reward terms,
-    minus ``missing_eos_penalty`` for completions without EOS) and gather the scores of every rank."""
+    """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
+    reward terms, minus ``missing_eos_penalty`` for completions without EOS; gather the scores of every rank."""
     prompts = [render_prompt(tokenizer, p) for p in batch[world.shard(len(batch))] for _ in range(group_size)]
-    completions = rollout.decode_completions(tokenizer)
     local_scores, local_per_term = score_rollout(rewards, prompts, completions)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()

@@ -31,7 +31,6 @@ from rlalign.config import Config, load_config
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
 from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft, render_prompt
-from rlalign.lm.models import load_policy
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
@@ -141,8 +140,7 @@ def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
     """Run SFT; returns the final metrics (``eval/reward_initial``, ``eval/reward``, ``eval/loss``, ``time/total``)."""
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     train_set, eval_set, eval_spec = _datasets(cfg)
-    m = cfg.model
-    model = load_policy(run.model_path, m.dtype, run.device, None if run.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
+    model = run.load_policy(cfg.model)
 
     def batch_loss(trained, examples: list[SFTExample]):
         loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing)

@@ -54,6 +54,7 @@ def supervised_loop(
             (tokens, pairs), which makes the loss global under torchrun (``loss_scale``).
         evaluate: held-out metrics of the (unwrapped) model; every rank runs it (FSDP2 forwards
             are collective) and gets the same numbers; rank 0 logs them.
+        name: the task's name in its loss metric, ``loss/<name>``, shown next to the progress bar.
         headline: the ``evaluate`` metric recorded before training as ``<headline>_initial``.
         count_name: metric name of the global count per step (``tokens``, ``pairs``).
     """

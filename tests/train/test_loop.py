@@ -1,0 +1,76 @@
+"""The run lifecycle every LM trainer shares (rlalign.train.loop): one --resume convention, one
+checkpoint layout, clear errors for a checkpoint that cannot be resumed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlalign.cli import main
+from rlalign.lm.rollout import Rollout
+from rlalign.train import loop, passes
+from rlalign.train.common import CheckpointError, autocast_context, list_checkpoints, load_checkpoint, read_metrics
+
+TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "progress=false"]
+RM = ["rm", *TINY, "data.num_train=32", "data.num_eval=4", "batch_size=4", "eval_every=100", "save_every=1", "keep_last=5"]
+
+
+def test_the_cli_resumes_a_reward_model_run_at_the_step_its_checkpoint_names(tmp_path):
+    assert main([*RM, "max_steps=3", f"output_dir={tmp_path / 'full'}"]) == 0
+    assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step_00000001", "step_00000002", "step_00000003"]  # n steps done
+    assert load_checkpoint(tmp_path / "full" / "checkpoints" / "step_00000002").step == 2
+    assert main([*RM, "max_steps=3", f"output_dir={tmp_path / 'resumed'}", "--resume", str(tmp_path / "full" / "checkpoints" / "step_00000002")]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [1, 2]  # the headline before step 2, then step 2
+    full, resumed = (load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("full", "resumed"))
+    for key in full:
+        torch.testing.assert_close(resumed[key], full[key], rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_without_this_trainers_optimiser_state_is_a_clear_error(tmp_path):
+    assert main([*RM, "max_steps=1", f"output_dir={tmp_path / 'rm'}"]) == 0
+    checkpoint = load_checkpoint(tmp_path / "rm")
+    with pytest.raises(CheckpointError, match="no optimiser state for policy.*model.path"):
+        loop.resume_state(checkpoint, 0, {"policy": None})
+
+
+def test_saved_models_let_go_of_gathered_weights_after_the_block():
+    models = loop.SavedModels(torch.nn.Linear(2, 2))
+    with models.gathered() as gathered:
+        assert gathered.states == {"policy": None}  # not sharded: the model saves its own parameters
+        gathered.states["policy"] = {"weight": torch.zeros(2, 2)}
+    assert models.states == {}
+
+
+def test_autocast_takes_none_or_bfloat16_only():
+    linear = torch.nn.Linear(2, 2)
+    with autocast_context("bfloat16", linear):
+        assert linear(torch.ones(1, 2)).dtype == torch.bfloat16
+    with autocast_context("none", linear):
+        assert linear(torch.ones(1, 2)).dtype == torch.float32
+    with pytest.raises(ValueError, match="'none' or 'bfloat16'"):
+        autocast_context("float16", linear)
+
+
+def test_the_compiled_training_pass_falls_back_to_eager_when_torch_lacks_its_private_symbols(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlalign.lm import private
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2)).eval()
+    rollout = Rollout(
+        prompt_ids=torch.tensor([[0, 3, 4], [5, 6, 7]]), prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        completion_ids=torch.tensor([[8, 9], [10, 0]]), completion_mask=torch.tensor([[1, 1], [1, 0]]),
+        logprobs=torch.zeros(2, 2), group_index=torch.tensor([0, 1]), truncated=torch.tensor([True, False]),
+    )
+    eager = passes.completion_logits(model, rollout)
+    monkeypatch.setattr(passes, "compiled_completion_logits", lambda: pytest.fail("compiled although its symbols are missing"))
+    monkeypatch.setitem(private.PRIVATE_SYMBOLS, "compiled", (*private.PRIVATE_SYMBOLS["compiled"], "torch:no_such_private_symbol"))
+    private.ready.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="compiled fast path is off"):
+            fallback = passes.completion_logits(model, rollout, compiled=True)
+    finally:
+        private.ready.cache_clear()
+    torch.testing.assert_close(fallback, eager, rtol=0, atol=0)
