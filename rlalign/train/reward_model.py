@@ -23,19 +23,19 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from rlalign.config import Config, load_config
+from rlalign.config import load_config
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
 from rlalign.lm.models import ScalarHeadModel, last_token_values, load_reward_model
 from rlalign.tasks import TASKS
 from rlalign.train.common import ModelConfig, OptimConfig
 from rlalign.train.loop import add_run_arguments, start_run
-from rlalign.train.supervised import supervised_loop
+from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["RMDataConfig", "RMConfig", "pair_rewards", "evaluate_pairs", "train", "add_arguments", "run"]
 
 
-class RMDataConfig(Config):
+class RMDataConfig(SupervisedDataConfig):
     """Where the preference pairs come from."""
 
     task: Literal["preference"] | None = Field("preference", description="built-in task used when train_file is null")
@@ -45,21 +45,11 @@ class RMDataConfig(Config):
     num_eval: int = Field(500, ge=1, description="number of built-in held-out pairs")
     max_length: int = Field(64, ge=2, description="longest prompt + response in tokens (longer ones keep their end)")
 
-    @model_validator(mode="after")
-    def _source(self) -> RMDataConfig:
-        if self.train_file is None and self.task is None:
-            raise ValueError("give data.task or data.train_file")
-        if self.train_file is not None and self.eval_file is None:
-            raise ValueError("data.eval_file is required with data.train_file")
-        return self
 
-
-class RMConfig(Config):
+class RMConfig(SupervisedConfig):
     """``rlalign rm``: every field can be overridden on the command line as key.sub=value."""
 
     output_dir: str = Field("runs/rm_preference", description="run directory: metrics.jsonl, checkpoints/, final/")
-    seed: int = Field(0, description="seed of Python, NumPy and torch, and of the data order")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
     model: ModelConfig = Field(default_factory=ModelConfig, description="backbone checkpoint (e.g. the SFT model), dtype, device")
     data: RMDataConfig = Field(default_factory=RMDataConfig, description="training and held-out pairs")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20), description="AdamW and schedule")
@@ -69,10 +59,6 @@ class RMConfig(Config):
     center_coef: float = Field(0.0, ge=0, description="reward centring: weight of mean((r_c + r_r)^2)")
     eval_every: int = Field(100, ge=1, description="evaluate on held-out pairs every this many steps (and at the end)")
     eval_batch_size: int = Field(128, ge=1, description="pairs per forward at eval")
-    save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
-    keep_last: int = Field(2, ge=1, description="checkpoints kept")
-    progress: bool = Field(True, description="show a progress bar")
-    tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
 
     @model_validator(mode="after")
     def _no_lora(self) -> RMConfig:

@@ -25,23 +25,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from rlalign.config import Config, load_config
+from rlalign.config import load_config
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
 from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft, render_prompt
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
-from rlalign.train.common import ModelConfig, OptimConfig, generation_eval
+from rlalign.train.common import OptimConfig, generation_eval
 from rlalign.train.loop import add_run_arguments, start_run
-from rlalign.train.supervised import supervised_loop
+from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["SFTDataConfig", "SFTConfig", "train", "add_arguments", "run"]
 
 
-class SFTDataConfig(Config):
+class SFTDataConfig(SupervisedDataConfig):
     """Where the (prompt, completion) pairs come from."""
 
     task: Literal["arithmetic", "preference"] | None = Field("arithmetic", description="built-in task used when train_file is null")
@@ -52,22 +52,11 @@ class SFTDataConfig(Config):
     max_length: int = Field(64, ge=2, description="longest prompt + completion in tokens (longer rows are cut)")
     packing: bool = Field(False, description="pack pairs end to end into rows of max_length tokens")
 
-    @model_validator(mode="after")
-    def _source(self) -> SFTDataConfig:
-        if self.train_file is None and self.task is None:
-            raise ValueError("give data.task or data.train_file")
-        if self.train_file is not None and self.eval_file is None:
-            raise ValueError("data.eval_file is required with data.train_file")
-        return self
 
-
-class SFTConfig(Config):
+class SFTConfig(SupervisedConfig):
     """``rlalign sft``: every field can be overridden on the command line as key.sub=value."""
 
     output_dir: str = Field("runs/sft_arithmetic", description="run directory: metrics.jsonl, checkpoints/, final/")
-    seed: int = Field(0, description="seed of Python, NumPy and torch, and of the data order")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="starting checkpoint, dtype, device, LoRA")
     data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="training and eval pairs")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=20), description="AdamW and schedule")
     batch_size: int = Field(64, ge=1, description="pairs per step (rows per step when packing)")
@@ -75,10 +64,6 @@ class SFTConfig(Config):
     eval_every: int = Field(250, ge=1, description="evaluate every this many steps (and at the start and end)")
     eval_batch_size: int = Field(128, ge=1, description="pairs per forward / prompts per sampling batch at eval")
     max_new_tokens: int | None = Field(None, ge=1, description="tokens generated per eval prompt; null = the task's default (32 for files)")
-    save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
-    keep_last: int = Field(2, ge=1, description="checkpoints kept")
-    progress: bool = Field(True, description="show a progress bar")
-    tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
 
 
 @dataclass(frozen=True)

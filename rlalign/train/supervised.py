@@ -20,20 +20,59 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from pydantic import Field, model_validator
+
 from rlalign.config import Config
 from rlalign.train import distributed
-from rlalign.train.common import batch_order, forward_precision
+from rlalign.train.common import ModelConfig, OptimConfig, batch_order, forward_precision
 from rlalign.train.loop import Run, SavedModels, TrainState, resume_state, run_steps
 from rlalign.train.updater import Updater
 
-__all__ = ["supervised_loop"]
+__all__ = ["SupervisedDataConfig", "SupervisedConfig", "supervised_loop"]
+
+
+class SupervisedDataConfig(Config):
+    """Where the examples come from: a built-in task, or a training file and an eval file."""
+
+    task: str | None = Field(None, description="built-in task used when train_file is null")
+    train_file: str | None = Field(None, description="JSONL/JSON/Parquet of training examples; overrides task")
+    eval_file: str | None = Field(None, description="held-out examples (required with train_file)")
+    num_train: int = Field(1000, ge=1, description="number of built-in training examples")
+    num_eval: int = Field(100, ge=1, description="number of built-in eval examples")
+    max_length: int = Field(64, ge=2, description="longest prompt + completion in tokens")
+
+    @model_validator(mode="after")
+    def _source(self) -> SupervisedDataConfig:
+        if self.train_file is None and self.task is None:
+            raise ValueError("give data.task or data.train_file")
+        if self.train_file is not None and self.eval_file is None:
+            raise ValueError("data.eval_file is required with data.train_file")
+        return self
+
+
+class SupervisedConfig(Config):
+    """The fields of every supervised run (SFT, reward model); each sets its own defaults for some."""
+
+    output_dir: str = Field("runs/supervised", description="run directory: metrics.jsonl, checkpoints/, final/")
+    seed: int = Field(0, description="seed of Python, NumPy and torch, and of the data order")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="starting checkpoint, dtype, device, LoRA")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and schedule")
+    batch_size: int = Field(32, ge=1, description="examples per step")
+    max_steps: int = Field(100, ge=1, description="optimizer steps")
+    eval_every: int = Field(100, ge=1, description="evaluate every this many steps (and at the start and end)")
+    eval_batch_size: int = Field(128, ge=1, description="examples per forward at eval")
+    save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept")
+    progress: bool = Field(True, description="show a progress bar")
+    tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
 
 
 BatchLoss = Callable[[nn.Module, list], tuple[Tensor, dict[str, float], float]]
 
 
 def supervised_loop(
-    cfg: Config,
+    cfg: SupervisedConfig,
     run: Run,
     model: nn.Module,
     train_set: Sequence,
