@@ -7,10 +7,11 @@ only the module of the command that runs is imported, so ``rlalign --help`` stay
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
-from rlalign.config import ConfigError
+from rlalign.errors import RLAlignError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -33,11 +34,14 @@ def _top_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one message")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # show tracebacks instead of one-line messages
+    argv = [arg for arg in argv if arg != "--debug"]
     top = _top_parser()
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
@@ -55,9 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
-    except ConfigError as err:
-        print(f"rlalign {command}: {err}", file=sys.stderr)
-        return 2
+    except (RLAlignError, OSError) as err:
+        if debug or (isinstance(err, OSError) and err.errno != errno.ENOSPC):
+            raise
+        print(f"rlalign {command}: {_message(err)}", file=sys.stderr)
+        return getattr(err, "exit_code", 2)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"rlalign {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _message(err: Exception) -> str:
+    """One line (or a few) that says what went wrong, where."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return f"no space left on device writing {err.filename or 'the output directory'}"
+    return str(err)
 
 
 if __name__ == "__main__":

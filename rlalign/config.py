@@ -15,17 +15,20 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from rlalign.errors import RLAlignError
+
 __all__ = ["Config", "ConfigError", "load_config", "parse_overrides", "apply_overrides"]
 
 
-class ConfigError(ValueError):
+class ConfigError(RLAlignError, ValueError):
     """A config that cannot be used; the message names the key and what is allowed."""
 
 
 class Config(BaseModel):
-    """Base of every command's config: unknown keys are errors; defaults and assignments are validated."""
+    """Base of every command's config: unknown keys are errors; defaults and assignments are validated;
+    floats must be finite (an infinite learning rate or KL coefficient would train NaN weights)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False)
 
 
 C = TypeVar("C", bound=Config)
@@ -100,7 +103,11 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            with path.open() as f:
+                loaded = yaml.safe_load(f) or {}  # a syntax error's message names the file, line and column
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level, got {type(loaded).__name__}")
         data = loaded

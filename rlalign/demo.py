@@ -110,7 +110,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     out = Path(cfg.output_dir)
     started = time.perf_counter()
     tiny = {"model.tiny.hidden_size": cfg.hidden_size, "model.tiny.num_layers": cfg.num_layers, "model.tiny.intermediate_size": 2 * cfg.hidden_size}
-    common = {"seed": cfg.seed, "progress": cfg.progress}
+    common = {"seed": cfg.seed, "progress": cfg.progress, "overwrite": True}  # every stage starts afresh
     timings: dict[str, float] = {}
 
     def timed(name, fn, *args, **kwargs):

@@ -29,6 +29,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from rlalign.core.masks import position_ids_from_mask
+from rlalign.errors import RLAlignError
 
 __all__ = [
     "DataError",
@@ -52,7 +53,7 @@ Prompt = str | list[dict[str, str]]
 Source = str | Path | Sequence[dict] | Any  # Any: a datasets.Dataset
 
 
-class DataError(ValueError):
+class DataError(RLAlignError, ValueError):
     """A dataset that cannot be used; the message names the source, the row and what was expected."""
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from rlalign.errors import RLAlignError
 from rlalign.lm.data import PreferenceExample, collate_preferences
 
 __all__ = [
@@ -40,7 +41,7 @@ class RewardFn(Protocol):
     def __call__(self, prompts: list[str], completions: list[str]) -> list[float]: ...
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(RLAlignError, RuntimeError):
     """A reward function raised, returned the wrong number of scores, or returned NaN/inf."""
 
 
@@ -152,5 +153,17 @@ def score_completions(
         raise ValueError(f"{len(weights)} weights for {len(reward_fns)} reward functions")
     total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
     for fn, weight in zip(reward_fns, weights):
-        total += weight * torch.tensor(_call_one(fn, reward_fn_name(fn), list(prompts), list(completions)), dtype=torch.float32)
+        name = reward_fn_name(fn)
+        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions)), dtype=torch.float32)  # (B,)
+        check_finite(scores, f"reward function {name} returned", prompts, "not finite in float32, the dtype rewards are trained in")
+        total += weight * scores
+        check_finite(total, f"the reward total after reward function {name} (weight {weight}) is", prompts, "not finite in float32")
     return total
+
+
+def check_finite(values: Tensor, what: str, prompts: Sequence[str], why: str) -> None:
+    """Raise :class:`RewardFunctionError` naming the first prompt whose value in ``values`` (B,) is not finite."""
+    bad = (~torch.isfinite(values)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise RewardFunctionError(f"{what} {values[i].item()} for prompt {prompts[i]!r}: {why}")

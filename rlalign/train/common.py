@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,8 +31,10 @@ import numpy as np
 import torch
 import yaml
 from pydantic import Field
+from safetensors import safe_open
 
 from rlalign.config import Config
+from rlalign.errors import RLAlignError
 from rlalign.lm.data import encode_prompts, render_prompt
 from rlalign.lm.models import LoraConfig
 from rlalign.lm.rewards import score_completions
@@ -195,8 +198,8 @@ class MetricsLogger:
         """Append one line; advance the bar to ``step + 1`` and show ``summary_keys`` next to it."""
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        record = {"step": step, "time": time.time(), **{k: _json_number(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._writer is not None:
             for key, value in metrics.items():
@@ -221,6 +224,12 @@ class MetricsLogger:
         self.close()
 
 
+def _json_number(value: float) -> float | None:
+    """``value`` as a float, or None (JSON null) when it is NaN or infinite: metrics.jsonl stays strict JSON."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
     """The records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -236,7 +245,7 @@ def plot_metrics(path: str | Path, keys: list[str], out: str | Path) -> Path:
     records = read_metrics(path)
     fig, axes = plt.subplots(len(keys), 1, figsize=(6, 2.4 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
-        points = [(r["step"], r[key]) for r in records if key in r]
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         if not points:
             raise KeyError(f"metric {key!r} is not in {path}")
         steps, values = zip(*points)
@@ -251,7 +260,7 @@ def plot_metrics(path: str | Path, keys: list[str], out: str | Path) -> Path:
     return out
 
 
-class CheckpointError(ValueError):
+class CheckpointError(RLAlignError, ValueError):
     """A path that is not a checkpoint directory (or not a run directory holding one)."""
 
 
@@ -268,6 +277,7 @@ class Checkpoint:
     data_position: int
     extra: dict[str, Any]
     config: dict[str, Any]
+    trainer: str | None = None  # the config class that wrote it (e.g. GRPOConfig); None for an older checkpoint
 
 
 def _checkpoint_root(run_dir: str | Path) -> Path:
@@ -325,38 +335,102 @@ def save_checkpoint(
         torch.save({"step": step, "data_position": data_position, "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
         config_dict = config.model_dump(mode="json") if isinstance(config, Config) else (config or {})
         (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": step, "time": time.time()}))
-        if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        marker = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(), "config": type(config).__name__ if isinstance(config, Config) else None}
+        (tmp / CHECKPOINT_MARKER).write_text(json.dumps(marker))
+        replace_dir(tmp, final)  # fsynced, then renamed into place: a crash leaves the old one or the new one
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_last is not None:
-        for old in list_checkpoints(run_dir)[:-keep_last]:
+    if keep_last is not None:  # the oldest go; never one after this step (a resumed run refuses to start beside those)
+        kept = [p for p in list_checkpoints(run_dir) if int(p.name[5:]) <= step]
+        for old in kept[:-keep_last]:
             shutil.rmtree(old)
     return final
 
 
+def fsync_tree(path: str | Path) -> None:
+    """Flush every file under ``path``, and the directories themselves, to the disk."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished directory ``tmp`` to ``final`` atomically (its files fsynced first); an old
+    ``final`` is moved aside, then removed, so at every moment one complete version exists."""
+    fsync_tree(tmp)
+    old = final.with_name(f".old_{final.name}_{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
+    """Remove the temporary directories a killed run left in ``run_dir`` (half-written checkpoints or
+    final models); call only while holding the run directory's lock. Returns what was removed."""
+    run_dir = Path(run_dir)
+    stale = [p for p in [*run_dir.glob(".tmp_*"), *run_dir.glob(".old_*"), *_checkpoint_root(run_dir).glob(".tmp_step_*"), *_checkpoint_root(run_dir).glob(".old_*")] if p.is_dir()]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a checkpoint directory, or the latest checkpoint of a run directory.
+    """Read a checkpoint directory, or the latest readable checkpoint of a run directory (a corrupt
+    newer one is skipped with a warning naming the bad file).
 
     Raises:
-        CheckpointError: when ``path`` is neither (naming what is missing).
+        CheckpointError: when ``path`` is neither, or the checkpoint asked for is unreadable (naming what is missing or bad).
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"cannot resume from {path}: no such directory")
-    if not is_checkpoint(path):
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(
-                f"cannot resume from {path}: not a checkpoint directory (no {CHECKPOINT_MARKER}) and no checkpoints/step_* inside"
-            )
-        path = latest
-    optim = torch.load(path / "optimizer.pt", weights_only=True)
-    state = torch.load(path / "trainer_state.pt", weights_only=True)
-    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+    if is_checkpoint(path):
+        return _read_checkpoint(path)
+    candidates = list_checkpoints(path)
+    if not candidates:
+        raise CheckpointError(f"cannot resume from {path}: not a checkpoint directory (no {CHECKPOINT_MARKER}) and no checkpoints/step_* inside")
+    for candidate in reversed(candidates):
+        try:
+            return _read_checkpoint(candidate)
+        except CheckpointError as err:
+            warnings.warn(f"{err}; trying the previous checkpoint", RuntimeWarning, stacklevel=2)
+    raise CheckpointError(f"cannot resume from {path}: none of its {len(candidates)} checkpoints is readable (warnings above name the bad files)")
+
+
+def _read_checkpoint(path: Path) -> Checkpoint:
+    """One checkpoint directory, every file checked: its state files load, its weights files have a whole header."""
+    current = path / CHECKPOINT_MARKER
+    try:
+        json.loads(current.read_text())
+        current = path / "optimizer.pt"
+        optim = torch.load(current, weights_only=True)
+        current = path / "trainer_state.pt"
+        state = torch.load(current, weights_only=True)
+        current = path / "config.yaml"
+        config = yaml.safe_load(current.read_text()) or {}
+        for current in sorted((path / "model").rglob("*.safetensors")):
+            with safe_open(str(current), "pt"):  # reads and checks the header against the file's size
+                pass
+    except Exception as err:  # torch, yaml, json and safetensors each raise their own kinds
+        raise CheckpointError(f"checkpoint {path} is unreadable: {current} ({type(err).__name__}: {err})") from None
     return Checkpoint(
         path=path,
         step=int(state["step"]),
@@ -367,6 +441,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         data_position=int(state["data_position"]),
         extra=state["extra"],
         config=config,
+        trainer=json.loads((path / CHECKPOINT_MARKER).read_text()).get("config"),
     )
 
 
@@ -398,6 +473,12 @@ class ModelConfig(Config):
         "ddp", description="under torchrun: ddp = a full copy per process (DDP); fsdp = parameters, gradients and optimiser state sharded (FSDP2)"
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of the tiny model built when path is null")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """An empty ``output_dir`` would write the run into the current directory: refused."""
+    if not output_dir.strip():
+        raise ValueError("output_dir is empty: give the directory the run writes its files to")
 
 
 def prepare_model_path(cfg: ModelConfig, output_dir: str | Path) -> Path:

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
+import shutil
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from rlalign.config import Config, ConfigError
+from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
 from rlalign.lm.models import hold_matmul_weights, load_policy, load_reference, load_tokenizer
 from rlalign.train import distributed
@@ -33,16 +39,19 @@ from rlalign.train.common import (
     CheckpointError,
     MetricsLogger,
     ModelConfig,
+    latest_checkpoint,
     load_checkpoint,
     plot_metrics,
     prepare_model_path,
     read_metrics,
+    replace_dir,
     restore_rng_state,
     save_checkpoint,
     set_seed,
 )
 from rlalign.train.rollouts import RewardTerm, build_rewards, load_prompt_set
-from rlalign.train.updater import Updater
+from rlalign.train.run_dir import claim_run_dir
+from rlalign.train.updater import NonFiniteError, Updater
 
 __all__ = [
     "Run",
@@ -81,6 +90,7 @@ class Run:
     tokenizer: Any
     device: str  # this rank's device
     checkpoint: Checkpoint | None = None
+    lock: Any = field(default=None, repr=False)  # the open lock file of run_dir (rank 0), held for the run's life
 
     def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
         """The trained causal LM: from the checkpoint when resuming (LoRA adapters included), else the start with optional fresh LoRA."""
@@ -104,11 +114,15 @@ def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Pa
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     set_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir, lock = Path(cfg.output_dir), None
     with world.main_first():
+        if world.is_main:
+            lock = claim_run_dir(cfg, checkpoint)  # the run's lock, held until the process ends
         base_path = prepare_model_path(cfg.model, run_dir)
-    return Run(world, run_dir, base_path, load_tokenizer(base_path, cfg.model.gguf_file), world.device(cfg.model.device), checkpoint)
+    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer of {base_path} has no EOS token, so no completion could end: set eos_token in its tokenizer_config.json")
+    return Run(world, run_dir, base_path, tokenizer, world.device(cfg.model.device), checkpoint, lock)
 
 
 @dataclass
@@ -225,12 +239,19 @@ def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: Save
 
 
 def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World()) -> Path:
-    """The trained model(s) as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final`` (rank 0 writes)."""
+    """The trained model(s) as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final``
+    (rank 0 writes), atomically like a checkpoint: written beside it, fsynced, renamed into place."""
     final = run_dir / "final"
     with models.gathered():
         if world.is_main:
-            models.save_pretrained(final)
-            tokenizer.save_pretrained(final)
+            tmp = run_dir / f".tmp_final_{os.getpid()}"
+            try:
+                models.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                replace_dir(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     world.barrier()
     return final
 
@@ -263,24 +284,70 @@ def run_steps(
     the checkpoint's data position. Returns (this call's metrics, final dir)."""
     history: list[dict[str, float]] = []
     is_main = state.world.is_main
-    with MetricsLogger(run.run_dir, total_steps, cfg.progress, cfg.tensorboard, run.run_dir.name, state.step, enabled=is_main) as log:
+    with StopRequests() as stops, MetricsLogger(run.run_dir, total_steps, cfg.progress, cfg.tensorboard, run.run_dir.name, state.step, enabled=is_main) as log:
         if first_record is not None:
             log.log(state.step - 1, first_record)
         while state.step < total_steps:
-            metrics, samples = step_fn(state)
+            try:
+                metrics, samples = step_fn(state)
+            except NonFiniteError as err:
+                last = latest_checkpoint(run.run_dir)
+                raise NonFiniteError(
+                    f"step {state.step} stopped: {err}; no weights of this step were written. "
+                    f"The last good checkpoint is {last if last else 'none (the run has not saved one)'}"
+                ) from None
             log.log(state.step, metrics, summary_keys=summary_keys)
             if samples and (state.step + 1) % sample_every == 0 and is_main:
                 with (run.run_dir / "samples.jsonl").open("a") as f:
                     f.writelines(json.dumps(row) + "\n" for row in samples)
             history.append({"step": state.step, **metrics})
             state.step += 1
-            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total_steps:
+            stop = distributed.all_max(float(stops.signal is not None), state.world) > 0  # every rank stops at the same step
+            if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total_steps or stop:
                 write_checkpoint(run.run_dir, cfg, state, models, updaters, run.tokenizer, state.step * batch_size, checkpoint_extra())
+            if stop:
+                raise RunStopped(
+                    f"stopped by {stops.signal or 'a signal to another process'} after step {state.step - 1}, saved in "
+                    f"{latest_checkpoint(run.run_dir)}; continue with --resume {run.run_dir}", stops.exit_code
+                )
     final_dir = save_final(run.run_dir, models, run.tokenizer, state.world)
     if plot_keys and is_main:
         records = read_metrics(run.run_dir / "metrics.jsonl")
-        plot_metrics(run.run_dir / "metrics.jsonl", [k for k in plot_keys if any(k in r for r in records)], run.run_dir / "curves.png")
+        plot_metrics(run.run_dir / "metrics.jsonl", [k for k in plot_keys if any(r.get(k) is not None for r in records)], run.run_dir / "curves.png")
     return history, final_dir
+
+
+class RunStopped(RLAlignError):
+    """SIGTERM or SIGINT stopped the run between two steps, after saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class StopRequests:
+    """Inside the block, SIGTERM and a first SIGINT (Ctrl-C) ask the run to stop after the current
+    step (:func:`run_steps` then saves a checkpoint and raises :class:`RunStopped`); a second SIGINT
+    interrupts at once. Outside the main thread signals cannot be caught: the block changes nothing."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.exit_code = 0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal, self.exit_code = signal.Signals(signum).name, 128 + signum
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class UpdateMeans:
@@ -331,8 +398,8 @@ class RLResult:
         """One JSON line: the run and final directories, the steps run, and the last step's ``keys``."""
         last = self.history[-1] if self.history else {}
         summary = {"output_dir": str(self.output_dir), "final": str(self.final_dir), "steps_run": len(self.history)}
-        summary.update({k: round(last[k], 4) for k in keys if k in last})
-        return json.dumps(summary)
+        summary.update({k: round(last[k], 4) if math.isfinite(last[k]) else None for k in keys if k in last})
+        return json.dumps(summary, allow_nan=False)
 
 
 def add_run_arguments(parser, recipe: str, example: str) -> None:

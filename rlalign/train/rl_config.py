@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from rlalign.config import Config
 from rlalign.core.losses import AGGREGATION_MODES, Aggregation
 from rlalign.lm.sampling import SamplingParams
-from rlalign.train.common import ModelConfig, OptimConfig
+from rlalign.train.common import ModelConfig, OptimConfig, check_output_dir
 
 __all__ = [
     "DataConfig",
@@ -164,10 +164,12 @@ class RLConfig(Config):
     tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
     plots: bool = Field(True, description="write curves.png of the headline metrics at the end")
     compile: bool = Field(False, description=COMPILE_HELP)
+    overwrite: bool = Field(False, description="start afresh in an output_dir that holds a run, deleting its contents first (otherwise an error)")
 
     @model_validator(mode="after")
     def _compile_needs_sdpa(self) -> RLConfig:
         check_compile(self.compile, self.model, self.sampling)
+        check_output_dir(self.output_dir)
         return self
 
     @property

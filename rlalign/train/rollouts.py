@@ -21,7 +21,7 @@ from rlalign.config import ConfigError
 from rlalign.lm.code_execution import code_execution
 from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.models import attention_kernel, load_reward_model, load_tokenizer
-from rlalign.lm.rewards import RewardModelReward, exact_match, format_check, math_answer, score_completions
+from rlalign.lm.rewards import RewardModelReward, check_finite, exact_match, format_check, math_answer, score_completions
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
 from rlalign.tasks import TASKS
@@ -144,6 +144,7 @@ def score_rollout(terms: Sequence[RewardTerm], prompts: list[str], completions: 
     total = torch.zeros(len(prompts))
     for t in terms:
         total = total + t.weight * per_term[t.name]
+        check_finite(total, f"the total reward after term {t.name!r} (weight {t.weight}) is", prompts, "not finite in float32")
     return total, per_term
 
 

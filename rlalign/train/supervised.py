@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 
 from rlalign.config import Config
 from rlalign.train import distributed
-from rlalign.train.common import ModelConfig, OptimConfig, batch_order, forward_precision
+from rlalign.train.common import ModelConfig, OptimConfig, batch_order, check_output_dir, forward_precision
 from rlalign.train.loop import Run, SavedModels, TrainState, resume_state, run_steps
 from rlalign.train.updater import Updater
 
@@ -66,6 +66,12 @@ class SupervisedConfig(Config):
     keep_last: int = Field(2, ge=1, description="checkpoints kept")
     progress: bool = Field(True, description="show a progress bar")
     tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
+    overwrite: bool = Field(False, description="start afresh in an output_dir that holds a run, deleting its contents first (otherwise an error)")
+
+    @model_validator(mode="after")
+    def _output_dir(self) -> SupervisedConfig:
+        check_output_dir(self.output_dir)
+        return self
 
 
 BatchLoss = Callable[[nn.Module, list], tuple[Tensor, dict[str, float], float]]
@@ -129,7 +135,7 @@ def supervised_loop(
     history, _ = run_steps(
         step, cfg, run, state, SavedModels(model), {"model": updater},
         total_steps=cfg.max_steps, batch_size=cfg.batch_size, summary_keys=(f"loss/{name}", headline),
-        checkpoint_extra=lambda: {f"{headline}_initial": initial}, first_record={headline: initial},
+        checkpoint_extra=lambda: {f"{headline}_initial": initial}, first_record=None if run.checkpoint else {headline: initial},
     )
     result = {f"{headline}_initial": initial, "time/total": time.perf_counter() - started}
     result.update({k: v for k, v in (history[-1] if history else {}).items() if k.startswith("eval/")})

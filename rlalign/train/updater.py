@@ -9,17 +9,23 @@ Every trainer (SFT, reward model, GRPO, PPO's policy and critic) updates its mod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from rlalign.config import ConfigError
+from rlalign.errors import RLAlignError
 from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, make_optimizer
 
-__all__ = ["Updater"]
+__all__ = ["Updater", "NonFiniteError"]
+
+
+class NonFiniteError(RLAlignError, FloatingPointError):
+    """A loss or gradient norm that is NaN or infinite: the update is not applied."""
 
 
 @dataclass
@@ -82,11 +88,20 @@ class Updater:
         return self._sampling_copy
 
     def step(self, loss: Tensor) -> float:
-        """zero_grad, backward, clip, step; returns the gradient norm before clipping."""
+        """zero_grad, backward, clip, step; returns the gradient norm before clipping.
+
+        Raises:
+            NonFiniteError: when the gradient norm (the same on every rank under torchrun) or the
+                loss is NaN or infinite; the parameters, AdamW's moments and the schedule are left
+                as they were.
+        """
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf")) if params else torch.zeros(())
+        if not math.isfinite(float(norm)) or not math.isfinite(float(loss)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"update {self.updates + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}")
         self.optimizer.step()
         self.scheduler.step()
         self.updates += 1

@@ -56,6 +56,7 @@ def make_cfg(tiny_path, tmp_path, **overrides) -> grpo.GRPOConfig:
         "sampling.max_new_tokens": 6,
         "optim.lr": 3e-3,
         "progress": False,
+        "overwrite": True,  # several tests run twice in one directory
         "plots": False,
     }
     base.update(overrides)

@@ -21,7 +21,7 @@ def test_the_cli_resumes_a_reward_model_run_at_the_step_its_checkpoint_names(tmp
     assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step_00000001", "step_00000002", "step_00000003"]  # n steps done
     assert load_checkpoint(tmp_path / "full" / "checkpoints" / "step_00000002").step == 2
     assert main([*RM, "max_steps=3", f"output_dir={tmp_path / 'resumed'}", "--resume", str(tmp_path / "full" / "checkpoints" / "step_00000002")]) == 0
-    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [1, 2]  # the headline before step 2, then step 2
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [2]  # only the step it ran
     full, resumed = (load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("full", "resumed"))
     for key in full:
         torch.testing.assert_close(resumed[key], full[key], rtol=0, atol=1e-6)

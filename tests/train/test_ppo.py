@@ -50,6 +50,7 @@ def make_cfg(tiny_path, tmp_path, **overrides) -> ppo.PPOConfig:
         "critic.optim.lr": 3e-3,
         "kl_coef": 0.01,
         "progress": False,
+        "overwrite": True,  # several tests run twice in one directory
         "plots": False,
     }
     base.update(overrides)

@@ -1,0 +1,14 @@
+"""The one base class of the errors rlalign raises on bad input or a run it cannot continue.
+
+The command line prints such an error as one message, without a traceback, and exits 2
+(``rlalign --debug ...`` shows the traceback). Each subclass also derives from the built-in
+exception it refines (``ValueError``, ``RuntimeError``, ...), so ``except ValueError`` still works.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RLAlignError"]
+
+
+class RLAlignError(Exception):
+    """Bad input, or a run that cannot go on: the message says what and where."""

@@ -1,0 +1,137 @@
+"""One run per output directory: the lock, a fresh start or a resume, and what each must find there.
+
+    lock = claim_run_dir(cfg, checkpoint)   # rank 0: lock, refuse or clear, tidy; then keep ``lock`` open
+
+- A run holds an exclusive lock on ``<output_dir>/.rlalign.lock`` for its whole life: a second run on
+  the same directory fails at once, naming the holder's process id.
+- A fresh run refuses a directory that already holds a run (metrics, checkpoints, a final model)
+  unless the config says ``overwrite: true``; then the old contents go before anything is written.
+- A resumed run continues in its directory. The checkpoint must come from the same trainer, and the
+  fields that define the run (model, data, batch shape, seed, optimiser, ...) must match; every
+  difference is named. Lines of ``metrics.jsonl`` and ``samples.jsonl`` from the resumed step on are
+  cut, so each step has exactly one line; checkpoints after the resumed step are an error (they
+  belong to a run that went further: resume from the latest, or into another directory).
+- Temporary directories a killed run left behind are removed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rlalign.config import Config, ConfigError
+from rlalign.train.common import Checkpoint, CheckpointError, list_checkpoints, remove_stale_temp_dirs
+
+__all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs"]
+
+LOCK_FILE = ".rlalign.lock"
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "curves.png", "tensorboard", "base_model")
+# fields that may differ between a checkpoint's run and its resumption: length, logging, saving, threads
+RESUMABLE_CHANGES = {
+    "steps", "max_steps", "output_dir", "overwrite", "progress", "tensorboard", "plots", "save_every", "keep_last",
+    "sample_every", "num_samples_logged", "eval_every", "eval_batch_size", "num_threads", "model.device",
+}
+
+
+def claim_run_dir(cfg: Config, checkpoint: Checkpoint | None):
+    """Lock ``cfg.output_dir`` and make it ready for this run (a fresh start or the resumption of
+    ``checkpoint``); returns the open lock file, which the caller keeps open for the run's life."""
+    run_dir = Path(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = _lock(run_dir)
+    remove_stale_temp_dirs(run_dir)
+    used = [name for name in RUN_FILES if (run_dir / name).exists()]
+    resuming_here = checkpoint is not None and checkpoint.path.parent.parent.resolve() == run_dir.resolve()
+    if used and not resuming_here:
+        if not cfg.overwrite:
+            lock.close()
+            raise ConfigError(
+                f"output_dir {str(run_dir)!r} already holds a run ({', '.join(used)}); choose another output_dir, "
+                "continue it with --resume, or set overwrite=true to delete it first"
+            )
+        for name in used:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if checkpoint is not None:
+        check_resumable(cfg, checkpoint)
+        if resuming_here:
+            later = [p.name for p in list_checkpoints(run_dir) if int(p.name[5:]) > checkpoint.step]
+            if later:
+                lock.close()
+                raise CheckpointError(
+                    f"cannot resume {run_dir} from step {checkpoint.step}: it holds later checkpoints ({', '.join(later)}); "
+                    "resume from the latest (--resume with the run directory), or into another output_dir"
+                )
+        cut_logs(run_dir, checkpoint.step)
+    return lock
+
+
+def _lock(run_dir: Path):
+    lock = (run_dir / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise ConfigError(f"output_dir {str(run_dir)!r} is in use by another rlalign run (process {holder}); wait for it or choose another output_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
+def check_resumable(cfg: Config, checkpoint: Checkpoint) -> None:
+    """The checkpoint comes from this trainer and the run-defining fields match (every difference named)."""
+    trainer = type(cfg).__name__
+    if checkpoint.trainer is not None and checkpoint.trainer != trainer:
+        raise CheckpointError(f"cannot resume a {trainer} run from {checkpoint.path}: it is a {checkpoint.trainer} checkpoint")
+    changed = config_differences(checkpoint.config, cfg.model_dump(mode="json"))
+    if changed:
+        lines = "\n".join(f"  {key}: {before!r} in the checkpoint, {after!r} now" for key, before, after in changed)
+        raise CheckpointError(
+            f"cannot resume from {checkpoint.path}: the run's config differs in\n{lines}\n"
+            "resume with the checkpoint's values, or start a new run from its weights (model.path set to its model/ directory)"
+        )
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) of every field that differs, bar :data:`RESUMABLE_CHANGES`."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        dotted = prefix + key
+        if dotted in RESUMABLE_CHANGES:
+            continue
+        before, after = saved.get(key), now.get(key)
+        if isinstance(before, dict) and isinstance(after, dict):
+            out.extend(config_differences(before, after, dotted + "."))
+        elif before != after and not (isinstance(before, list) and isinstance(after, (list, tuple)) and list(after) == before):
+            out.append((dotted, before, after))
+    return out
+
+
+def cut_logs(run_dir: Path, step: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` and ``samples.jsonl`` for steps ``step`` and later (written
+    after the checkpoint a run resumes from), so each step ends up with one line."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and _step(line) < step]
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".tmp_{name}")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+
+
+def _step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", float("inf")))
+    except (ValueError, AttributeError):
+        return float("inf")  # a torn last line from a kill: dropped

@@ -1,0 +1,141 @@
+"""One run per output directory, resume checks, crash-clean files, no silent NaN, one message per
+bad input (rlalign.train.run_dir, rlalign.train.loop, rlalign.cli)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from rlalign.cli import main
+from rlalign.config import ConfigError, load_config
+from rlalign.lm.rewards import RewardFunctionError, score_completions
+from rlalign.train import run_dir
+from rlalign.train.common import CheckpointError, list_checkpoints, load_checkpoint, read_metrics
+from rlalign.train.reward_model import RMConfig, train
+from rlalign.train.updater import NonFiniteError
+
+TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "progress=false"]
+RM = [*TINY, "data.num_train=32", "data.num_eval=4", "batch_size=4", "eval_every=100"]
+
+
+def rm_cfg(out, *overrides) -> RMConfig:
+    return load_config(RMConfig, None, [*RM, f"output_dir={out}", *overrides])
+
+
+def test_a_second_run_on_a_locked_output_dir_fails_at_once(tmp_path):
+    lock = run_dir.claim_run_dir(rm_cfg(tmp_path), None)
+    try:
+        with pytest.raises(ConfigError, match="in use by another rlalign run"):
+            train(rm_cfg(tmp_path, "max_steps=1"))
+    finally:
+        lock.close()
+    train(rm_cfg(tmp_path, "max_steps=1"))  # the lock went with its holder
+
+
+def test_a_fresh_run_refuses_a_used_output_dir_unless_told_to_overwrite(tmp_path):
+    train(rm_cfg(tmp_path, "max_steps=2"))
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, checkpoints, final, base_model\).*overwrite=true"):
+        train(rm_cfg(tmp_path, "max_steps=1"))
+    train(rm_cfg(tmp_path, "max_steps=1", "overwrite=true"))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [-1, 0]  # nothing of the first run mixed in
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+
+
+def test_resume_names_every_run_defining_difference_and_allows_more_steps(tmp_path):
+    train(rm_cfg(tmp_path / "a", "max_steps=2"))
+    with pytest.raises(CheckpointError, match=r"(?s)optim.lr: 0.001 in the checkpoint, 0.002 now.*seed: 0 in the checkpoint, 1 now"):
+        train(rm_cfg(tmp_path / "b", "max_steps=3", "optim.lr=0.002", "seed=1"), resume=tmp_path / "a")
+    train(rm_cfg(tmp_path / "a", "max_steps=3"), resume=tmp_path / "a")  # more steps: allowed
+    assert [r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")] == [-1, 0, 1, 2]  # one line a step
+    from rlalign.train.sft import SFTConfig
+    from rlalign.train.sft import train as sft_train
+
+    with pytest.raises(CheckpointError, match="cannot resume a SFTConfig run from .*: it is a RMConfig checkpoint"):
+        sft_train(load_config(SFTConfig, None, [*TINY, f"output_dir={tmp_path / 'c'}"]), resume=tmp_path / "a")
+
+
+def test_resume_cuts_the_logs_back_and_refuses_a_directory_with_later_checkpoints(tmp_path):
+    train(rm_cfg(tmp_path, "max_steps=3", "save_every=1", "keep_last=5"))
+    with pytest.raises(CheckpointError, match="holds later checkpoints \\(step_00000003\\)"):
+        train(rm_cfg(tmp_path, "max_steps=3", "save_every=1", "keep_last=5"), resume=tmp_path / "checkpoints" / "step_00000002")
+    # a run killed after step 3 was logged but before its checkpoint: the log runs ahead of the checkpoint
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000003")
+    train(rm_cfg(tmp_path, "max_steps=3", "save_every=1", "keep_last=5"), resume=tmp_path)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [-1, 0, 1, 2]
+
+
+def test_stale_temp_dirs_go_and_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    train(rm_cfg(tmp_path, "max_steps=2", "save_every=1"))
+    (tmp_path / "checkpoints" / ".tmp_step_00000003_999").mkdir()
+    (tmp_path / ".tmp_final_999").mkdir()
+    weights = tmp_path / "checkpoints" / "step_00000002" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated by a crash
+    with pytest.raises(CheckpointError, match="step_00000002 is unreadable: .*model.safetensors"):
+        load_checkpoint(tmp_path / "checkpoints" / "step_00000002")  # asked for by name: an error
+    with pytest.warns(RuntimeWarning, match="step_00000002 is unreadable: .*model.safetensors.*trying the previous"):
+        assert load_checkpoint(tmp_path).step == 1
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000002")  # the run would refuse later checkpoints than the one it resumes
+    train(rm_cfg(tmp_path, "max_steps=2", "save_every=1"), resume=tmp_path)
+    assert not list(tmp_path.glob(".tmp_*")) and not list((tmp_path / "checkpoints").glob(".tmp_*"))
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+
+
+def test_non_finite_config_floats_and_rewards_are_errors():
+    with pytest.raises(ConfigError, match="optim.lr = inf: Input should be a finite number"):
+        load_config(RMConfig, None, ["optim.lr=.inf"])
+    from rlalign.train.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match="beta = nan"):
+        load_config(GRPOConfig, None, ["beta=.nan"])
+    with pytest.raises(RewardFunctionError, match=r"returned inf for prompt 'p1': not finite in float32"):
+        score_completions([lambda p, c: [0.0, 1e39]], ["p0", "p1"], ["a", "b"])  # finite in float64, not in float32
+    with pytest.raises(RewardFunctionError, match=r"\(weight 1e\+39\) is inf for prompt 'p0'"):
+        score_completions([lambda p, c: [1.0, 1.0]], ["p0", "p1"], ["a", "b"], weights=[1e39])
+
+
+def test_a_diverging_run_stops_with_the_step_and_the_last_good_checkpoint_and_writes_no_nan(tmp_path, capsys):
+    args = ["rm", *RM, f"output_dir={tmp_path}", "max_steps=6", "save_every=1", "optim.lr=1e30", "optim.grad_clip=null", "optim.warmup_steps=0"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # (above it: transformers' loading bars)
+    assert err.startswith("rlalign rm: step 1 stopped: update 2: the loss is nan") and "The last good checkpoint is" in err, err
+    assert not (tmp_path / "final").exists()
+    for checkpoint in list_checkpoints(tmp_path):
+        from safetensors.torch import load_file
+
+        assert all(torch.isfinite(t).all() for t in load_file(str(checkpoint / "model" / "model.safetensors")).values())
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+    with pytest.raises(NonFiniteError):
+        main(["--debug", *args[:2], *args[2:-3], f"output_dir={tmp_path / 'debug'}", "optim.lr=1e30", "optim.grad_clip=null", "optim.warmup_steps=0"])
+
+
+def test_bad_inputs_get_one_message_and_exit_2(tmp_path, capsys):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("max_steps: 3\noptim: {lr: 1e-3\n")
+    cases = {
+        "yaml": (["rm", "--config", str(bad_yaml)], f"{bad_yaml}.*line 2"),
+        "empty output_dir": (["rm", "output_dir=''"], "output_dir is empty"),
+        "not a checkpoint": (["rm", *RM, f"output_dir={tmp_path / 'x'}", "--resume", str(tmp_path)], "not a checkpoint directory"),
+        "bad data file": (["rm", *RM, f"output_dir={tmp_path / 'y'}", f"data.train_file={bad_yaml}", f"data.eval_file={bad_yaml}"], str(bad_yaml)),
+    }
+    for name, (args, message) in cases.items():
+        assert main(args) == 2, name
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.count("\n") <= 6, (name, err)
+        assert re.search(message, err), (name, err)
+
+
+def test_a_tokenizer_without_eos_is_an_error_at_start(tmp_path):
+    from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+
+    path = tmp_path / "model"
+    build_tiny_checkpoint(path, TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), seed=0)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["eos_token"] = None
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="has no EOS token"):
+        train(rm_cfg(tmp_path / "run", f"model.path={path}", "max_steps=1"))
