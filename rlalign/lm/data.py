@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,23 +171,26 @@ def load_sft(source: Source) -> list[SFTExample]:
 
 
 def load_preferences(source: Source) -> list[PreferenceExample]:
-    """Rows with ``prompt``, ``chosen``, ``rejected`` and an optional finite ``margin``."""
+    """Rows with ``prompt``, ``chosen``, ``rejected`` and an optional finite ``margin``. A pair whose
+    chosen and rejected responses are the same text teaches nothing: such pairs are dropped, with a
+    warning that counts them and names the first."""
     name, rows = _rows(source)
-    out = []
+    out, same = [], []
     for label, row in rows:
         where = f"{name}, {label}"
         row = _require(row, ["prompt", "chosen", "rejected"], where)
         margin = row.get("margin")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin)):
             raise DataError(f"{where}: column 'margin' must be a finite number or absent, got {margin!r}")
-        out.append(
-            PreferenceExample(
-                _check_prompt(row["prompt"], where),
-                _check_text(row, "chosen", where),
-                _check_text(row, "rejected", where),
-                None if margin is None else float(margin),
-            )
+        example = PreferenceExample(
+            _check_prompt(row["prompt"], where), _check_text(row, "chosen", where), _check_text(row, "rejected", where), None if margin is None else float(margin)
         )
+        if example.chosen == example.rejected:
+            same.append(where)
+        else:
+            out.append(example)
+    if same:
+        warnings.warn(f"{len(same)} of {len(same) + len(out)} preference pairs have chosen == rejected and were dropped (first: {same[0]})", UserWarning, stacklevel=2)
     return _non_empty(out, name, "preference")
 
 

@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 from pydantic import Field
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -40,12 +41,16 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from rlalign.config import Config
 from rlalign.core.advantages import last_token_index
 from rlalign.core.masks import position_ids_from_mask
+from rlalign.errors import RLAlignError
 
 __all__ = [
     "DType",
     "LoraConfig",
     "HEAD_FILE",
     "torch_dtype",
+    "ModelLoadError",
+    "check_checkpoint_dir",
+    "context_length",
     "load_tokenizer",
     "disable_dropout",
     "load_policy",
@@ -86,10 +91,46 @@ def torch_dtype(name: DType | torch.dtype) -> torch.dtype:
     return table[name]
 
 
+class ModelLoadError(RLAlignError, OSError):
+    """A model or tokenizer directory that cannot be loaded; the message names the directory or file."""
+
+
+def check_checkpoint_dir(path: str | Path, gguf_file: str | None = None) -> Path:
+    """``path`` as a Hugging Face checkpoint directory: it exists, holds ``config.json`` (or the GGUF
+    file, or a saved adapter), and every safetensors file in it has a whole header.
+
+    Raises:
+        ModelLoadError: naming what is missing or the corrupt file.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+    marker = gguf_file or ("config.json" if not (path / _ADAPTER_FILE).is_file() else _ADAPTER_FILE)
+    if not (path / marker).is_file():
+        raise ModelLoadError(f"{str(path)!r} is not a Hugging Face checkpoint directory: it has no {marker}")
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), "pt"):  # reads the header and checks it against the file's size
+                pass
+        except Exception as err:  # safetensors raises its own error kinds
+            raise ModelLoadError(f"weights file {weights} is corrupt or truncated ({type(err).__name__}: {err})") from None
+    return path
+
+
+def context_length(path: str | Path, gguf_file: str | None = None) -> int | None:
+    """The most positions the model at ``path`` (or, for a saved adapter, its base) takes
+    (``max_position_embeddings``), or None when its config does not say."""
+    path = Path(path)
+    if (path / _ADAPTER_FILE).is_file():
+        path = Path(json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"])
+    config = _load_config(path, gguf_file).get_text_config(decoder=True)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, with a pad token (EOS when it has none) and left padding."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(check_checkpoint_dir(path, gguf_file)), **kwargs)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer of {path} has neither a pad nor an EOS token")
@@ -128,6 +169,7 @@ def _from_pretrained(auto_cls, path: str | Path, dtype: DType, device: str, gguf
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     if attn_implementation:  # e.g. "eager" (faster than SDPA for short sequences on CPU), "sdpa", "flash_attention_2"
         kwargs["attn_implementation"] = attn_implementation
+    check_checkpoint_dir(path, gguf_file)
     model = auto_cls.from_pretrained(str(path), config=_load_config(path, gguf_file), dtype=torch_dtype(dtype), **kwargs)
     return disable_dropout(model).to(device)
 

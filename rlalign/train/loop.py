@@ -32,7 +32,7 @@ from torch import nn
 from rlalign.config import Config, ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
-from rlalign.lm.models import hold_matmul_weights, load_policy, load_reference, load_tokenizer
+from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer
 from rlalign.train import distributed
 from rlalign.train.common import (
     Checkpoint,
@@ -49,7 +49,7 @@ from rlalign.train.common import (
     save_checkpoint,
     set_seed,
 )
-from rlalign.train.rollouts import RewardTerm, build_rewards, load_prompt_set
+from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
 from rlalign.train.run_dir import claim_run_dir
 from rlalign.train.updater import NonFiniteError, Updater
 
@@ -150,6 +150,7 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
     check_world(distributed.init(cfg.model.device), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
     run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step", resume)
     prompt_set = load_prompt_set(cfg.data, prompts)
+    check_prompt_lengths(prompt_set, run.tokenizer, context_length(run.base_path, cfg.model.gguf_file), cfg.sampling.max_new_tokens)
     rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world)
     return RLRun(**vars(run), prompts=prompt_set, rewards=rewards)
 

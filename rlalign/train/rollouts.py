@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +21,7 @@ from torch import Tensor
 
 from rlalign.config import ConfigError
 from rlalign.lm.code_execution import code_execution
-from rlalign.lm.data import PromptExample, encode_prompts, load_prompts, render_prompt
+from rlalign.lm.data import DataError, PromptExample, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.models import attention_kernel, load_reward_model, load_tokenizer
 from rlalign.lm.rewards import RewardModelReward, check_finite, exact_match, format_check, math_answer, score_completions
 from rlalign.lm.rollout import Rollout
@@ -31,6 +33,7 @@ from rlalign.train.rl_config import DataConfig, RewardConfig, SamplingConfig
 
 __all__ = [
     "load_prompt_set",
+    "check_prompt_lengths",
     "prompt_batch",
     "RewardTerm",
     "build_rewards",
@@ -51,6 +54,23 @@ def load_prompt_set(data: DataConfig, records: Sequence[dict] | None = None) -> 
     if data.task is not None:
         return load_prompts(TASKS[data.task].prompt_records("train", data.num_prompts, data.seed))
     return load_prompts(data.path)
+
+
+def check_prompt_lengths(prompts: Sequence[PromptExample], tokenizer, context: int | None, max_new_tokens: int) -> None:
+    """Every prompt plus ``max_new_tokens`` fits the model's ``context`` positions (None: unknown, unchecked).
+
+    Raises:
+        DataError: naming the longest prompt record and the lengths.
+    """
+    if context is None or not prompts:
+        return
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, [ex.prompt for ex in prompts])]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + max_new_tokens > context:
+        raise DataError(
+            f"prompt record {longest} is {lengths[longest]} tokens, and with sampling.max_new_tokens={max_new_tokens} it exceeds "
+            f"the model's {context} positions; shorten the prompts or lower max_new_tokens"
+        )
 
 
 def prompt_batch(prompts: Sequence[PromptExample], step: int, batch_size: int, seed: int) -> list[PromptExample]:
@@ -74,10 +94,22 @@ class RewardTerm:
 
 
 def _references(prompts: Sequence[PromptExample], tokenizer, function: str, column: str = "answer") -> dict[str, str]:
+    """{rendered prompt: its ``column`` value}: the reward looks references up by prompt text, so two
+    records with one prompt and different values are an error (one would silently win)."""
     missing = [i for i, ex in enumerate(prompts) if column not in ex.metadata]
     if missing:
         raise ConfigError(f"reward function {function!r} needs a {column!r} column in the prompts; prompt record {missing[0]} has none")
-    return {render_prompt(tokenizer, ex.prompt): str(ex.metadata[column]) for ex in prompts}
+    references: dict[str, str] = {}
+    first: dict[str, int] = {}
+    for i, ex in enumerate(prompts):
+        text, value = render_prompt(tokenizer, ex.prompt), str(ex.metadata[column])
+        if text in references and references[text] != value:
+            raise DataError(
+                f"prompt records {first[text]} and {i} have the same prompt but different {column!r} values "
+                f"({references[text]!r}, {value!r}); reward function {function!r} looks the {column!r} up by prompt, so give each prompt one value"
+            )
+        references[text], first[text] = value, first.get(text, i)
+    return references
 
 
 def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable[[list[str], list[str]], Sequence[float]]:
@@ -93,6 +125,8 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
     if name == "code_execution":
         return code_execution(_references(prompts, tokenizer, name, column="tests"))
     module_name, attr = name.split(":", 1)
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
+        sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:

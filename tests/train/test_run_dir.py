@@ -139,3 +139,72 @@ def test_a_tokenizer_without_eos_is_an_error_at_start(tmp_path):
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="has no EOS token"):
         train(rm_cfg(tmp_path / "run", f"model.path={path}", "max_steps=1"))
+
+
+def test_a_directory_that_is_not_a_model_or_has_corrupt_weights_is_named(tmp_path):
+    from rlalign.lm.models import ModelLoadError, load_policy
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="'.*empty' is not a Hugging Face checkpoint directory: it has no config.json"):
+        train(rm_cfg(tmp_path / "run", f"model.path={tmp_path / 'empty'}"))
+    train(rm_cfg(tmp_path / "ok", "max_steps=1"))
+    weights = tmp_path / "ok" / "final" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    with pytest.raises(ModelLoadError, match="weights file .*final/model.safetensors is corrupt or truncated"):
+        load_policy(tmp_path / "ok" / "final")
+
+
+def test_prompts_that_do_not_fit_the_context_and_conflicting_answers_are_errors_at_load(tmp_path):
+    from rlalign.lm.data import DataError
+    from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+    from rlalign.train import grpo
+
+    path = build_tiny_checkpoint(tmp_path / "model", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), seed=0)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 16
+    (path / "config.json").write_text(json.dumps(config))
+    base = [f"model.path={path}", "progress=false", "plots=false", "steps=1", "prompts_per_step=2", "group_size=2", "rewards=[{function: exact_match}]"]
+    cfg = load_config(grpo.GRPOConfig, None, [*base, f"output_dir={tmp_path / 'a'}", "sampling.max_new_tokens=8"])
+    with pytest.raises(DataError, match="prompt record 1 is 10 tokens, and with sampling.max_new_tokens=8 it exceeds the model's 16 positions"):
+        grpo.train(cfg, prompts=[{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+30+40=", "answer": "82"}])
+    cfg = load_config(grpo.GRPOConfig, None, [*base, f"output_dir={tmp_path / 'b'}", "sampling.max_new_tokens=4"])
+    with pytest.raises(DataError, match="prompt records 0 and 2 have the same prompt but different 'answer' values \\('2', '3'\\)"):
+        grpo.train(cfg, prompts=[{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "1+1=", "answer": "3"}])
+
+
+def test_identical_preference_pairs_are_counted_and_dropped():
+    from rlalign.lm.data import load_preferences
+
+    rows = [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "same", "rejected": "same"}]
+    with pytest.warns(UserWarning, match=r"1 of 2 preference pairs have chosen == rejected and were dropped \(first: .*2\)"):
+        assert [ex.chosen for ex in load_preferences(rows)] == ["a"]
+
+
+def test_disk_full_is_one_message_naming_the_path(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import rlalign.train.common as common
+
+    def full(obj, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(common.torch, "save", full)
+    assert main(["rm", *RM, f"output_dir={tmp_path}", "max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("rlalign rm: no space left on device writing ") and "optimizer.pt" in err, err
+
+
+def test_the_rlalign_script_imports_a_module_function_reward_from_the_current_directory(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "my_reward.py").write_text("def length(prompts, completions):\n    return [float(len(c)) for c in completions]\n")
+    script = Path(sys.executable).parent / "rlalign"
+    if not script.is_file():
+        pytest.skip("no rlalign console script next to this Python")
+    args = [str(script), "grpo", *TINY, "output_dir=run", "steps=1", "prompts_per_step=2", "group_size=2", "sampling.max_new_tokens=2",
+            "plots=false", "rewards=[{function: 'my_reward:length'}]"]
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["steps_run"] == 1
