@@ -1,57 +1,81 @@
-"""A code-execution reward: run each completion's program against the prompt's tests, in a sandbox.
+"""A code-execution reward: run each completion's program against the prompt's tests, in a sandbox,
+and score it from values checked outside the sandbox, never from an exit code.
 
     reward = code_execution({prompt: "assert add(2, 3) == 5"}, timeout_s=5, memory_mb=512)
-    reward(prompts, completions)   # 1.0 where the program and its tests exit 0, else 0.0
+    reward(prompts, completions)   # 1.0 where every test passes, else 0.0 (partial_credit: the share passed)
 
 The program is the last fenced code block of the completion (```python ... ``` or ``` ... ```),
-or the whole completion when it has none; the prompt's test code is appended and the file runs in
-a fresh interpreter. Untrusted code is confined as far as an unprivileged library can:
+or the whole completion when it has none. It runs in :class:`rlalign.lm.sandbox.Sandbox` (its own
+namespaces, a private filesystem, no network, limits on time, memory, processes and output).
 
-- its own process (``python -I``: isolated mode, no user site-packages, no PYTHON* variables),
-  with a minimal environment and a throw-away working directory that is deleted afterwards;
-- resource limits set in the child before it starts: address space (``memory_mb``), CPU seconds,
-  file size (16 MB), open files, and a core-dump size of 0; a wall-clock ``timeout_s`` on top
-  kills the whole process group;
-- no network: the child is moved into a new, empty network namespace (``unshare(CLONE_NEWNET)``,
-  or a user + network namespace where unprivileged user namespaces are allowed). Where neither is
-  permitted, construction fails unless ``require_network_isolation=False``, in which case a Python
-  audit hook (which the program cannot remove) refuses every socket operation instead.
+How a score is made, so that a program cannot forge it. The prompt's tests are parsed here, outside
+the sandbox: every top-level ``assert`` is one test case, every other statement is setup code. For
+``assert <expr> <op> <literal>`` (``==``, ``!=``, ``<``, ``<=``, ``>``, ``>=``, ``in``, ``not in``,
+``is``, ``is not``), ``assert <expr>`` and ``assert not <expr>``, only ``<expr>`` goes into the
+sandbox; a harness runs the program, then the setup, then evaluates each ``<expr>`` and reports its
+``repr`` on a pipe. Here each reported value is parsed back as a Python literal and compared with the
+expected literal and operator, which never entered the sandbox. So:
 
-This is a sandbox for reward computation on a research machine, not a security boundary against
-a determined attacker (use containers or gVisor for that). Programs run in parallel threads, each
-waiting on its own subprocess.
+- an early exit (``os._exit``, ``sys.exit``, a signal, an ``atexit`` handler) reports nothing: 0;
+- a test that raises, an exception the program swallows, or a value that is not a plain literal (an
+  object whose ``__eq__`` always answers True) fails that test;
+- a program that writes reports itself must know the expected values, which it never sees, and one
+  report per test is kept, the first; a report with missing, repeated or extra tests scores 0.
+
+A test whose expected side is not a literal (``assert f(x) == g(x)``) has both sides evaluated in the
+sandbox and compared here: a program that subverts the harness could forge that one. Write expected
+values as literals to make a test unforgeable.
 """
 
 from __future__ import annotations
 
-import ctypes
+import ast
+import json
+import operator
 import os
 import re
-import resource
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["extract_code", "network_isolation_available", "CodeExecutionReward", "code_execution", "run_program"]
+from rlalign.errors import RLAlignError
+from rlalign.lm.sandbox import Sandbox, SandboxLimits
+
+__all__ = ["extract_code", "TestCase", "parse_tests", "CodeExecutionReward", "code_execution", "run_program"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
+_OPERATORS = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+}
 
-# Runs first in the child: refuses any socket use at the Python level (a second line of defence;
-# the network namespace is the first). Audit hooks cannot be removed once added.
-_PRELUDE = """import sys as _sys
-def _no_network(event, args):
-    if event.startswith("socket."):
-        raise PermissionError("network access is disabled in the code-execution sandbox")
-_sys.addaudithook(_no_network)
-del _no_network
+# Runs inside the sandbox: the program, the setup, then each case's expression(s); one report line
+# per case on fd 3: "<index>\t<kind>\t<repr of the value(s)>". Written by rlalign, not the policy.
+_HARNESS = """import json, os, sys
+def _main():
+    write = os.write
+    cases = json.loads(open("cases.json").read())
+    sources = [(name, open(name).read()) for name in ("program.py", "setup.py")]
+    scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    for name, source in sources:
+        try:
+            exec(compile(source, name, "exec"), scope)
+        except BaseException as err:
+            write(3, ("-1\\terror\\t" + name + ": " + type(err).__name__ + "\\n").encode())
+            return
+    for index, expressions in enumerate(cases):
+        try:
+            values = [repr(eval(compile(expression, "test_%d" % index, "eval"), scope)) for expression in expressions]
+            line = "%d\\tok\\t%s\\n" % (index, json.dumps(values))
+        except BaseException as err:
+            line = "%d\\terror\\t%s\\n" % (index, type(err).__name__)
+        write(3, line.encode())
+_main()
 """
+
+
+class TestsError(RLAlignError, ValueError):
+    """A prompt's tests that cannot be checked (no top-level assert, or not Python)."""
 
 
 def extract_code(completion: str) -> str:
@@ -60,107 +84,118 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child
-
-
-def _unshare(flags: int) -> bool:
-    return _LIBC.unshare(flags) == 0
-
-
-def _isolate_network() -> bool:
-    return _unshare(_CLONE_NEWNET) or _unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
-
-
-def network_isolation_available() -> bool:
-    """Whether a child process can be put in an empty network namespace on this machine."""
-    probe = subprocess.run(
-        [sys.executable, "-I", "-c", "import socket; socket.create_connection(('127.0.0.1', 9), 1)"],
-        preexec_fn=_isolate_network_or_die,
-        capture_output=True,
-        timeout=30,
-    )
-    return b"Network is unreachable" in probe.stderr or b"Errno 101" in probe.stderr
-
-
-def _isolate_network_or_die() -> None:
-    if not _isolate_network():
-        os._exit(97)
-
-
 @dataclass(frozen=True)
-class _Limits:
-    timeout_s: float
-    memory_mb: int
-    isolate_network: bool
+class TestCase:
+    """One top-level assert: the expression(s) evaluated in the sandbox and how their values are checked here."""
 
-    def apply(self) -> None:
-        """In the child, between fork and exec."""
-        os.setsid()
-        mem = self.memory_mb * 2**20
-        cpu = max(1, int(self.timeout_s) + 1)
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if self.isolate_network and not _isolate_network():
-            os._exit(97)
+    expressions: tuple[str, ...]  # 1 (checked against ``expected``), or 2 (compared with each other)
+    check: str  # "truthy", "falsy", or an ast operator name (Eq, Lt, In, ...)
+    expected: object = None  # the literal of ``<expr> <op> <literal>``
 
-
-def run_program(source: str, timeout_s: float = 5.0, memory_mb: int = 512, isolate_network: bool = True) -> tuple[int | None, str]:
-    """Run ``source`` in the sandbox; returns (exit code or None on time-out, the tail of stderr)."""
-    workdir = tempfile.mkdtemp(prefix="rlalign-exec-")
-    try:
-        path = os.path.join(workdir, "program.py")
-        with open(path, "w") as f:
-            f.write(_PRELUDE + source)
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        limits = _Limits(timeout_s, memory_mb, isolate_network)
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "program.py"],
-            cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            preexec_fn=limits.apply,
-        )
+    def passes(self, values: list[object]) -> bool:
+        if self.check == "truthy":
+            return bool(values[0])
+        if self.check == "falsy":
+            return not values[0]
+        compare = _OPERATORS[getattr(ast, self.check)]
+        right = self.expected if len(self.expressions) == 1 else values[1]
         try:
-            _, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return None, "timed out"
-        return proc.returncode, stderr.decode(errors="replace")[-2000:]
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+            return bool(compare(values[0], right))
+        except TypeError:  # e.g. 3 < "a"
+            return False
+
+
+def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
+    """(setup code, test cases) of a prompt's test code; see the module docstring.
+
+    Raises:
+        TestsError: when it is not Python, or has no top-level ``assert``.
+    """
+    try:
+        module = ast.parse(tests)
+    except SyntaxError as err:
+        raise TestsError(f"tests are not valid Python ({err.msg}, line {err.lineno}): {tests[:200]!r}") from None
+    setup, cases = [], []
+    for statement in module.body:
+        if not isinstance(statement, ast.Assert):
+            setup.append(ast.unparse(statement))
+            continue
+        test = statement.test
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPERATORS:
+            name, right = type(test.ops[0]).__name__, test.comparators[0]
+            try:
+                cases.append(TestCase((ast.unparse(test.left),), name, ast.literal_eval(right)))
+            except ValueError:  # not a literal: both sides are evaluated in the sandbox
+                cases.append(TestCase((ast.unparse(test.left), ast.unparse(right)), name))
+        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            cases.append(TestCase((ast.unparse(test.operand),), "falsy"))
+        else:
+            cases.append(TestCase((ast.unparse(test),), "truthy"))
+    if not cases:
+        raise TestsError(f"tests have no top-level assert statement, so nothing could be checked: {tests[:200]!r}")
+    return "\n".join(setup) + "\n", cases
+
+
+def score_report(report: bytes, cases: list[TestCase]) -> list[bool]:
+    """Which cases passed, from the harness's report lines (the first line per case counts). Any line
+    that is malformed, names no case, or repeats one, and any case without a line, fails the whole report."""
+    results: dict[int, bool] = {}
+    for line in report.decode(errors="replace").splitlines():
+        index_text, _, rest = line.partition("\t")
+        kind, _, payload = rest.partition("\t")
+        try:
+            index = int(index_text)
+        except ValueError:
+            return [False] * len(cases)
+        if index in results or not 0 <= index < len(cases):
+            return [False] * len(cases)
+        results[index] = kind == "ok" and _passes(cases[index], payload)
+    if len(results) != len(cases):
+        return [False] * len(cases)
+    return [results[i] for i in range(len(cases))]
+
+
+def _passes(case: TestCase, payload: str) -> bool:
+    try:
+        values = [ast.literal_eval(text) for text in json.loads(payload)]
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # not a plain literal: an object the program made up
+        return False
+    return len(values) == len(case.expressions) and case.passes(values)
 
 
 class CodeExecutionReward:
-    """1.0 when the completion's program passes the prompt's tests in the sandbox, else 0.0."""
+    """1.0 when the completion's program passes every test of its prompt (``partial_credit``: the
+    share of tests passed), scored as the module docstring describes."""
 
     name = "code_execution"
 
-    def __init__(self, tests: Mapping[str, str], timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None, require_network_isolation: bool = True):
-        self.tests = dict(tests)
-        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+    def __init__(
+        self, tests: Mapping[str, str], timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
+        partial_credit: bool = False, allow_weak_sandbox: bool = False,
+    ):
+        self.cases = {prompt: parse_tests(code) for prompt, code in tests.items()}  # bad tests fail here, before training
+        self.partial_credit = partial_credit
+        self.sandbox = Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb), allow_weak=allow_weak_sandbox)
         self.max_workers = max_workers or max(1, os.cpu_count() or 1)
-        self.isolate_network = network_isolation_available()
-        if not self.isolate_network and require_network_isolation:
-            raise RuntimeError(
-                "code_execution: this machine does not allow a network namespace for the sandbox "
-                "(unshare(CLONE_NEWNET) refused); pass require_network_isolation=False to rely on the "
-                "Python-level socket block alone"
-            )
 
     def _one(self, prompt: str, completion: str) -> float:
-        if prompt not in self.tests:
+        if prompt not in self.cases:
             raise KeyError(f"code_execution: no tests for prompt {prompt!r}")
-        source = extract_code(completion) + "\n\n" + self.tests[prompt] + "\n"
-        code, _ = run_program(source, self.timeout_s, self.memory_mb, self.isolate_network)
-        return 1.0 if code == 0 else 0.0
+        setup, cases = self.cases[prompt]
+        files = {"harness.py": _HARNESS, "program.py": extract_code(completion), "setup.py": setup, "cases.json": json.dumps([list(c.expressions) for c in cases])}
+        passed = score_report(self.sandbox.run(files, ["harness.py"]).report, cases)
+        return sum(passed) / len(passed) if self.partial_credit else float(all(passed))
 
     def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
         with ThreadPoolExecutor(self.max_workers) as pool:
             return list(pool.map(self._one, prompts, completions))
 
 
-def code_execution(tests: Mapping[str, str], timeout_s: float = 5.0, memory_mb: int = 512, require_network_isolation: bool = True) -> CodeExecutionReward:
+def code_execution(tests: Mapping[str, str], timeout_s: float = 5.0, memory_mb: int = 512, partial_credit: bool = False, allow_weak_sandbox: bool = False) -> CodeExecutionReward:
     """The reward function of this module (see :class:`CodeExecutionReward`)."""
-    return CodeExecutionReward(tests, timeout_s, memory_mb, require_network_isolation=require_network_isolation)
+    return CodeExecutionReward(tests, timeout_s, memory_mb, partial_credit=partial_credit, allow_weak_sandbox=allow_weak_sandbox)
+
+
+def run_program(source: str, timeout_s: float = 5.0, memory_mb: int = 512, allow_weak_sandbox: bool = False):
+    """Run ``source`` alone in the sandbox; returns its :class:`rlalign.lm.sandbox.SandboxResult`."""
+    return Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb), allow_weak=allow_weak_sandbox).run({"main.py": source}, ["main.py"])

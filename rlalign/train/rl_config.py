@@ -60,6 +60,10 @@ class RewardConfig(Config):
     pattern: str | None = Field(None, description="regular expression the whole completion must match (function: format)")
     weight: float = Field(1.0, description="coefficient of this term in the total reward")
     name: str | None = Field(None, description="metric name, reward/<name>/mean; defaults to the function name or 'rm'")
+    partial_credit: bool = Field(False, description="function: code_execution: score the share of tests passed instead of 1 only when all pass")
+    allow_weak_sandbox: bool = Field(
+        False, description="function: code_execution: run where bubblewrap cannot isolate programs, in a weak sandbox a hostile program can escape"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
@@ -69,6 +73,8 @@ class RewardConfig(Config):
             raise ValueError(f"function {self.function!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'package.module:function'")
         if (self.function == "format") != (self.pattern is not None):
             raise ValueError("'pattern' goes with function: format, and format needs a pattern")
+        if self.function != "code_execution" and (self.partial_credit or self.allow_weak_sandbox):
+            raise ValueError("partial_credit and allow_weak_sandbox go with function: code_execution")
         return self
 
     @property

@@ -123,7 +123,7 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
     if name == "format":
         return format_check(spec.pattern)
     if name == "code_execution":
-        return code_execution(_references(prompts, tokenizer, name, column="tests"))
+        return code_execution(_references(prompts, tokenizer, name, column="tests"), partial_credit=spec.partial_credit, allow_weak_sandbox=spec.allow_weak_sandbox)
     module_name, attr = name.split(":", 1)
     if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
         sys.path.insert(0, os.getcwd())

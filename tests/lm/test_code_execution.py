@@ -1,10 +1,22 @@
-import glob
-import os
-import tempfile
+"""The code-execution reward: tests parsed outside the sandbox, scores from reported values checked
+here, never from an exit code (rlalign.lm.code_execution). The attacks are in test_sandbox_attacks.py."""
 
 import pytest
 
-from rlalign.lm.code_execution import CodeExecutionReward, extract_code, network_isolation_available, run_program
+from rlalign.lm import sandbox
+from rlalign.lm.code_execution import (
+    TestCase,
+    TestsError,
+    code_execution,
+    extract_code,
+    parse_tests,
+    score_report,
+)
+from rlalign.lm.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+
+needs_isolation = pytest.mark.skipif(sandbox.isolation_available() is not None, reason=f"no sandbox here: {sandbox.isolation_available()}")
+
+ADD_TESTS = "assert add(2, 3) == 5\nassert add(0, 0) == 0\nassert not add(1, -1)\nassert add(2, 2) in (4, 5)"
 
 
 def test_extract_code_takes_the_last_fenced_block_or_the_whole_text():
@@ -13,48 +25,52 @@ def test_extract_code_takes_the_last_fenced_block_or_the_whole_text():
     assert extract_code(text) == "b = 2\n"
 
 
-def test_passing_and_failing_programs():
-    reward = CodeExecutionReward({"add": "assert add(2, 3) == 5"}, require_network_isolation=False)
+def test_tests_split_into_setup_and_cases_with_the_expected_values_kept_outside():
+    setup, cases = parse_tests("import math\nx = 3\nassert f(x) == 9\nassert g(x) != g(4)\nassert h()\nassert not k(1)\nfor i in range(2):\n    assert f(i) >= 0")
+    assert setup == "import math\nx = 3\nfor i in range(2):\n    assert f(i) >= 0\n"  # a nested assert is setup: it may only raise
+    assert cases == [TestCase(("f(x)",), "Eq", 9), TestCase(("g(x)", "g(4)"), "NotEq"), TestCase(("h()",), "truthy"), TestCase(("k(1)",), "falsy")]
+    assert "9" not in "".join(e for c in cases for e in c.expressions)  # the expected value never enters the sandbox
+    with pytest.raises(TestsError, match="no top-level assert"):
+        parse_tests("x = 1")
+    with pytest.raises(TestsError, match="not valid Python"):
+        parse_tests("assert (")
+
+
+def test_a_report_scores_only_when_it_has_one_line_for_every_case():
+    cases = parse_tests(ADD_TESTS)[1]
+    good = b'0\tok\t["5"]\n1\tok\t["0"]\n2\tok\t["0"]\n3\tok\t["4"]\n'
+    assert score_report(good, cases) == [True] * 4
+    assert score_report(good.replace(b'["5"]', b'["5.0"]'), cases) == [True] * 4  # Python's 5.0 == 5, as the assert would
+    assert score_report(good.replace(b'["5"]', b'["6"]'), cases) == [False, True, True, True]
+    assert score_report(good.replace(b'0\tok\t["5"]', b"0\terror\tValueError"), cases)[0] is False
+    assert score_report(good.replace(b'["5"]', b'["<__main__.E object at 0x1>"]'), cases)[0] is False  # not a literal
+    assert score_report(good + b'0\tok\t["5"]\n', cases) == [False] * 4  # a repeated case
+    assert score_report(good.split(b"\n", 1)[1], cases) == [False] * 4  # a missing case
+    assert score_report(b"-1\terror\tprogram.py: SystemExit\n" + good, cases) == [False] * 4
+    assert score_report(b"", cases) == [False] * 4
+
+
+@needs_isolation
+def test_passing_failing_and_partial_programs():
+    reward = code_execution({"add": ADD_TESTS})
     completions = ["def add(a, b):\n    return a + b", "```python\ndef add(a, b):\n    return a - b\n```", "def add(a, b) return"]
     assert reward(["add"] * 3, completions) == [1.0, 0.0, 0.0]
+    partial = code_execution({"add": ADD_TESTS}, partial_credit=True)
+    assert partial(["add"], ["def add(a, b):\n    return a * b"]) == [0.5]  # 2*3 != 5, 0*0 == 0, 1*-1 is truthy, 2*2 in (4, 5)
 
 
+@needs_isolation
 def test_unknown_prompt_is_an_error_naming_it():
-    reward = CodeExecutionReward({}, require_network_isolation=False)
+    reward = code_execution({})
     with pytest.raises(KeyError, match="no tests for prompt 'nope'"):
         reward(["nope"], ["pass"])
 
 
-def test_time_limit_kills_an_infinite_loop():
-    code, message = run_program("while True:\n    pass", timeout_s=1.0)
-    assert code is None and message == "timed out"
-
-
-def test_memory_limit_stops_a_large_allocation():
-    code, message = run_program("x = bytearray(4 * 1024**3)", memory_mb=256)
-    assert code != 0 and "MemoryError" in message
-
-
-@pytest.mark.parametrize("isolate_network", [True, False])
-def test_no_network(isolate_network):
-    if isolate_network and not network_isolation_available():
-        pytest.skip("this machine refuses network namespaces; the audit-hook case still runs")
-    # the audit hook blocks the program's own sockets
-    code, message = run_program("import socket\nsocket.create_connection(('127.0.0.1', 9), 1)\n", isolate_network=isolate_network)
-    assert code != 0 and "network access is disabled" in message
-    if isolate_network:
-        # a grandchild interpreter escapes the audit hook but not the empty network namespace
-        source = (
-            "import subprocess, sys\n"
-            "p = subprocess.run([sys.executable, '-c', \"import socket; socket.create_connection(('127.0.0.1', 9), 1)\"], capture_output=True)\n"
-            "sys.stderr.write(p.stderr.decode())\nsys.exit(p.returncode)\n"
-        )
-        code, message = run_program(source)
-        assert code != 0 and "unreachable" in message
-
-
-def test_working_directory_is_thrown_away_and_environment_is_minimal():
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlalign-exec-*")))
-    source = "import os\nopen('left.txt', 'w').write('x')\nassert 'PYTHONPATH' not in os.environ and os.getcwd() == os.environ['HOME']\n"
-    assert run_program(source)[0] == 0
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "rlalign-exec-*"))) == before
+def test_without_isolation_the_sandbox_refuses_unless_the_weak_mode_is_asked_for(monkeypatch):
+    monkeypatch.setattr(sandbox, "isolation_available", lambda: "bubblewrap (bwrap) is not installed")
+    with pytest.raises(SandboxUnavailable, match="bubblewrap \\(bwrap\\) is not installed.*allow_weak_sandbox: true"):
+        Sandbox()
+    sandbox._warn_weak.cache_clear()
+    with pytest.warns(RuntimeWarning, match="weak mode .*bubblewrap"):
+        weak = Sandbox(SandboxLimits(timeout_s=5.0), allow_weak=True)
+    assert weak.run({"main.py": "print(2 + 3)"}, ["main.py"]).stdout == b"5\n"

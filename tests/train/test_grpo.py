@@ -304,7 +304,9 @@ def test_dr_grpo_normalises_by_the_fixed_max_length(tiny_path, tmp_path):
 
 def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
     # the prompts' 'tests' column is run against each completion's program in the sandbox
-    cfg = make_cfg(tiny_path, tmp_path, steps=1, beta=0.0, rewards=[{"function": "code_execution"}])
+    from rlalign.lm.sandbox import isolation_available
+
+    cfg = make_cfg(tiny_path, tmp_path, steps=1, beta=0.0, rewards=[{"function": "code_execution", "allow_weak_sandbox": isolation_available() is not None}])
     prompts = [grpo.PromptExample("2+3=", {"tests": "assert f() == 5"})]
     terms = rollouts.build_rewards(cfg.rewards, prompts, load_tokenizer(tiny_path), cfg.model)
     total, _ = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["def f():\n    return 5", "def f():\n    return 6"])

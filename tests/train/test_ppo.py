@@ -16,7 +16,7 @@ from rlalign.core.kl import AdaptiveKLController, FixedKLController
 from rlalign.lm.packed import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train import grpo, ppo, rollouts
+from rlalign.train import ppo, rollouts
 from rlalign.train.common import CheckpointError
 from rlalign.train.rollouts import RewardTerm
 

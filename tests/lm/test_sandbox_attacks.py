@@ -1,0 +1,165 @@
+"""The attacks a hostile completion tries on the code-execution sandbox, each blocked, with the
+trainer (this test process) unharmed. Without bubblewrap here they skip with the reason, and the
+refusal to run without isolation is tested instead."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import time
+import uuid
+
+import pytest
+
+import rlalign
+from rlalign.lm import sandbox
+from rlalign.lm.code_execution import code_execution
+from rlalign.lm.sandbox import Sandbox, SandboxLimits
+
+MISSING = sandbox.isolation_available()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no sandbox on this machine: {MISSING}")
+SOURCE = os.path.abspath(rlalign.__file__)
+
+
+def run(source: str, **limits):
+    return Sandbox(SandboxLimits(**{"timeout_s": 5.0, **limits})).run({"main.py": source}, ["main.py"])
+
+
+def survivors(marker: str) -> list[str]:
+    """Processes anywhere on the machine whose command line holds ``marker``."""
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    return [pid for pid in found if int(pid) != os.getpid()]
+
+
+def test_the_trainers_files_and_environment_are_out_of_sight():
+    before = open(SOURCE).read()
+    result = run(
+        "import os\n"
+        f"for path in ({SOURCE!r}, {os.getcwd()!r}, '/root/.bashrc', '/etc/passwd', '/home'):\n"
+        "    print(path, os.path.exists(path))\n"
+        f"try:\n    open({SOURCE!r}, 'a').write('# pwned')\nexcept OSError as err:\n    print('write', type(err).__name__)\n"
+        f"print(sorted(os.environ))\n"
+    )
+    out = result.stdout.decode()
+    assert f"{SOURCE} False" in out and f"{os.getcwd()} False" in out and "/etc/passwd False" in out, out
+    assert "write FileNotFoundError" in out and open(SOURCE).read() == before
+    assert "['HOME', 'LANG', 'PATH', 'PWD']" in out, out  # a clean environment: no token, no key of the trainer's
+
+
+def test_the_trainers_process_cannot_be_seen_or_signalled():
+    os.environ["RLALIGN_SANDBOX_SECRET"] = "s3cret"
+    try:
+        result = run(
+            "import ctypes, os, signal\n"
+            f"pid = {os.getpid()}\n"
+            "print('visible', os.path.exists(f'/proc/{pid}/environ'), sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+            "for kill in (lambda: os.kill(pid, signal.SIGKILL), lambda: os.kill(-1, signal.SIGKILL)):\n"
+            "    try:\n        kill()\n    except OSError as err:\n        print('kill', type(err).__name__)\n"
+            "print('ctypes', ctypes.CDLL(None).kill(pid, 9))\n"
+        )
+    finally:
+        del os.environ["RLALIGN_SANDBOX_SECRET"]
+    out = result.stdout.decode()
+    assert "visible False" in out and "kill ProcessLookupError" in out and "ctypes -1" in out, (out, result.stderr)
+    assert "s3cret" not in out
+
+
+def test_no_network_not_even_the_hosts_loopback_or_unix_sockets(tmp_path):
+    tcp = socket.create_server(("127.0.0.1", 0))
+    unix_path = tmp_path / "host.sock"
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(unix_path))
+    unix.listen()
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(b"\0rlalign-test-" + uuid.uuid4().hex.encode())
+    abstract.listen()
+    try:
+        result = run(
+            "import socket\n"
+            f"for family, address in ((socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})), (socket.AF_UNIX, {str(unix_path)!r}), "
+            f"(socket.AF_UNIX, {abstract.getsockname()!r}), (socket.AF_INET, ('1.1.1.1', 53))):\n"
+            "    try:\n        socket.socket(family).connect(address)\n        print('connected', address)\n"
+            "    except OSError as err:\n        print('refused', type(err).__name__)\n"
+        )
+    finally:
+        tcp.close(), unix.close(), abstract.close()
+    out = result.stdout.decode()
+    assert "connected" not in out and out.count("refused") == 4, (out, result.stderr)
+
+
+def test_a_fork_bomb_is_held_to_the_process_limit_and_dies_with_the_run():
+    marker = f"bomb-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    result = run(f"import os, time\n# {marker}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n", timeout_s=2.0, max_processes=16)
+    assert result.timed_out and time.monotonic() - started < 10
+    time.sleep(0.5)
+    assert survivors(marker) == []
+
+
+def test_memory_through_forks_is_capped_for_the_whole_tree():
+    if not sandbox._cgroups_work():
+        pytest.skip("no cgroup for the sandbox here: only each process's address space is capped")
+    result = run(
+        "import os\nchildren = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        block = bytearray(150 * 2**20)\n        block[::4096] = b'x' * len(block[::4096])\n        os._exit(0)\n    children.append(pid)\n"
+        "codes = [os.waitpid(pid, 0)[1] for pid in children]\nprint('all allocated' if not any(codes) else 'killed', codes)\n",
+        memory_mb=256, timeout_s=20.0,
+    )
+    out = result.stdout.decode()
+    assert "all allocated" not in out, (out, result.stderr)  # 4 x 150 MB alive at once does not fit 256 MB
+
+
+def test_an_orphan_in_its_own_session_does_not_outlive_the_run_or_hold_the_trainer():
+    marker = f"orphan-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    result = run(
+        "import subprocess, sys\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)  # {marker}'], start_new_session=True)\nprint('parent done')\n",
+        timeout_s=3.0,
+    )
+    assert time.monotonic() - started < 10 and b"parent done" in result.stdout
+    time.sleep(0.5)
+    assert survivors(marker) == []
+
+
+def test_a_stderr_flood_is_read_up_to_the_cap_and_does_not_grow_the_trainer():
+    def rss_mb() -> float:
+        return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+
+    before = rss_mb()
+    result = run("import sys\nchunk = 'x' * 2**20\nfor _ in range(600):\n    sys.stderr.write(chunk)\n", timeout_s=20.0, max_output_kb=64)
+    assert len(result.stderr) == 64 * 1024
+    assert rss_mb() - before < 100
+
+
+def test_dev_shm_and_tmp_are_private_and_small():
+    result = run(
+        "import os\n"
+        "for path in ('/dev/shm/big', '/tmp/big'):\n    try:\n        with open(path, 'wb') as f:\n"
+        "            for _ in range(200):\n                f.write(b'x' * 2**20)\n        print('wrote', path)\n"
+        "    except OSError as err:\n        print('stopped', path, err.errno)\n",
+        tmp_mb=32,
+    )
+    out = result.stdout.decode()
+    assert "wrote" not in out and out.count("stopped") == 2, (out, result.stderr)
+
+
+@pytest.mark.parametrize(
+    "forgery",
+    [
+        "import os\nos._exit(0)",
+        "import sys\nsys.exit(0)",
+        "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    raise ValueError",
+        "import signal, os\nsignal.signal(signal.SIGALRM, lambda *a: os._exit(0))\nsignal.alarm(1)\ndef add(a, b):\n    while True:\n        pass",
+        "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()",
+        "import builtins\nbuiltins.repr = lambda value: '5'\ndef add(a, b):\n    return 0",
+        "import os\nos.write(3, b'0\\tok\\t[\"1\"]\\n1\\tok\\t[\"1\"]\\n')\nos._exit(0)",  # a guessed report
+        "def add(a, b):\n    try:\n        raise AssertionError\n    except AssertionError:\n        return None",
+    ],
+    ids=["os._exit", "sys.exit", "atexit", "signal", "always-equal", "builtins.repr", "forged-report", "swallowed"],
+)
+def test_a_program_that_does_not_pass_its_tests_cannot_make_its_score(forgery):
+    reward = code_execution({"add": "assert add(2, 3) == 5\nassert add(0, 0) == 0"}, timeout_s=3.0)
+    assert reward(["add"], [forgery]) == [0.0]
