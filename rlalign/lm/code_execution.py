@@ -30,6 +30,7 @@ values as literals to make a test unforgeable.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import operator
 import os
@@ -39,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rlalign.errors import RLAlignError
+from rlalign.lm.rewards import row_references
 from rlalign.lm.sandbox import Sandbox, SandboxLimits
 
 __all__ = ["extract_code", "TestCase", "parse_tests", "CodeExecutionReward", "code_execution", "run_program"]
@@ -164,34 +166,42 @@ def _passes(case: TestCase, payload: str) -> bool:
 
 
 class CodeExecutionReward:
-    """1.0 when the completion's program passes every test of its prompt (``partial_credit``: the
-    share of tests passed), scored as the module docstring describes."""
+    """1.0 when the completion's program passes every test of its row (``partial_credit``: the share
+    of tests passed), scored as the module docstring describes. A row's tests are its ``tests``
+    column (passed as a keyword, ``tests`` None), or the ``tests`` value of its prompt text."""
 
     name = "code_execution"
 
     def __init__(
-        self, tests: Mapping[str, str], timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
+        self, tests: Mapping[str, str] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
         partial_credit: bool = False, allow_weak_sandbox: bool = False,
     ):
-        self.cases = {prompt: parse_tests(code) for prompt, code in tests.items()}  # bad tests fail here, before training
+        self.tests = None if tests is None else dict(tests)
+        for code in (self.tests or {}).values():
+            if code is not None:
+                _parsed(code)  # bad tests fail here, before training
         self.partial_credit = partial_credit
         self.sandbox = Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb), allow_weak=allow_weak_sandbox)
         self.max_workers = max_workers or max(1, os.cpu_count() or 1)
 
-    def _one(self, prompt: str, completion: str) -> float:
-        if prompt not in self.cases:
-            raise KeyError(f"code_execution: no tests for prompt {prompt!r}")
-        setup, cases = self.cases[prompt]
+    def _one(self, completion: str, tests: str) -> float:
+        setup, cases = _parsed(tests)
         files = {"harness.py": _HARNESS, "program.py": extract_code(completion), "setup.py": setup, "cases.json": json.dumps([list(c.expressions) for c in cases])}
         passed = score_report(self.sandbox.run(files, ["harness.py"]).report, cases)
         return sum(passed) / len(passed) if self.partial_credit else float(all(passed))
 
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
+        tests = row_references(self.tests, prompts, columns, "tests", "code_execution")
         with ThreadPoolExecutor(self.max_workers) as pool:
-            return list(pool.map(self._one, prompts, completions))
+            return list(pool.map(self._one, completions, tests))
 
 
-def code_execution(tests: Mapping[str, str], timeout_s: float = 5.0, memory_mb: int = 512, partial_credit: bool = False, allow_weak_sandbox: bool = False) -> CodeExecutionReward:
+@functools.lru_cache(maxsize=4096)
+def _parsed(tests: str) -> tuple[str, list[TestCase]]:
+    return parse_tests(tests)
+
+
+def code_execution(tests: Mapping[str, str] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, partial_credit: bool = False, allow_weak_sandbox: bool = False) -> CodeExecutionReward:
     """The reward function of this module (see :class:`CodeExecutionReward`)."""
     return CodeExecutionReward(tests, timeout_s, memory_mb, partial_credit=partial_credit, allow_weak_sandbox=allow_weak_sandbox)
 

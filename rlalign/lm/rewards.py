@@ -13,6 +13,7 @@ re-run one pair at a time to find the prompt that triggers it).
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -50,35 +51,40 @@ def reward_fn_name(fn: Callable) -> str:
     return getattr(fn, "name", None) or getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def _lookup(references: Mapping[str, str], prompt: str, name: str) -> str:
-    if prompt not in references:
-        raise KeyError(f"{name}: no reference answer for prompt {prompt!r}")
-    return references[prompt]
+def row_references(references: Mapping[str, str] | None, prompts: list[str], columns: Mapping[str, Sequence], column: str, name: str) -> list[str]:
+    """Each row's reference: its own ``column`` value when the rows' columns are passed (as keywords),
+    else the ``references`` value of its prompt text (None there: the prompt has several)."""
+    if column in columns:
+        return [str(value) for value in columns[column]]
+    if references is None:
+        raise KeyError(f"{name}: no {column!r} column for these prompts")
+    for p in prompts:
+        if references.get(p) is None:
+            raise KeyError(f"{name}: no {column!r} for prompt {p!r}" if p not in references else f"{name}: prompt {p!r} has several {column!r} values; pass the rows' {column!r} column")
+    return [references[p] for p in prompts]
 
 
-def exact_match(references: Mapping[str, str], strip: bool = True) -> RewardFn:
-    """1.0 when the completion equals the prompt's reference (whitespace-stripped), else 0.0."""
+def exact_match(references: Mapping[str, str] | None = None, strip: bool = True) -> RewardFn:
+    """1.0 when the completion equals its reference (whitespace-stripped), else 0.0. The reference is
+    the row's ``answer`` column (``references`` None), or the ``references`` value of its prompt."""
 
-    def exact_match_reward(prompts: list[str], completions: list[str]) -> list[float]:
-        out = []
-        for p, c in zip(prompts, completions, strict=True):
-            ref = _lookup(references, p, "exact_match")
-            out.append(float(c.strip() == ref.strip()) if strip else float(c == ref))
-        return out
+    def exact_match_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+        refs = row_references(references, prompts, columns, "answer", "exact_match")
+        return [float(c.strip() == r.strip()) if strip else float(c == r) for c, r in zip(completions, refs, strict=True)]
 
     return exact_match_reward
 
 
-def math_answer(references: Mapping[str, str]) -> RewardFn:
-    """1.0 when ``math_verify`` finds the completion's answer equal to the reference (e.g. "1/2" vs
-    "0.5", "\\boxed{4}" vs "4"), else 0.0. An unparsable completion scores 0."""
+def math_answer(references: Mapping[str, str] | None = None) -> RewardFn:
+    """1.0 when ``math_verify`` finds the completion's answer equal to its reference (e.g. "1/2" vs
+    "0.5", "\\boxed{4}" vs "4"), else 0.0; the reference as in :func:`exact_match`. An unparsable
+    completion scores 0."""
     from math_verify import parse, verify
 
-    def math_answer_reward(prompts: list[str], completions: list[str]) -> list[float]:
+    def math_answer_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
         out = []
-        for p, c in zip(prompts, completions, strict=True):
-            gold = parse(_lookup(references, p, "math_answer"))
-            answer = parse(c)
+        for c, r in zip(completions, row_references(references, prompts, columns, "answer", "math_answer"), strict=True):
+            gold, answer = parse(r), parse(c)
             out.append(1.0 if gold and answer and verify(gold, answer) else 0.0)
         return out
 
@@ -119,13 +125,21 @@ class RewardModelReward:
         return scores
 
 
-def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str]) -> list[float]:
+def _takes_columns(fn: Callable) -> bool:
+    """Whether ``fn`` takes ``**kwargs`` (then it gets the rows' dataset columns)."""
     try:
-        scores = list(fn(prompts, completions))
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, Sequence]) -> list[float]:
+    try:
+        scores = list(fn(prompts, completions, **columns) if columns and _takes_columns(fn) else fn(prompts, completions))
     except Exception as err:  # find which prompt makes it raise
         if len(prompts) > 1:
-            for p, c in zip(prompts, completions):
-                _call_one(fn, name, [p], [c])
+            for i, (p, c) in enumerate(zip(prompts, completions)):
+                _call_one(fn, name, [p], [c], {key: [values[i]] for key, values in columns.items()})
         raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {err} (prompt {prompts[0]!r})") from err
     if len(scores) != len(prompts):
         raise RewardFunctionError(f"reward function {name} returned {len(scores)} scores for {len(prompts)} completions")
@@ -136,9 +150,14 @@ def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str
 
 
 def score_completions(
-    reward_fns: Sequence[RewardFn], prompts: list[str], completions: list[str], weights: Sequence[float] | None = None
+    reward_fns: Sequence[RewardFn], prompts: list[str], completions: list[str], weights: Sequence[float] | None = None,
+    columns: Mapping[str, Sequence] | None = None,
 ) -> Tensor:
     """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32.
+
+    ``columns``: the rows' other dataset columns (``answer``, ``tests``, ...), one value per row each,
+    passed as keywords to a function that takes ``**kwargs`` (TRL's convention), so a reference is
+    the row's own, not looked up by prompt text.
 
     Raises:
         RewardFunctionError: naming the function and the prompt, when one raises or returns
@@ -154,7 +173,7 @@ def score_completions(
     total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
     for fn, weight in zip(reward_fns, weights):
         name = reward_fn_name(fn)
-        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions)), dtype=torch.float32)  # (B,)
+        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions), dict(columns or {})), dtype=torch.float32)  # (B,)
         check_finite(scores, f"reward function {name} returned", prompts, "not finite in float32, the dtype rewards are trained in")
         total += weight * scores
         check_finite(total, f"the reward total after reward function {name} (weight {weight}) is", prompts, "not finite in float32")

@@ -178,13 +178,14 @@ def grpo_step(
     world, G = state.world, cfg.group_size  # one process, or this rank under torchrun: B below is this rank's share of the rows
     # 1. sample G completions per prompt (no grad, KV cache); the sampling log-probs are log pi_old
     t0 = time.perf_counter()
-    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
+    examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)  # the global batch, with each record's columns
+    batch = [ex.prompt for ex in examples]
     rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, state)
     completions = rollout.decode_completions(tokenizer)
     t1 = time.perf_counter()
 
     # 2. score: the weighted sum of the reward terms; gathered from every rank for the statistics
-    scored = score_shard(rewards, tokenizer, batch, rollout, completions, G, world)  # local rows (B,), scores (B global,)
+    scored = score_shard(rewards, tokenizer, examples, rollout, completions, G, world)  # local rows (B,), scores (B global,)
     t2 = time.perf_counter()
 
     # 3. group-relative advantages, one per completion (broadcast over its tokens by the loss)
@@ -242,21 +243,22 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
         prompts: prompt records (``{"prompt": ..., "answer"?: ...}``) to use instead of ``cfg.data``.
     """
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
-    policy = run.load_policy(cfg.model)
-    reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
-    updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
-    state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
+    with run:  # the output_dir lock is let go of when the run ends, however it ends
+        policy = run.load_policy(cfg.model)
+        reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
+        updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
+        state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
 
-    def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
-        return grpo_step(updater, reference, run.tokenizer, run.rewards, run.prompts, state, cfg)
+        def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
+            return grpo_step(updater, reference, run.tokenizer, run.rewards, run.prompts, state, cfg)
 
-    history, final_dir = run_steps(
-        step, cfg, run, state, SavedModels(policy), {"policy": updater},
-        total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
-        summary_keys=("reward/mean", "kl", "completion_len/mean"),
-        plot_keys=("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups") if cfg.plots else (),
-    )
-    return RLResult(policy, history, run.run_dir, final_dir)
+        history, final_dir = run_steps(
+            step, cfg, run, state, SavedModels(policy), {"policy": updater},
+            total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
+            summary_keys=("reward/mean", "kl", "completion_len/mean"),
+            plot_keys=("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups") if cfg.plots else (),
+        )
+        return RLResult(policy, history, run.run_dir, final_dir)
 
 
 # ----------------------------------------------------------------------------------------------

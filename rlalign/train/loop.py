@@ -97,6 +97,15 @@ class Run:
         m = model_cfg
         return load_policy(self.model_path, m.dtype, self.device, None if self.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Let go of the output directory's lock (rank 0): the run is over, however it ended."""
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+
     @property
     def model_path(self) -> Path:
         """Where the trained model's weights come from: the checkpoint's when resuming, else the start."""
@@ -115,13 +124,18 @@ def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Pa
         torch.set_num_threads(cfg.num_threads)
     set_seed(cfg.seed)
     run_dir, lock = Path(cfg.output_dir), None
-    with world.main_first():
-        if world.is_main:
-            lock = claim_run_dir(cfg, checkpoint)  # the run's lock, held until the process ends
-        base_path = prepare_model_path(cfg.model, run_dir)
-    tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"the tokenizer of {base_path} has no EOS token, so no completion could end: set eos_token in its tokenizer_config.json")
+    try:
+        with world.main_first():
+            if world.is_main:
+                lock = claim_run_dir(cfg, checkpoint)  # the run's lock, let go of by Run.__exit__
+            base_path = prepare_model_path(cfg.model, run_dir)
+        tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"the tokenizer of {base_path} has no EOS token, so no completion could end: set eos_token in its tokenizer_config.json")
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
     return Run(world, run_dir, base_path, tokenizer, world.device(cfg.model.device), checkpoint, lock)
 
 
@@ -149,9 +163,12 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
     """:func:`start_run`, then the prompts and the reward terms. Shared by GRPO and PPO (``cfg``: an :class:`rlalign.train.rl_config.RLConfig`)."""
     check_world(distributed.init(cfg.model.device), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
     run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step", resume)
-    prompt_set = load_prompt_set(cfg.data, prompts)
-    check_prompt_lengths(prompt_set, run.tokenizer, context_length(run.base_path, cfg.model.gguf_file), cfg.sampling.max_new_tokens)
-    rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world)
+    with contextlib.ExitStack() as on_error:
+        on_error.push(run.__exit__)  # bad prompts or rewards: let go of the lock
+        prompt_set = load_prompt_set(cfg.data, prompts)
+        check_prompt_lengths(prompt_set, run.tokenizer, context_length(run.base_path, cfg.model.gguf_file), cfg.sampling.max_new_tokens)
+        rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world)
+        on_error.pop_all()
     return RLRun(**vars(run), prompts=prompt_set, rewards=rewards)
 
 

@@ -224,13 +224,14 @@ def ppo_step(
     world = state.world  # one process, or this rank under torchrun: B below is this rank's share of the rows
     # 1. sample one completion per prompt; the sampling log-probs are log pi_old
     t0 = time.perf_counter()
-    batch = [ex.prompt for ex in prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)]  # the global batch
+    examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)  # the global batch, with each record's columns
+    batch = [ex.prompt for ex in examples]
     rollout = sample_shard(policy, tokenizer, batch, cfg.sampling, cfg.model, 1, state)
     completions = rollout.decode_completions(tokenizer)
     t1 = time.perf_counter()
 
     # 2. score (reward model and/or rules), minus a penalty when the completion never ended
-    scored = score_shard(rewards, tokenizer, batch, rollout, completions, 1, world, cfg.missing_eos_penalty)  # local rows (B,), scores (B global,)
+    scored = score_shard(rewards, tokenizer, examples, rollout, completions, 1, world, cfg.missing_eos_penalty)  # local rows (B,), scores (B global,)
     t2 = time.perf_counter()
 
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
@@ -318,31 +319,32 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         prompts: prompt records to use instead of ``cfg.data``.
     """
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step, 1)  # minibatches may hold any share of a rank's rows
-    m, ckpt = cfg.model, run.checkpoint
-    policy = run.load_policy(m)
-    reference = run.load_reference(m, cfg.reference)
-    critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device, attn_implementation=m.attn_implementation)
-    updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
-    updaters = {
-        "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy),
-        "critic": Updater.create(critic, cfg.critic.optim, updates, run.world, m.sharding),
-    }
-    state = resume_state(ckpt, cfg.seed, updaters, run.world)
-    kl_ctl = cfg.kl_controller()
-    if ckpt is not None:
-        kl_ctl.load_state_dict(ckpt.extra["kl_controller"])
+    with run:  # the output_dir lock is let go of when the run ends, however it ends
+        m, ckpt = cfg.model, run.checkpoint
+        policy = run.load_policy(m)
+        reference = run.load_reference(m, cfg.reference)
+        critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device, attn_implementation=m.attn_implementation)
+        updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
+        updaters = {
+            "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy),
+            "critic": Updater.create(critic, cfg.critic.optim, updates, run.world, m.sharding),
+        }
+        state = resume_state(ckpt, cfg.seed, updaters, run.world)
+        kl_ctl = cfg.kl_controller()
+        if ckpt is not None:
+            kl_ctl.load_state_dict(ckpt.extra["kl_controller"])
 
-    def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
-        return ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, run.tokenizer, run.rewards, run.prompts, state, cfg)
+        def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
+            return ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, run.tokenizer, run.rewards, run.prompts, state, cfg)
 
-    history, final_dir = run_steps(
-        step, cfg, run, state, SavedModels(policy, critic=critic), updaters,
-        total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
-        checkpoint_extra=lambda: {"kl_controller": kl_ctl.state_dict()},
-        summary_keys=("score", "kl", "beta"),
-        plot_keys=("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac") if cfg.plots else (),
-    )
-    return RLResult(policy, history, run.run_dir, final_dir, critic)
+        history, final_dir = run_steps(
+            step, cfg, run, state, SavedModels(policy, critic=critic), updaters,
+            total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
+            checkpoint_extra=lambda: {"kl_controller": kl_ctl.state_dict()},
+            summary_keys=("score", "kl", "beta"),
+            plot_keys=("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac") if cfg.plots else (),
+        )
+        return RLResult(policy, history, run.run_dir, final_dir, critic)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -108,21 +108,22 @@ def _datasets(cfg: RMConfig) -> tuple[list[PreferenceExample], list[PreferenceEx
 def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
     """Train the reward model; returns the final held-out metrics and ``eval/accuracy_initial``, ``time/total``."""
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
-    train_set, eval_set = _datasets(cfg)
-    m = cfg.model
-    model = load_reward_model(run.model_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)
-    model.train()
+    with run:  # the output_dir lock is let go of when the run ends, however it ends
+        train_set, eval_set = _datasets(cfg)
+        m = cfg.model
+        model = load_reward_model(run.model_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)
+        model.train()
 
-    def batch_loss(trained, pairs: list[PreferenceExample]):
-        r_c, r_r, margin = pair_rewards(trained, run.tokenizer, pairs, cfg.data.max_length)
-        loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
-        local = {"loss/rm": float(loss.detach()), "accuracy": float(stats.accuracy), "margin": float(stats.margin_mean), "reward/mean": float(stats.reward_mean)}
-        return loss, local, float(len(pairs))  # a mean over pairs
+        def batch_loss(trained, pairs: list[PreferenceExample]):
+            r_c, r_r, margin = pair_rewards(trained, run.tokenizer, pairs, cfg.data.max_length)
+            loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
+            local = {"loss/rm": float(loss.detach()), "accuracy": float(stats.accuracy), "margin": float(stats.margin_mean), "reward/mean": float(stats.reward_mean)}
+            return loss, local, float(len(pairs))  # a mean over pairs
 
-    def evaluate(model) -> dict[str, float]:
-        return evaluate_pairs(model, run.tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)
+        def evaluate(model) -> dict[str, float]:
+            return evaluate_pairs(model, run.tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)
 
-    return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "rm", "eval/accuracy", "pairs")
+        return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "rm", "eval/accuracy", "pairs")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

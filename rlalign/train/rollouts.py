@@ -2,9 +2,10 @@
 sampling this rank's share of the batch, and scoring it.
 
     prompts = load_prompt_set(cfg.data)                              # validated PromptExamples
-    batch = [ex.prompt for ex in prompt_batch(prompts, step, n, seed)]  # the step's global batch
+    examples = prompt_batch(prompts, step, n, seed)  # the step's global batch
+    batch = [ex.prompt for ex in examples]
     rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, state)
-    scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), G, world)
+    scored = score_shard(rewards, tokenizer, examples, rollout, rollout.decode_completions(tokenizer), G, world)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from rlalign.config import ConfigError
-from rlalign.lm.code_execution import code_execution
+from rlalign.lm.code_execution import TestsError, code_execution, parse_tests
 from rlalign.lm.data import DataError, PromptExample, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.models import attention_kernel, load_reward_model, load_tokenizer
 from rlalign.lm.rewards import RewardModelReward, check_finite, exact_match, format_check, math_answer, score_completions
@@ -93,22 +94,17 @@ class RewardTerm:
     fn: Callable[[list[str], list[str]], Sequence[float]]
 
 
-def _references(prompts: Sequence[PromptExample], tokenizer, function: str, column: str = "answer") -> dict[str, str]:
-    """{rendered prompt: its ``column`` value}: the reward looks references up by prompt text, so two
-    records with one prompt and different values are an error (one would silently win)."""
+def _references(prompts: Sequence[PromptExample], tokenizer, function: str, column: str = "answer") -> dict[str, str | None]:
+    """Every prompt record has ``column`` (each row is scored against its own value, passed with the
+    rows); the returned {prompt text: value} serves calls without the rows' columns, None where one
+    prompt text has several values."""
     missing = [i for i, ex in enumerate(prompts) if column not in ex.metadata]
     if missing:
         raise ConfigError(f"reward function {function!r} needs a {column!r} column in the prompts; prompt record {missing[0]} has none")
-    references: dict[str, str] = {}
-    first: dict[str, int] = {}
-    for i, ex in enumerate(prompts):
+    references: dict[str, str | None] = {}
+    for ex in prompts:
         text, value = render_prompt(tokenizer, ex.prompt), str(ex.metadata[column])
-        if text in references and references[text] != value:
-            raise DataError(
-                f"prompt records {first[text]} and {i} have the same prompt but different {column!r} values "
-                f"({references[text]!r}, {value!r}); reward function {function!r} looks the {column!r} up by prompt, so give each prompt one value"
-            )
-        references[text], first[text] = value, first.get(text, i)
+        references[text] = value if references.get(text, value) == value else None
     return references
 
 
@@ -116,14 +112,19 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
     name = spec.function
     if name in TASKS:
         return TASKS[name].reward
-    if name == "exact_match":
-        return exact_match(_references(prompts, tokenizer, name))
-    if name == "math_answer":
-        return math_answer(_references(prompts, tokenizer, name))
+    if name in ("exact_match", "math_answer"):
+        references = _references(prompts, tokenizer, name)
+        return exact_match(references) if name == "exact_match" else math_answer(references)
     if name == "format":
         return format_check(spec.pattern)
     if name == "code_execution":
-        return code_execution(_references(prompts, tokenizer, name, column="tests"), partial_credit=spec.partial_credit, allow_weak_sandbox=spec.allow_weak_sandbox)
+        references = _references(prompts, tokenizer, name, "tests")
+        for i, ex in enumerate(prompts):
+            try:
+                parse_tests(str(ex.metadata["tests"]))
+            except TestsError as err:
+                raise DataError(f"prompt record {i}: {err}") from None
+        return code_execution(references, partial_credit=spec.partial_credit, allow_weak_sandbox=spec.allow_weak_sandbox)
     module_name, attr = name.split(":", 1)
     if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
         sys.path.insert(0, os.getcwd())
@@ -168,13 +169,16 @@ def build_rewards(
     return terms
 
 
-def score_rollout(terms: Sequence[RewardTerm], prompts: list[str], completions: list[str]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Total reward sum_k w_k R_k per completion (B,) and each term's unweighted values.
+def score_rollout(
+    terms: Sequence[RewardTerm], prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Total reward sum_k w_k R_k per completion (B,) and each term's unweighted values; ``columns``:
+    the rows' other dataset columns, for the terms that take them (``**kwargs``).
 
     Every call goes through :func:`rlalign.lm.rewards.score_completions`, so a function that
     raises or returns NaN is an error naming it and the prompt.
     """
-    per_term = {t.name: score_completions([t.fn], prompts, completions) for t in terms}  # name -> (B,)
+    per_term = {t.name: score_completions([t.fn], prompts, completions, columns=columns) for t in terms}  # name -> (B,)
     total = torch.zeros(len(prompts))
     for t in terms:
         total = total + t.weight * per_term[t.name]
@@ -217,13 +221,16 @@ class ScoredRollout:
 
 
 def score_shard(
-    rewards: Sequence[RewardTerm], tokenizer, batch: Sequence, rollout: Rollout, completions: list[str], group_size: int, world: distributed.World,
-    missing_eos_penalty: float | None = None,
+    rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
+    world: distributed.World, missing_eos_penalty: float | None = None,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
-    reward terms, minus ``missing_eos_penalty`` for completions without EOS; gather the scores of every rank."""
-    prompts = [render_prompt(tokenizer, p) for p in batch[world.shard(len(batch))] for _ in range(group_size)]
-    local_scores, local_per_term = score_rollout(rewards, prompts, completions)  # (B,)
+    reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
+    without EOS; gather the scores of every rank."""
+    rows = [ex for ex in batch[world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
+    prompts = [render_prompt(tokenizer, ex.prompt) for ex in rows]
+    columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
+    local_scores, local_per_term = score_rollout(rewards, prompts, completions, columns)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()
     scores = distributed.gather_rows(local_scores, world)  # (B global,)

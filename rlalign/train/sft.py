@@ -124,17 +124,18 @@ def _evaluate(model, tokenizer, eval_set: list[SFTExample], spec: _EvalSpec, cfg
 def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
     """Run SFT; returns the final metrics (``eval/reward_initial``, ``eval/reward``, ``eval/loss``, ``time/total``)."""
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
-    train_set, eval_set, eval_spec = _datasets(cfg)
-    model = run.load_policy(cfg.model)
+    with run:  # the output_dir lock is let go of when the run ends, however it ends
+        train_set, eval_set, eval_spec = _datasets(cfg)
+        model = run.load_policy(cfg.model)
 
-    def batch_loss(trained, examples: list[SFTExample]):
-        loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing)
-        return loss, {"loss/sft": float(loss.detach())}, float(stats.tokens)  # a mean over completion tokens
+        def batch_loss(trained, examples: list[SFTExample]):
+            loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing)
+            return loss, {"loss/sft": float(loss.detach())}, float(stats.tokens)  # a mean over completion tokens
 
-    def evaluate(model) -> dict[str, float]:
-        return _evaluate(model, run.tokenizer, eval_set, eval_spec, cfg)
+        def evaluate(model) -> dict[str, float]:
+            return _evaluate(model, run.tokenizer, eval_set, eval_spec, cfg)
 
-    return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
+        return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

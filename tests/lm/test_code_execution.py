@@ -62,7 +62,7 @@ def test_passing_failing_and_partial_programs():
 @needs_isolation
 def test_unknown_prompt_is_an_error_naming_it():
     reward = code_execution({})
-    with pytest.raises(KeyError, match="no tests for prompt 'nope'"):
+    with pytest.raises(KeyError, match="no 'tests' for prompt 'nope'"):
         reward(["nope"], ["pass"])
 
 

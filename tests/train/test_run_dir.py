@@ -154,7 +154,7 @@ def test_a_directory_that_is_not_a_model_or_has_corrupt_weights_is_named(tmp_pat
         load_policy(tmp_path / "ok" / "final")
 
 
-def test_prompts_that_do_not_fit_the_context_and_conflicting_answers_are_errors_at_load(tmp_path):
+def test_prompts_that_do_not_fit_the_context_are_an_error_at_load(tmp_path):
     from rlalign.lm.data import DataError
     from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
     from rlalign.train import grpo
@@ -167,9 +167,23 @@ def test_prompts_that_do_not_fit_the_context_and_conflicting_answers_are_errors_
     cfg = load_config(grpo.GRPOConfig, None, [*base, f"output_dir={tmp_path / 'a'}", "sampling.max_new_tokens=8"])
     with pytest.raises(DataError, match="prompt record 1 is 10 tokens, and with sampling.max_new_tokens=8 it exceeds the model's 16 positions"):
         grpo.train(cfg, prompts=[{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+30+40=", "answer": "82"}])
-    cfg = load_config(grpo.GRPOConfig, None, [*base, f"output_dir={tmp_path / 'b'}", "sampling.max_new_tokens=4"])
-    with pytest.raises(DataError, match="prompt records 0 and 2 have the same prompt but different 'answer' values \\('2', '3'\\)"):
-        grpo.train(cfg, prompts=[{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "1+1=", "answer": "3"}])
+
+
+def test_answers_and_tests_are_per_row_not_per_prompt_text(tmp_path):
+    from rlalign.lm.data import DataError, PromptExample
+    from rlalign.lm.models import load_tokenizer
+    from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+    from rlalign.train import grpo, rollouts
+
+    path = build_tiny_checkpoint(tmp_path / "model", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), seed=0)
+    cfg = load_config(grpo.GRPOConfig, None, [f"model.path={path}", "rewards=[{function: exact_match}]"])
+    records = [PromptExample("2+2=", {"answer": "4"}), PromptExample("2+2=", {"answer": "5"})]  # one prompt, two answers
+    terms = rollouts.build_rewards(cfg.rewards, records, load_tokenizer(path), cfg.model)
+    total, _ = rollouts.score_rollout(terms, ["2+2=", "2+2="], ["4", "4"], {"answer": ["4", "5"]})
+    assert total.tolist() == [1.0, 0.0]  # each row against its own answer, not the last one of its prompt text
+    with pytest.raises(DataError, match="prompt record 1: tests have no top-level assert"):
+        cfg = load_config(grpo.GRPOConfig, None, [f"model.path={path}", "rewards=[{function: code_execution, allow_weak_sandbox: true}]"])
+        rollouts.build_rewards(cfg.rewards, [PromptExample("f", {"tests": "assert f() == 1"}), PromptExample("g", {"tests": "x = 1"})], load_tokenizer(path), cfg.model)
 
 
 def test_identical_preference_pairs_are_counted_and_dropped():
@@ -208,3 +222,20 @@ def test_the_rlalign_script_imports_a_module_function_reward_from_the_current_di
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["steps_run"] == 1
+
+
+def test_a_run_that_fails_lets_go_of_its_output_dir_at_once(tmp_path):
+    from rlalign.train import grpo
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError):  # fails after taking the lock: no reward term
+        grpo.train(load_config(grpo.GRPOConfig, None, [*TINY, f"output_dir={tmp_path / 'run'}", "rewards=[]"]))
+    from rlalign.lm.rewards import RewardFunctionError
+
+    with pytest.raises(RewardFunctionError):  # fails inside the step loop
+        grpo.train(load_config(grpo.GRPOConfig, None, [*TINY, f"output_dir={tmp_path / 'run'}", "steps=1", "prompts_per_step=2", "group_size=2",
+                                                        "sampling.max_new_tokens=2", "overwrite=true", "rewards=[]"]),
+                   reward_functions=[grpo.RewardTerm("boom", 1.0, lambda p, c: [1 / 0 for _ in c])])
+    result = grpo.train(load_config(grpo.GRPOConfig, None, [*TINY, f"output_dir={tmp_path / 'run'}", "steps=1", "prompts_per_step=2", "group_size=2",
+                                                             "sampling.max_new_tokens=2", "overwrite=true", "plots=false", "rewards=[{function: arithmetic}]"]))
+    assert len(result.history) == 1  # the failed runs' locks did not linger
