@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except (RLAlignError, OSError) as err:
-        if debug or (isinstance(err, OSError) and err.errno != errno.ENOSPC):
+        if debug or (not isinstance(err, RLAlignError) and err.errno != errno.ENOSPC):
             raise
         print(f"rlalign {command}: {_message(err)}", file=sys.stderr)
         return getattr(err, "exit_code", 2)

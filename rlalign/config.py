@@ -90,8 +90,10 @@ def _format_error(cls: type[BaseModel], err: ValidationError, source: str) -> st
             near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f" Did you mean {near[0]!r}?" if near else ""
             lines.append(f"  unknown key {key!r}.{hint} Allowed here: {', '.join(allowed)}")
+        elif not loc:  # a check across fields: its message says which
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key} = {e.get('input')!r}: {e['msg']}")
+            lines.append(f"  {key} = {e.get('input')!r}: {e['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)
 
 

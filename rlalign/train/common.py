@@ -33,7 +33,7 @@ import yaml
 from pydantic import Field
 from safetensors import safe_open
 
-from rlalign.config import Config
+from rlalign.config import Config, ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import encode_prompts, render_prompt
 from rlalign.lm.models import LoraConfig
@@ -486,7 +486,7 @@ def prepare_model_path(cfg: ModelConfig, output_dir: str | Path) -> Path:
     if cfg.path is not None:
         path = Path(cfg.path)
         if not path.is_dir():
-            raise FileNotFoundError(f"model.path {cfg.path!r} is not a directory")
+            raise ConfigError(f"model.path {cfg.path!r} is not a directory")
         return path.resolve()  # absolute: a saved LoRA adapter records its base by this path
     from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 

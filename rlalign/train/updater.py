@@ -99,9 +99,10 @@ class Updater:
         loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf")) if params else torch.zeros(())
-        if not math.isfinite(float(norm)) or not math.isfinite(float(loss)):
+        loss_value, norm_value = float(loss.detach()), float(norm)
+        if not math.isfinite(norm_value) or not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"update {self.updates + 1}: the loss is {float(loss)} and the gradient norm {float(norm)}")
+            raise NonFiniteError(f"update {self.updates + 1}: the loss is {loss_value} and the gradient norm {norm_value}")
         self.optimizer.step()
         self.scheduler.step()
         self.updates += 1
