@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import yaml
-from pydantic import Field
+from pydantic import Field, model_validator
 from safetensors import safe_open
 
 from rlalign.config import Config, ConfigError
@@ -44,6 +44,8 @@ __all__ = [
     "OptimConfig",
     "TinyModelConfig",
     "ModelConfig",
+    "RunConfig",
+    "check_output_dir",
     "prepare_model_path",
     "batch_order",
     "set_seed",
@@ -479,6 +481,26 @@ def check_output_dir(output_dir: str) -> None:
     """An empty ``output_dir`` would write the run into the current directory: refused."""
     if not output_dir.strip():
         raise ValueError("output_dir is empty: give the directory the run writes its files to")
+
+
+class RunConfig(Config):
+    """The fields of every LM training run (rlalign.train.loop): where it writes, its seed and
+    threads, its starting model, how it saves and shows progress. Each trainer's config extends it."""
+
+    output_dir: str = Field("runs/run", description="run directory: metrics.jsonl, checkpoints/, final/")
+    seed: int = Field(0, description="seed of Python, NumPy and torch, of the data order and of the sampling / shuffling generator")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(), description="starting checkpoint (e.g. an SFT run's final/), dtype, device, LoRA")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
+    progress: bool = Field(True, description="show a progress bar with the step's headline metrics")
+    tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
+    overwrite: bool = Field(False, description="start afresh in an output_dir that holds a run, deleting its contents first (otherwise an error)")
+
+    @model_validator(mode="after")
+    def _output_dir(self) -> RunConfig:
+        check_output_dir(self.output_dir)
+        return self
 
 
 def prepare_model_path(cfg: ModelConfig, output_dir: str | Path) -> Path:

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from rlalign.config import Config
 from rlalign.core.losses import AGGREGATION_MODES, Aggregation
 from rlalign.lm.sampling import SamplingParams
-from rlalign.train.common import ModelConfig, OptimConfig, check_output_dir
+from rlalign.train.common import ModelConfig, OptimConfig, RunConfig
 
 __all__ = [
     "DataConfig",
@@ -146,13 +146,10 @@ def check_compile(compile: bool, model: ModelConfig, sampling: SamplingConfig) -
         raise ValueError("sampling.compile=true needs whole weights on every rank; with model.sharding=fsdp leave it false")
 
 
-class RLConfig(Config):
+class RLConfig(RunConfig):
     """The fields every RL run has; GRPO and PPO set their own defaults for some of them."""
 
     output_dir: str = Field("runs/rl", description="run directory: metrics.jsonl, samples.jsonl, checkpoints/, final/, curves.png")
-    seed: int = Field(0, description="seeds Python, NumPy, torch, the prompt order and the sampling / shuffling generator")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy's starting checkpoint (e.g. an SFT run's final/), dtype, device, LoRA")
     reference: str | None = Field(None, description="frozen reference checkpoint for the KL term; null = the policy's start (LoRA: the base with adapters off)")
     data: DataConfig = Field(default_factory=lambda: DataConfig(task="arithmetic"), description="training prompts")
     rewards: list[RewardConfig] = Field(default_factory=list, description="reward terms, summed with their weights (train() also takes Python reward functions)")
@@ -164,18 +161,12 @@ class RLConfig(Config):
     aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
     sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
     num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
-    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
-    keep_last: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
-    progress: bool = Field(True, description="show a progress bar with the step's headline metrics")
-    tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
     plots: bool = Field(True, description="write curves.png of the headline metrics at the end")
     compile: bool = Field(False, description=COMPILE_HELP)
-    overwrite: bool = Field(False, description="start afresh in an output_dir that holds a run, deleting its contents first (otherwise an error)")
 
     @model_validator(mode="after")
     def _compile_needs_sdpa(self) -> RLConfig:
         check_compile(self.compile, self.model, self.sampling)
-        check_output_dir(self.output_dir)
         return self
 
     @property

@@ -24,7 +24,7 @@ from pydantic import Field, model_validator
 
 from rlalign.config import Config
 from rlalign.train import distributed
-from rlalign.train.common import ModelConfig, OptimConfig, batch_order, check_output_dir, forward_precision
+from rlalign.train.common import OptimConfig, RunConfig, batch_order, forward_precision
 from rlalign.train.loop import Run, SavedModels, TrainState, resume_state, run_steps
 from rlalign.train.updater import Updater
 
@@ -50,28 +50,15 @@ class SupervisedDataConfig(Config):
         return self
 
 
-class SupervisedConfig(Config):
+class SupervisedConfig(RunConfig):
     """The fields of every supervised run (SFT, reward model); each sets its own defaults for some."""
 
     output_dir: str = Field("runs/supervised", description="run directory: metrics.jsonl, checkpoints/, final/")
-    seed: int = Field(0, description="seed of Python, NumPy and torch, and of the data order")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (null = torch's default)")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="starting checkpoint, dtype, device, LoRA")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and schedule")
     batch_size: int = Field(32, ge=1, description="examples per step")
     max_steps: int = Field(100, ge=1, description="optimizer steps")
     eval_every: int = Field(100, ge=1, description="evaluate every this many steps (and at the start and end)")
     eval_batch_size: int = Field(128, ge=1, description="examples per forward at eval")
-    save_every: int = Field(0, ge=0, description="checkpoint every this many steps; 0 = only at the end")
-    keep_last: int = Field(2, ge=1, description="checkpoints kept")
-    progress: bool = Field(True, description="show a progress bar")
-    tensorboard: bool = Field(False, description="also log to TensorBoard (when installed)")
-    overwrite: bool = Field(False, description="start afresh in an output_dir that holds a run, deleting its contents first (otherwise an error)")
-
-    @model_validator(mode="after")
-    def _output_dir(self) -> SupervisedConfig:
-        check_output_dir(self.output_dir)
-        return self
 
 
 BatchLoss = Callable[[nn.Module, list], tuple[Tensor, dict[str, float], float]]
