@@ -37,9 +37,6 @@ class SupervisedDataConfig(Config):
     task: str | None = Field(None, description="built-in task used when train_file is null")
     train_file: str | None = Field(None, description="JSONL/JSON/Parquet of training examples; overrides task")
     eval_file: str | None = Field(None, description="held-out examples (required with train_file)")
-    num_train: int = Field(1000, ge=1, description="number of built-in training examples")
-    num_eval: int = Field(100, ge=1, description="number of built-in eval examples")
-    max_length: int = Field(64, ge=2, description="longest prompt + completion in tokens")
 
     @model_validator(mode="after")
     def _source(self) -> SupervisedDataConfig:

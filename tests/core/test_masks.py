@@ -73,3 +73,11 @@ def test_whiten_with_given_statistics_centres_by_default():
     mean, var = torch.tensor(2.0), torch.tensor(4.0)
     torch.testing.assert_close(whiten(x, mean, var, mask), torch.tensor([-0.5, 0.5, 0.0]))
     torch.testing.assert_close(whiten(x, mean, var, mask, shift_mean=False), torch.tensor([1.5, 2.5, 0.0]))
+
+
+def test_a_broadcast_mask_counts_every_position_it_covers():
+    # mask (2, 1) over x (2, 3): row 0 counts all three values, row 1 none -> mean (1 + 2 + 3) / 3 = 2, not 6 / 1
+    x = torch.tensor([[1.0, 2.0, 3.0], [10.0, 20.0, 30.0]])
+    mask = torch.tensor([[1.0], [0.0]])
+    assert masked_mean(x, mask).item() == 2.0
+    assert masked_mean(x, mask, dim=-1).tolist() == [2.0, 0.0]

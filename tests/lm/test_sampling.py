@@ -455,3 +455,10 @@ def test_packed_prefill_padding_never_joins_a_prompts_segment(tiny_llama):
         return sampling._prefill(tiny_llama, ids, mask, 1, cache, total, torch.float32, None, False, rows)
 
     torch.testing.assert_close(prefill(rows), prefill(None), rtol=0, atol=1e-5)
+
+
+def test_sampling_builds_no_graph_even_from_a_trainable_model(tiny_llama):
+    # the log-probs become log pi_old: a graph through them would send gradient into pi_old
+    assert any(p.requires_grad for p in tiny_llama.parameters())
+    rollout = sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=3), 0, [EOS], noise=torch.rand(3, len(PROMPTS)))
+    assert not rollout.logprobs.requires_grad

@@ -198,3 +198,40 @@ def test_plot_metrics_labels_each_panel_and_the_shared_step_axis(tmp_path, monke
     axes = fig.axes
     assert [ax.get_ylabel() for ax in axes] == ["a", "b"]
     assert [ax.get_xlabel() for ax in axes] == ["", "step"]  # the bottom panel carries the shared x axis
+
+
+def test_rng_restore_leaves_cuda_alone_when_the_state_has_none(monkeypatch):
+    from rlalign.train.common import restore_rng_state, rng_state
+
+    state = rng_state()
+    state.pop("cuda", None)  # saved on a machine without CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("no CUDA state was saved"))
+    restore_rng_state(state)
+
+
+def test_schedule_with_one_step_after_warmup_reaches_its_floor():
+    from rlalign.train.common import OptimConfig, make_optimizer
+
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
+    optimizer, scheduler = make_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg, total_steps=3)
+    lrs = []
+    for _ in range(3):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    lrs.append(scheduler.get_last_lr()[0])
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.1])  # warm-up 1/2, 2/2; then progress 0, then 1/1: the floor
+
+
+def test_a_checkpoint_saved_without_a_data_position_reads_back_zero(tmp_path):
+    from rlalign.train.common import load_checkpoint, save_checkpoint
+
+    class Weights:
+        def save_pretrained(self, path):
+            import pathlib
+
+            pathlib.Path(path).mkdir(parents=True)
+
+    save_checkpoint(tmp_path, 1, Weights())
+    assert load_checkpoint(tmp_path).data_position == 0

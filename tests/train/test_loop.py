@@ -3,6 +3,8 @@ checkpoint layout, clear errors for a checkpoint that cannot be resumed."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,7 +15,7 @@ from rlalign.train import loop, passes
 from rlalign.train.common import CheckpointError, autocast_context, list_checkpoints, load_checkpoint, read_metrics
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "progress=false"]
-RM = ["rm", *TINY, "data.num_train=32", "data.num_eval=4", "batch_size=4", "eval_every=100", "save_every=1", "keep_last=5"]
+RM = ["rm", *TINY, "data.num_train=32", "data.num_eval=4", "batch_size=4", "save_every=1", "keep_last=5"]
 
 
 def test_the_cli_resumes_a_reward_model_run_at_the_step_its_checkpoint_names(tmp_path):
@@ -74,3 +76,22 @@ def test_the_compiled_training_pass_falls_back_to_eager_when_torch_lacks_its_pri
     finally:
         private.ready.cache_clear()
     torch.testing.assert_close(fallback, eager, rtol=0, atol=0)
+
+
+def test_samples_are_written_every_sample_every_steps_and_eval_runs_every_eval_every_steps(tmp_path):
+    from rlalign.train import grpo
+
+    cfg = grpo.load_config(grpo.GRPOConfig, None, [*TINY, f"output_dir={tmp_path / 'grpo'}", "steps=4", "sample_every=2", "prompts_per_step=2",
+                                                   "group_size=2", "sampling.max_new_tokens=2", "plots=false", "rewards=[{function: arithmetic}]"])
+    grpo.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "samples.jsonl").read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [1, 3]  # after steps 2 and 4 (1-based)
+    assert main([*RM, "max_steps=5", "eval_every=2", f"output_dir={tmp_path / 'rm'}"]) == 0
+    evals = [r["step"] for r in read_metrics(tmp_path / "rm" / "metrics.jsonl") if "eval/accuracy" in r and r["step"] >= 0]
+    assert evals == [1, 3, 4]  # every 2 steps, and at the last
+
+
+def test_reward_statistics_of_a_single_completion_have_no_spread():
+    from rlalign.train.rollouts import reward_stats
+
+    assert reward_stats(torch.tensor([2.0]), {"rm": torch.tensor([3.0])}) == {"reward/mean": 2.0, "reward/std": 0.0, "reward/rm/mean": 3.0, "reward/rm/std": 0.0}
