@@ -1,16 +1,8 @@
 """The building blocks every trainer uses: model and optimiser configs, seeding and RNG states, the
-AdamW schedule, metrics logging and curves, the checkpoint directory format. The run lifecycle
+AdamW schedule, metrics logging and curves. The run lifecycle
 built from them (start, resume, step loop, checkpoints, ``final/``) is :mod:`rlalign.train.loop`.
 
-Checkpoints are directories ``<run_dir>/checkpoints/step_<n>`` (n steps done) holding ``model/``
-(``save_pretrained``: safetensors weights, config, tokenizer when given), ``optimizer.pt`` (an
-optimizer / scheduler given to :func:`save_checkpoint`; the trainers keep theirs in ``extra``
-instead, one entry per updater), ``trainer_state.pt`` (step, Python / NumPy / torch RNG states,
-data position, extra state: all tensors and plain containers, read back with
-``torch.load(weights_only=True)``), ``config.yaml`` and ``checkpoint.json`` (written last; its
-presence is what makes a directory a checkpoint). A checkpoint is written in a temporary sibling
-directory and moved into place with ``os.replace``, so a crash mid-save leaves the previous
-checkpoints intact and no half-written one under a real name.
+The checkpoint directory format is :mod:`rlalign.train.checkpoints`.
 """
 
 from __future__ import annotations
@@ -18,23 +10,16 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
-import shutil
 import time
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-import yaml
 from pydantic import Field, model_validator
-from safetensors import safe_open
 
 from rlalign.config import Config, ConfigError
-from rlalign.errors import RLAlignError
 from rlalign.lm.data import encode_prompts, render_prompt
 from rlalign.lm.models import LoraConfig
 from rlalign.lm.rewards import score_completions
@@ -57,20 +42,9 @@ __all__ = [
     "MetricsLogger",
     "read_metrics",
     "plot_metrics",
-    "CheckpointError",
-    "Checkpoint",
-    "save_checkpoint",
-    "load_checkpoint",
-    "is_checkpoint",
-    "list_checkpoints",
-    "latest_checkpoint",
     "generation_eval",
     "greedy_eval",
 ]
-
-CHECKPOINT_MARKER = "checkpoint.json"
-CHECKPOINT_FORMAT = 1
-
 
 class OptimConfig(Config):
     """AdamW with linear warm-up then cosine decay to ``min_lr_ratio`` * lr."""
@@ -260,191 +234,6 @@ def plot_metrics(path: str | Path, keys: list[str], out: str | Path) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
-
-
-class CheckpointError(RLAlignError, ValueError):
-    """A path that is not a checkpoint directory (or not a run directory holding one)."""
-
-
-@dataclass
-class Checkpoint:
-    """What :func:`load_checkpoint` reads back. Model weights stay on disk at ``model_dir``."""
-
-    path: Path
-    step: int
-    model_dir: Path
-    optimizer_state: dict | None
-    scheduler_state: dict | None
-    rng: dict[str, Any]
-    data_position: int
-    extra: dict[str, Any]
-    config: dict[str, Any]
-    trainer: str | None = None  # the config class that wrote it (e.g. GRPOConfig); None for an older checkpoint
-
-
-def _checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def is_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / CHECKPOINT_MARKER).is_file()
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = _checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.name.startswith("step_") and is_checkpoint(p)), key=lambda p: int(p.name[5:]))
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler=None,
-    tokenizer=None,
-    config: Config | dict | None = None,
-    data_position: int = 0,
-    extra: dict[str, Any] | None = None,
-    keep_last: int | None = 3,
-) -> Path:
-    """Write ``<run_dir>/checkpoints/step_<step>`` atomically; keep the newest ``keep_last`` (None = all).
-
-    ``model`` is anything with ``save_pretrained`` (a transformers or peft model, a
-    :class:`rlalign.lm.models.ScalarHeadModel`, :class:`rlalign.train.loop.SavedModels`). ``extra``
-    must hold tensors and plain containers.
-    """
-    root = _checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        model.save_pretrained(tmp / "model")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / "model")
-        optimizer_state = optimizer.state_dict() if optimizer is not None else None
-        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optimizer.pt")
-        torch.save({"step": step, "data_position": data_position, "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
-        config_dict = config.model_dump(mode="json") if isinstance(config, Config) else (config or {})
-        (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-        marker = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(), "config": type(config).__name__ if isinstance(config, Config) else None}
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps(marker))
-        replace_dir(tmp, final)  # fsynced, then renamed into place: a crash leaves the old one or the new one
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if keep_last is not None:  # the oldest go; never one after this step (a resumed run refuses to start beside those)
-        kept = [p for p in list_checkpoints(run_dir) if int(p.name[5:]) <= step]
-        for old in kept[:-keep_last]:
-            shutil.rmtree(old)
-    return final
-
-
-def fsync_tree(path: str | Path) -> None:
-    """Flush every file under ``path``, and the directories themselves, to the disk."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(root)
-
-
-def _fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot sync a directory
-        pass
-    finally:
-        os.close(fd)
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move the finished directory ``tmp`` to ``final`` atomically (its files fsynced first); an old
-    ``final`` is moved aside, then removed, so at every moment one complete version exists."""
-    fsync_tree(tmp)
-    old = final.with_name(f".old_{final.name}_{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
-    """Remove the temporary directories a killed run left in ``run_dir`` (half-written checkpoints or
-    final models); call only while holding the run directory's lock. Returns what was removed."""
-    run_dir = Path(run_dir)
-    stale = [p for p in [*run_dir.glob(".tmp_*"), *run_dir.glob(".old_*"), *_checkpoint_root(run_dir).glob(".tmp_step_*"), *_checkpoint_root(run_dir).glob(".old_*")] if p.is_dir()]
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return stale
-
-
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a checkpoint directory, or the latest readable checkpoint of a run directory (a corrupt
-    newer one is skipped with a warning naming the bad file).
-
-    Raises:
-        CheckpointError: when ``path`` is neither, or the checkpoint asked for is unreadable (naming what is missing or bad).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"cannot resume from {path}: no such directory")
-    if is_checkpoint(path):
-        return _read_checkpoint(path)
-    candidates = list_checkpoints(path)
-    if not candidates:
-        raise CheckpointError(f"cannot resume from {path}: not a checkpoint directory (no {CHECKPOINT_MARKER}) and no checkpoints/step_* inside")
-    for candidate in reversed(candidates):
-        try:
-            return _read_checkpoint(candidate)
-        except CheckpointError as err:
-            warnings.warn(f"{err}; trying the previous checkpoint", RuntimeWarning, stacklevel=2)
-    raise CheckpointError(f"cannot resume from {path}: none of its {len(candidates)} checkpoints is readable (warnings above name the bad files)")
-
-
-def _read_checkpoint(path: Path) -> Checkpoint:
-    """One checkpoint directory, every file checked: its state files load, its weights files have a whole header."""
-    current = path / CHECKPOINT_MARKER
-    try:
-        json.loads(current.read_text())
-        current = path / "optimizer.pt"
-        optim = torch.load(current, weights_only=True)
-        current = path / "trainer_state.pt"
-        state = torch.load(current, weights_only=True)
-        current = path / "config.yaml"
-        config = yaml.safe_load(current.read_text()) or {}
-        for current in sorted((path / "model").rglob("*.safetensors")):
-            with safe_open(str(current), "pt"):  # reads and checks the header against the file's size
-                pass
-    except Exception as err:  # torch, yaml, json and safetensors each raise their own kinds
-        raise CheckpointError(f"checkpoint {path} is unreadable: {current} ({type(err).__name__}: {err})") from None
-    return Checkpoint(
-        path=path,
-        step=int(state["step"]),
-        model_dir=path / "model",
-        optimizer_state=optim["optimizer"],
-        scheduler_state=optim["scheduler"],
-        rng=state["rng"],
-        data_position=int(state["data_position"]),
-        extra=state["extra"],
-        config=config,
-        trainer=json.loads((path / CHECKPOINT_MARKER).read_text()).get("config"),
-    )
 
 
 class TinyModelConfig(Config):

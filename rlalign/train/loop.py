@@ -35,20 +35,15 @@ from rlalign.lm.data import PromptExample
 from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer
 from rlalign.train import distributed
 from rlalign.train.common import (
-    Checkpoint,
-    CheckpointError,
     MetricsLogger,
     ModelConfig,
-    latest_checkpoint,
-    load_checkpoint,
     plot_metrics,
     prepare_model_path,
     read_metrics,
-    replace_dir,
     restore_rng_state,
-    save_checkpoint,
     set_seed,
 )
+from rlalign.train.checkpoints import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, replace_dir, save_checkpoint
 from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
 from rlalign.train.run_dir import claim_run_dir
 from rlalign.train.updater import NonFiniteError, Updater
@@ -222,7 +217,7 @@ def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater
 
 class SavedModels:
     """What a checkpoint's ``model/`` holds: the policy, and other models in named subdirectories
-    (PPO's critic), so one atomic :func:`rlalign.train.common.save_checkpoint` writes them all."""
+    (PPO's critic), so one atomic :func:`rlalign.train.checkpoints.save_checkpoint` writes them all."""
 
     def __init__(self, policy: nn.Module, **others: nn.Module):
         self.policy, self.others = policy, others

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlalign.config import Config, ConfigError
-from rlalign.train.common import Checkpoint, CheckpointError, list_checkpoints, remove_stale_temp_dirs
+from rlalign.train.checkpoints import Checkpoint, CheckpointError, list_checkpoints, remove_stale_temp_dirs
 
 __all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs"]
 

@@ -10,21 +10,17 @@ import pytest
 import torch
 
 from rlalign.train.common import (
-    CheckpointError,
     MetricsLogger,
     OptimConfig,
     batch_order,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
     make_optimizer,
     plot_metrics,
     read_metrics,
     restore_rng_state,
     rng_state,
-    save_checkpoint,
     set_seed,
 )
+from rlalign.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
 
 class _Saveable(torch.nn.Module):
@@ -225,7 +221,7 @@ def test_schedule_with_one_step_after_warmup_reaches_its_floor():
 
 
 def test_a_checkpoint_saved_without_a_data_position_reads_back_zero(tmp_path):
-    from rlalign.train.common import load_checkpoint, save_checkpoint
+    from rlalign.train.checkpoints import load_checkpoint, save_checkpoint
 
     class Weights:
         def save_pretrained(self, path):

@@ -19,14 +19,15 @@ from safetensors.torch import load_file
 
 from rlalign.cli import main
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train.common import list_checkpoints, read_metrics
+from rlalign.train.common import read_metrics
+from rlalign.train.checkpoints import list_checkpoints
 
 STEPS = 4
 # Runs the CLI in a child process that SIGKILLs itself at the n-th atomic rename of a checkpoint
 # ("checkpoint") or of the final model ("final"): its files are written, the rename is not.
 CHILD = """
 import json, os, sys
-import rlalign.train.common as common
+import rlalign.train.checkpoints as checkpoints
 import rlalign.train.loop as loop
 mode, n, args = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 calls = [0]
@@ -38,7 +39,7 @@ def killing(original):
         return original(tmp, final)
     return replace
 if mode == "checkpoint":
-    common.replace_dir = killing(common.replace_dir)
+    checkpoints.replace_dir = killing(checkpoints.replace_dir)
 elif mode == "final":
     loop.replace_dir = killing(loop.replace_dir)
 from rlalign.cli import main

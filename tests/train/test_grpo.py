@@ -22,7 +22,8 @@ from rlalign.lm.rewards import RewardFunctionError
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo, loop, rollouts
-from rlalign.train.common import CheckpointError, set_seed
+from rlalign.train.common import set_seed
+from rlalign.train.checkpoints import CheckpointError
 
 torch.set_num_threads(1)
 

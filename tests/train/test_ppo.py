@@ -17,7 +17,7 @@ from rlalign.lm.packed import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import ppo, rollouts
-from rlalign.train.common import CheckpointError
+from rlalign.train.checkpoints import CheckpointError
 from rlalign.train.rollouts import RewardTerm
 
 torch.set_num_threads(1)

@@ -67,7 +67,7 @@ def test_bad_config_and_resume_path_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="data.eval_file is required"):
         load_config(SFTConfig, None, ["data.train_file=x.jsonl"])
     assert main(["sft", "optim.lr=-1"]) == 2
-    from rlalign.train.common import CheckpointError
+    from rlalign.train.checkpoints import CheckpointError
 
     with pytest.raises(CheckpointError, match="not a checkpoint directory"):
         train(load_config(SFTConfig, None, TINY + [f"output_dir={tmp_path}", "data.num_train=8", "data.num_eval=2"]), resume=tmp_path)
