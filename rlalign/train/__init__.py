@@ -6,6 +6,7 @@
   :mod:`~rlalign.train.rollouts` (prompts, reward terms, sampling and scoring),
   :mod:`~rlalign.train.passes` (reference and pi_old log-prob passes);
 - for all four: :mod:`~rlalign.train.updater` (model, AdamW, schedule, clipping), :mod:`~rlalign.train.loop`
-  (start, ``--resume``, the step loop, checkpoints, ``final/``), :mod:`~rlalign.train.common`
-  (configs, seeds, metrics, the checkpoint format), :mod:`~rlalign.train.distributed` (torchrun).
+  (start, ``--resume``, the step loop, ``final/``), :mod:`~rlalign.train.run_dir` (one run per output
+  directory), :mod:`~rlalign.train.checkpoints` (the checkpoint format), :mod:`~rlalign.train.common`
+  (configs, seeds, metrics), :mod:`~rlalign.train.distributed` (torchrun).
 """
