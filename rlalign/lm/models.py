@@ -379,23 +379,58 @@ class ScalarHeadModel(nn.Module):
         gguf_file: str | None = None,
         init_std: float | None = None,
         attn_implementation: str | None = None,
+        require_head: bool = False,
     ) -> ScalarHeadModel:
-        """Backbone from any causal-LM or backbone checkpoint; head from ``value_head.safetensors``
-        when ``path`` holds one (a saved reward model or critic), else freshly initialised."""
+        """Backbone from any causal-LM, backbone or sequence-classification checkpoint; the head from
+        ``value_head.safetensors`` (a reward model or critic saved by rlalign), else from the ``score``
+        layer of a Hugging Face ``*ForSequenceClassification`` checkpoint with one label, else freshly
+        initialised, which ``require_head`` forbids (a frozen reward model with a random head would
+        score noise).
+
+        Raises:
+            ModelLoadError: ``require_head`` and no trained head, or a head that does not fit (not one label).
+        """
         backbone = _from_pretrained(AutoModel, path, dtype, device, gguf_file, attn_implementation)
         model = cls(backbone, init_std=init_std)
-        head_file = Path(path) / HEAD_FILE
-        if head_file.is_file():
-            state = load_file(str(head_file))
-            model.head.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+        head = _trained_head(Path(path), model.head.in_features)
+        if head is not None:
+            model.head.load_state_dict(head)
+        elif require_head:
+            raise ModelLoadError(
+                f"{path} has no trained reward head (no {HEAD_FILE}, nor a *ForSequenceClassification 'score' layer with one label): "
+                "a reward model with a freshly initialised head would score noise; train one with `rlalign rm` or give a reward-model checkpoint"
+            )
         return model.to(device)
+
+
+def _trained_head(path: Path, hidden: int) -> dict[str, Tensor] | None:
+    """{weight (1, H), bias (1,)} in float32 from ``value_head.safetensors`` or from a one-label
+    sequence-classification checkpoint's ``score`` layer (bias 0 when it has none); None when neither."""
+    head_file = path / HEAD_FILE
+    if head_file.is_file():
+        return {k: v.to(torch.float32) for k, v in load_file(str(head_file)).items()}
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if not any(name.endswith("ForSequenceClassification") for name in config.get("architectures") or []):
+        return None
+    tensors: dict[str, Tensor] = {}
+    for weights in sorted(path.glob("*.safetensors")):
+        with safe_open(str(weights), "pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys() if key.split(".")[-2:-1] == ["score"]})
+    weight = next((v for k, v in tensors.items() if k.endswith("score.weight")), None)
+    if weight is None or tuple(weight.shape) != (1, hidden):
+        shape = None if weight is None else tuple(weight.shape)
+        raise ModelLoadError(f"{path}: a sequence-classification checkpoint whose score layer is {shape}, not one label over {hidden} hidden units")
+    bias = next((v for k, v in tensors.items() if k.endswith("score.bias")), torch.zeros(1))
+    return {"weight": weight.to(torch.float32), "bias": bias.to(torch.float32).reshape(1)}
 
 
 def load_reward_model(
     path: str | Path, dtype: DType = "float32", device: str = "cpu", trainable: bool = False, gguf_file: str | None = None, attn_implementation: str | None = None
 ) -> ScalarHeadModel:
-    """A reward model; frozen (eval, no grad) unless ``trainable`` (reward-model training)."""
-    model = ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file, attn_implementation=attn_implementation)
+    """A reward model; frozen (eval, no grad) with a trained head required, unless ``trainable``
+    (reward-model training, which may start from an SFT model with a fresh head)."""
+    model = ScalarHeadModel.from_pretrained(path, dtype, device, gguf_file, attn_implementation=attn_implementation, require_head=not trainable)
     if not trainable:
         model.eval()
         model.requires_grad_(False)

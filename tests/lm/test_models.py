@@ -28,7 +28,7 @@ from rlalign.lm.models import (
 )
 from rlalign.lm.packed import PackedLinear, can_pack_linear, pack_linear_layers, repack_linear_layers
 
-from .conftest import make_gpt2
+from .conftest import make_gpt2, make_llama
 
 
 @pytest.fixture(params=["llama", "gpt2"])
@@ -55,7 +55,7 @@ def test_the_kv_cache_goes_by_the_keyword_the_forward_names(tiny_llama, llama_ch
 
 
 def test_reward_is_read_at_the_last_non_pad_token(checkpoint):
-    rm = load_reward_model(checkpoint)
+    rm = load_reward_model(checkpoint, trainable=True).eval()  # a fresh head: the test is where it is read
     ids = torch.tensor([[1, 14, 15, 16, 2], [1, 20, 2, 0, 0]])  # row 1 is right-padded after its EOS
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     scores = rm.sequence_scores(ids, mask)  # (2,)
@@ -440,3 +440,34 @@ def test_guard_profiling_comes_back_after_overlapping_blocks():
     assert guards.profile_guard_manager is not original
     second.__exit__(None, None, None)
     assert guards.profile_guard_manager is original
+
+
+def test_a_hugging_face_sequence_classification_reward_model_keeps_its_trained_head(tmp_path, tokenizer):
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    from rlalign.lm.models import ModelLoadError
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    hf = LlamaForSequenceClassification(config).eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(std=1.0)
+    hf.save_pretrained(tmp_path / "hf_rm")
+    tokenizer.save_pretrained(tmp_path / "hf_rm")
+    ids = torch.tensor([[1, 14, 15, 16, 2]])
+    expected = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf_rm").eval()(input_ids=ids).logits[:, 0]
+    rm = load_reward_model(tmp_path / "hf_rm")
+    torch.testing.assert_close(rm.sequence_scores(ids, torch.ones_like(ids)), expected, rtol=0, atol=1e-5)
+    # a reward model must come with a trained head: a causal LM alone is an error, never a random head
+    with pytest.raises(ModelLoadError, match="no trained reward head"):
+        load_reward_model(_causal_lm(tmp_path, tokenizer))
+    two_labels = LlamaForSequenceClassification(LlamaConfig(**{**config.to_dict(), "num_labels": 2}))
+    two_labels.save_pretrained(tmp_path / "two")
+    with pytest.raises(ModelLoadError, match="score layer is \\(2, 32\\), not one label"):
+        load_reward_model(tmp_path / "two")
+
+
+def _causal_lm(tmp_path, tokenizer):
+    path = tmp_path / "causal"
+    make_llama(vocab=len(tokenizer)).save_pretrained(path)
+    return path

@@ -46,7 +46,7 @@ def test_nan_or_wrong_length_is_an_error_naming_the_prompt():
 
 
 def test_reward_model_as_reward_function(llama_checkpoint, tokenizer):
-    rm = load_reward_model(llama_checkpoint)
+    rm = load_reward_model(llama_checkpoint, trainable=True).eval()  # a fresh head: the test is the reading, not the score
     fn = RewardModelReward(rm, tokenizer, batch_size=2)
     prompts, completions = ["ab", "c", "de"], ["x", "yy", ""]
     scores = fn(prompts, completions)

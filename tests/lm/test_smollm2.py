@@ -72,6 +72,6 @@ def test_reward_scoring_on_the_real_model(smollm2):
     path, tok, _ = smollm2
     prompts, completions = ["What is 2+2?", "What is 2+2?"], ["The answer is $4$.", "It is 5."]
     assert score_completions([math_answer({"What is 2+2?": "4"})], prompts, completions).tolist() == [1.0, 0.0]
-    rm = load_reward_model(path, gguf_file=GGUF)  # backbone from the GGUF, fresh head
+    rm = load_reward_model(path, trainable=True, gguf_file=GGUF).eval()  # backbone from the GGUF, fresh head
     scores = RewardModelReward(rm, tok, batch_size=2)(prompts, completions)
     assert len(scores) == 2 and all(torch.isfinite(torch.tensor(scores)))
