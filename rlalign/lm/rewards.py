@@ -125,17 +125,33 @@ class RewardModelReward:
         return scores
 
 
-def _takes_columns(fn: Callable) -> bool:
-    """Whether ``fn`` takes ``**kwargs`` (then it gets the rows' dataset columns)."""
+def _keyword_names(fn: Callable) -> set[str] | None:
+    """The keyword arguments ``fn`` takes: None for ``**kwargs`` (all of them), an empty set when it
+    cannot take ``prompts`` and ``completions`` by name (then it is called positionally)."""
     try:
-        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+        parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature
-        return False
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    named = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return named if "completions" in named else set()
+
+
+def _call(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence]) -> Sequence:
+    """TRL's convention where ``fn`` takes it: keywords ``prompts``, ``completions`` and every other
+    column by name (all of them for ``**kwargs``, else those it names); else ``fn(prompts, completions)``."""
+    names = _keyword_names(fn)
+    if names is not None and not names:
+        return fn(prompts, completions)
+    kwargs = {"prompts": prompts, "completions": completions, **columns}
+    return fn(**(kwargs if names is None else {key: value for key, value in kwargs.items() if key in names}))
 
 
 def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, Sequence]) -> list[float]:
+    """``fn``'s scores, checked: one finite number per completion, or None where it does not apply (read as NaN)."""
     try:
-        scores = list(fn(prompts, completions, **columns) if columns and _takes_columns(fn) else fn(prompts, completions))
+        scores = list(_call(fn, prompts, completions, columns))
     except Exception as err:  # find which prompt makes it raise
         if len(prompts) > 1:
             for i, (p, c) in enumerate(zip(prompts, completions)):
@@ -144,20 +160,22 @@ def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str
     if len(scores) != len(prompts):
         raise RewardFunctionError(f"reward function {name} returned {len(scores)} scores for {len(prompts)} completions")
     for p, s in zip(prompts, scores):
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
-            raise RewardFunctionError(f"reward function {name} returned {s!r} (expected a finite float) for prompt {p!r}")
-    return [float(s) for s in scores]
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)):
+            raise RewardFunctionError(f"reward function {name} returned {s!r} (expected a finite float) for prompt {p!r} (None marks a completion the function does not apply to)")
+    return [math.nan if s is None else float(s) for s in scores]
 
 
 def score_completions(
     reward_fns: Sequence[RewardFn], prompts: list[str], completions: list[str], weights: Sequence[float] | None = None,
     columns: Mapping[str, Sequence] | None = None,
 ) -> Tensor:
-    """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32.
+    """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32. A function may return
+    None for a completion it does not apply to: its term is left out of that completion's sum.
 
-    ``columns``: the rows' other dataset columns (``answer``, ``tests``, ...), one value per row each,
-    passed as keywords to a function that takes ``**kwargs`` (TRL's convention), so a reference is
-    the row's own, not looked up by prompt text.
+    ``columns``: the rows' other dataset columns (``answer``, ``tests``, ...), one value per row each.
+    A function that takes ``completions`` by name is called TRL's way, with keywords: ``prompts``,
+    ``completions`` and the columns it names (every one for ``**kwargs``), so a reference is the row's
+    own, not looked up by prompt text; any other function is called ``fn(prompts, completions)``.
 
     Raises:
         RewardFunctionError: naming the function and the prompt, when one raises or returns
@@ -173,9 +191,10 @@ def score_completions(
     total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
     for fn, weight in zip(reward_fns, weights):
         name = reward_fn_name(fn)
-        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions), dict(columns or {})), dtype=torch.float32)  # (B,)
-        check_finite(scores, f"reward function {name} returned", prompts, "not finite in float32, the dtype rewards are trained in")
-        total += weight * scores
+        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions), dict(columns or {})), dtype=torch.float32)  # (B,), NaN: None
+        applies = ~torch.isnan(scores)  # a None score leaves the term out of that completion's sum (TRL's nansum)
+        check_finite(scores[applies], f"reward function {name} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
+        total += weight * scores.nan_to_num(0.0)
         check_finite(total, f"the reward total after reward function {name} (weight {weight}) is", prompts, "not finite in float32")
     return total
 

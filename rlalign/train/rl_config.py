@@ -54,7 +54,8 @@ class RewardConfig(Config):
         None,
         description="arithmetic | preference (the task's reward) | exact_match | math_answer (vs the prompts' 'answer' column, "
         "math_answer through math-verify) | format (regex 'pattern') | code_execution (runs the completion's code with the prompts' "
-        "'tests' column in a sandbox: time, memory and network limits) | 'package.module:function' taking (prompts, completions)",
+        "'tests' column in a sandbox) | 'package.module:function': TRL's reward convention (keywords prompts, completions and the "
+        "record's other columns) or fn(prompts, completions)",
     )
     reward_model: str | None = Field(None, description="reward-model checkpoint (backbone + value_head.safetensors); its score is the reward")
     pattern: str | None = Field(None, description="regular expression the whole completion must match (function: format)")

@@ -64,3 +64,32 @@ def test_reward_model_reward_reads_up_to_1024_tokens_by_default():
     from rlalign.lm.rewards import RewardModelReward
 
     assert inspect.signature(RewardModelReward).parameters["max_length"].default == 1024
+
+
+# Three reward functions written from TRL's documented signature (GRPOTrainer's reward_funcs), unchanged.
+def reward_len(completions, **kwargs):
+    return [-abs(5 - len(completion)) for completion in completions]
+
+
+def accuracy_reward(completions, answer, **kwargs):
+    return [1.0 if completion.strip() == str(a) else 0.0 for completion, a in zip(completions, answer)]
+
+
+def format_reward(prompts, completions, **kwargs):
+    """Scores only completions of prompts that ask for a number; None elsewhere (TRL: does not apply)."""
+    return [float(c.strip().isdigit()) if "number" in p else None for p, c in zip(prompts, completions)]
+
+
+def test_reward_functions_written_for_trl_run_unchanged_with_the_rows_columns():
+    prompts, completions = ["a number?", "a number?", "a word?"], ["42", "forty", "hello"]
+    columns = {"answer": ["42", "40", "hi"], "level": [1, 2, 3]}
+    assert score_completions([reward_len], prompts, completions, columns=columns).tolist() == [-3.0, 0.0, 0.0]
+    assert score_completions([accuracy_reward], prompts, completions, columns=columns).tolist() == [1.0, 0.0, 0.0]
+    # None: the term leaves that completion's sum, the others still count
+    total = score_completions([format_reward, reward_len], prompts, completions, weights=[2.0, 1.0], columns=columns)
+    assert total.tolist() == [2.0 - 3.0, 0.0 + 0.0, 0.0 + 0.0]
+    # a function naming only some columns gets only those; positional old-style functions still work
+    assert score_completions([lambda completions, level: [float(x) for x in level]], prompts, completions, columns=columns).tolist() == [1.0, 2.0, 3.0]
+    assert score_completions([lambda p, c: [float(len(c_)) for c_ in c]], prompts, completions, columns=columns).tolist() == [2.0, 5.0, 5.0]
+    with pytest.raises(RewardFunctionError, match="raised TypeError.*answer"):
+        score_completions([accuracy_reward], prompts, completions)  # no answer column given

@@ -96,3 +96,20 @@ def test_reward_statistics_of_a_single_completion_have_no_spread():
     from rlalign.train.rollouts import reward_stats
 
     assert reward_stats(torch.tensor([2.0]), {"rm": torch.tensor([3.0])}) == {"reward/mean": 2.0, "reward/std": 0.0, "reward/rm/mean": 3.0, "reward/rm/std": 0.0}
+
+
+def test_a_trl_style_reward_gets_each_rows_columns_during_training(tmp_path):
+    from rlalign.train import grpo
+    from rlalign.train.rollouts import RewardTerm
+
+    seen = []
+
+    def accuracy_reward(completions, answer, **kwargs):  # TRL's documented signature
+        seen.extend(answer)
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    cfg = grpo.load_config(grpo.GRPOConfig, None, [*TINY, f"output_dir={tmp_path}", "steps=2", "prompts_per_step=2", "group_size=2",
+                                                   "sampling.max_new_tokens=2", "plots=false", "rewards=[]"])
+    records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+1=", "answer": "two"}, {"prompt": "2+2=", "answer": "4"}]
+    grpo.train(cfg, reward_functions=[RewardTerm("acc", 1.0, accuracy_reward)], prompts=records)
+    assert len(seen) == 2 * 2 * 2 and set(seen) <= {"2", "two", "4"}  # each row's own answer, G copies per prompt
