@@ -9,22 +9,23 @@ or the whole completion when it has none. It runs in :class:`rlalign.lm.sandbox.
 namespaces, a private filesystem, no network, limits on time, memory, processes and output).
 
 How a score is made, so that a program cannot forge it. The prompt's tests are parsed here, outside
-the sandbox: every top-level ``assert`` is one test case, every other statement is setup code. For
-``assert <expr> <op> <literal>`` (``==``, ``!=``, ``<``, ``<=``, ``>``, ``>=``, ``in``, ``not in``,
-``is``, ``is not``), ``assert <expr>`` and ``assert not <expr>``, only ``<expr>`` goes into the
-sandbox; a harness runs the program, then the setup, then evaluates each ``<expr>`` and reports its
-``repr`` on a pipe. Here each reported value is parsed back as a Python literal and compared with the
-expected literal and operator, which never entered the sandbox. So:
+the sandbox: every top-level ``assert`` is a test case (``assert a and b``: two), every other
+statement is setup code. Each case is split in two. The sub-expressions that need the program (calls
+of its functions, names it defines: ``f(2)``, ``area(r)``) go into the sandbox; the rest of the
+assert (literals, arithmetic, comparisons, ``and`` / ``or`` / ``not``, and a few pure builtins such
+as ``abs``, ``len``, ``sorted``, ``math.isclose``) stays here. A harness runs the program, then the
+setup, then each sub-expression, and reports its ``repr`` on a pipe; here each value is parsed back
+as a Python literal and the rest of the assert is evaluated on it. So:
 
 - an early exit (``os._exit``, ``sys.exit``, a signal, an ``atexit`` handler) reports nothing: 0;
 - a test that raises, an exception the program swallows, or a value that is not a plain literal (an
-  object whose ``__eq__`` always answers True) fails that test;
-- a program that writes reports itself must know the expected values, which it never sees, and one
-  report per test is kept, the first; a report with missing, repeated or extra tests scores 0.
+  object whose ``__eq__`` always answers True) fails that test; patching ``math.isclose`` or
+  ``builtins`` inside the sandbox changes nothing here;
+- a program that writes reports itself sees only the sub-expressions (``f(2)``), never the expected
+  values or the operators applied to them, so it must produce the values a solution would; a report
+  with a missing, repeated or extra test, or one cut off at the size cap, scores 0 for every test.
 
-A test whose expected side is not a literal (``assert f(x) == g(x)``) has both sides evaluated in the
-sandbox and compared here: a program that subverts the harness could forge that one. Write expected
-values as literals to make a test unforgeable.
+A test's weakness stays its own: ``assert is_prime(7)`` is passed by any function returning True.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
-import operator
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -46,10 +47,6 @@ from rlalign.lm.sandbox import Sandbox, SandboxLimits
 __all__ = ["extract_code", "TestCase", "parse_tests", "CodeExecutionReward", "code_execution", "run_program"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-_OPERATORS = {
-    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
-    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not,
-}
 
 # Runs inside the sandbox: the program, the setup, then each case's expression(s); one report line
 # per case on fd 3: "<index>\t<kind>\t<repr of the value(s)>". Written by rlalign, not the policy.
@@ -86,25 +83,57 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
+# Functions the check outside the sandbox may call on reported values: pure, on plain literals.
+_OUTSIDE_FUNCTIONS = {
+    "abs": abs, "round": round, "len": len, "min": min, "max": max, "sum": sum, "sorted": sorted, "set": set, "frozenset": frozenset,
+    "list": list, "tuple": tuple, "dict": dict, "str": str, "int": int, "float": float, "bool": bool, "all": all, "any": any,
+    "isinstance": isinstance, "range": range, "reversed": reversed, "zip": zip, "enumerate": enumerate, "math.isclose": math.isclose, "math.sqrt": math.sqrt, "math.floor": math.floor, "math.ceil": math.ceil,
+}
+_OUTSIDE_NODES = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare, ast.IfExp,
+                  ast.Subscript, ast.Slice, ast.keyword, ast.Load, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
+
+
 @dataclass(frozen=True)
 class TestCase:
-    """One top-level assert: the expression(s) evaluated in the sandbox and how their values are checked here."""
+    """One top-level assert, split in two: ``expressions``, the sub-expressions that need the program
+    (calls of its functions, names it defines), evaluated in the sandbox; and ``check``, the rest of
+    the assert (literals, operators, comparisons, a few pure builtins) with ``__leaf_<k>`` in place
+    of expression k, evaluated here on the reported values. The expected values stay here."""
 
-    expressions: tuple[str, ...]  # 1 (checked against ``expected``), or 2 (compared with each other)
-    check: str  # "truthy", "falsy", or an ast operator name (Eq, Lt, In, ...)
-    expected: object = None  # the literal of ``<expr> <op> <literal>``
+    expressions: tuple[str, ...]
+    check: str
 
     def passes(self, values: list[object]) -> bool:
-        if self.check == "truthy":
-            return bool(values[0])
-        if self.check == "falsy":
-            return not values[0]
-        compare = _OPERATORS[getattr(ast, self.check)]
-        right = self.expected if len(self.expressions) == 1 else values[1]
+        scope = {"__builtins__": {}, **{f"__leaf_{k}": v for k, v in enumerate(values)}, **_OUTSIDE_FUNCTIONS, "math": _Math}
         try:
-            return bool(compare(values[0], right))
-        except TypeError:  # e.g. 3 < "a"
+            return bool(eval(self.check, scope))  # noqa: S307 - the check holds the tests' own operators on plain literals
+        except Exception:  # e.g. 3 < "a", a wrong type for len
             return False
+
+
+class _Math:
+    """``math.<name>`` in a check: only the pure functions of :data:`_OUTSIDE_FUNCTIONS`."""
+
+    isclose, sqrt, floor, ceil = math.isclose, math.sqrt, math.floor, math.ceil
+
+
+def _split(node: ast.expr, leaves: list[str]) -> ast.expr:
+    """``node`` with every sub-expression that needs the program replaced by ``__leaf_<k>`` (its source appended to ``leaves``)."""
+    if isinstance(node, ast.Name) and node.id in _OUTSIDE_FUNCTIONS:  # e.g. the int of isinstance(x, int)
+        return node
+    if isinstance(node, ast.Call):
+        name = ast.unparse(node.func)
+        if name in _OUTSIDE_FUNCTIONS:
+            return ast.Call(node.func, [_split(arg, leaves) for arg in node.args], [ast.keyword(k.arg, _split(k.value, leaves)) for k in node.keywords])
+    elif isinstance(node, _OUTSIDE_NODES) and not isinstance(node, ast.Starred):
+        for field, value in ast.iter_fields(node):
+            if isinstance(value, ast.expr):
+                setattr(node, field, _split(value, leaves))
+            elif isinstance(value, list):
+                setattr(node, field, [_split(v, leaves) if isinstance(v, ast.expr) else v for v in value])
+        return node
+    leaves.append(ast.unparse(node))
+    return ast.Name(f"__leaf_{len(leaves) - 1}", ast.Load())
 
 
 def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
@@ -122,25 +151,19 @@ def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
         if not isinstance(statement, ast.Assert):
             setup.append(ast.unparse(statement))
             continue
-        test = statement.test
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPERATORS:
-            name, right = type(test.ops[0]).__name__, test.comparators[0]
-            try:
-                cases.append(TestCase((ast.unparse(test.left),), name, ast.literal_eval(right)))
-            except ValueError:  # not a literal: both sides are evaluated in the sandbox
-                cases.append(TestCase((ast.unparse(test.left), ast.unparse(right)), name))
-        elif isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            cases.append(TestCase((ast.unparse(test.operand),), "falsy"))
-        else:
-            cases.append(TestCase((ast.unparse(test),), "truthy"))
+        parts = statement.test.values if isinstance(statement.test, ast.BoolOp) and isinstance(statement.test.op, ast.And) else [statement.test]
+        for part in parts:  # `assert a and b` is two cases
+            leaves: list[str] = []
+            check = ast.unparse(ast.fix_missing_locations(_split(part, leaves)))
+            cases.append(TestCase(tuple(leaves), check))
     if not cases:
         raise TestsError(f"tests have no top-level assert statement, so nothing could be checked: {tests[:200]!r}")
     return "\n".join(setup) + "\n", cases
 
 
 def score_report(report: bytes, cases: list[TestCase]) -> list[bool]:
-    """Which cases passed, from the harness's report lines (the first line per case counts). Any line
-    that is malformed, names no case, or repeats one, and any case without a line, fails the whole report."""
+    """Which cases passed, from the harness's report lines: exactly one line per case. Any line that is
+    malformed, names no case, or repeats one, and any case without a line, fails the whole report."""
     results: dict[int, bool] = {}
     for line in report.decode(errors="replace").splitlines():
         index_text, _, rest = line.partition("\t")

@@ -144,7 +144,7 @@ def _call(fn: RewardFn, prompts: list[str], completions: list[str], columns: dic
     names = _keyword_names(fn)
     if names is not None and not names:
         return fn(prompts, completions)
-    kwargs = {"prompts": prompts, "completions": completions, **columns}
+    kwargs = {**columns, "prompts": prompts, "completions": completions}  # a column of either name never replaces them
     return fn(**(kwargs if names is None else {key: value for key, value in kwargs.items() if key in names}))
 
 

@@ -9,24 +9,27 @@ run gets, with bubblewrap (``bwrap``, from the distribution's packages):
 - its own user, PID, mount, network, IPC and UTS namespaces: it sees only its own processes (not
   the trainer's ``/proc/<pid>/environ``, nor any process to signal), has no network at all (no
   loopback service, no abstract Unix socket of the host), and runs as an unprivileged user;
-- a filesystem of its own: the system's ``/usr`` and Python's installation read-only, the program's
-  files read-only in ``/sandbox``, a private size-capped ``/tmp`` and ``/dev/shm``, and nothing else
-  (no home directory, no project source, no site-packages, no host socket, no ``/etc`` secrets);
+- a filesystem of its own: the system's ``/usr`` and the base Python installation read-only (with
+  that installation's own site-packages, not the trainer's virtual environment), the program's files
+  read-only in ``/sandbox``, a private size-capped ``/tmp`` and ``/dev/shm``, and nothing else (no home
+  directory, no project source, no host socket, no ``/etc`` secrets);
 - limits: wall time (the whole process tree is killed at ``timeout_s``, none survives: the PID
   namespace dies with its first process), CPU seconds and address space per process, file size,
   open files; and, in a cgroup where the machine lets us make one (v1 or v2), the total memory and
-  the number of processes of the whole tree (else a per-user process limit);
-- a clean environment (``PATH``, ``HOME=/tmp``, ``LANG``), stdin closed, and stdout, stderr and a
-  report pipe (fd 3) read up to ``max_output_kb`` each, never buffered whole.
+  the number of processes of the whole tree (without a cgroup, the PID namespace and the wall-time
+  kill bound a fork bomb);
+- a clean environment (``PATH``, ``HOME=/tmp``, ``LANG``), stdin closed, and stdout and stderr read up
+  to ``max_output_kb`` each and a report pipe (fd 3) up to ``max_report_kb``, never buffered whole.
 
 Where bwrap cannot isolate (not installed, or namespaces refused), :class:`Sandbox` refuses to
 run unless ``allow_weak=True``, and then warns once naming what is missing: the weak mode is a
-subprocess with the resource limits above, in a new session and (where allowed) a new network
+subprocess with the resource limits above, leading its own process group and (where allowed) in a new network
 namespace, which a hostile program can escape.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import resource
@@ -63,7 +66,8 @@ class SandboxLimits:
     max_processes: int = 32
     max_open_files: int = 64
     max_file_mb: int = 16  # largest file a process may write
-    max_output_kb: int = 64  # kept of stdout, stderr and the report pipe, each
+    max_output_kb: int = 64  # kept of stdout and of stderr
+    max_report_kb: int = 4096  # kept of the report pipe (fd 3)
     tmp_mb: int = 64  # size of the private /tmp and /dev/shm
 
 
@@ -206,12 +210,15 @@ class Sandbox:
                 pass_fds=tuple(sorted({3, report_write})), preexec_fn=functools.partial(_child_setup, self.limits, group, report_write, self.missing is not None),
             )
             os.close(report_write)
-            outputs, timed_out = _read_capped(proc, report_read, started + self.limits.timeout_s, self.limits.max_output_kb * 1024)
+            caps = (self.limits.max_output_kb * 1024, self.limits.max_output_kb * 1024, self.limits.max_report_kb * 1024)
+            outputs, timed_out = _read_capped(proc, report_read, started + self.limits.timeout_s, caps)
             if timed_out:
                 _kill_tree(proc, group)
             code = proc.wait()
             if group:
                 group.kill()  # anything left in the tree (the PID namespace already took it with bwrap)
+            if self.missing is None and code != 0 and outputs[1].startswith(b"bwrap:") and not outputs[2]:
+                raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {outputs[1][:300].decode(errors='replace').strip()}")
             return SandboxResult(None if timed_out else code, *outputs, timed_out, time.monotonic() - started)
         finally:
             if group:
@@ -242,7 +249,7 @@ def _warn_weak(missing: str) -> None:
 
 
 def _child_setup(limits: SandboxLimits, group: _Cgroup | None, report_fd: int, weak: bool) -> None:
-    """In the child between fork and exec: a session of its own (the tree is killed as one), the
+    """In the child between fork and exec: its own process group (the tree is killed as one), the
     cgroup, the resource limits, the report pipe at fd 3; in the weak mode an empty network namespace."""
     os.setsid()
     if group:
@@ -253,7 +260,7 @@ def _child_setup(limits: SandboxLimits, group: _Cgroup | None, report_fd: int, w
         (resource.RLIMIT_NOFILE, limits.max_open_files), (resource.RLIMIT_CORE, 0),
     ):
         resource.setrlimit(kind, (value, value))
-    if not group and os.getuid() != 0:  # no cgroup: cap this user's processes (root is not held by RLIMIT_NPROC)
+    if weak and not group and os.getuid() != 0:  # weak mode without a cgroup: cap this user's processes (root is not held by it)
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
     if report_fd != 3:
         os.dup2(report_fd, 3)
@@ -262,19 +269,20 @@ def _child_setup(limits: SandboxLimits, group: _Cgroup | None, report_fd: int, w
         _try_unshare_network()
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: nothing may be imported between fork and exec
+
+
 def _try_unshare_network() -> None:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
     clone_newnet, clone_newuser = 0x40000000, 0x10000000
-    if libc.unshare(clone_newnet) != 0:
-        libc.unshare(clone_newuser | clone_newnet)
+    if _LIBC.unshare(clone_newnet) != 0:
+        _LIBC.unshare(clone_newuser | clone_newnet)
 
 
-def _read_capped(proc: subprocess.Popen, report_fd: int, deadline: float, cap: int) -> tuple[tuple[bytes, bytes, bytes], bool]:
-    """stdout, stderr and the report pipe, each cut at ``cap`` bytes (the rest read and dropped), until
-    every pipe closes or the deadline; returns them and whether the deadline came first."""
+def _read_capped(proc: subprocess.Popen, report_fd: int, deadline: float, caps: tuple[int, int, int]) -> tuple[tuple[bytes, bytes, bytes], bool]:
+    """stdout, stderr and the report pipe, each cut at its cap in ``caps`` (the rest read and dropped),
+    until every pipe closes or the deadline; returns them and whether the deadline came first."""
     streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), report_fd: bytearray()}
+    cap_of = dict(zip(streams, caps))
     order = list(streams)
     open_fds = set(streams)
     timed_out = False
@@ -289,8 +297,8 @@ def _read_capped(proc: subprocess.Popen, report_fd: int, deadline: float, cap: i
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     open_fds.discard(fd)
-                elif len(streams[fd]) < cap:
-                    streams[fd].extend(chunk[: cap - len(streams[fd])])
+                elif len(streams[fd]) < cap_of[fd]:
+                    streams[fd].extend(chunk[: cap_of[fd] - len(streams[fd])])
         if not timed_out:  # every pipe closed; the process may still be finishing
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
@@ -304,7 +312,7 @@ def _read_capped(proc: subprocess.Popen, report_fd: int, deadline: float, cap: i
 
 
 def _kill_tree(proc: subprocess.Popen, group: _Cgroup | None) -> None:
-    """SIGKILL the run's session (bwrap, and with it its PID namespace) and its cgroup."""
+    """SIGKILL the run's process group (bwrap, and with it its PID namespace) and its cgroup."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -174,9 +174,15 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
-    """Remove the temporary directories a killed run left in ``run_dir`` (half-written checkpoints or
-    final models); call only while holding the run directory's lock. Returns what was removed."""
+    """Tidy what a killed run left in ``run_dir``; call only while holding its lock. A version moved
+    aside by :func:`replace_dir` whose replacement never arrived goes back; every other temporary
+    directory (half-written checkpoints or final models) is removed. Returns what was removed."""
     run_dir = Path(run_dir)
+    for folder in (run_dir, _checkpoint_root(run_dir)):
+        for old in folder.glob(".old_*"):
+            name = old.name[len(".old_"):].rsplit("_", 1)[0]  # .old_<name>_<pid>
+            if old.is_dir() and not (folder / name).exists():
+                os.replace(old, folder / name)
     stale = [p for p in [*run_dir.glob(".tmp_*"), *run_dir.glob(".old_*"), *_checkpoint_root(run_dir).glob(".tmp_step_*"), *_checkpoint_root(run_dir).glob(".old_*")] if p.is_dir()]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)

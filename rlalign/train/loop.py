@@ -345,7 +345,7 @@ class StopRequests:
 
     def __init__(self) -> None:
         self.signal: str | None = None
-        self.exit_code = 0
+        self.exit_code = 128 + signal.SIGTERM  # when another rank got the signal: stopped all the same
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlalign.config import Config, ConfigError
-from rlalign.train.checkpoints import Checkpoint, CheckpointError, list_checkpoints, remove_stale_temp_dirs
+from rlalign.train.checkpoints import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint, remove_stale_temp_dirs
 
 __all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs"]
 
@@ -43,31 +43,66 @@ def claim_run_dir(cfg: Config, checkpoint: Checkpoint | None):
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = _lock(run_dir)
+    try:
+        _prepare(cfg, run_dir, checkpoint)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
+    """The checks, then (only when they pass) the changes: restore or remove what a killed run left,
+    set corrupt later checkpoints aside, delete an old run on ``overwrite``, cut the logs back."""
     remove_stale_temp_dirs(run_dir)
     used = [name for name in RUN_FILES if (run_dir / name).exists()]
     resuming_here = checkpoint is not None and checkpoint.path.parent.parent.resolve() == run_dir.resolve()
+    if checkpoint is not None:
+        check_resumable(cfg, checkpoint)
     if used and not resuming_here:
         if not cfg.overwrite:
-            lock.close()
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} already holds a run ({', '.join(used)}); choose another output_dir, "
                 "continue it with --resume, or set overwrite=true to delete it first"
             )
+        inputs = [path for path in _input_paths(cfg) if any(_inside(path, run_dir / name) for name in used)]
+        if inputs:
+            raise ConfigError(f"overwrite=true would delete {inputs[0]}, which this run reads; choose another output_dir")
+    if resuming_here:
+        later = [p for p in list_checkpoints(run_dir) if int(p.name[5:]) > checkpoint.step]
+        readable = [p.name for p in later if _readable(p)]
+        if readable:
+            raise CheckpointError(
+                f"cannot resume {run_dir} from step {checkpoint.step}: it holds later checkpoints ({', '.join(readable)}); "
+                "resume from the latest (--resume with the run directory), or into another output_dir"
+            )
+        for path in later:  # unreadable (the resume fell back past them): kept for a look, out of the run's way
+            path.rename(path.with_name(f".corrupt_{path.name}"))
+    elif used:
         for name in used:
             path = run_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     if checkpoint is not None:
-        check_resumable(cfg, checkpoint)
-        if resuming_here:
-            later = [p.name for p in list_checkpoints(run_dir) if int(p.name[5:]) > checkpoint.step]
-            if later:
-                lock.close()
-                raise CheckpointError(
-                    f"cannot resume {run_dir} from step {checkpoint.step}: it holds later checkpoints ({', '.join(later)}); "
-                    "resume from the latest (--resume with the run directory), or into another output_dir"
-                )
         cut_logs(run_dir, checkpoint.step)
-    return lock
+
+
+def _input_paths(cfg: Config) -> list[Path]:
+    """The directories a run reads: its model, reference, reward models and critic."""
+    paths = [getattr(cfg.model, "path", None), getattr(cfg, "reference", None), getattr(getattr(cfg, "critic", None), "path", None)]
+    paths += [term.reward_model for term in getattr(cfg, "rewards", [])]
+    return [Path(p).resolve() for p in paths if p]
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root.resolve() or root.resolve() in path.parents
+
+
+def _readable(path: Path) -> bool:
+    try:
+        load_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _lock(run_dir: Path):
@@ -91,7 +126,12 @@ def check_resumable(cfg: Config, checkpoint: Checkpoint) -> None:
     trainer = type(cfg).__name__
     if checkpoint.trainer is not None and checkpoint.trainer != trainer:
         raise CheckpointError(f"cannot resume a {trainer} run from {checkpoint.path}: it is a {checkpoint.trainer} checkpoint")
-    changed = config_differences(checkpoint.config, cfg.model_dump(mode="json"))
+    now = cfg.model_dump(mode="json")
+    changed = config_differences(checkpoint.config, now)
+    decays = now.get("optim", {}).get("min_lr_ratio", 1.0) != 1.0 or now.get("critic", {}).get("optim", {}).get("min_lr_ratio", 1.0) != 1.0
+    for key in ("steps", "max_steps"):  # more steps are fine for a constant learning rate; a cosine schedule would change shape
+        if key in now and checkpoint.config.get(key) != now[key] and decays:
+            changed.append((f"{key} (the length of the cosine learning-rate schedule)", checkpoint.config.get(key), now[key]))
     if changed:
         lines = "\n".join(f"  {key}: {before!r} in the checkpoint, {after!r} now" for key, before, after in changed)
         raise CheckpointError(

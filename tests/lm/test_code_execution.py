@@ -28,8 +28,13 @@ def test_extract_code_takes_the_last_fenced_block_or_the_whole_text():
 def test_tests_split_into_setup_and_cases_with_the_expected_values_kept_outside():
     setup, cases = parse_tests("import math\nx = 3\nassert f(x) == 9\nassert g(x) != g(4)\nassert h()\nassert not k(1)\nfor i in range(2):\n    assert f(i) >= 0")
     assert setup == "import math\nx = 3\nfor i in range(2):\n    assert f(i) >= 0\n"  # a nested assert is setup: it may only raise
-    assert cases == [TestCase(("f(x)",), "Eq", 9), TestCase(("g(x)", "g(4)"), "NotEq"), TestCase(("h()",), "truthy"), TestCase(("k(1)",), "falsy")]
+    assert cases == [TestCase(("f(x)",), "__leaf_0 == 9"), TestCase(("g(x)", "g(4)"), "__leaf_0 != __leaf_1"), TestCase(("h()",), "__leaf_0"),
+                     TestCase(("k(1)",), "not __leaf_0")]
     assert "9" not in "".join(e for c in cases for e in c.expressions)  # the expected value never enters the sandbox
+    _, cases = parse_tests("assert f(2) == 4 and 0 < g(1) < 3\nassert math.isclose(area(2), 12.566)\nassert sorted(f([3, 1]))[0] == 1")
+    assert cases == [TestCase(("f(2)",), "__leaf_0 == 4"), TestCase(("g(1)",), "0 < __leaf_0 < 3"), TestCase(("area(2)",), "math.isclose(__leaf_0, 12.566)"),
+                     TestCase(("f([3, 1])",), "sorted(__leaf_0)[0] == 1")]
+    assert cases[2].passes([12.566]) and not cases[2].passes([12.0]) and not cases[0].passes(["4"])
     with pytest.raises(TestsError, match="no top-level assert"):
         parse_tests("x = 1")
     with pytest.raises(TestsError, match="not valid Python"):
@@ -74,3 +79,12 @@ def test_without_isolation_the_sandbox_refuses_unless_the_weak_mode_is_asked_for
     with pytest.warns(RuntimeWarning, match="weak mode .*bubblewrap"):
         weak = Sandbox(SandboxLimits(timeout_s=5.0), allow_weak=True)
     assert weak.run({"main.py": "print(2 + 3)"}, ["main.py"]).stdout == b"5\n"
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero_score(monkeypatch):
+    if sandbox.isolation_available() is not None:
+        pytest.skip(f"no sandbox here: {sandbox.isolation_available()}")
+    box = Sandbox(SandboxLimits(timeout_s=5.0))
+    monkeypatch.setattr(box, "_command", lambda workdir, argv: ["bwrap", "--no-such-option"])
+    with pytest.raises(SandboxUnavailable, match="bubblewrap could not start the sandbox"):
+        box.run({"main.py": "pass"}, ["main.py"])

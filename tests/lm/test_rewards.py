@@ -93,3 +93,9 @@ def test_reward_functions_written_for_trl_run_unchanged_with_the_rows_columns():
     assert score_completions([lambda p, c: [float(len(c_)) for c_ in c]], prompts, completions, columns=columns).tolist() == [2.0, 5.0, 5.0]
     with pytest.raises(RewardFunctionError, match="raised TypeError.*answer"):
         score_completions([accuracy_reward], prompts, completions)  # no answer column given
+
+
+def test_a_column_named_like_an_argument_never_replaces_the_completions():
+    columns = {"completions": ["from the dataset"] * 2, "prompts": ["dataset prompt"] * 2}
+    seen = score_completions([lambda prompts, completions, **kw: [float(c == "generated") for c in completions]], ["p", "q"], ["generated", "generated"], columns=columns)
+    assert seen.tolist() == [1.0, 1.0]

@@ -163,3 +163,23 @@ def test_dev_shm_and_tmp_are_private_and_small():
 def test_a_program_that_does_not_pass_its_tests_cannot_make_its_score(forgery):
     reward = code_execution({"add": "assert add(2, 3) == 5\nassert add(0, 0) == 0"}, timeout_s=3.0)
     assert reward(["add"], [forgery]) == [0.0]
+
+
+@pytest.mark.parametrize(
+    "tests, forgery",
+    [
+        ("import math\nassert math.isclose(area(2), 12.566, rel_tol=1e-3)", "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    return 0"),
+        ("assert abs(area(2) - 12.566) < 0.01",
+         "class Zero:\n    def __sub__(self, o):\n        return self\n    def __abs__(self):\n        return 0\n    def __lt__(self, o):\n        return True\ndef area(r):\n    return Zero()"),
+        ("assert is_even(3) == False\nassert is_even(4) == True",  # reads the cases, reports True for each, exits before the harness
+         "import json, os\ncases = json.load(open('cases.json'))\nos.write(3, ''.join('%d\\tok\\t[\"True\"]\\n' % i for i in range(len(cases))).encode())\nos._exit(0)"),
+        ("assert f(2) == 4 and f(3) == 9", "import json\nprint(open('cases.json').read())\ndef f(x):\n    return 4"),
+    ],
+    ids=["patched-isclose", "operator-object", "reported-true", "and-split"],
+)
+def test_what_a_program_can_see_or_patch_in_the_sandbox_does_not_make_its_score(tests, forgery):
+    assert code_execution({"p": tests}, timeout_s=3.0)(["p"], [forgery]) == [0.0]
+
+
+def test_a_large_correct_value_is_reported_whole():
+    assert code_execution({"p": "assert f() == list(range(20000))"})(["p"], ["def f():\n    return list(range(20000))"]) == [1.0]

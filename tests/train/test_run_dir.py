@@ -47,10 +47,13 @@ def test_a_fresh_run_refuses_a_used_output_dir_unless_told_to_overwrite(tmp_path
 
 
 def test_resume_names_every_run_defining_difference_and_allows_more_steps(tmp_path):
-    train(rm_cfg(tmp_path / "a", "max_steps=2"))
+    train(rm_cfg(tmp_path / "a", "max_steps=2", "optim.min_lr_ratio=1.0"))
     with pytest.raises(CheckpointError, match=r"(?s)optim.lr: 0.001 in the checkpoint, 0.002 now.*seed: 0 in the checkpoint, 1 now"):
-        train(rm_cfg(tmp_path / "b", "max_steps=3", "optim.lr=0.002", "seed=1"), resume=tmp_path / "a")
-    train(rm_cfg(tmp_path / "a", "max_steps=3"), resume=tmp_path / "a")  # more steps: allowed
+        train(rm_cfg(tmp_path / "b", "max_steps=3", "optim.lr=0.002", "seed=1", "optim.min_lr_ratio=1.0"), resume=tmp_path / "a")
+    train(rm_cfg(tmp_path / "a", "max_steps=3", "optim.min_lr_ratio=1.0"), resume=tmp_path / "a")  # more steps at a constant lr: allowed
+    train(rm_cfg(tmp_path / "d", "max_steps=2"))
+    with pytest.raises(CheckpointError, match=r"max_steps \(the length of the cosine learning-rate schedule\): 2 in the checkpoint, 3 now"):
+        train(rm_cfg(tmp_path / "d", "max_steps=3"), resume=tmp_path / "d")
     assert [r["step"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")] == [-1, 0, 1, 2]  # one line a step
     from rlalign.train.sft import SFTConfig
     from rlalign.train.sft import train as sft_train
@@ -79,10 +82,31 @@ def test_stale_temp_dirs_go_and_a_corrupt_latest_checkpoint_falls_back_to_the_pr
         load_checkpoint(tmp_path / "checkpoints" / "step_00000002")  # asked for by name: an error
     with pytest.warns(RuntimeWarning, match="step_00000002 is unreadable: .*model.safetensors.*trying the previous"):
         assert load_checkpoint(tmp_path).step == 1
-    shutil.rmtree(tmp_path / "checkpoints" / "step_00000002")  # the run would refuse later checkpoints than the one it resumes
-    train(rm_cfg(tmp_path, "max_steps=2", "save_every=1"), resume=tmp_path)
+    with pytest.warns(RuntimeWarning, match="step_00000002 is unreadable"):
+        train(rm_cfg(tmp_path, "max_steps=2", "save_every=1"), resume=tmp_path)  # the corrupt step 2 is set aside, step 2 redone
     assert not list(tmp_path.glob(".tmp_*")) and not list((tmp_path / "checkpoints").glob(".tmp_*"))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+    assert (tmp_path / "checkpoints" / ".corrupt_step_00000002").is_dir()  # kept for a look
+
+
+def test_a_final_model_moved_aside_by_a_killed_swap_comes_back(tmp_path):
+    from rlalign.train.checkpoints import remove_stale_temp_dirs
+
+    train(rm_cfg(tmp_path, "max_steps=1"))
+    (tmp_path / "final").rename(tmp_path / ".old_final_4242")  # killed between the two renames of replace_dir
+    (tmp_path / ".tmp_final_4242").mkdir()  # its half-written successor
+    remove_stale_temp_dirs(tmp_path)
+    assert (tmp_path / "final" / "model.safetensors").is_file() and not list(tmp_path.glob(".*_final_*"))
+
+
+def test_overwrite_checks_first_and_never_deletes_what_the_run_reads(tmp_path):
+    train(rm_cfg(tmp_path / "a", "max_steps=1"))
+    with pytest.raises(ConfigError, match="overwrite=true would delete .*final, which this run reads"):
+        train(rm_cfg(tmp_path / "a", "max_steps=1", "overwrite=true", f"model.path={tmp_path / 'a' / 'final'}"))
+    assert (tmp_path / "a" / "final" / "model.safetensors").is_file()
+    with pytest.raises(CheckpointError, match="differs"):  # a failing resume check deletes nothing either
+        train(rm_cfg(tmp_path / "a", "max_steps=2", "overwrite=true", "seed=5"), resume=tmp_path / "a")
+    assert (tmp_path / "a" / "metrics.jsonl").is_file()
 
 
 def test_non_finite_config_floats_and_rewards_are_errors():
