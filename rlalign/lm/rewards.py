@@ -138,24 +138,27 @@ def _keyword_names(fn: Callable) -> set[str] | None:
     return named if "completions" in named else set()
 
 
-def _call(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence]) -> Sequence:
-    """TRL's convention where ``fn`` takes it: keywords ``prompts``, ``completions`` and every other
-    column by name (all of them for ``**kwargs``, else those it names); else ``fn(prompts, completions)``."""
+def _call(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence], context: Mapping[str, object]) -> Sequence:
+    """TRL's convention where ``fn`` takes it: keywords ``prompts``, ``completions``, every other
+    column and every ``context`` entry by name (all of them for ``**kwargs``, else those it names);
+    else ``fn(prompts, completions)``."""
     names = _keyword_names(fn)
     if names is not None and not names:
         return fn(prompts, completions)
-    kwargs = {**columns, "prompts": prompts, "completions": completions}  # a column of either name never replaces them
+    kwargs = {**columns, **context, "prompts": prompts, "completions": completions}  # a column of either name never replaces them
     return fn(**(kwargs if names is None else {key: value for key, value in kwargs.items() if key in names}))
 
 
-def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, Sequence]) -> list[float]:
+def _call_one(
+    fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, Sequence], context: Mapping[str, object] | None = None
+) -> list[float]:
     """``fn``'s scores, checked: one finite number per completion, or None where it does not apply (read as NaN)."""
     try:
-        scores = list(_call(fn, prompts, completions, columns))
+        scores = list(_call(fn, prompts, completions, columns, context or {}))
     except Exception as err:  # find which prompt makes it raise
         if len(prompts) > 1:
             for i, (p, c) in enumerate(zip(prompts, completions)):
-                _call_one(fn, name, [p], [c], {key: [values[i]] for key, values in columns.items()})
+                _call_one(fn, name, [p], [c], {key: [values[i]] for key, values in columns.items()}, context)
         raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {err} (prompt {prompts[0]!r})") from err
     if len(scores) != len(prompts):
         raise RewardFunctionError(f"reward function {name} returned {len(scores)} scores for {len(prompts)} completions")
@@ -168,6 +171,7 @@ def _call_one(fn: RewardFn, name: str, prompts: list[str], completions: list[str
 def score_completions(
     reward_fns: Sequence[RewardFn], prompts: list[str], completions: list[str], weights: Sequence[float] | None = None,
     columns: Mapping[str, Sequence] | None = None,
+    context: Mapping[str, object] | None = None,
 ) -> Tensor:
     """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32. A function may return
     None for a completion it does not apply to: its term is left out of that completion's sum.
@@ -176,6 +180,7 @@ def score_completions(
     A function that takes ``completions`` by name is called TRL's way, with keywords: ``prompts``,
     ``completions`` and the columns it names (every one for ``**kwargs``), so a reference is the row's
     own, not looked up by prompt text; any other function is called ``fn(prompts, completions)``.
+    ``context``: keywords that are not per row (a trainer passes ``trainer_state``, with ``global_step``).
 
     Raises:
         RewardFunctionError: naming the function and the prompt, when one raises or returns
@@ -191,7 +196,7 @@ def score_completions(
     total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
     for fn, weight in zip(reward_fns, weights):
         name = reward_fn_name(fn)
-        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions), dict(columns or {})), dtype=torch.float32)  # (B,), NaN: None
+        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions), dict(columns or {}), dict(context or {})), dtype=torch.float32)  # (B,), NaN: None
         applies = ~torch.isnan(scores)  # a None score leaves the term out of that completion's sum (TRL's nansum)
         check_finite(scores[applies], f"reward function {name} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
         total += weight * scores.nan_to_num(0.0)

@@ -185,7 +185,7 @@ def grpo_step(
     t1 = time.perf_counter()
 
     # 2. score: the weighted sum of the reward terms; gathered from every rank for the statistics
-    scored = score_shard(rewards, tokenizer, examples, rollout, completions, G, world)  # local rows (B,), scores (B global,)
+    scored = score_shard(rewards, tokenizer, examples, rollout, completions, G, world, step=state.step)  # local rows (B,), scores (B global,)
     t2 = time.perf_counter()
 
     # 3. group-relative advantages, one per completion (broadcast over its tokens by the loss)

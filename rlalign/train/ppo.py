@@ -231,7 +231,7 @@ def ppo_step(
     t1 = time.perf_counter()
 
     # 2. score (reward model and/or rules), minus a penalty when the completion never ended
-    scored = score_shard(rewards, tokenizer, examples, rollout, completions, 1, world, cfg.missing_eos_penalty)  # local rows (B,), scores (B global,)
+    scored = score_shard(rewards, tokenizer, examples, rollout, completions, 1, world, cfg.missing_eos_penalty, step=state.step)  # local rows (B,), scores (B global,)
     t2 = time.perf_counter()
 
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -170,7 +171,7 @@ def build_rewards(
 
 
 def score_rollout(
-    terms: Sequence[RewardTerm], prompts: list[str], completions: list[str], columns: dict[str, list] | None = None
+    terms: Sequence[RewardTerm], prompts: list[str], completions: list[str], columns: dict[str, list] | None = None, context: dict | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total reward sum_k w_k R_k per completion (B,) and each term's unweighted values; ``columns``:
     the rows' other dataset columns, for the terms that take them (``**kwargs``).
@@ -178,7 +179,7 @@ def score_rollout(
     Every call goes through :func:`rlalign.lm.rewards.score_completions`, so a function that
     raises or returns NaN is an error naming it and the prompt.
     """
-    per_term = {t.name: score_completions([t.fn], prompts, completions, columns=columns) for t in terms}  # name -> (B,)
+    per_term = {t.name: score_completions([t.fn], prompts, completions, columns=columns, context=context) for t in terms}  # name -> (B,)
     total = torch.zeros(len(prompts))
     for t in terms:
         total = total + t.weight * per_term[t.name]
@@ -222,15 +223,18 @@ class ScoredRollout:
 
 def score_shard(
     rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
-    world: distributed.World, missing_eos_penalty: float | None = None,
+    world: distributed.World, missing_eos_penalty: float | None = None, step: int = 0,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
-    without EOS; gather the scores of every rank."""
+    without EOS; gather the scores of every rank. Rewards taking TRL's keywords also get
+    ``completion_ids`` (each row's tokens, no padding) and ``trainer_state`` (``global_step`` = ``step``)."""
     rows = [ex for ex in batch[world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
     prompts = [render_prompt(tokenizer, ex.prompt) for ex in rows]
     columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
-    local_scores, local_per_term = score_rollout(rewards, prompts, completions, columns)  # (B,)
+    columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    context = {"trainer_state": SimpleNamespace(global_step=step)}
+    local_scores, local_per_term = score_rollout(rewards, prompts, completions, columns, context)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()
     scores = distributed.gather_rows(local_scores, world)  # (B global,)

@@ -102,10 +102,12 @@ def test_a_trl_style_reward_gets_each_rows_columns_during_training(tmp_path):
     from rlalign.train import grpo
     from rlalign.train.rollouts import RewardTerm
 
-    seen = []
+    seen, steps = [], []
 
-    def accuracy_reward(completions, answer, **kwargs):  # TRL's documented signature
+    def accuracy_reward(completions, answer, completion_ids, trainer_state, **kwargs):  # TRL's documented keywords
         seen.extend(answer)
+        steps.append(trainer_state.global_step)
+        assert all(isinstance(ids, list) and 1 <= len(ids) <= 2 for ids in completion_ids)  # each row's tokens, no padding
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
     cfg = grpo.load_config(grpo.GRPOConfig, None, [*TINY, f"output_dir={tmp_path}", "steps=2", "prompts_per_step=2", "group_size=2",
@@ -113,3 +115,4 @@ def test_a_trl_style_reward_gets_each_rows_columns_during_training(tmp_path):
     records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+1=", "answer": "two"}, {"prompt": "2+2=", "answer": "4"}]
     grpo.train(cfg, reward_functions=[RewardTerm("acc", 1.0, accuracy_reward)], prompts=records)
     assert len(seen) == 2 * 2 * 2 and set(seen) <= {"2", "two", "4"}  # each row's own answer, G copies per prompt
+    assert steps == [0, 1]
