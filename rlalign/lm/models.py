@@ -27,6 +27,8 @@ import copy
 import functools
 import inspect
 import json
+import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -49,6 +51,7 @@ __all__ = [
     "HEAD_FILE",
     "torch_dtype",
     "ModelLoadError",
+    "resolve_model_path",
     "check_checkpoint_dir",
     "context_length",
     "load_tokenizer",
@@ -95,14 +98,44 @@ class ModelLoadError(RLAlignError, OSError):
     """A model or tokenizer directory that cannot be loaded; the message names the directory or file."""
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A local directory as it is; a Hugging Face Hub id (``org/name``) that is not a local directory
+    through the Hub cache: its cached snapshot. Nothing is downloaded unless the environment asks for
+    it explicitly with ``HF_HUB_OFFLINE=0``.
+
+    Raises:
+        ModelLoadError: no such directory, or a Hub id with no cached copy that cannot be downloaded.
+    """
+    if Path(path).is_dir() or not _HUB_ID.match(str(path)):
+        return Path(path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except LocalEntryNotFoundError:
+        if os.environ.get("HF_HUB_OFFLINE") != "0":
+            raise ModelLoadError(f"{path!r} is neither a local directory nor in the Hugging Face cache, and rlalign downloads nothing "
+                                 "unless asked: set HF_HUB_OFFLINE=0 to let it download, or give a local directory") from None
+    try:
+        return Path(snapshot_download(str(path)))
+    except Exception as err:  # no network, no such repository, no access
+        raise ModelLoadError(f"{path!r} is neither a local directory nor in the Hugging Face cache, and downloading it failed "
+                             f"({type(err).__name__}: {str(err)[:200]})") from None
+
+
 def check_checkpoint_dir(path: str | Path, gguf_file: str | None = None) -> Path:
-    """``path`` as a Hugging Face checkpoint directory: it exists, holds ``config.json`` (or the GGUF
-    file, or a saved adapter), and every safetensors file in it has a whole header.
+    """``path`` (or a Hub id, :func:`resolve_model_path`) as a Hugging Face checkpoint directory: it
+    exists, holds ``config.json`` (or the GGUF file, or a saved adapter), and every safetensors file
+    in it has a whole header. Returns the directory.
 
     Raises:
         ModelLoadError: naming what is missing or the corrupt file.
     """
-    path = Path(path)
+    path = resolve_model_path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
     marker = gguf_file or ("config.json" if not (path / _ADAPTER_FILE).is_file() else _ADAPTER_FILE)
@@ -120,7 +153,7 @@ def check_checkpoint_dir(path: str | Path, gguf_file: str | None = None) -> Path
 def context_length(path: str | Path, gguf_file: str | None = None) -> int | None:
     """The most positions the model at ``path`` (or, for a saved adapter, its base) takes
     (``max_position_embeddings``), or None when its config does not say."""
-    path = Path(path)
+    path = resolve_model_path(path)
     if (path / _ADAPTER_FILE).is_file():
         path = Path(json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"])
     config = _load_config(path, gguf_file).get_text_config(decoder=True)
@@ -169,7 +202,7 @@ def _from_pretrained(auto_cls, path: str | Path, dtype: DType, device: str, gguf
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     if attn_implementation:  # e.g. "eager" (faster than SDPA for short sequences on CPU), "sdpa", "flash_attention_2"
         kwargs["attn_implementation"] = attn_implementation
-    check_checkpoint_dir(path, gguf_file)
+    path = check_checkpoint_dir(path, gguf_file)
     model = auto_cls.from_pretrained(str(path), config=_load_config(path, gguf_file), dtype=torch_dtype(dtype), **kwargs)
     return disable_dropout(model).to(device)
 
@@ -392,7 +425,7 @@ class ScalarHeadModel(nn.Module):
         """
         backbone = _from_pretrained(AutoModel, path, dtype, device, gguf_file, attn_implementation)
         model = cls(backbone, init_std=init_std)
-        head = _trained_head(Path(path), model.head.in_features)
+        head = _trained_head(resolve_model_path(path), model.head.in_features)
         if head is not None:
             model.head.load_state_dict(head)
         elif require_head:

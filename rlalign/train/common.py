@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from rlalign.config import Config, ConfigError
 from rlalign.lm.data import encode_prompts, render_prompt
-from rlalign.lm.models import LoraConfig
+from rlalign.lm.models import LoraConfig, resolve_model_path
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
 
@@ -293,11 +293,12 @@ class RunConfig(Config):
 
 
 def prepare_model_path(cfg: ModelConfig, output_dir: str | Path) -> Path:
-    """``cfg.path``, or the tiny recipe model built once in ``<output_dir>/base_model``."""
+    """``cfg.path`` (a directory, or a Hugging Face Hub id through the Hub cache), or the tiny recipe
+    model built once in ``<output_dir>/base_model``."""
     if cfg.path is not None:
-        path = Path(cfg.path)
+        path = resolve_model_path(cfg.path)
         if not path.is_dir():
-            raise ConfigError(f"model.path {cfg.path!r} is not a directory")
+            raise ConfigError(f"model.path {cfg.path!r} is not a directory (nor a Hugging Face Hub id)")
         return path.resolve()  # absolute: a saved LoRA adapter records its base by this path
     from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 

@@ -471,3 +471,26 @@ def _causal_lm(tmp_path, tokenizer):
     path = tmp_path / "causal"
     make_llama(vocab=len(tokenizer)).save_pretrained(path)
     return path
+
+
+def test_a_hub_id_resolves_through_the_hugging_face_cache_and_offline_without_it_is_one_error(tmp_path, monkeypatch, tokenizer):
+    from rlalign.lm.models import ModelLoadError, resolve_model_path
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / "0123abcd"
+    make_llama(vocab=len(tokenizer)).save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model_path("tiny-org/tiny-llama") == snapshot
+    policy = load_policy("tiny-org/tiny-llama")
+    assert load_tokenizer("tiny-org/tiny-llama").eos_token_id == tokenizer.eos_token_id and policy.config.vocab_size == len(tokenizer)
+    with pytest.raises(ModelLoadError, match="'nobody/nothing' is neither a local directory nor in the Hugging Face cache, and rlalign downloads nothing unless asked"):
+        resolve_model_path("nobody/nothing")
+    assert resolve_model_path(tmp_path) == tmp_path  # a local directory is taken as it is
