@@ -328,9 +328,11 @@ def batch_order(num_examples: int, position: int, batch_size: int, seed: int) ->
 
 @torch.no_grad()
 def generation_eval(
-    model, tokenizer, prompts: list, reward_fn, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 64, seed: int = 0
+    model, tokenizer, prompts: list, reward_fn, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 64, seed: int = 0,
+    columns: dict[str, list] | None = None,
 ) -> tuple[float, list[str]]:
-    """Mean ``reward_fn`` of completions of ``prompts`` (text or messages), and the completions.
+    """Mean ``reward_fn`` of completions of ``prompts`` (text or messages), and the completions;
+    ``columns``: one value per prompt each (e.g. ``answer``), passed to the reward (TRL's convention).
 
     ``temperature=0`` is greedy; otherwise draws use a private generator seeded with ``seed``, so
     an evaluation neither consumes nor depends on the global RNG (a resumed run stays identical).
@@ -346,7 +348,7 @@ def generation_eval(
         rollout = sample(model, ids, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], generator=generator)
         completions.extend(rollout.decode_completions(tokenizer))
     model.train(was_training)
-    scores = score_completions([reward_fn], texts, completions)
+    scores = score_completions([reward_fn], texts, completions, columns=columns)
     return float(scores.mean()), completions
 
 

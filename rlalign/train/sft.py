@@ -30,7 +30,7 @@ from pydantic import Field
 from rlalign.config import load_config
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
-from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft, render_prompt
+from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
@@ -114,10 +114,11 @@ def _eval_loss(model, tokenizer, examples: list[SFTExample], cfg: SFTConfig) -> 
 
 
 def _evaluate(model, tokenizer, eval_set: list[SFTExample], spec: _EvalSpec, cfg: SFTConfig) -> dict[str, float]:
-    reward_fn = spec.reward_fn or exact_match({render_prompt(tokenizer, ex.prompt): ex.completion for ex in eval_set})
-    prompts = [ex.prompt for ex in eval_set]
+    reward_fn = spec.reward_fn or exact_match()  # each eval pair against its own completion
+    prompts, answers = [ex.prompt for ex in eval_set], [ex.completion for ex in eval_set]
     with distributed.gathered(model):  # FSDP2: full parameters for the decode loops
-        reward, _ = generation_eval(model, tokenizer, prompts, reward_fn, spec.max_new_tokens, spec.temperature, cfg.eval_batch_size, cfg.seed)
+        reward, _ = generation_eval(model, tokenizer, prompts, reward_fn, spec.max_new_tokens, spec.temperature, cfg.eval_batch_size, cfg.seed,
+                                    columns={"answer": answers})
     return {"eval/loss": _eval_loss(model, tokenizer, eval_set, cfg), "eval/reward": reward}
 
 

@@ -231,3 +231,19 @@ def test_a_checkpoint_saved_without_a_data_position_reads_back_zero(tmp_path):
 
     save_checkpoint(tmp_path, 1, Weights())
     assert load_checkpoint(tmp_path).data_position == 0
+
+
+def test_generation_eval_passes_each_prompts_own_columns(tmp_path):
+    from rlalign.lm.models import load_policy, load_tokenizer
+    from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+    from rlalign.train.common import generation_eval
+
+    path = build_tiny_checkpoint(tmp_path, TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), seed=0)
+    seen = []
+
+    def answer_is_a(completions, answer, **kwargs):
+        seen.extend(answer)
+        return [float(a == "a") for a in answer]
+
+    score, _ = generation_eval(load_policy(path), load_tokenizer(path), ["1+1=", "1+1="], answer_is_a, 2, columns={"answer": ["a", "b"]})
+    assert seen == ["a", "b"] and score == 0.5  # the same prompt twice, each row with its own answer
