@@ -1,26 +1,36 @@
-"""Datasets of prompts, SFT pairs and preference pairs, validated at load, and their batches.
+"""Datasets of prompts, SFT examples and preference pairs, read through ``datasets``, validated at
+load, and their batches.
 
-Sources: a ``.jsonl`` file (one JSON object a line), a ``.json`` file (a list of objects), a
-``.parquet`` file (read through ``datasets``), a ``datasets.Dataset``, or a Python list of dicts.
+Sources (:func:`read_rows`): a local JSON, JSONL, CSV, TSV, Parquet or Arrow file, a directory of
+such files or one written by ``Dataset.save_to_disk``, a Hugging Face Hub dataset name (with
+``subset`` and ``split``; read from the local cache, downloaded only when ``HF_HUB_OFFLINE=0``), a
+``datasets.Dataset`` / ``DatasetDict``, or a Python list of dicts. ``columns`` renames columns
+(``{"question": "prompt"}``) before anything is read.
 
-    prompts = load_prompts("data/train.jsonl")                 # {"prompt": ...} rows, extra keys kept
-    pairs = load_sft("data/sft.parquet")                        # {"prompt", "completion"}
-    prefs = load_preferences(records)                           # {"prompt", "chosen", "rejected", "margin"?}
+The dataset types are TRL's, standard (text) or conversational (lists of ``{"role", "content"}``
+messages):
 
-A prompt is plain text or chat messages (a list of {"role", "content"}). :func:`render_prompt`
-turns messages into text with the tokenizer's chat template (``add_generation_prompt=True``) when
-it has one, else as "role: content" lines followed by "assistant: ". Completions are text.
+    load_sft(src)          # {"text"} | {"messages"} (language modelling) | {"prompt", "completion"}
+    load_preferences(src)  # {"prompt", "chosen", "rejected"} | {"chosen", "rejected"} (implicit prompt); "margin"?
+    load_prompts(src)      # {"prompt"}; every other column is kept (a reference "answer", "tests", ...)
 
-Every problem is a :class:`DataError` naming the source, the row (1-based line for JSONL, row
-number otherwise) and what was expected; an empty dataset is an error, not a zero-step run.
+A conversational prompt is rendered with the tokenizer's chat template (``add_generation_prompt``),
+else as "role: content" lines followed by "assistant: "; a conversational completion is what the
+template adds for it after the prompt (:func:`example_tokens`).
+
+Every problem is a :class:`DataError` naming the source, the row (the line of a JSONL file, the
+row number otherwise), the column and what was expected; an empty dataset is an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,14 +45,18 @@ from rlalign.errors import RLAlignError
 __all__ = [
     "DataError",
     "Prompt",
+    "Messages",
     "PromptExample",
     "SFTExample",
     "PreferenceExample",
+    "read_rows",
     "load_prompts",
     "load_sft",
     "load_preferences",
     "render_prompt",
+    "completion_text",
     "encode_prompts",
+    "example_tokens",
     "SFTBatch",
     "collate_sft",
     "pack_sft",
@@ -50,8 +64,9 @@ __all__ = [
     "collate_preferences",
 ]
 
-Prompt = str | list[dict[str, str]]
-Source = str | Path | Sequence[dict] | Any  # Any: a datasets.Dataset
+Messages = list[dict[str, Any]]  # [{"role": str, "content": str, ...}, ...]
+Prompt = str | Messages
+Source = str | Path | Sequence[dict] | Any  # Any: a datasets.Dataset or DatasetDict
 
 
 class DataError(RLAlignError, ValueError):
@@ -66,52 +81,221 @@ class PromptExample:
 
 @dataclass(frozen=True)
 class SFTExample:
-    prompt: Prompt
-    completion: str
+    """A prompt and its completion; or, with ``prompt`` None, a whole text or conversation to model."""
+
+    prompt: Prompt | None
+    completion: str | Messages
 
 
 @dataclass(frozen=True)
 class PreferenceExample:
-    prompt: Prompt
-    chosen: str
-    rejected: str
+    """Two responses to ``prompt``; with ``prompt`` None (implicit prompt) whole texts or conversations."""
+
+    prompt: Prompt | None
+    chosen: str | Messages
+    rejected: str | Messages
     margin: float | None = None
 
 
-def _rows(source: Source) -> tuple[str, list[tuple[str, Any]]]:
-    """(source name, [(row label, row)]) for every supported source."""
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise DataError(f"{path}: no such file")
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            rows = []
-            for number, line in enumerate(path.read_text().splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((f"line {number}", json.loads(line)))
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{path}, line {number}: not valid JSON ({err.msg}); expected one JSON object per line") from None
-            return str(path), rows
-        if suffix == ".json":
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}); expected a list of objects") from None
-            if not isinstance(data, list):
-                raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-            return str(path), [(f"row {i}", row) for i, row in enumerate(data, start=1)]
-        if suffix == ".parquet":
-            from datasets import Dataset
+# ----------------------------------------------------------------------------------------------
+# Reading rows
+# ----------------------------------------------------------------------------------------------
 
-            dataset = Dataset.from_parquet(str(path))
-            return str(path), [(f"row {i}", row) for i, row in enumerate(dataset, start=1)]
-        raise DataError(f"{path}: unsupported file type {suffix!r}; expected .jsonl, .json or .parquet")
-    if isinstance(source, Iterable):
-        return "<in-memory records>", [(f"row {i}", row) for i, row in enumerate(source, start=1)]
-    raise DataError(f"cannot read records from a {type(source).__name__}; expected a path, a datasets.Dataset or a list of dicts")
+_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No progress bars from ``datasets`` for the duration (restored after)."""
+    from datasets.utils import logging as datasets_logging
+
+    was_enabled = datasets_logging.is_progress_bar_enabled()
+    datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """``datasets`` and ``huggingface_hub`` in offline mode (local cache only) for the duration."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def _pick_split(dataset: Any, split: str, name: str) -> Any:
+    from datasets import DatasetDict
+
+    if not isinstance(dataset, DatasetDict):
+        return dataset
+    if split not in dataset:
+        raise DataError(f"{name}: no split {split!r}; its splits are {sorted(dataset)}")
+    return dataset[split]
+
+
+def _numbered(dataset: Any, labels: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    rows = dataset.to_list()
+    if labels is None or len(labels) != len(rows):
+        labels = [f"row {i}" for i in range(1, len(rows) + 1)]
+    return list(zip(labels, rows))
+
+
+def _json_problem(path: Path) -> str | None:
+    """Where a JSON / JSONL file is not what ``datasets`` reads, in words (None: nothing found)."""
+    text = path.read_text()
+    if path.suffix.lower() == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as err:
+                    return f"line {number}: not valid JSON ({err.msg}); expected one JSON object per line"
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"not valid JSON ({err.msg} at line {err.lineno}); expected a list of objects"
+    if not isinstance(data, list):
+        return f"expected a JSON list of objects, got {type(data).__name__}"
+    bad = next((i for i, row in enumerate(data, start=1) if not isinstance(row, dict)), None)
+    return None if bad is None else f"row {bad}: expected an object, got {type(data[bad - 1]).__name__}"
+
+
+def _json_rows(path: Path) -> list[tuple[str, Any]]:
+    """The rows of a JSON / JSONL file read by the json module (a JSONL row named by its line)."""
+    if path.suffix.lower() == ".jsonl":
+        return [(f"line {n}", json.loads(line)) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    return [(f"row {i}", row) for i, row in enumerate(json.loads(path.read_text()), start=1)]
+
+
+def _read_file(path: Path) -> list[tuple[str, Any]]:
+    from datasets import load_dataset
+
+    suffix = path.suffix.lower()
+    if suffix not in _BUILDERS:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; expected one of {', '.join(_BUILDERS)}")
+    builder = _BUILDERS[suffix]
+    if builder == "json" and not path.read_text().strip():
+        return []
+    try:
+        with _quiet():
+            dataset = load_dataset(builder, data_files=str(path), split="train", **({"delimiter": "\t"} if suffix == ".tsv" else {}))
+    except Exception as err:  # find the line at fault where we can
+        problem = _json_problem(path) if builder == "json" else None
+        if problem:
+            raise DataError(f"{path}, {problem}") from None
+        if builder != "json":
+            raise DataError(f"{path}: cannot be read as {suffix[1:]} ({type(err).__name__}: {err})") from None
+        return _json_rows(path)  # valid JSON that pyarrow's reader refuses (e.g. blank lines between JSONL rows)
+    if builder == "json" and "Json(" in repr(dataset.features):
+        # a column of mixed types (text in some rows, messages in others) becomes datasets' Json
+        # feature, which reads a text "2" back as the number 2: such files are read as JSON instead
+        return _json_rows(path)
+    lines = None
+    if suffix == ".jsonl":  # name each row by its line, blank lines skipped
+        lines = [f"line {n}" for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    return _numbered(dataset, lines)
+
+
+def _read_dir(path: Path, split: str) -> list[tuple[str, Any]]:
+    from datasets import load_dataset, load_from_disk
+
+    try:
+        with _quiet():
+            if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+                dataset = load_from_disk(str(path))
+            else:
+                dataset = load_dataset(str(path))
+    except Exception as err:
+        raise DataError(f"{path}: neither a dataset saved with save_to_disk nor a directory of data files datasets can read "
+                        f"({type(err).__name__}: {err})") from None
+    return _numbered(_pick_split(dataset, split, str(path)))
+
+
+def _read_hub(name: str, subset: str | None, split: str) -> list[tuple[str, Any]]:
+    from datasets import load_dataset
+
+    download = os.environ.get("HF_HUB_OFFLINE") == "0"
+    try:
+        with _hub_offline(not download), _quiet():
+            dataset = load_dataset(name, subset)
+    except Exception as err:
+        if not download:
+            raise DataError(
+                f"{name!r} is neither a local file or directory nor a Hugging Face Hub dataset in the local cache, and rlalign "
+                "downloads nothing unless asked: set HF_HUB_OFFLINE=0 to let it download, or give a local file"
+            ) from None
+        raise DataError(f"{name!r}: loading it from the Hugging Face Hub failed ({type(err).__name__}: {str(err)[:300]})") from None
+    return _numbered(_pick_split(dataset, split, name))
+
+
+def _rename(row: Any, columns: Mapping[str, str], where: str) -> Any:
+    if not isinstance(row, dict):
+        return row
+    missing = [source for source in columns if source not in row]
+    if missing:
+        raise DataError(f"{where}: data.columns renames {missing}, not columns of this dataset (its columns: {sorted(row)})")
+    taken = [target for target in columns.values() if target in row and target not in columns]
+    if taken:
+        raise DataError(f"{where}: data.columns renames a column to {taken}, which the dataset already has")
+    return {columns.get(key, key): value for key, value in row.items()}
+
+
+def read_rows(source: Source, split: str = "train", subset: str | None = None, columns: Mapping[str, str] | None = None) -> tuple[str, list[tuple[str, Any]]]:
+    """(source name, [(row label, row)]): the rows of a file, a directory, a Hub dataset, a
+    ``datasets.Dataset`` / ``DatasetDict`` or a list of dicts, with ``columns`` renamed
+    ({old name: new name}). ``split`` picks a split where the source has several (a single file has
+    one); ``subset`` is a Hub dataset's configuration.
+
+    Raises:
+        DataError: naming the source (and the line, for a malformed JSON file).
+    """
+    from datasets import Dataset, DatasetDict
+
+    if isinstance(source, (Dataset, DatasetDict)):
+        name, rows = f"<{type(source).__name__}>", _numbered(_pick_split(source, split, f"<{type(source).__name__}>"))
+    elif isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.is_file():
+            name, rows = str(path), _read_file(path)
+        elif path.is_dir():
+            name, rows = str(path), _read_dir(path, split)
+        elif _HUB_NAME.match(str(source)) and path.suffix.lower() not in _BUILDERS:
+            name, rows = str(source), _read_hub(str(source), subset, split)
+        else:
+            raise DataError(f"{path}: no such file or directory")
+    elif isinstance(source, Iterable):
+        name, rows = "<in-memory records>", [(f"row {i}", row) for i, row in enumerate(source, start=1)]
+    else:
+        raise DataError(f"cannot read records from a {type(source).__name__}; expected a path, a Hub dataset name, a datasets.Dataset or a list of dicts")
+    if columns:
+        rows = [(label, _rename(row, columns, f"{name}, {label}")) for label, row in rows]
+    return name, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Validating rows
+# ----------------------------------------------------------------------------------------------
+
+
+def _messages(value: Any) -> Messages | None:
+    """``value`` as chat messages (keys with None values, which Arrow adds to align rows, dropped), or None."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
+        return None
+    return [{key: item for key, item in m.items() if item is not None} for m in value]
 
 
 def _check_prompt(value: Any, where: str, column: str = "prompt") -> Prompt:
@@ -119,18 +303,22 @@ def _check_prompt(value: Any, where: str, column: str = "prompt") -> Prompt:
         if not value:
             raise DataError(f"{where}: column {column!r} is an empty string; expected text or chat messages")
         return value
-    if isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    ):
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise DataError(f"{where}: column {column!r} must be a non-empty string or a list of {{'role': str, 'content': str}} messages, got {value!r:.80}")
+    messages = _messages(value)
+    if messages is None:
+        raise DataError(f"{where}: column {column!r} must be a non-empty string or a list of {{'role': str, 'content': str}} messages, got {value!r:.80}")
+    return messages
 
 
-def _check_text(row: dict, column: str, where: str) -> str:
+def _check_response(row: dict, column: str, where: str, prompt: Prompt | None) -> str | Messages:
+    """A completion / chosen / rejected value: text, or messages (not after a text prompt)."""
     value = row[column]
-    if not isinstance(value, str):
-        raise DataError(f"{where}: column {column!r} must be a string, got {type(value).__name__} {value!r:.80}")
-    return value
+    if isinstance(value, str):
+        return value
+    messages = _messages(value)
+    if messages is None or isinstance(prompt, str):
+        expected = "a string" if isinstance(prompt, str) else "a string or a list of {'role': str, 'content': str} messages"
+        raise DataError(f"{where}: column {column!r} must be {expected}, got {type(value).__name__} {value!r:.80}")
+    return messages
 
 
 def _require(row: Any, columns: Sequence[str], where: str) -> dict:
@@ -142,15 +330,19 @@ def _require(row: Any, columns: Sequence[str], where: str) -> dict:
     return row
 
 
+def _present(row: dict, column: str) -> bool:
+    return row.get(column) is not None
+
+
 def _non_empty(examples: list, name: str, kind: str) -> list:
     if not examples:
         raise DataError(f"{name}: the {kind} dataset is empty")
     return examples
 
 
-def load_prompts(source: Source) -> list[PromptExample]:
-    """Rows with a ``prompt`` (text or messages); other columns are kept as metadata."""
-    name, rows = _rows(source)
+def load_prompts(source: Source, split: str = "train", subset: str | None = None, columns: Mapping[str, str] | None = None) -> list[PromptExample]:
+    """TRL's prompt-only type: rows with a ``prompt`` (text or messages); other columns are kept as metadata."""
+    name, rows = read_rows(source, split, subset, columns)
     out = []
     for label, row in rows:
         where = f"{name}, {label}"
@@ -159,32 +351,50 @@ def load_prompts(source: Source) -> list[PromptExample]:
     return _non_empty(out, name, "prompt")
 
 
-def load_sft(source: Source) -> list[SFTExample]:
-    """Rows with ``prompt`` (text or messages) and ``completion`` (text)."""
-    name, rows = _rows(source)
-    out = []
-    for label, row in rows:
-        where = f"{name}, {label}"
-        row = _require(row, ["prompt", "completion"], where)
-        out.append(SFTExample(_check_prompt(row["prompt"], where), _check_text(row, "completion", where)))
-    return _non_empty(out, name, "SFT")
+def _sft_example(row: Any, where: str) -> SFTExample:
+    if isinstance(row, dict) and not _present(row, "prompt") and _present(row, "messages"):
+        messages = _messages(row["messages"])
+        if messages is None:
+            raise DataError(f"{where}: column 'messages' must be a list of {{'role': str, 'content': str}} messages, got {row['messages']!r:.80}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: column 'messages' has no assistant message to learn from")
+        return SFTExample(None, messages)
+    if isinstance(row, dict) and not _present(row, "prompt") and _present(row, "text"):
+        if not isinstance(row["text"], str) or not row["text"]:
+            raise DataError(f"{where}: column 'text' must be a non-empty string, got {row['text']!r:.80}")
+        return SFTExample(None, row["text"])
+    if isinstance(row, dict) and not _present(row, "prompt"):
+        raise DataError(f"{where}: expected the columns of one of TRL's SFT types ('text'; 'messages'; 'prompt' and 'completion'), found {sorted(row)}")
+    row = _require(row, ["prompt", "completion"], where)
+    prompt = _check_prompt(row["prompt"], where)
+    return SFTExample(prompt, _check_response(row, "completion", where, prompt))
 
 
-def load_preferences(source: Source) -> list[PreferenceExample]:
-    """Rows with ``prompt``, ``chosen``, ``rejected`` and an optional finite ``margin``. A pair whose
-    chosen and rejected responses are the same text teaches nothing: such pairs are dropped, with a
+def load_sft(source: Source, split: str = "train", subset: str | None = None, columns: Mapping[str, str] | None = None) -> list[SFTExample]:
+    """TRL's SFT types: language modelling (``text``, or ``messages``: the assistant turns are learnt)
+    or prompt-completion (``prompt`` and ``completion``, text or messages)."""
+    name, rows = read_rows(source, split, subset, columns)
+    return _non_empty([_sft_example(row, f"{name}, {label}") for label, row in rows], name, "SFT")
+
+
+def load_preferences(source: Source, split: str = "train", subset: str | None = None, columns: Mapping[str, str] | None = None) -> list[PreferenceExample]:
+    """TRL's preference type: ``chosen`` and ``rejected`` (text or messages) after an explicit
+    ``prompt``, or whole texts / conversations (implicit prompt); an optional finite ``margin``. A pair
+    whose chosen and rejected responses are the same teaches nothing: such pairs are dropped, with a
     warning that counts them and names the first."""
-    name, rows = _rows(source)
+    name, rows = read_rows(source, split, subset, columns)
     out, same = [], []
     for label, row in rows:
         where = f"{name}, {label}"
-        row = _require(row, ["prompt", "chosen", "rejected"], where)
+        row = _require(row, ["prompt", "chosen", "rejected"] if isinstance(row, dict) and "prompt" in row else ["chosen", "rejected"], where)
         margin = row.get("margin")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin)):
             raise DataError(f"{where}: column 'margin' must be a finite number or absent, got {margin!r}")
-        example = PreferenceExample(
-            _check_prompt(row["prompt"], where), _check_text(row, "chosen", where), _check_text(row, "rejected", where), None if margin is None else float(margin)
-        )
+        prompt = _check_prompt(row["prompt"], where) if "prompt" in row else None
+        chosen, rejected = _check_response(row, "chosen", where, prompt), _check_response(row, "rejected", where, prompt)
+        if prompt is None and isinstance(chosen, str) != isinstance(rejected, str):
+            raise DataError(f"{where}: with no 'prompt', 'chosen' and 'rejected' must both be texts or both be conversations")
+        example = PreferenceExample(prompt, chosen, rejected, None if margin is None else float(margin))
         if example.chosen == example.rejected:
             same.append(where)
         else:
@@ -194,18 +404,35 @@ def load_preferences(source: Source) -> list[PreferenceExample]:
     return _non_empty(out, name, "preference")
 
 
+# ----------------------------------------------------------------------------------------------
+# Rendering and tokenising
+# ----------------------------------------------------------------------------------------------
+
+
+def _has_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _chat(tokenizer: PreTrainedTokenizerBase, messages: Messages, generation_prompt: bool) -> str:
+    """Messages as text: the chat template, or "role: content" lines (then "assistant: " to prompt a reply)."""
+    if _has_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if generation_prompt else "")
+
+
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
     """Prompt text: as is, or chat messages through the chat template (plain join when there is none)."""
-    if isinstance(prompt, str):
-        return prompt
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
+    return prompt if isinstance(prompt, str) else _chat(tokenizer, prompt, generation_prompt=True)
+
+
+def completion_text(completion: str | Messages) -> str:
+    """A completion's text: itself, or the contents of its messages joined."""
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
 
 
 def _encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
     # a chat template writes its own BOS; plain text gets the tokenizer's special tokens (e.g. BOS)
-    add_special = isinstance(prompt, str) or not getattr(tokenizer, "chat_template", None)
+    add_special = isinstance(prompt, str) or not _has_template(tokenizer)
     return tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=add_special)["input_ids"]
 
 
@@ -214,8 +441,67 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
     return [_encode_prompt(tokenizer, p) for p in prompts]
 
 
-def _encode_completion(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+def _turn_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Tokens of a response's text, closed by EOS unless the text already ends with it (a chat
+    template's end-of-turn token may be the EOS; trailing whitespace after it is kept)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids if tokenizer.eos_token and text.rstrip().endswith(tokenizer.eos_token) else ids + [tokenizer.eos_token_id]
+
+
+def _continuation(before: str, after: str, what: str) -> str:
+    if not after.startswith(before):
+        raise DataError(f"the chat template does not render {what} as a continuation of what comes before it "
+                        f"({before[-60:]!r} is not a prefix of {after[:len(before) + 20][-80:]!r}); give prompt-completion rows instead")
+    return after[len(before):]
+
+
+def _conversation_tokens(tokenizer: PreTrainedTokenizerBase, messages: Messages, completion_only: bool) -> tuple[list[int], list[int]]:
+    """A whole conversation's tokens; targets: the assistant turns' contents and ends (all tokens unless ``completion_only``)."""
+    pieces: list[tuple[str, bool]] = []  # (text, is an assistant turn)
+    done = ""
+    for i, message in enumerate(messages):
+        assistant = message["role"] == "assistant"
+        if assistant:  # the assistant header is prompt, not target
+            header = _chat(tokenizer, messages[:i], generation_prompt=True)
+            pieces.append((_continuation(done, header, f"turn {i}'s header"), False))
+            done = header
+        upto = _chat(tokenizer, messages[: i + 1], generation_prompt=False)
+        pieces.append((_continuation(done, upto, f"turn {i}"), assistant))
+        done = upto
+    ids, is_target = [], []
+    for n, (text, assistant) in enumerate(pieces):
+        if assistant:
+            piece = _turn_ids(tokenizer, text)
+        else:
+            piece = tokenizer(text, add_special_tokens=n == 0 and not _has_template(tokenizer))["input_ids"] if text else []
+        ids += piece
+        is_target += [int(assistant or not completion_only)] * len(piece)
+    return ids, is_target
+
+
+def _completion_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, completion: str | Messages) -> list[int]:
+    """A completion's tokens after ``prompt``: text closed by EOS, or what the chat template writes for
+    the completion's messages after the rendered prompt (closed by EOS if it does not already end with it)."""
+    if isinstance(prompt, str):
+        return _turn_ids(tokenizer, completion)
+    messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+    full = _chat(tokenizer, prompt + messages, generation_prompt=False)
+    return _turn_ids(tokenizer, _continuation(render_prompt(tokenizer, prompt), full, "the completion"))
+
+
+def example_tokens(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt | None, completion: str | Messages, completion_only: bool = True
+) -> tuple[list[int], list[int]]:
+    """(token ids, is_target) of one example: prompt + completion (targets: the completion), a whole
+    text (targets: all of it) or a whole conversation (targets: its assistant turns). With
+    ``completion_only`` False every token is a target."""
+    if prompt is None and isinstance(completion, str):
+        ids = tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id]
+        return ids, [1] * len(ids)
+    if prompt is None:
+        return _conversation_tokens(tokenizer, completion, completion_only)
+    prompt_ids, completion_ids = _encode_prompt(tokenizer, prompt), _completion_ids(tokenizer, prompt, completion)
+    return prompt_ids + completion_ids, [int(not completion_only)] * len(prompt_ids) + [1] * len(completion_ids)
 
 
 @dataclass
@@ -232,20 +518,18 @@ class SFTBatch:
     loss_mask: Tensor  # (B, T - 1)
 
 
-def _sft_rows(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int) -> list[tuple[list[int], list[int]]]:
+def _sft_rows(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int, completion_only: bool) -> list[tuple[list[int], list[int]]]:
     rows = []
     for ex in examples:
-        prompt = _encode_prompt(tokenizer, ex.prompt)
-        completion = _encode_completion(tokenizer, ex.completion)
-        ids = (prompt + completion)[:max_length]
-        is_target = ([0] * len(prompt) + [1] * len(completion))[:max_length]
-        rows.append((ids, is_target))
+        ids, is_target = example_tokens(tokenizer, ex.prompt, ex.completion, completion_only)
+        rows.append((ids[:max_length], is_target[:max_length]))
     return rows
 
 
-def collate_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int = 512) -> SFTBatch:
-    """One row per example, right-padded, truncated to ``max_length`` tokens."""
-    rows = _sft_rows(tokenizer, examples, max_length)
+def collate_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int = 512, completion_only: bool = True) -> SFTBatch:
+    """One row per example, right-padded, truncated to ``max_length`` tokens; the loss mask covers
+    the completions (:func:`example_tokens`), or every token unless ``completion_only``."""
+    rows = _sft_rows(tokenizer, examples, max_length, completion_only)
     length = max(len(ids) for ids, _ in rows)
     batch = len(rows)
     input_ids = torch.full((batch, length), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
@@ -258,7 +542,7 @@ def collate_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExampl
     return SFTBatch(input_ids, attention_mask, position_ids_from_mask(attention_mask), is_target[:, 1:])
 
 
-def pack_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int = 512) -> SFTBatch:
+def pack_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int = 512, completion_only: bool = True) -> SFTBatch:
     """Pack examples end to end into rows of at most ``max_length`` tokens (first fit, in order).
 
     Position ids restart at 0 for each example and no attention mask is passed; transformers reads
@@ -266,7 +550,7 @@ def pack_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample],
     packed batch equals that of the unpacked one while wasting no compute on padding. The forward
     must run with ``use_cache=False``: with a cache, transformers skips the packed-sequence check.
     """
-    rows = _sft_rows(tokenizer, examples, max_length)
+    rows = _sft_rows(tokenizer, examples, max_length, completion_only)
     packed: list[tuple[list[int], list[int], list[int]]] = []  # (ids, targets, positions)
     for ids, target in rows:
         if not packed or len(packed[-1][0]) + len(ids) > max_length:
@@ -306,11 +590,12 @@ class PreferenceBatch:
 
 
 def collate_preferences(tokenizer: PreTrainedTokenizerBase, examples: Sequence[PreferenceExample], max_length: int = 512) -> PreferenceBatch:
-    """Encode pairs for a reward model; sequences longer than ``max_length`` keep their last tokens."""
+    """Encode pairs for a reward model (:func:`example_tokens`: prompt + response, or the whole text
+    or conversation of an implicit prompt); sequences longer than ``max_length`` keep their last tokens."""
     sequences = []
     for response in ("chosen", "rejected"):
         for ex in examples:
-            ids = _encode_prompt(tokenizer, ex.prompt) + _encode_completion(tokenizer, getattr(ex, response))
+            ids, _ = example_tokens(tokenizer, ex.prompt, getattr(ex, response))
             sequences.append(ids[-max_length:])
     length = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), length), tokenizer.pad_token_id, dtype=torch.long)  # (2B, T)

@@ -35,6 +35,7 @@ __all__ = [
     "RewardModelReward",
     "reward_fn_name",
     "score_completions",
+    "call_reward",
 ]
 
 
@@ -138,7 +139,7 @@ def _keyword_names(fn: Callable) -> set[str] | None:
     return named if "completions" in named else set()
 
 
-def _call(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence], context: Mapping[str, object]) -> Sequence:
+def call_reward(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence], context: Mapping[str, object]) -> Sequence:
     """TRL's convention where ``fn`` takes it: keywords ``prompts``, ``completions``, every other
     column and every ``context`` entry by name (all of them for ``**kwargs``, else those it names);
     else ``fn(prompts, completions)``."""
@@ -154,7 +155,7 @@ def _call_one(
 ) -> list[float]:
     """``fn``'s scores, checked: one finite number per completion, or None where it does not apply (read as NaN)."""
     try:
-        scores = list(_call(fn, prompts, completions, columns, context or {}))
+        scores = list(call_reward(fn, prompts, completions, columns, context or {}))
     except Exception as err:  # find which prompt makes it raise
         if len(prompts) > 1:
             for i, (p, c) in enumerate(zip(prompts, completions)):

@@ -33,7 +33,13 @@ class DataConfig(Config):
     """Where the training prompts come from: an embedded task or a file (exactly one)."""
 
     task: Literal["arithmetic", "preference"] | None = Field(None, description="embedded offline task (rlalign.tasks) giving the prompts")
-    path: str | None = Field(None, description="JSONL / JSON / Parquet of prompt records (a 'prompt' column; other columns kept, e.g. 'answer')")
+    path: str | None = Field(
+        None, description="TRL prompt-only data (a 'prompt' column, text or messages; other columns kept and passed to rewards, e.g. 'answer'): "
+        "a JSON / JSONL / CSV / Parquet / Arrow file, a directory, or a Hub dataset name"
+    )
+    subset: str | None = Field(None, description="configuration (subset) of a Hub dataset")
+    split: str = Field("train", description="split to read when the data has several (a single file has one)")
+    columns: dict[str, str] = Field(default_factory=dict, description="columns to rename before reading, {name in the data: name rlalign reads}, e.g. {question: prompt}")
     num_prompts: int = Field(1024, ge=1, description="training prompts drawn from an embedded task")
     seed: int = Field(0, description="seed of the embedded task's prompt draw")
 

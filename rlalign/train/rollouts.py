@@ -23,9 +23,9 @@ from torch import Tensor
 
 from rlalign.config import ConfigError
 from rlalign.lm.code_execution import TestsError, code_execution, parse_tests
-from rlalign.lm.data import DataError, PromptExample, encode_prompts, load_prompts, render_prompt
+from rlalign.lm.data import DataError, PromptExample, completion_text, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.models import attention_kernel, load_reward_model, load_tokenizer
-from rlalign.lm.rewards import RewardModelReward, check_finite, exact_match, format_check, math_answer, score_completions
+from rlalign.lm.rewards import RewardModelReward, call_reward, check_finite, exact_match, format_check, math_answer, reward_fn_name, score_completions
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
 from rlalign.tasks import TASKS
@@ -55,7 +55,7 @@ def load_prompt_set(data: DataConfig, records: Sequence[dict] | None = None) -> 
         return load_prompts(list(records))
     if data.task is not None:
         return load_prompts(TASKS[data.task].prompt_records("train", data.num_prompts, data.seed))
-    return load_prompts(data.path)
+    return load_prompts(data.path, data.split, data.subset, data.columns)
 
 
 def check_prompt_lengths(prompts: Sequence[PromptExample], tokenizer, context: int | None, max_new_tokens: int) -> None:
@@ -109,7 +109,18 @@ def _references(prompts: Sequence[PromptExample], tokenizer, function: str, colu
     return references
 
 
-def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable[[list[str], list[str]], Sequence[float]]:
+def _on_text(fn: Callable, tokenizer) -> Callable:
+    """A built-in reward called on texts whatever the data's type: each prompt rendered as the policy
+    saw it, each completion's text (a user's function gets TRL's values: messages for conversational rows)."""
+
+    def on_text(prompts: list, completions: list, **columns) -> Sequence[float]:
+        return call_reward(fn, [render_prompt(tokenizer, p) for p in prompts], [completion_text(c) for c in completions], columns, {})
+
+    on_text.name = reward_fn_name(fn)
+    return on_text
+
+
+def _builtin_reward(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable | None:
     name = spec.function
     if name in TASKS:
         return TASKS[name].reward
@@ -126,6 +137,14 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
             except TestsError as err:
                 raise DataError(f"prompt record {i}: {err}") from None
         return code_execution(references, partial_credit=spec.partial_credit, allow_weak_sandbox=spec.allow_weak_sandbox)
+    return None
+
+
+def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable[[list[str], list[str]], Sequence[float]]:
+    builtin = _builtin_reward(spec, prompts, tokenizer)
+    if builtin is not None:
+        return _on_text(builtin, tokenizer)
+    name = spec.function
     module_name, attr = name.split(":", 1)
     if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
         sys.path.insert(0, os.getcwd())
@@ -230,16 +249,17 @@ def score_shard(
     without EOS; gather the scores of every rank. Rewards taking TRL's keywords also get
     ``completion_ids`` (each row's tokens, no padding) and ``trainer_state`` (``global_step`` = ``step``)."""
     rows = [ex for ex in batch[world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
-    prompts = [render_prompt(tokenizer, ex.prompt) for ex in rows]
+    prompts = [ex.prompt for ex in rows]  # text or messages, as in the data (TRL's convention)
+    as_messages = [completion if isinstance(ex.prompt, str) else [{"role": "assistant", "content": completion}] for ex, completion in zip(rows, completions)]
     columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
     columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
     context = {"trainer_state": SimpleNamespace(global_step=step)}
-    local_scores, local_per_term = score_rollout(rewards, prompts, completions, columns, context)  # (B,)
+    local_scores, local_per_term = score_rollout(rewards, prompts, as_messages, columns, context)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()
     scores = distributed.gather_rows(local_scores, world)  # (B global,)
     per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
-    return ScoredRollout(prompts, completions, local_scores, local_per_term, scores, per_term)
+    return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term)
 
 
 def reward_stats(total: Tensor, per_term: dict[str, Tensor]) -> dict[str, float]:

@@ -8,10 +8,13 @@ Each step: a batch of (prompt, completion) pairs, one row each (or packed end to
 ``eval_every`` steps: the eval loss, and ``eval/reward``, the task reward of completions of the
 eval prompts (arithmetic: accuracy of greedy answers; preference: mean hidden score of completions
 sampled at temperature 1, since greedy decoding of a random-word distribution collapses to one
-word; files: exact match of greedy completions with the reference completions).
+word; files: exact match of greedy completions with the reference completions, where the eval rows
+have prompts).
 
-Data come from a built-in task (``data.task``) or from files (``data.train_file`` /
-``data.eval_file``; formats in :mod:`rlalign.lm.data`). With no ``model.path`` the tiny recipe
+Data come from a built-in task (``data.task``) or from files, directories or Hub datasets
+(``data.train_file`` / ``data.eval_file``) in TRL's SFT types (:mod:`rlalign.lm.data`): ``text``
+and ``messages`` rows (language modelling: every token of a text, the assistant turns of a
+conversation) or ``prompt`` + ``completion`` rows (the completion), each text or messages. With no ``model.path`` the tiny recipe
 model is built in ``<output_dir>/base_model``. The trained model is saved to ``<output_dir>/final``
 (an ordinary HF checkpoint directory, tokenizer included).
 """
@@ -30,7 +33,7 @@ from pydantic import Field
 from rlalign.config import load_config
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
-from rlalign.lm.data import SFTExample, collate_sft, load_sft, pack_sft
+from rlalign.lm.data import Prompt, SFTExample, collate_sft, completion_text, load_sft, pack_sft
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
@@ -45,12 +48,17 @@ class SFTDataConfig(SupervisedDataConfig):
     """Where the (prompt, completion) pairs come from."""
 
     task: Literal["arithmetic", "preference"] | None = Field("arithmetic", description="built-in task used when train_file is null")
-    train_file: str | None = Field(None, description="JSONL/JSON/Parquet of {prompt, completion}; overrides task")
-    eval_file: str | None = Field(None, description="held-out pairs for eval loss and accuracy (required with train_file)")
+    train_file: str | None = Field(
+        None, description="TRL SFT data: {text} | {messages} (language modelling) | {prompt, completion}, text or messages; a file, directory or Hub name; overrides task"
+    )
+    eval_file: str | None = Field(None, description="held-out examples for eval loss and exact match of greedy completions (required with train_file)")
     num_train: int = Field(20000, ge=1, description="number of built-in training pairs")
     num_eval: int = Field(256, ge=1, description="number of built-in eval pairs")
     max_length: int = Field(64, ge=2, description="longest prompt + completion in tokens (longer rows are cut)")
     packing: bool = Field(False, description="pack pairs end to end into rows of max_length tokens")
+    completion_only_loss: bool = Field(
+        True, description="learn only the completions (the assistant turns of 'messages' rows); false: every token; 'text' rows learn every token either way"
+    )
 
 
 class SFTConfig(SupervisedConfig):
@@ -74,20 +82,34 @@ class _EvalSpec:
 
 
 def _datasets(cfg: SFTConfig) -> tuple[list[SFTExample], list[SFTExample], _EvalSpec]:
-    """(train pairs, eval pairs, how generations are scored at eval)."""
+    """(train examples, eval examples, how generations are scored at eval)."""
     data = cfg.data
     if data.train_file is not None:
-        return load_sft(data.train_file), load_sft(data.eval_file), _EvalSpec(None, cfg.max_new_tokens or 32, 0.0)
+        train_set, eval_set = data.load_files(load_sft)
+        return train_set, eval_set, _EvalSpec(None, cfg.max_new_tokens or 32, 0.0)
     task = TASKS[data.task]
     train_set = load_sft(task.sft_records("train", data.num_train, cfg.seed))
     eval_set = load_sft(task.sft_records("eval", data.num_eval, cfg.seed))
     return train_set, eval_set, _EvalSpec(task.reward, cfg.max_new_tokens or task.max_new_tokens, task.eval_temperature)
 
 
-def _batch_loss(model, tokenizer, examples: list[SFTExample], max_length: int, packing: bool):
-    """Completion-only loss of one batch and its stats (mean nll, counted tokens)."""
+def generation_pairs(examples: list[SFTExample]) -> list[tuple[Prompt, str]]:
+    """(prompt, reference completion) of each example a greedy completion can be compared with: a
+    prompt-completion pair, or a conversation ending with an assistant turn (the turns before it are
+    the prompt); a plain text has no prompt and gives none."""
+    pairs = []
+    for ex in examples:
+        if ex.prompt is not None:
+            pairs.append((ex.prompt, completion_text(ex.completion)))
+        elif isinstance(ex.completion, list) and len(ex.completion) > 1 and ex.completion[-1]["role"] == "assistant":
+            pairs.append((ex.completion[:-1], ex.completion[-1]["content"]))
+    return pairs
+
+
+def _batch_loss(model, tokenizer, examples: list[SFTExample], max_length: int, packing: bool, completion_only: bool = True):
+    """The loss of one batch on its target tokens (:func:`rlalign.lm.data.example_tokens`) and its stats (mean nll, counted tokens)."""
     device = next(model.parameters()).device
-    batch = (pack_sft if packing else collate_sft)(tokenizer, examples, max_length)
+    batch = (pack_sft if packing else collate_sft)(tokenizer, examples, max_length, completion_only)
     logits = model(
         input_ids=batch.input_ids.to(device),
         attention_mask=None if batch.attention_mask is None else batch.attention_mask.to(device),
@@ -106,7 +128,7 @@ def _eval_loss(model, tokenizer, examples: list[SFTExample], cfg: SFTConfig) -> 
     total, tokens = 0.0, 0.0
     for start in range(0, len(examples), cfg.eval_batch_size):
         chunk = examples[start : start + cfg.eval_batch_size]
-        _, stats = _batch_loss(model, tokenizer, chunk, cfg.data.max_length, packing=False)
+        _, stats = _batch_loss(model, tokenizer, chunk, cfg.data.max_length, False, cfg.data.completion_only_loss)
         total += float(stats.nll) * float(stats.tokens)
         tokens += float(stats.tokens)
     model.train(was_training)
@@ -114,12 +136,14 @@ def _eval_loss(model, tokenizer, examples: list[SFTExample], cfg: SFTConfig) -> 
 
 
 def _evaluate(model, tokenizer, eval_set: list[SFTExample], spec: _EvalSpec, cfg: SFTConfig) -> dict[str, float]:
-    reward_fn = spec.reward_fn or exact_match()  # each eval pair against its own completion
-    prompts, answers = [ex.prompt for ex in eval_set], [ex.completion for ex in eval_set]
-    with distributed.gathered(model):  # FSDP2: full parameters for the decode loops
-        reward, _ = generation_eval(model, tokenizer, prompts, reward_fn, spec.max_new_tokens, spec.temperature, cfg.eval_batch_size, cfg.seed,
-                                    columns={"answer": answers})
-    return {"eval/loss": _eval_loss(model, tokenizer, eval_set, cfg), "eval/reward": reward}
+    metrics = {"eval/loss": _eval_loss(model, tokenizer, eval_set, cfg)}
+    pairs = generation_pairs(eval_set)
+    if pairs:
+        reward_fn = spec.reward_fn or exact_match()  # each eval pair against its own completion
+        with distributed.gathered(model):  # FSDP2: full parameters for the decode loops
+            metrics["eval/reward"], _ = generation_eval(model, tokenizer, [p for p, _ in pairs], reward_fn, spec.max_new_tokens, spec.temperature,
+                                                        cfg.eval_batch_size, cfg.seed, columns={"answer": [a for _, a in pairs]})
+    return metrics
 
 
 def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
@@ -130,13 +154,14 @@ def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
         model = run.load_policy(cfg.model)
 
         def batch_loss(trained, examples: list[SFTExample]):
-            loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing)
+            loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing, cfg.data.completion_only_loss)
             return loss, {"loss/sft": float(loss.detach())}, float(stats.tokens)  # a mean over completion tokens
 
         def evaluate(model) -> dict[str, float]:
             return _evaluate(model, run.tokenizer, eval_set, eval_spec, cfg)
 
-        return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "sft", "eval/reward", "tokens")
+        headline = "eval/reward" if generation_pairs(eval_set) else "eval/loss"  # plain texts have no prompt to complete
+        return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "sft", headline, "tokens")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

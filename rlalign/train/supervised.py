@@ -32,11 +32,17 @@ __all__ = ["SupervisedDataConfig", "SupervisedConfig", "supervised_loop"]
 
 
 class SupervisedDataConfig(Config):
-    """Where the examples come from: a built-in task, or a training file and an eval file."""
+    """Where the examples come from: a built-in task, or a training source and an eval source, each a
+    local JSON / JSONL / CSV / TSV / Parquet / Arrow file, a directory of such files or one written by
+    ``save_to_disk``, or a Hugging Face Hub dataset name (read through ``datasets``)."""
 
     task: str | None = Field(None, description="built-in task used when train_file is null")
-    train_file: str | None = Field(None, description="JSONL/JSON/Parquet of training examples; overrides task")
-    eval_file: str | None = Field(None, description="held-out examples (required with train_file)")
+    train_file: str | None = Field(None, description="training examples: a file, a directory or a Hub dataset name; overrides task")
+    eval_file: str | None = Field(None, description="held-out examples (required with train_file; may name the same dataset as train_file, with eval_split)")
+    subset: str | None = Field(None, description="configuration (subset) of a Hub dataset")
+    train_split: str = Field("train", description="split of train_file to read when it has several (a single file has one)")
+    eval_split: str = Field("test", description="split of eval_file to read when it has several (a single file has one)")
+    columns: dict[str, str] = Field(default_factory=dict, description="columns to rename before reading, {name in the data: name rlalign reads}, e.g. {question: prompt}")
 
     @model_validator(mode="after")
     def _source(self) -> SupervisedDataConfig:
@@ -45,6 +51,13 @@ class SupervisedDataConfig(Config):
         if self.train_file is not None and self.eval_file is None:
             raise ValueError("data.eval_file is required with data.train_file")
         return self
+
+    def load_files(self, loader: Callable[..., list]) -> tuple[list, list]:
+        """(training examples, eval examples) read from the files by ``loader`` (e.g. ``load_sft``)."""
+        return (
+            loader(self.train_file, split=self.train_split, subset=self.subset, columns=self.columns),
+            loader(self.eval_file, split=self.eval_split, subset=self.subset, columns=self.columns),
+        )
 
 
 class SupervisedConfig(RunConfig):
