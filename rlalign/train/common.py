@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -18,10 +19,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from pydantic import Field, model_validator
+from transformers import AutoConfig
 
 from rlalign.config import Config, ConfigError
 from rlalign.lm.data import encode_prompts, render_prompt
-from rlalign.lm.models import LoraConfig, resolve_model_path
+from rlalign.lm.models import LoraConfig, load_policy, load_tokenizer, resolve_model_path
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
 
@@ -32,6 +34,8 @@ __all__ = [
     "RunConfig",
     "check_output_dir",
     "prepare_model_path",
+    "is_adapter_dir",
+    "merge_adapter",
     "batch_order",
     "set_seed",
     "autocast_context",
@@ -45,6 +49,9 @@ __all__ = [
     "generation_eval",
     "greedy_eval",
 ]
+
+ADAPTER_CONFIG = "adapter_config.json"  # what peft writes beside a saved adapter
+MERGED_MARKER = "rlalign_merged_adapter.json"  # which adapter a merged base_model/ was made from
 
 class OptimConfig(Config):
     """AdamW with linear warm-up then cosine decay to ``min_lr_ratio`` * lr."""
@@ -249,7 +256,13 @@ class TinyModelConfig(Config):
 class ModelConfig(Config):
     """Which checkpoint to start from and how to hold it."""
 
-    path: str | None = Field(None, description="HF checkpoint dir; null = build the tiny recipe model in <output_dir>/base_model")
+    path: str | None = Field(
+        None, description="HF checkpoint dir, Hub id, or a LoRA adapter dir (adapter_config.json: see adapter); null = build the tiny recipe model in <output_dir>/base_model"
+    )
+    adapter: Literal["merge", "train"] = Field(
+        "merge", description="when path is a LoRA adapter dir: merge it into its base and train the merged model (fresh adapters if lora is set), "
+        "or keep training that adapter; either way the reference, critic and reward-model backbone start from base + adapter"
+    )
     gguf_file: str | None = Field(None, description="a .gguf file inside path to load instead of safetensors")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
@@ -264,6 +277,12 @@ class ModelConfig(Config):
         "ddp", description="under torchrun: ddp = a full copy per process (DDP); fsdp = parameters, gradients and optimiser state sharded (FSDP2)"
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape of the tiny model built when path is null")
+
+    @model_validator(mode="after")
+    def _adapter(self) -> ModelConfig:
+        if self.adapter == "train" and self.lora is not None:
+            raise ValueError("model.adapter: train keeps training the saved adapter; model.lora would add fresh ones on top: set one of them")
+        return self
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -285,6 +304,9 @@ class RunConfig(Config):
     progress: bool = Field(True, description="show a progress bar with the step's headline metrics")
     tensorboard: bool = Field(False, description="also write TensorBoard scalars when tensorboard is installed")
     overwrite: bool = Field(False, description="start afresh in an output_dir that holds a run, deleting its contents first (otherwise an error)")
+    save_merged: bool = Field(
+        False, description="LoRA runs: write final/ as the full model (adapter merged into its base, loadable with AutoModelForCausalLM) instead of the adapter alone"
+    )
 
     @model_validator(mode="after")
     def _output_dir(self) -> RunConfig:
@@ -292,13 +314,42 @@ class RunConfig(Config):
         return self
 
 
+def is_adapter_dir(path: str | Path) -> bool:
+    """A directory holding a saved LoRA adapter (peft's ``adapter_config.json``), not a full model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def merge_adapter(adapter_dir: Path, out_dir: Path) -> Path:
+    """Write ``adapter_dir``'s base with the adapter merged into it, a full checkpoint in the base's
+    dtype with the tokenizer (the adapter's, else the base's), to ``out_dir`` (atomically; reused
+    when it already holds this adapter's merge). Returns ``out_dir``."""
+    from rlalign.train.checkpoints import replace_dir
+
+    marker = {"merged_adapter": str(adapter_dir.resolve())}
+    if (out_dir / MERGED_MARKER).is_file() and json.loads((out_dir / MERGED_MARKER).read_text()) == marker:
+        return out_dir
+    base_path = Path(json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    merged = load_policy(adapter_dir).merge_and_unload()
+    stored = AutoConfig.from_pretrained(str(resolve_model_path(base_path))).dtype or torch.float32
+    tmp = out_dir.parent / f".tmp_{out_dir.name}_{os.getpid()}"
+    merged.to(stored).save_pretrained(tmp)
+    load_tokenizer(adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else resolve_model_path(base_path)).save_pretrained(tmp)
+    (tmp / MERGED_MARKER).write_text(json.dumps(marker))
+    replace_dir(tmp, out_dir)
+    return out_dir
+
+
 def prepare_model_path(cfg: ModelConfig, output_dir: str | Path) -> Path:
-    """``cfg.path`` (a directory, or a Hugging Face Hub id through the Hub cache), or the tiny recipe
-    model built once in ``<output_dir>/base_model``."""
+    """The run's base checkpoint: ``cfg.path`` (a directory, or a Hugging Face Hub id through the Hub
+    cache); for a LoRA adapter directory its base with the adapter merged, written once to
+    ``<output_dir>/base_model`` (the previous stage's full model: the reference, the critic's and a
+    reward model's start); with no path the tiny recipe model built there."""
     if cfg.path is not None:
         path = resolve_model_path(cfg.path)
         if not path.is_dir():
             raise ConfigError(f"model.path {cfg.path!r} is not a directory (nor a Hugging Face Hub id)")
+        if is_adapter_dir(path):
+            return merge_adapter(path.resolve(), Path(output_dir).resolve() / "base_model")
         return path.resolve()  # absolute: a saved LoRA adapter records its base by this path
     from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 

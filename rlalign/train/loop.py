@@ -15,6 +15,7 @@ so a resumed run is the uninterrupted one. The trained model ends in ``<output_d
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -32,12 +33,13 @@ from torch import nn
 from rlalign.config import Config, ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
-from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer
+from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
 from rlalign.train import distributed
 from rlalign.train.common import (
     MetricsLogger,
     ModelConfig,
     plot_metrics,
+    is_adapter_dir,
     prepare_model_path,
     read_metrics,
     restore_rng_state,
@@ -86,11 +88,14 @@ class Run:
     device: str  # this rank's device
     checkpoint: Checkpoint | None = None
     lock: Any = field(default=None, repr=False)  # the open lock file of run_dir (rank 0), held for the run's life
+    adapter_path: Path | None = None  # a saved LoRA adapter the policy keeps training (model.adapter: train)
 
     def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
-        """The trained causal LM: from the checkpoint when resuming (LoRA adapters included), else the start with optional fresh LoRA."""
+        """The trained causal LM: from the checkpoint when resuming (LoRA adapters included), else the
+        start: the base with optional fresh LoRA, or the saved adapter to train on its base."""
         m = model_cfg
-        return load_policy(self.model_path, m.dtype, self.device, None if self.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
+        path = self.checkpoint.model_dir if self.checkpoint else (self.adapter_path or self.base_path)
+        return load_policy(path, m.dtype, self.device, None if self.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
 
     def __enter__(self) -> Run:
         return self
@@ -131,7 +136,8 @@ def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Pa
         if lock is not None:
             lock.close()
         raise
-    return Run(world, run_dir, base_path, tokenizer, world.device(cfg.model.device), checkpoint, lock)
+    adapter_path = resolve_model_path(cfg.model.path).resolve() if cfg.model.adapter == "train" and cfg.model.path and is_adapter_dir(resolve_model_path(cfg.model.path)) else None
+    return Run(world, run_dir, base_path, tokenizer, world.device(cfg.model.device), checkpoint, lock, adapter_path)
 
 
 @dataclass
@@ -233,8 +239,15 @@ class SavedModels:
         finally:
             self.states = {}
 
-    def save_pretrained(self, path: str | Path) -> None:
-        self.policy.save_pretrained(path, state_dict=self.states.get("policy"))
+    def save_pretrained(self, path: str | Path, merged: bool = False) -> None:
+        """Every model's weights; a LoRA policy as its adapter, or with ``merged`` as the full model
+        (a merged copy: the trained policy keeps its adapters)."""
+        if merged and hasattr(self.policy, "merge_and_unload"):
+            if self.states.get("policy") is not None:
+                raise ConfigError("save_merged is not supported with sharding: fsdp; merge the saved adapter afterwards")
+            copy.deepcopy(self.policy).merge_and_unload().save_pretrained(path)
+        else:
+            self.policy.save_pretrained(path, state_dict=self.states.get("policy"))
         for name, model in self.others.items():
             model.save_pretrained(Path(path) / name, state_dict=self.states.get(name))
 
@@ -251,15 +264,17 @@ def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: Save
     state.world.barrier()
 
 
-def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World()) -> Path:
-    """The trained model(s) as an ordinary HF checkpoint (safetensors, tokenizer) in ``run_dir/final``
-    (rank 0 writes), atomically like a checkpoint: written beside it, fsynced, renamed into place."""
+def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World(), merged: bool = False) -> Path:
+    """The trained model(s) in ``run_dir/final`` with the tokenizer (rank 0 writes), atomically like a
+    checkpoint: written beside it, fsynced, renamed into place. A full model is an ordinary HF
+    checkpoint; a LoRA policy is its adapter (peft format, naming its base), or with ``merged`` the
+    full model with the adapter merged."""
     final = run_dir / "final"
     with models.gathered():
         if world.is_main:
             tmp = run_dir / f".tmp_final_{os.getpid()}"
             try:
-                models.save_pretrained(tmp)
+                models.save_pretrained(tmp, merged)
                 tokenizer.save_pretrained(tmp)
                 replace_dir(tmp, final)
             except BaseException:
@@ -323,7 +338,7 @@ def run_steps(
                     f"stopped by {stops.signal or 'a signal to another process'} after step {state.step - 1}, saved in "
                     f"{latest_checkpoint(run.run_dir)}; continue with --resume {run.run_dir}", stops.exit_code
                 )
-    final_dir = save_final(run.run_dir, models, run.tokenizer, state.world)
+    final_dir = save_final(run.run_dir, models, run.tokenizer, state.world, getattr(cfg, "save_merged", False))
     if plot_keys and is_main:
         records = read_metrics(run.run_dir / "metrics.jsonl")
         plot_metrics(run.run_dir / "metrics.jsonl", [k for k in plot_keys if any(r.get(k) is not None for r in records)], run.run_dir / "curves.png")

@@ -33,7 +33,7 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "curves.p
 # fields that may differ between a checkpoint's run and its resumption: length, logging, saving, threads
 RESUMABLE_CHANGES = {
     "steps", "max_steps", "output_dir", "overwrite", "progress", "tensorboard", "plots", "save_every", "keep_last",
-    "sample_every", "num_samples_logged", "eval_every", "eval_batch_size", "num_threads", "model.device",
+    "sample_every", "num_samples_logged", "eval_every", "eval_batch_size", "num_threads", "model.device", "save_merged",
 }
 
 
