@@ -10,8 +10,29 @@ c > 0 is reward centring (Eisenstein et al. 2023), which pins the mean reward ne
 sees rewards on a stable scale. Chosen and rejected responses go through one forward pass.
 
 Held-out metrics: ``eval/accuracy`` (fraction of pairs with r_c > r_r) and ``eval/margin``
-(mean r_c - r_r). The model is saved to ``<output_dir>/final`` (backbone + ``value_head.safetensors``
-+ tokenizer), which :func:`rlalign.lm.models.load_reward_model` and ``load_critic`` read back.
+(mean r_c - r_r).
+
+The head r = w . h has no bias: Bradley-Terry's gradient with respect to a constant added to every
+reward is exactly zero (it cancels in r_c - r_r; only centring would move it), so nothing is lost,
+and the model saves as an exact Hugging Face sequence-classification checkpoint. ``<output_dir>/final``
+(and each checkpoint's ``model/``) holds ``config.json`` with ``architectures:
+["<Arch>ForSequenceClassification"]`` (e.g. ``LlamaForSequenceClassification``), ``num_labels: 1`` and
+the tokenizer's ``pad_token_id``, the weights with the backbone under the class's prefix (``model.``,
+``transformer.``, ...) and the head as ``score.weight`` (1, H), and the tokenizer. It loads with
+``AutoModelForSequenceClassification.from_pretrained`` as well as with
+:func:`rlalign.lm.models.load_reward_model` (PPO's ``reward_model:``, GRPO's reward-model term) and
+``load_critic`` (PPO's critic starts from it, with a bias of 0 that it then trains).
+
+Transformers' classifier reads the score at the last token that is not ``pad_token_id``; rlalign
+reads it at the last attention-mask position, the EOS that closes prompt + response. The two agree
+when the tokenizer has a pad token of its own. When its pad token is its EOS (``load_tokenizer``
+makes it so for a tokenizer without one), transformers reads the token before that EOS, and saving
+warns about it. Transformers' classifier also numbers positions 0..T-1 whatever the padding, so give
+it right-padded batches (rlalign derives positions from the mask, so either padding gives the same
+scores there).
+
+Reward models saved by older versions (backbone + ``value_head.safetensors``) still load; training
+from one drops its head's bias with a warning (every reward moves by that constant).
 """
 
 from __future__ import annotations
@@ -111,7 +132,8 @@ def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         train_set, eval_set = _datasets(cfg)
         m = cfg.model
-        model = load_reward_model(run.model_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)
+        model = load_reward_model(run.model_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)  # a head without bias
+        model.pad_token_id, model.eos_token_id = run.tokenizer.pad_token_id, run.tokenizer.eos_token_id  # for the saved classifier's config
         model.train()
 
         def batch_loss(trained, pairs: list[PreferenceExample]):

@@ -72,17 +72,33 @@ def test_reward_is_read_at_the_last_non_pad_token(checkpoint):
 
 def test_saved_reward_model_reloads_with_its_head(checkpoint, tmp_path):
     rm = load_reward_model(checkpoint, trainable=True)
+    assert rm.head.bias is None  # a reward model is trained without bias: it saves as a HF sequence classifier
     with torch.no_grad():
         rm.head.weight.add_(0.5)
-        rm.head.bias.fill_(3.0)
     rm.save_pretrained(tmp_path / "rm")
-    assert (tmp_path / "rm" / HEAD_FILE).is_file() and (tmp_path / "rm" / "model.safetensors").is_file()
+    assert not (tmp_path / "rm" / HEAD_FILE).exists() and (tmp_path / "rm" / "model.safetensors").is_file()
     again = load_reward_model(tmp_path / "rm")
     ids, mask = torch.tensor([[1, 14, 15, 2]]), torch.ones(1, 4, dtype=torch.long)
     torch.testing.assert_close(again.sequence_scores(ids, mask), rm.sequence_scores(ids, mask), rtol=0, atol=1e-6)
     assert not any(p.requires_grad for p in again.parameters())  # a loaded reward model is frozen
-    critic = load_critic(tmp_path / "rm")  # critic initialised from the reward model keeps its head
-    assert critic.head.bias.item() == 3.0 and all(p.requires_grad for p in critic.parameters())
+    critic = load_critic(tmp_path / "rm")  # critic initialised from the reward model keeps its head, and gets a bias to train
+    assert critic.head.bias.item() == 0.0 and all(p.requires_grad for p in critic.parameters())
+    torch.testing.assert_close(critic.sequence_scores(ids, mask), rm.sequence_scores(ids, mask), rtol=0, atol=1e-6)
+
+
+def test_a_critic_keeps_its_bias_in_the_value_head_format(checkpoint, tmp_path):
+    critic = load_critic(checkpoint)
+    with torch.no_grad():
+        critic.head.weight.add_(0.5)
+        critic.head.bias.fill_(3.0)
+    critic.save_pretrained(tmp_path / "critic")
+    assert (tmp_path / "critic" / HEAD_FILE).is_file() and (tmp_path / "critic" / "model.safetensors").is_file()
+    again = load_critic(tmp_path / "critic")
+    assert again.head.bias.item() == 3.0
+    ids, mask = torch.tensor([[1, 14, 15, 2]]), torch.ones(1, 4, dtype=torch.long)
+    torch.testing.assert_close(again.sequence_scores(ids, mask), critic.sequence_scores(ids, mask), rtol=0, atol=1e-6)
+    # the same directory read as a frozen reward model keeps the bias too
+    torch.testing.assert_close(load_reward_model(tmp_path / "critic").sequence_scores(ids, mask), critic.sequence_scores(ids, mask), rtol=0, atol=1e-6)
 
 
 def test_critic_from_an_sft_checkpoint_gets_a_fresh_head(llama_checkpoint):

@@ -40,3 +40,25 @@ def test_cli_smoke_with_margin(tmp_path):
 def test_lora_is_rejected_for_reward_models():
     with pytest.raises(ConfigError, match="model.lora is not supported"):
         load_config(RMConfig, None, ["model.lora.r=4"])
+
+
+def test_rm_saves_a_hugging_face_sequence_classifier_with_rlaligns_scores(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = load_config(RMConfig, None, TINY + [f"output_dir={tmp_path}", "max_steps=2", "save_every=1", "eval_every=2", "data.num_train=16",
+                                              "data.num_eval=8", "batch_size=4", "center_coef=0.1"])
+    train(cfg)
+    tok = load_tokenizer(tmp_path / "final")
+    assert tok.pad_token_id != tok.eos_token_id
+    rows = [tok("Q: 1+1\nA:")["input_ids"] + tok(" 2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], tok("hi")["input_ids"] + [tok.eos_token_id]]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [tok.pad_token_id] * (width - len(row)) for row in rows])  # right padding, as transformers' classifier needs
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    for saved in (tmp_path / "final", max((tmp_path / "checkpoints").iterdir()) / "model"):
+        hf, info = AutoModelForSequenceClassification.from_pretrained(saved, output_loading_info=True)
+        assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.num_labels == 1 and hf.config.pad_token_id == tok.pad_token_id
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        rm = load_reward_model(saved)
+        assert rm.head.bias is None or rm.head.bias.item() == 0.0
+        with torch.no_grad():
+            torch.testing.assert_close(hf.eval()(input_ids=ids, attention_mask=mask).logits[:, 0], rm.sequence_scores(ids, mask), rtol=0, atol=1e-5)
