@@ -60,7 +60,10 @@ class RMDataConfig(SupervisedDataConfig):
     """Where the preference pairs come from."""
 
     task: Literal["preference"] | None = Field("preference", description="built-in task used when train_file is null")
-    train_file: str | None = Field(None, description="JSONL/JSON/Parquet of {prompt, chosen, rejected, margin?}; overrides task")
+    train_file: str | None = Field(
+        None, description="TRL preference data: {prompt, chosen, rejected} or {chosen, rejected} (implicit prompt), text or messages, margin?; "
+        "a file, directory or Hub name; overrides task"
+    )
     eval_file: str | None = Field(None, description="held-out pairs (required with train_file)")
     num_train: int = Field(4000, ge=1, description="number of built-in training pairs")
     num_eval: int = Field(500, ge=1, description="number of built-in held-out pairs")
@@ -85,6 +88,8 @@ class RMConfig(SupervisedConfig):
     def _no_lora(self) -> RMConfig:
         if self.model.lora is not None:
             raise ValueError("model.lora is not supported for reward models (the head and backbone are trained in full)")
+        if self.model.adapter == "train":
+            raise ValueError("model.adapter: train is not supported for reward models: an adapter given as model.path is merged into its base (adapter: merge)")
         return self
 
 
@@ -118,7 +123,7 @@ def evaluate_pairs(model: ScalarHeadModel, tokenizer, examples: list[PreferenceE
 def _datasets(cfg: RMConfig) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
     data = cfg.data
     if data.train_file is not None:
-        return load_preferences(data.train_file), load_preferences(data.eval_file)
+        return data.load_files(load_preferences)
     task = TASKS[data.task]
     return (
         load_preferences(task.preference_records("train", data.num_train, cfg.seed)),

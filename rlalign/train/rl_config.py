@@ -60,10 +60,13 @@ class RewardConfig(Config):
         None,
         description="arithmetic | preference (the task's reward) | exact_match | math_answer (vs the prompts' 'answer' column, "
         "math_answer through math-verify) | format (regex 'pattern') | code_execution (runs the completion's code with the prompts' "
-        "'tests' column in a sandbox) | 'package.module:function': TRL's reward convention (keywords prompts, completions and the "
-        "record's other columns) or fn(prompts, completions)",
+        "'tests' column in a sandbox) | 'package.module:function': TRL's reward convention (keywords prompts, completions (messages "
+        "for conversational prompts), completion_ids, trainer_state and the row's other columns) or fn(prompts, completions)",
     )
-    reward_model: str | None = Field(None, description="reward-model checkpoint (backbone + value_head.safetensors); its score is the reward")
+    reward_model: str | None = Field(
+        None, description="reward-model checkpoint: one written by rlalign rm or any Hugging Face *ForSequenceClassification checkpoint with one label "
+        "(or an older rlalign backbone + value_head.safetensors); its score at the end of prompt + response is the reward"
+    )
     pattern: str | None = Field(None, description="regular expression the whole completion must match (function: format)")
     weight: float = Field(1.0, description="coefficient of this term in the total reward")
     name: str | None = Field(None, description="metric name, reward/<name>/mean; defaults to the function name or 'rm'")
