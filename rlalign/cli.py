@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 
 from rlalign.errors import RLAlignError
@@ -22,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rm": ("rlalign.train.reward_model", "Bradley-Terry reward-model training on preference pairs"),
     "grpo": ("rlalign.train.grpo", "GRPO on a causal LM"),
     "ppo": ("rlalign.train.ppo", "RLHF PPO on a causal LM (policy, reference, reward model, critic)"),
+    "config": ("rlalign.config_command", "print a command's full default config as YAML, each field with its description"),
 }
 
 
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__version__)
         return 0
     command = top.parse_args(argv[:1]).command
+    if not debug:
+        _quiet_libraries()
     module_name, text = COMMANDS[command]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"rlalign {command}", description=text)
@@ -69,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rlalign {command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_libraries() -> None:
+    """No progress bars or info messages from transformers, datasets and huggingface_hub ("Loading
+    weights", "Writing model shards", ...): the run's own progress bar and summary line remain;
+    ``--debug`` (or the variables set in the environment) keeps them. Read when those libraries are imported."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
 
 def _message(err: Exception) -> str:

@@ -9,6 +9,7 @@ Every config class derives from :class:`Config`, which forbids unknown keys. Err
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -135,3 +136,77 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Self-documentation: every field of a config class, as a table and as a commented YAML file
+# ----------------------------------------------------------------------------------------------
+
+
+def _config_class(annotation: Any) -> type[Config] | None:
+    """The Config class inside ``annotation`` (``X``, ``X | None``, ``list[X]``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, Config):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _config_class(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _type_name(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    text = text or str(annotation)
+    for noise in ("typing.", "rlalign.", "NoneType"):
+        text = text.replace(noise, "None" if noise == "NoneType" else "")
+    return re.sub(r"Literal\[(.*?)\]", lambda m: m.group(1).replace(", ", " | ").replace("'", ""), text)
+
+
+def describe_fields(cls: type[Config], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted name, type, default, description) of every field of ``cls``, nested configs walked
+    (``model.lora.r``; ``rewards[].function`` for a list of configs)."""
+    rows = []
+    for name, info in cls.model_fields.items():
+        dotted = f"{prefix}{name}"
+        nested = _config_class(info.annotation)
+        default = info.get_default(call_default_factory=True)
+        if nested is not None and (isinstance(default, (Config, list)) or default is None):
+            is_list = getattr(info.annotation, "__origin__", None) is list
+            shown = "[...]" if is_list else ("null" if default is None else "")
+            rows.append((dotted, nested.__name__ + ("[]" if is_list else ""), shown, info.description or ""))
+            rows.extend(describe_fields(nested, f"{dotted}[]." if is_list else f"{dotted}."))
+            continue
+        value = default.model_dump(mode="json") if isinstance(default, BaseModel) else default
+        rows.append((dotted, _type_name(info.annotation), yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n..."), info.description or ""))
+    return rows
+
+
+def fields_help(cls: type[Config]) -> str:
+    """Every field of ``cls`` for ``--help``: dotted name, type and default, then its description."""
+    lines = []
+    for dotted, type_name, default, description in describe_fields(cls):
+        lines.append(f"  {dotted}  ({type_name}, default {default})" if default else f"  {dotted}  ({type_name})")
+        if description:
+            lines.append(f"      {description}")
+    return "\n".join(lines)
+
+
+def default_yaml(cls: type[Config]) -> str:
+    """``cls``'s defaults as a YAML file, each field preceded by its description as a comment;
+    loading it back with :func:`load_config` gives the defaults."""
+
+    def emit(model: type[Config], values: dict[str, Any], indent: str) -> list[str]:
+        out = []
+        for name, info in model.model_fields.items():
+            if info.description:
+                out.append(f"{indent}# {info.description}")
+            value = values[name]
+            nested = _config_class(info.annotation)
+            if nested is not None and isinstance(value, dict):
+                out.append(f"{indent}{name}:")
+                out.extend(emit(nested, value, indent + "  "))
+            else:
+                out.append(f"{indent}{name}: {yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix(chr(10) + '...')}")
+        return out
+
+    return "\n".join(emit(cls, cls().model_dump(mode="json"), "")) + "\n"

@@ -267,7 +267,7 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser, "configs/grpo_arithmetic.yaml", "optim.lr=1e-4 steps=50")
+    add_run_arguments(parser, "configs/grpo_arithmetic.yaml", "optim.lr=1e-4 steps=50", GRPOConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ so a resumed run is the uninterrupted one. The trained model ends in ``<output_d
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlalign.config import Config, ConfigError
+from rlalign.config import Config, ConfigError, fields_help
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
 from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
@@ -66,6 +67,7 @@ __all__ = [
     "step_timings",
     "RLResult",
     "add_run_arguments",
+    "summary_line",
 ]
 
 StepFn = Callable[["TrainState"], tuple[dict[str, float], list[dict]]]
@@ -430,8 +432,23 @@ class RLResult:
         return json.dumps(summary, allow_nan=False)
 
 
-def add_run_arguments(parser, recipe: str, example: str) -> None:
-    """The command line of every LM trainer: ``--config RECIPE``, ``--resume DIR`` and dotted overrides."""
+def add_run_arguments(parser, recipe: str, example: str, config_cls: type[Config] | None = None) -> None:
+    """The command line of every LM trainer: ``--config RECIPE``, ``--resume DIR`` and dotted
+    overrides; ``--help`` lists every field of ``config_cls``."""
     parser.add_argument("--config", help=f"YAML recipe, e.g. {recipe}")
     parser.add_argument("--resume", metavar="DIR", help="checkpoint directory (or run directory: its latest checkpoint) to continue from")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help=f"dotted overrides, e.g. {example}")
+    if config_cls is not None:
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        command = parser.prog.removeprefix("rlalign ")
+        parser.epilog = (
+            f"config fields (set them in the --config YAML, or override them as key.sub=value; "
+            f"'rlalign config {command}' prints them all as a YAML file):\n{fields_help(config_cls)}"
+        )
+
+
+def summary_line(output_dir: str | Path, metrics: dict[str, float]) -> str:
+    """One JSON line ending a supervised run: its run and final directories and its final ``metrics``."""
+    summary = {"output_dir": str(output_dir), "final": str(Path(output_dir) / "final")}
+    summary.update({k: round(v, 4) if math.isfinite(v) else None for k, v in metrics.items()})
+    return json.dumps(summary, allow_nan=False)

@@ -353,7 +353,7 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser, "configs/ppo_preference.yaml", "kl_coef=0.1 steps=50")
+    add_run_arguments(parser, "configs/ppo_preference.yaml", "kl_coef=0.1 steps=50", PPOConfig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -50,7 +50,7 @@ from rlalign.lm.data import PreferenceExample, collate_preferences, load_prefere
 from rlalign.lm.models import ScalarHeadModel, last_token_values, load_reward_model
 from rlalign.tasks import TASKS
 from rlalign.train.common import ModelConfig, OptimConfig
-from rlalign.train.loop import add_run_arguments, start_run
+from rlalign.train.loop import add_run_arguments, start_run, summary_line
 from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["RMDataConfig", "RMConfig", "pair_rewards", "evaluate_pairs", "train", "add_arguments", "run"]
@@ -154,11 +154,11 @@ def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser, "configs/rm_preference.yaml", "optim.lr=1e-3 max_steps=50")
+    add_run_arguments(parser, "configs/rm_preference.yaml", "optim.lr=1e-3 max_steps=50", RMConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(RMConfig, args.config, args.overrides)
     result = train(cfg, resume=args.resume)
-    print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
+    print(summary_line(cfg.output_dir, result))
     return 0

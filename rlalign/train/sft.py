@@ -38,7 +38,7 @@ from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, generation_eval
-from rlalign.train.loop import add_run_arguments, start_run
+from rlalign.train.loop import add_run_arguments, start_run, summary_line
 from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["SFTDataConfig", "SFTConfig", "train", "add_arguments", "run"]
@@ -165,11 +165,11 @@ def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser, "configs/sft_arithmetic.yaml", "optim.lr=1e-3 max_steps=50")
+    add_run_arguments(parser, "configs/sft_arithmetic.yaml", "optim.lr=1e-3 max_steps=50", SFTConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(SFTConfig, args.config, args.overrides)
     result = train(cfg, resume=args.resume)
-    print("  ".join(f"{k}={v:.4g}" for k, v in result.items()))
+    print(summary_line(cfg.output_dir, result))
     return 0

@@ -30,8 +30,9 @@ def test_reward_model_ranks_held_out_pairs(tmp_path):
     assert evaluate_pairs(rm, tok, held_out, max_length=64)["eval/accuracy"] == pytest.approx(result["eval/accuracy"])
 
 
-def test_cli_smoke_with_margin(tmp_path):
+def test_cli_smoke_with_margin(tmp_path, capsys):
     assert main(["rm", f"output_dir={tmp_path}", *TINY, "max_steps=2", "eval_every=1", "data.num_train=16", "data.num_eval=8", "use_margin=true", "batch_size=4"]) == 0
+    assert f'"final": "{tmp_path / "final"}"' in capsys.readouterr().out.strip().splitlines()[-1]
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert {"loss/rm", "accuracy", "margin", "eval/accuracy", "eval/margin"} <= set(records[-1])
     assert torch.isfinite(torch.tensor(records[-1]["loss/rm"]))

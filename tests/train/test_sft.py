@@ -37,10 +37,12 @@ def test_sft_learns_the_training_pairs(tmp_path):
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file() and (tmp_path / "run" / "final" / "tokenizer.json").is_file()
 
 
-def test_cli_smoke_with_packing_and_builtin_task(tmp_path):
+def test_cli_smoke_with_packing_and_builtin_task(tmp_path, capsys):
     code = main(["sft", f"output_dir={tmp_path}", *TINY, "max_steps=2", "eval_every=1", "data.num_train=64", "data.num_eval=8",
                  "data.packing=true", "batch_size=8"])
     assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # one summary line naming the output paths
+    assert summary["output_dir"] == str(tmp_path) and summary["final"] == str(tmp_path / "final") and "eval/reward" in summary
     assert (tmp_path / "base_model" / "config.json").is_file()  # the tiny model was built in the output dir
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [-1, 0, 1] and "eval/reward" in records[-1]
