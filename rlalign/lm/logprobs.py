@@ -41,7 +41,7 @@ from transformers import DynamicCache
 
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.masks import position_ids_from_mask
-from rlalign.lm.models import cache_argument
+from rlalign.lm.models import cache_argument, is_checkpointing
 
 __all__ = ["completion_positions", "completion_logits", "completion_logprobs", "rollout_logprobs"]
 
@@ -66,7 +66,7 @@ def completion_logits(
     Returns:
         Shape: (B, C, V), in the model's (or autocast's) dtype; row t predicts completion token t.
     """
-    if group_index is not None:
+    if group_index is not None and not is_checkpointing(model):  # a checkpointed forward drops the KV cache the shared prompt needs
         groups, rows_group = torch.unique(group_index, return_inverse=True)  # (U,), (B,): each row's group among the U
         if len(groups) < len(group_index) and prompt_ids.shape[1] > 1:  # a one-token prompt has nothing to share
             return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, len(groups))

@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlalign.config import Config
+from rlalign.config import Config, ConfigError
 from rlalign.core.advantages import last_token_index
 from rlalign.core.masks import position_ids_from_mask
 from rlalign.errors import RLAlignError
@@ -67,6 +67,9 @@ __all__ = [
     "apply_lora",
     "reference_policy",
     "unwrap_causal_lm",
+    "enable_gradient_checkpointing",
+    "is_checkpointing",
+    "evaluating",
     "attention_kernel",
     "cast_copy",
     "hold_matmul_weights",
@@ -326,6 +329,39 @@ def attention_kernel(model: nn.Module, attn_implementation: str | None) -> Itera
 def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     """The transformers causal LM inside ``model`` (a peft model's base model, with its adapters)."""
     return model.get_base_model() if _is_peft(model) else model
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each decoder layer's activations in backward instead of keeping them (transformers'
+    activation checkpointing, non-reentrant): the same gradients for less memory and about one more
+    forward of compute. ``model``: a causal LM (peft or not) or a :class:`ScalarHeadModel`. It acts in
+    train mode with grad enabled only, where it drops the KV cache, so the trainers sample and run
+    their no-grad passes in eval mode (:func:`evaluating`) and do not share prompts in a checkpointed
+    training forward (:func:`is_checkpointing`)."""
+    backbone = model.backbone if isinstance(model, ScalarHeadModel) else unwrap_causal_lm(model)
+    if not getattr(backbone, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.gradient_checkpointing: {type(backbone).__name__} does not support activation checkpointing")
+    backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` now recomputes activations in backward (and so drops a KV cache):
+    checkpointing on, train mode, grad enabled."""
+    backbone = model.backbone if isinstance(model, ScalarHeadModel) else unwrap_causal_lm(model)
+    return bool(getattr(backbone, "is_gradient_checkpointing", False)) and model.training and torch.is_grad_enabled()
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside the block, its mode restored after: a trained model's sampling and
+    no-grad passes keep their KV cache under gradient checkpointing (dropout is 0 either way)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def cache_argument(model: nn.Module) -> str:

@@ -37,7 +37,7 @@ import contextlib
 import datetime
 import inspect
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,7 @@ from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
     "World", "init", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
-    "gather_rows", "all_sum", "all_max", "aggregation_count", "loss_scale", "reduce_stats", "global_mean_var", "rows_of",
+    "gather_rows", "all_sum", "all_max", "aggregation_count", "loss_scale", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
 ]
 
 
@@ -295,6 +295,28 @@ def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world:
     for n in names:
         if n in MAX_STATS:
             out[n] = all_max(stats[n], world)
+    return out
+
+
+def merge_micro_stats(parts: Sequence[tuple[Mapping[str, float], float, float]]) -> dict[str, float]:
+    """One minibatch's statistics from those of its micro-batches (gradient accumulation).
+
+    Args:
+        parts: per micro-batch (stats, weight, count): ``loss/*`` values are means over ``count``
+            (so the minibatch's is sum(loss_k count_k) / sum(count_k)), ``MAX_STATS`` are maxima,
+            the rest are means weighted by ``weight`` (counted tokens).
+    """
+    if len(parts) == 1:
+        return dict(parts[0][0])
+    total_weight, total_count = sum(w for _, w, _ in parts), sum(c for _, _, c in parts)
+    out: dict[str, float] = {}
+    for name in parts[0][0]:
+        if name in MAX_STATS:
+            out[name] = max(stats[name] for stats, _, _ in parts)
+        elif name.startswith("loss/"):
+            out[name] = sum(stats[name] * c for stats, _, c in parts) / total_count if total_count > 0 else 0.0
+        else:
+            out[name] = sum(stats[name] * w for stats, w, _ in parts) / total_weight if total_weight > 0 else 0.0
     return out
 
 

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
+import torch
 from torch import Tensor, nn
 
 from rlalign.config import load_config
@@ -77,10 +78,10 @@ from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
-from rlalign.train.passes import completion_logits, logprob_mismatch, loss_mask, ratio_deviation, reference_logprobs, training_logprobs
+from rlalign.train.passes import completion_logits, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
-from rlalign.train.updater import Updater
+from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = ["GRPOConfig", "ADVANTAGE_ESTIMATORS", "grpo_loss", "grpo_step", "train", "add_arguments", "run"]
 
@@ -196,25 +197,28 @@ def grpo_step(
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
-    ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, rollout.batch_size // m, autocast, cfg.compile) if cfg.beta > 0 else None
+    ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, cfg.micro_batch_size or rollout.batch_size // m, autocast, cfg.compile) if cfg.beta > 0 else None
     t_ref = time.perf_counter()
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated, no pass needed for it
     mismatch = None
     if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics are not the training forward's
-        old_logp = training_logprobs(updater.module, rollout, temperature, minibatches, autocast, cfg.compile)  # (B, C)
+        update_rows = [rows for mb in minibatches for rows in micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)]
+        old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile)  # (B, C), on the updates' row batches
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()
 
     # 4. mu passes x minibatches of clipped-surrogate updates against log pi_old
+    #    (each one's gradient accumulated over micro-batches of cfg.micro_batch_size rows: the same update, less memory)
     updates = UpdateMeans()
     for _ in range(cfg.mu):
         for mb in minibatches:
-            loss, stats = grpo_loss(updater.model, rollout.select(mb), advantages[mb], mask[mb], None if ref_logp is None else ref_logp[mb], cfg, on_policy)
-            scale = distributed.loss_scale(distributed.aggregation_count(mask[mb], cfg.aggregation), world)  # 1 in one process
-            stats = distributed.reduce_stats({key: float(v) for key, v in stats.items()}, float(mask[mb].sum()), scale, world)
-            stats["grad_norm"] = updater.step(loss * scale)
-            updates.add(stats)
+            def loss_of(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                return grpo_loss(updater.model, rollout.select(micro), advantages[micro], mask[micro], None if ref_logp is None else ref_logp[micro], cfg, on_policy)
+
+            micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)
+            stats, grad_norm = minibatch_step(updater, loss_of, micro_rows, mask, cfg.aggregation, world)
+            updates.add({**stats, "grad_norm": grad_norm})
     t3 = time.perf_counter()
 
     metrics = updates.means()

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from rlalign.core.logprobs import token_logprobs
 from rlalign.lm import private
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
-from rlalign.lm.models import reference_policy
+from rlalign.lm.models import evaluating, reference_policy
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import autocast_context
@@ -31,6 +31,7 @@ __all__ = [
     "reference_logprobs",
     "training_logprobs",
     "loss_mask",
+    "micro_batches",
     "logprob_mismatch",
     "ratio_deviation",
 ]
@@ -84,7 +85,7 @@ def reference_logprobs(
     """Completion log-probs under the frozen reference (or the LoRA base, adapters off), by the same
     forward as the updates (compiled when they are), in minibatches of ``batch_size`` rows, under
     ``autocast`` (:attr:`rlalign.train.common.ModelConfig.autocast`). Shape: (B, C)."""
-    with reference_policy(policy, reference) as ref, distributed.gathered(ref), autocast_context(autocast, ref):
+    with reference_policy(policy, reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref):
         return torch.cat([rollout_token_logprobs(ref, mb, temperature, compiled) for mb in rollout.minibatches(batch_size)])
 
 
@@ -96,10 +97,16 @@ def training_logprobs(
     the updates are), on the same minibatches (same shapes, so the same kernels) as the updates that
     follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
-    with autocast_context(autocast, policy):
+    with autocast_context(autocast, policy), evaluating(policy):
         for rows in minibatches:
             logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled)
     return logprobs
+
+
+def micro_batches(rows: Tensor, size: int | None) -> list[Tensor]:
+    """``rows`` (a minibatch's row indices) cut into micro-batches of ``size`` rows (the last may be
+    shorter), whose gradients one optimiser step accumulates; ``size`` None: one micro-batch."""
+    return list(rows.split(size)) if size else [rows]
 
 
 def loss_mask(rollout: Rollout, mask_truncated: bool) -> Tensor:

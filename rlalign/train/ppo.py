@@ -33,8 +33,8 @@ Deliberate simplifications, stated:
 - the KL in the reward and in the metrics is measured once per rollout, at pi_old.
 - with ``model.autocast: bfloat16`` or ``sampling.dtype: bfloat16``, pi_old is recomputed by the training forward (as in
   rlalign.train.grpo; ``logprob_mismatch`` logs how far the sampler's log-probs were from it).
-- under torchrun, explained_variance is the token-weighted mean of the ranks' values (the other
-  metrics are those of the global batch; rlalign.train.distributed).
+- explained_variance is that of the rollout-time values V_old against the returns, over the whole
+  rollout (as CleanRL's), so it does not depend on minibatches, micro-batches or ranks.
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.core.losses import Aggregation, clipped_surrogate_loss, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.data import PromptExample
-from rlalign.lm.models import load_critic
+from rlalign.lm.models import enable_gradient_checkpointing, load_critic
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
-from rlalign.train.passes import completion_logits, logprob_mismatch, ratio_deviation, reference_logprobs, training_logprobs
+from rlalign.train.passes import completion_logits, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
-from rlalign.train.updater import Updater
+from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = [
     "CriticConfig", "PPOConfig", "KL_ESTIMATORS", "ppo_advantages", "critic_values", "policy_loss", "critic_loss", "ppo_step", "train",
@@ -202,7 +202,7 @@ def critic_loss(critic: nn.Module, rollout: Rollout, returns: Tensor, old_values
     loss, stats = value_loss(
         values, returns.to(device), mask.to(device), old_values.to(device), cfg.value_clip, mode=cfg.aggregation, max_len=cfg.sampling.max_new_tokens
     )
-    return loss, {"loss/value": loss.detach(), "value_clip_frac": stats.clip_frac, "explained_variance": stats.explained_variance}
+    return loss, {"loss/value": loss.detach(), "value_clip_frac": stats.clip_frac}
 
 
 def ppo_step(
@@ -238,14 +238,15 @@ def ppo_step(
     mask = rollout.completion_mask.float()  # (B, C)
     minibatch = -(-len(batch) // cfg.num_minibatches)  # global rows per minibatch
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
-    ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, minibatch, autocast, cfg.compile)  # (B, C)
+    pass_rows = cfg.micro_batch_size or minibatch  # rows per no-grad forward
+    ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, pass_rows, autocast, cfg.compile)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
-        old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(minibatch)])  # (B, C)
+        old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(pass_rows)])  # (B, C)
     t_ref = time.perf_counter()
     mismatch = None
     if cfg.recompute_old_logprobs:  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
-        chunks = [slice(s, s + minibatch) for s in range(0, rollout.batch_size, minibatch)]
+        chunks = [slice(s, s + pass_rows) for s in range(0, rollout.batch_size, pass_rows)]
         old_logp = training_logprobs(policy.module, rollout, temperature, chunks, autocast, cfg.compile)  # (B, C)
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
@@ -266,13 +267,18 @@ def ppo_step(
             rows = distributed.rows_of(order[start : start + minibatch], shard)  # this rank's rows of the minibatch
             present = float(rows.numel() > 0)
             rows = rows if present else torch.zeros(1, dtype=torch.long)
-            mb, mb_mask = rollout.select(rows), mask[rows] * present
-            scale = distributed.loss_scale(distributed.aggregation_count(mb_mask, cfg.aggregation) * present, world)  # 1 in one process
-            loss_pi, stats = policy_loss(policy.model, mb, advantages[rows], mb_mask, cfg)
-            grad_norm_pi = policy.step(loss_pi * scale)
-            loss_v, value_stats = critic_loss(critic.model, mb, returns[rows], old_values[rows], mb_mask, cfg)
-            grad_norm_v = critic.step(loss_v * scale)
-            stats = distributed.reduce_stats({k: float(v) for k, v in {**stats, **value_stats}.items()}, float(mb_mask.sum()), scale, world)
+            micro_rows = micro_batches(rows, cfg.micro_batch_size)  # each update accumulates its gradient over these
+            mb_mask = mask * present  # (B, C)
+
+            def actor_loss(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                return policy_loss(policy.model, rollout.select(micro), advantages[micro], mb_mask[micro], cfg)
+
+            def value_loss_of(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                return critic_loss(critic.model, rollout.select(micro), returns[micro], old_values[micro], mb_mask[micro], cfg)
+
+            stats, grad_norm_pi = minibatch_step(policy, actor_loss, micro_rows, mb_mask, cfg.aggregation, world, present)
+            value_stats, grad_norm_v = minibatch_step(critic, value_loss_of, micro_rows, mb_mask, cfg.aggregation, world, present)
+            stats.update(value_stats)
             stats["grad_norm/policy"], stats["grad_norm/critic"] = grad_norm_pi, grad_norm_v
             updates.add(stats)
     t3 = time.perf_counter()
@@ -293,7 +299,10 @@ def ppo_step(
     if mismatch is not None:
         metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["adv/std"] = adv_var.sqrt().item()
-    metrics["returns/mean"] = distributed.global_mean_var(returns, mask, world)[0].item()
+    returns_mean, returns_var = distributed.global_mean_var(returns, mask, world)
+    metrics["returns/mean"] = returns_mean.item()
+    residual_var = distributed.global_mean_var(returns - old_values, mask, world)[1]  # 1 - Var[R - V_old] / Var[R] over the whole rollout
+    metrics["explained_variance"] = (1.0 - residual_var / returns_var).item() if returns_var > 0 else 0.0
     metrics["lr"] = policy.lr
     metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"], t_ref, t_old))
     return metrics, sample_rows(state.step, scored, cfg.num_samples_logged)
@@ -324,6 +333,8 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         policy = run.load_policy(m)
         reference = run.load_reference(m, cfg.reference)
         critic = load_critic(ckpt.model_dir / "critic" if ckpt else _critic_init(cfg, run.base_path), m.dtype, run.device, attn_implementation=m.attn_implementation)
+        if m.gradient_checkpointing:
+            enable_gradient_checkpointing(critic)
         updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
         updaters = {
             "policy": Updater.create(policy, cfg.optim, updates, run.world, m.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy),

@@ -47,7 +47,7 @@ from pydantic import Field, model_validator
 from rlalign.config import load_config
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
-from rlalign.lm.models import ScalarHeadModel, last_token_values, load_reward_model
+from rlalign.lm.models import ScalarHeadModel, enable_gradient_checkpointing, last_token_values, load_reward_model
 from rlalign.tasks import TASKS
 from rlalign.train.common import ModelConfig, OptimConfig
 from rlalign.train.loop import add_run_arguments, start_run, summary_line
@@ -138,6 +138,8 @@ def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
         train_set, eval_set = _datasets(cfg)
         m = cfg.model
         model = load_reward_model(run.model_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)  # a head without bias
+        if m.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         model.pad_token_id, model.eos_token_id = run.tokenizer.pad_token_id, run.tokenizer.eos_token_id  # for the saved classifier's config
         model.train()
 

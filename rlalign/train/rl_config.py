@@ -168,6 +168,10 @@ class RLConfig(RunConfig):
     steps: int = Field(100, ge=1, description="RL steps (one rollout each)")
     prompts_per_step: int = Field(8, ge=1, description="prompts per rollout")
     num_minibatches: int = Field(1, ge=1, description="optimiser steps per pass over the rollout")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="rows per forward and backward: each optimiser step accumulates its minibatch's gradient over micro-batches "
+        "of this many rows (the same update, less memory); also the rows per reference and pi_old pass; null = the whole minibatch"
+    )
     aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
     sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
     num_samples_logged: int = Field(4, ge=0, description="completions logged each time")

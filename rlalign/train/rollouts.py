@@ -24,7 +24,7 @@ from torch import Tensor
 from rlalign.config import ConfigError
 from rlalign.lm.code_execution import TestsError, code_execution, parse_tests
 from rlalign.lm.data import DataError, PromptExample, completion_text, encode_prompts, load_prompts, render_prompt
-from rlalign.lm.models import attention_kernel, load_reward_model, load_tokenizer
+from rlalign.lm.models import attention_kernel, evaluating, load_reward_model, load_tokenizer
 from rlalign.lm.rewards import RewardModelReward, call_reward, check_finite, exact_match, format_check, math_answer, reward_fn_name, score_completions
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
@@ -223,7 +223,7 @@ def sample_shard(updater, tokenizer, prompts: Sequence, sampling: SamplingConfig
     ids = encode_prompts(tokenizer, list(prompts[shard]))
     policy, sampler = updater.module, updater.sampler()
     precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()  # a copy is already low-precision
-    with distributed.gathered(policy), precision, attention_kernel(sampler, sampling.attn_implementation):
+    with distributed.gathered(policy), precision, evaluating(sampler), attention_kernel(sampler, sampling.attn_implementation):
         rollout = sample(sampler, ids, sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows], compile=sampling.compile)
     return rollout.to("cpu")
 

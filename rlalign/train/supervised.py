@@ -15,6 +15,7 @@ as for GRPO and PPO. :mod:`rlalign.train.sft` and :mod:`rlalign.train.reward_mod
 from __future__ import annotations
 
 import time
+from functools import partial
 from collections.abc import Callable, Sequence
 
 import torch
@@ -69,6 +70,10 @@ class SupervisedConfig(RunConfig):
     max_steps: int = Field(100, ge=1, description="optimizer steps")
     eval_every: int = Field(100, ge=1, description="evaluate every this many steps (and at the start and end)")
     eval_batch_size: int = Field(128, ge=1, description="examples per forward at eval")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="examples per forward and backward: each step accumulates its gradient over micro-batches of this many "
+        "examples (the same update, less memory); null = the whole batch"
+    )
 
 
 BatchLoss = Callable[[nn.Module, list], tuple[Tensor, dict[str, float], float]]
@@ -112,11 +117,24 @@ def supervised_loop(
     def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
         t0 = time.perf_counter()
         indices = batch_order(len(train_set), state.step * cfg.batch_size, cfg.batch_size, cfg.seed)  # the global batch
-        with forward_precision(cfg.model, updater.model):  # bfloat16 autocast when model.autocast asks for it
-            loss, stats, count = batch_loss(updater.model, [train_set[i] for i in indices[world.shard(len(indices))]])  # this rank's share
-        scale = distributed.loss_scale(count, world)  # the mean over every rank's count; 1 in one process
-        grad_norm = updater.step(loss * scale)
-        metrics = distributed.reduce_stats(stats, count, scale, world)
+        examples = [train_set[i] for i in indices[world.shard(len(indices))]]  # this rank's share
+        size = cfg.micro_batch_size or len(examples)
+        parts: list[tuple[dict[str, float], float, float]] = []  # (stats, weight, count) per micro-batch
+
+        def micro_loss(micro: list) -> Callable[[], tuple[Tensor, float]]:
+            def run() -> tuple[Tensor, float]:
+                with forward_precision(cfg.model, updater.model):  # bfloat16 autocast when model.autocast asks for it
+                    loss, stats, count = batch_loss(updater.model, micro)
+                parts.append((stats, count, count))
+                return loss, count
+
+            return run
+
+        # the step's gradient accumulated over micro-batches of cfg.micro_batch_size examples (the same update, less memory)
+        micro_batches = [micro_loss(examples[s : s + size]) for s in range(0, len(examples), size)]
+        grad_norm, scale = updater.accumulated_step(micro_batches, partial(distributed.loss_scale, world=world))  # the mean over every rank's count
+        count = sum(c for _, _, c in parts)
+        metrics = distributed.reduce_stats(distributed.merge_micro_stats(parts), count, scale, world)
         metrics.update({
             "grad_norm": grad_norm,
             "lr": updater.lr,
@@ -132,6 +150,7 @@ def supervised_loop(
     history, _ = run_steps(
         step, cfg, run, state, SavedModels(model), {"model": updater},
         total_steps=cfg.max_steps, batch_size=cfg.batch_size, summary_keys=(f"loss/{name}", headline),
+        plot_keys=(f"loss/{name}", "eval/loss", headline, "eval/margin", "grad_norm") if cfg.plots else (),  # the eval/* ones at their evaluations
         checkpoint_extra=lambda: {f"{headline}_initial": initial}, first_record=None if run.checkpoint else {headline: initial},
     )
     result = {f"{headline}_initial": initial, "time/total": time.perf_counter() - started}

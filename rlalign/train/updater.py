@@ -2,6 +2,7 @@
 
     updater = Updater.create(policy, cfg.optim, total_updates, world, sharding)
     grad_norm = updater.step(loss)          # zero_grad, backward, clip, AdamW, schedule
+    grad_norm, _ = updater.accumulated_step([lambda: (loss_k, count_k), ...], loss_scale)   # the same update from micro-batches
     updater.sampler()                       # the model the decode loop runs on (maybe a bfloat16 copy)
 
 Every trainer (SFT, reward model, GRPO, PPO's policy and critic) updates its models through one.
@@ -9,7 +10,10 @@ Every trainer (SFT, reward model, GRPO, PPO's policy and critic) updates its mod
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +25,7 @@ from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, make_optimizer
 
-__all__ = ["Updater", "NonFiniteError"]
+__all__ = ["Updater", "NonFiniteError", "minibatch_step"]
 
 
 class NonFiniteError(RLAlignError, FloatingPointError):
@@ -97,16 +101,51 @@ class Updater:
         """
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        return self._apply(float(loss.detach()))
+
+    def accumulated_step(self, micro_losses: Iterable[Callable[[], tuple[Tensor, float]]], scale: Callable[[float], float]) -> tuple[float, float]:
+        """One update from micro-batches: each ``micro_losses`` call runs one micro-batch's forward and
+        returns (its mean loss, the count the mean is over); its backward adds ``loss * count`` to the
+        gradients (under DDP the ranks sync on the last one only), then the summed gradient is
+        multiplied by ``scale(total count) / total count``, the gradient of the loss of the whole batch
+        (``scale``: :func:`rlalign.train.distributed.loss_scale` of the total, 1 in one process).
+        One micro-batch is the plain update ``step(loss * scale(count))``. Returns (the gradient norm
+        before clipping, as :meth:`step`; ``scale(total count)``).
+
+        Raises:
+            NonFiniteError: as :meth:`step`.
+        """
+        calls = list(micro_losses)
+        if len(calls) == 1:  # no accumulation: the plain update
+            loss, count = calls[0]()
+            factor = scale(count)
+            return self.step(loss * factor), factor
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, total = 0.0, 0.0
+        for i, call in enumerate(calls):
+            syncing = i == len(calls) - 1 or not hasattr(self.model, "no_sync")
+            with contextlib.nullcontext() if syncing else self.model.no_sync():
+                loss, count = call()
+                (loss * count).backward()
+            loss_sum, total = loss_sum + float(loss.detach()) * count, total + count
+        factor = scale(total)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor / total if total > 0 else 0.0)
+        return self._apply(loss_sum / total if total > 0 else 0.0), factor
+
+    def _apply(self, loss_value: float) -> float:
+        """Clip the gradients in place and step, or raise :class:`NonFiniteError` and leave everything as it was."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip or float("inf")) if params else torch.zeros(())
-        loss_value, norm_value = float(loss.detach()), float(norm)
+        norm_value = float(norm)
         if not math.isfinite(norm_value) or not math.isfinite(loss_value):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(f"update {self.updates + 1}: the loss is {loss_value} and the gradient norm {norm_value}")
         self.optimizer.step()
         self.scheduler.step()
         self.updates += 1
-        return float(norm)
+        return norm_value
 
     def state_dict(self) -> dict:
         """Optimiser (full, gathered from every rank under FSDP2: call it on every rank) and schedule."""
@@ -115,3 +154,34 @@ class Updater:
     def load_state_dict(self, state: dict) -> None:
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def minibatch_step(
+    updater: Updater, loss_of: Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]], micro_rows: Sequence[Tensor], mask: Tensor, aggregation: str,
+    world: distributed.World, present: float = 1.0,
+) -> tuple[dict[str, float], float]:
+    """One optimiser step of an RL loss on one minibatch, its gradient accumulated over ``micro_rows``.
+
+    Args:
+        loss_of: rows -> (the loss aggregated over those rows' ``mask`` tokens, its statistics).
+        micro_rows: the minibatch's row indices (this rank's), cut into micro-batches.
+        mask: 1 on the tokens the loss counts, for every row of the rollout. Shape: (B, C).
+        aggregation: the loss's reduction (:func:`rlalign.train.distributed.aggregation_count`).
+        present: 0 when this rank has no row of the minibatch under torchrun (it trains on one row weighted 0).
+    Returns:
+        (the minibatch's statistics, global under torchrun; the gradient norm before clipping).
+    """
+    parts: list[tuple[dict[str, float], float, float]] = []  # (stats, counted tokens, loss count) per micro-batch
+
+    def micro_loss(rows: Tensor) -> Callable[[], tuple[Tensor, float]]:
+        def run() -> tuple[Tensor, float]:
+            loss, stats = loss_of(rows)
+            count = float(distributed.aggregation_count(mask[rows], aggregation)) * present
+            parts.append(({key: float(v) for key, v in stats.items()}, float(mask[rows].sum()) * present, count))
+            return loss, count
+
+        return run
+
+    grad_norm, scale = updater.accumulated_step([micro_loss(rows) for rows in micro_rows], partial(distributed.loss_scale, world=world))
+    stats = distributed.reduce_stats(distributed.merge_micro_stats(parts), sum(tokens for _, tokens, _ in parts), scale, world)
+    return stats, grad_norm
