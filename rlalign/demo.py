@@ -6,7 +6,8 @@
 
 Prints a before/after table (held-out arithmetic accuracy, hidden-rule score, KL to the SFT
 model) and writes it to ``<output_dir>/summary.json``; each stage's run directory holds its
-metrics.jsonl and curves.png. Every stage is an ordinary trainer call with an ordinary config
+metrics.jsonl and curves.png; each stage, the final evaluation included, shows one progress bar.
+Every stage is an ordinary trainer call with an ordinary config
 (``rlalign.train.{sft,reward_model,grpo,ppo}.train``), so each can be rerun alone from its
 ``config.yaml`` in the run's checkpoint.
 
@@ -21,8 +22,10 @@ How the columns are measured, on prompts no stage trained on:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,13 +161,16 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     # --- before / after -------------------------------------------------------------------------
     t0 = time.perf_counter()
     rows = []
-    for stage, task, path, sft_path in (
+    models = (
         ("SFT", "arithmetic", sft_arith_path, sft_arith_path),
         ("GRPO", "arithmetic", out / "grpo_arithmetic" / "final", sft_arith_path),
         ("SFT", "preference", sft_pref_path, sft_pref_path),
         ("PPO", "preference", out / "ppo_preference" / "final", sft_pref_path),
-    ):
-        rows.append({"stage": stage, "task": task, **evaluate_policy(path, sft_path, task, cfg.eval_prompts, cfg.seed + 1)})
+    )
+    with _stage_bar("evaluation", len(models), cfg.progress) as advance:  # like each training stage, one bar
+        for stage, task, path, sft_path in models:
+            rows.append({"stage": stage, "task": task, **evaluate_policy(path, sft_path, task, cfg.eval_prompts, cfg.seed + 1)})
+            advance()
     timings["evaluation"] = time.perf_counter() - t0
     seconds = time.perf_counter() - started
     summary = {
@@ -178,6 +184,19 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     summary_path = out / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=1))
     return DemoResult(rows, summary_path, seconds)
+
+
+@contextlib.contextmanager
+def _stage_bar(description: str, total: int, show: bool) -> Iterator[Callable[[], None]]:
+    """A rich progress bar of ``total`` items while the block runs (nothing when not ``show``); yields ``advance()``."""
+    if not show:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda: progress.advance(task)
 
 
 def format_table(rows: list[dict]) -> str:

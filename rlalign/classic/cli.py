@@ -2,7 +2,8 @@
 
 Trains one classic algorithm with a progress bar, writes the episodic returns, per-update metrics
 and evaluations as JSONL under ``--out`` (returns.jsonl, metrics.jsonl, evals.jsonl, config.yaml,
-and the networks as safetensors), and prints the final evaluation.
+and the networks as safetensors), curves.png (episodic return against env step, smoothed; the
+greedy evaluations; a few of the algorithm's update metrics), and prints the final evaluation.
 
     rlalign classic ppo --env CartPole-v1 --config configs/classic/ppo_cartpole.yaml --seed 2
     rlalign classic q_learning --env rlalign/Maze2x3-v0 total_steps=2000
@@ -34,6 +35,15 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "ppo": ("rlalign.classic.ppo", "PPOConfig"),
 }
 ALIASES = {"vi": "value_iteration", "q": "q_learning", "reinforce": "vpg"}
+# update metrics drawn in curves.png besides the returns (those an algorithm logs; Q-learning logs none)
+CURVE_METRICS: dict[str, tuple[str, ...]] = {
+    "value_iteration": ("bellman_residual",),  # max_s |V_new(s) - V(s)| against the sweep: no env steps, no episodes
+    "q_learning": (),
+    "dqn": ("loss/td", "q/mean"),
+    "vpg": ("loss/policy",),
+    "trpo": ("kl", "loss/value", "explained_variance"),
+    "ppo": ("approx_kl", "entropy", "loss/value", "explained_variance"),
+}
 
 
 class CLILog(RunLog):
@@ -43,6 +53,7 @@ class CLILog(RunLog):
         super().__init__()
         self.files: dict[str, IO[str]] = {name: open(out / f"{name}.jsonl", "w") for name in ("returns", "metrics", "evals")}
         self.bar, self.task = progress, task
+        self.last_step = 0  # env steps done, as last reported
 
     def _write(self, name: str, record: dict[str, Any]) -> None:
         self.files[name].write(json.dumps(record) + "\n")
@@ -63,6 +74,7 @@ class CLILog(RunLog):
         recent = self.returns[-20:]
         text = f"return(last 20) {np.mean(recent):8.2f}" if recent else "no episode yet"
         self.bar.update(self.task, completed=step, description=text)
+        self.last_step = step
 
     def close(self) -> None:
         for f in self.files.values():
@@ -105,22 +117,45 @@ def run(args: argparse.Namespace) -> int:
     (out / "config.yaml").write_text(yaml.safe_dump({"algo": algo, "env": args.env, **cfg.model_dump()}))
 
     console = Console()
-    total = getattr(cfg, "total_steps", 1)
+    total = getattr(cfg, "total_steps", None)  # None: value iteration sweeps the model, no env steps
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as progress:
-        log = CLILog(out, progress, progress.add_task("starting", total=total))
+        log = CLILog(out, progress, progress.add_task("starting" if total else algo, total=total))
         result = module.train(cfg, args.env, log)
+        seconds = result.log.train_seconds()
+        if total is None:
+            progress.update(log.task, total=1, completed=1)
         log.close()
     _save_agent(result.agent, out)
+    final_eval = None if total is None else (log.last_step, result.eval_return)  # value iteration: a model sweep, no learning curve to end
+    write_curves(out / "curves.png", f"{algo} on {args.env} — {out}", log, CURVE_METRICS[algo], final_eval, "env step" if total else "sweep")
     evals = ", ".join(f"{s}: {m:.1f}" for s, m in result.log.evals)
     if evals:
         console.print(f"evaluations (step: mean return): {evals}")
     console.print(
         f"[bold]{algo} on {args.env}[/bold]: final evaluation {result.eval_return:.2f} "
         f"(mean of {len(result.eval_returns)} greedy episodes), {len(result.episode_returns)} training episodes, "
-        f"{result.log.train_seconds():.1f}s training; logs in {out}"
+        f"{seconds:.1f}s training; logs and curves.png in {out}"
     )
     return 0
+
+
+def write_curves(out: Path, title: str, log: RunLog, metrics: tuple[str, ...], final_eval: tuple[int, float] | None, xlabel: str = "env step") -> Path:
+    """curves.png of a run: the episodic return against env step (smoothed), the greedy evaluations
+    and ``final_eval`` ((env step, mean return) of the final one), and the update ``metrics`` it logged."""
+    from rlalign.train.common import plot_curves  # matplotlib and the plotting code, loaded once the run is over
+
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    if log.episodes:
+        series["episodic return"] = ([s for s, _ in log.episodes], [r for _, r in log.episodes])
+    evals = log.evals + [final_eval] * (final_eval is not None and (not log.evals or log.evals[-1][0] != final_eval[0]))  # unless a periodic one sits at its step
+    if evals:
+        series["eval return (greedy)"] = ([s for s, _ in evals], [m for _, m in evals])
+    for key in metrics:
+        points = [(u["step"], u[key]) for u in log.updates if u.get(key) is not None]
+        if points:
+            series[key] = ([s for s, _ in points], [v for _, v in points])
+    return plot_curves(series, out, title, xlabel, smooth=bool(log.episodes))  # value iteration's residuals are exact: drawn as they are
 
 
 def _save_agent(agent: Any, out: Path) -> None:

@@ -11,6 +11,8 @@ greedy policy is scored against the optimum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gymnasium as gym
 import numpy as np
 from pydantic import Field
@@ -49,15 +51,20 @@ def tabular_model(P: Model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return prob, reward, cont
 
 
-def value_iteration(P: Model, gamma: float, tol: float = 1e-10, max_iters: int = 10_000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Optimal values V* (S,), action values Q* (S, A) and a greedy policy (S,) of the model ``P``."""
+def value_iteration(
+    P: Model, gamma: float, tol: float = 1e-10, max_iters: int = 10_000, on_sweep: Callable[[int, float], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Optimal values V* (S,), action values Q* (S, A) and a greedy policy (S,) of the model ``P``;
+    ``on_sweep(i, max_s |V_new(s) - V(s)|)`` after each sweep i = 1, 2, ... (the convergence curve)."""
     _, reward, cont = tabular_model(P)
     v = np.zeros(len(P))  # (S,)
-    for _ in range(max_iters):
+    for i in range(1, max_iters + 1):
         q = reward + gamma * cont @ v  # (S, A)
         v_new = q.max(axis=1)
         delta = np.abs(v_new - v).max()
         v = v_new
+        if on_sweep is not None:
+            on_sweep(i, float(delta))
         if delta < tol:
             break
     q = reward + gamma * cont @ v
@@ -85,7 +92,7 @@ def train(cfg: ValueIterationConfig, env_id: str, log: RunLog | None = None) -> 
     log = log or RunLog()
     env = gym.make(env_id)
     P = env.unwrapped.P
-    v, q, policy = value_iteration(P, cfg.gamma, cfg.tol, cfg.max_iters)
+    v, q, policy = value_iteration(P, cfg.gamma, cfg.tol, cfg.max_iters, on_sweep=lambda i, delta: log.update(i, {"bellman_residual": delta}))
     obs, _ = env.reset(seed=cfg.seed)
     log.update(0, {"v_start": float(v[state_index(obs)])})  # V* of the start state
 

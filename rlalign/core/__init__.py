@@ -12,6 +12,7 @@ from rlalign.core.advantages import (
     token_gae,
     total_returns,
 )
+from rlalign.core.evaluation import pass_at_k
 from rlalign.core.kl import (
     AdaptiveKLController,
     FixedKLController,

@@ -258,9 +258,10 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
 
         history, final_dir = run_steps(
             step, cfg, run, state, SavedModels(policy), {"policy": updater},
+            evaluate=run.evaluator(cfg, updater.module), eval_every=cfg.eval.every,
             total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
             summary_keys=("reward/mean", "kl", "completion_len/mean"),
-            plot_keys=("reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups") if cfg.plots else (),
+            plot_keys=("reward/mean", "eval/reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups") if cfg.plots else (),
         )
         return RLResult(policy, history, run.run_dir, final_dir)
 

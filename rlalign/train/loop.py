@@ -314,7 +314,7 @@ def run_steps(
     the checkpoint's data position. Returns (this call's metrics, final dir)."""
     history: list[dict[str, float]] = []
     is_main = state.world.is_main
-    with StopRequests() as stops, MetricsLogger(run.run_dir, total_steps, cfg.progress, cfg.tensorboard, run.run_dir.name, state.step, enabled=is_main) as log:
+    with StopRequests() as stops, MetricsLogger(run.run_dir, total_steps, cfg.progress, cfg.report_to, run.run_dir.name, state.step, enabled=is_main, config=cfg.model_dump(mode="json")) as log:
         if first_record is not None:
             log.log(state.step - 1, first_record)
         while state.step < total_steps:
@@ -341,9 +341,11 @@ def run_steps(
                     f"{latest_checkpoint(run.run_dir)}; continue with --resume {run.run_dir}", stops.exit_code
                 )
     final_dir = save_final(run.run_dir, models, run.tokenizer, state.world, getattr(cfg, "save_merged", False))
-    if plot_keys and is_main:
+    if plot_keys and is_main:  # rank 0 draws; each panel from the steps its metric was logged at (eval metrics: the evaluations)
         records = read_metrics(run.run_dir / "metrics.jsonl")
-        plot_metrics(run.run_dir / "metrics.jsonl", [k for k in plot_keys if any(r.get(k) is not None for r in records)], run.run_dir / "curves.png")
+        present = [k for k in dict.fromkeys(plot_keys) if any(r.get(k) is not None for r in records)]
+        if present:
+            plot_metrics(run.run_dir / "metrics.jsonl", present, run.run_dir / "curves.png", f"{type(cfg).__name__.removesuffix('Config')} — {run.run_dir}")
     return history, final_dir
 
 

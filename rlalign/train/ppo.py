@@ -350,10 +350,11 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
 
         history, final_dir = run_steps(
             step, cfg, run, state, SavedModels(policy, critic=critic), updaters,
+            evaluate=run.evaluator(cfg, updaters["policy"].module), eval_every=cfg.eval.every,
             total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
             checkpoint_extra=lambda: {"kl_controller": kl_ctl.state_dict()},
             summary_keys=("score", "kl", "beta"),
-            plot_keys=("score", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac") if cfg.plots else (),
+            plot_keys=("score", "eval/reward/mean", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac") if cfg.plots else (),
         )
         return RLResult(policy, history, run.run_dir, final_dir, critic)
 

@@ -25,6 +25,7 @@ __all__ = [
     "RLOptimConfig",
     "COMPILE_HELP",
     "check_compile",
+    "EvalConfig",
     "RLConfig",
 ]
 
@@ -156,6 +157,30 @@ def check_compile(compile: bool, model: ModelConfig, sampling: SamplingConfig) -
         raise ValueError("sampling.compile=true needs whole weights on every rank; with model.sharding=fsdp leave it false")
 
 
+class EvalConfig(Config):
+    """Evaluation during GRPO and PPO: completions of held-out prompts, scored by every reward term."""
+
+    enabled: bool = Field(True, description="evaluate before the first step, every 'every' steps and after the last (when there are held-out prompts)")
+    every: int = Field(0, ge=0, description="evaluate every this many steps; 0 = before the first step and after the last only")
+    data: DataConfig | None = Field(
+        None, description="held-out prompts (fields as data: task, or path with split, subset, columns); null = the eval split of the training "
+        "task (training prompts from a file have none: set eval.data to evaluate)"
+    )
+    num_prompts: int = Field(64, ge=1, description="held-out prompts evaluated (the first this many)")
+    num_samples: int = Field(1, ge=1, description="completions per prompt; more than 1 logs pass@k for k = 1, 2, 4, ... up to it (needs temperature > 0)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy; otherwise sampled at this temperature (top_k, top_p off)")
+    max_new_tokens: int | None = Field(None, ge=1, description="tokens generated per completion; null = sampling.max_new_tokens")
+    pass_threshold: float = Field(1.0, description="a completion passes (pass@k) when its total reward is at least this (1: a rule reward's full score)")
+    batch_size: int = Field(64, ge=1, description="prompts per generation batch")
+    num_samples_logged: int = Field(8, ge=0, description="completions written to eval_samples.jsonl and the trackers' table at each evaluation")
+
+    @model_validator(mode="after")
+    def _samples_need_temperature(self) -> EvalConfig:
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.num_samples={self.num_samples} greedy completions would all be the same: set eval.temperature > 0 (e.g. 1.0)")
+        return self
+
+
 class RLConfig(RunConfig):
     """The fields every RL run has; GRPO and PPO set their own defaults for some of them."""
 
@@ -173,6 +198,7 @@ class RLConfig(RunConfig):
         "of this many rows (the same update, less memory); also the rows per reference and pi_old pass; null = the whole minibatch"
     )
     aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on held-out prompts (eval/* metrics, eval_samples.jsonl)")
     sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
     num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
     plots: bool = Field(True, description="write curves.png of the headline metrics at the end")

@@ -29,10 +29,12 @@ from rlalign.train.checkpoints import Checkpoint, CheckpointError, list_checkpoi
 __all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs"]
 
 LOCK_FILE = ".rlalign.lock"
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "curves.png", "tensorboard", "base_model")
+# what a run writes in its directory; the trackers' files too (report_to): tensorboard/ events, the W&B run in wandb/ and its id
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "curves.png", "tensorboard", "wandb", "wandb_id", "base_model")
 # fields that may differ between a checkpoint's run and its resumption: length, logging, saving, threads
+# ("tensorboard": the field report_to replaced, still in older checkpoints' configs)
 RESUMABLE_CHANGES = {
-    "steps", "max_steps", "output_dir", "overwrite", "progress", "tensorboard", "plots", "save_every", "keep_last",
+    "steps", "max_steps", "output_dir", "overwrite", "progress", "report_to", "tensorboard", "plots", "save_every", "keep_last",
     "sample_every", "num_samples_logged", "eval_every", "eval_batch_size", "num_threads", "model.device", "save_merged",
 }
 

@@ -1,10 +1,8 @@
 """PPO: ratio 1 before the first step, GAE across autoresets, learning, determinism."""
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import TimeLimit
 from torch import nn

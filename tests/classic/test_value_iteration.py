@@ -42,4 +42,14 @@ def test_optimal_policy_value_is_the_fixed_point_on_frozenlake():
 def test_train_evaluates_the_greedy_policy():
     result = train(ValueIterationConfig(gamma=0.9, eval_episodes=3), MAZE_ID)
     assert result.eval_returns == [10.0, 10.0, 10.0]
-    assert result.log.updates[0]["v_start"] == 8.1
+    assert next(u for u in result.log.updates if "v_start" in u)["v_start"] == 8.1
+
+
+def test_bellman_residuals_shrink_by_at_least_gamma_each_sweep():
+    # the optimality backup is a gamma-contraction in the max norm: |V_{i+1} - V_i| <= gamma |V_i - V_{i-1}|
+    residuals = []
+    value_iteration(Maze2x3Env().P, gamma=0.9, tol=1e-8, on_sweep=lambda i, delta: residuals.append((i, delta)))
+    assert [i for i, _ in residuals] == list(range(1, len(residuals) + 1))
+    assert residuals[0][1] == 10.0  # the first sweep from V = 0: the goal's reward
+    assert all(later <= 0.9 * earlier + 1e-12 for (_, earlier), (_, later) in zip(residuals, residuals[1:]))
+    assert residuals[-1][1] < 1e-8 <= residuals[-2][1]  # stops at the first sweep below tol

@@ -1,4 +1,4 @@
-"""Shared trainer pieces: seeding, schedule, data order, metrics, atomic checkpoints, resume errors."""
+"""Shared trainer pieces: seeding, schedule, data order, metrics and curves, atomic checkpoints, resume errors."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from rlalign.train.common import (
     MetricsLogger,
     OptimConfig,
     batch_order,
+    ema,
     make_optimizer,
     plot_metrics,
     read_metrics,
     restore_rng_state,
     rng_state,
     set_seed,
+    smoothing_weight,
 )
 from rlalign.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
@@ -157,6 +159,7 @@ print("without a bar, rich imported:", "rich" in sys.modules)
 with MetricsLogger(tempfile.mkdtemp(), total_steps=2, progress=True) as log:
     log.log(0, {"loss": 1.0}, ("loss",))
 print("with a bar, rich imported:", "rich.progress" in sys.modules)
+print("trackers not asked for, imported:", "wandb" in sys.modules or "tensorboard" in sys.modules)
 """
 
 
@@ -169,6 +172,7 @@ def test_rich_is_imported_only_for_a_progress_bar():
     assert proc.returncode == 0, proc.stderr[-3000:]
     answers = [line.rsplit(":", 1) for line in proc.stdout.splitlines() if "rich imported:" in line]
     assert [(what.strip(), imported.strip()) for what, imported in answers] == [("without a bar, rich imported", "False"), ("with a bar, rich imported", "True")]
+    assert "trackers not asked for, imported: False" in proc.stdout  # wandb and tensorboard load only for report_to
 
 
 def test_set_seed_takes_seeds_past_numpys_32_bits():
@@ -182,18 +186,49 @@ def test_set_seed_takes_seeds_past_numpys_32_bits():
     assert not np.array_equal(np.random.rand(3), five)  # and distinct seeds draw distinct numbers
 
 
-def test_plot_metrics_labels_each_panel_and_the_shared_step_axis(tmp_path, monkeypatch):
+def test_plot_metrics_labels_each_panel_and_titles_the_figure(tmp_path, monkeypatch):
     import matplotlib.figure
 
     saved = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, out, **kwargs: saved.append(fig))
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "a": s * 1.0, "b": -s * 1.0}) + "\n" for s in range(3)))
-    plot_metrics(path, ["a", "b"], tmp_path / "curves.png")
+    plot_metrics(path, ["a", "b"], tmp_path / "curves.png", title="SFT — runs/x")
     (fig,) = saved
     axes = fig.axes
     assert [ax.get_ylabel() for ax in axes] == ["a", "b"]
-    assert [ax.get_xlabel() for ax in axes] == ["", "step"]  # the bottom panel carries the shared x axis
+    assert [ax.get_xlabel() for ax in axes] == ["step", "step"]  # every panel names its axes
+    assert fig.get_suptitle() == "SFT — runs/x"
+
+
+def test_ema_is_debiased_and_weight_zero_is_the_identity():
+    # w = 0.5 on [1, 3, 3]: m = 0.5, 1.75, 2.375; divided by 1 - 0.5^t = 0.5, 0.75, 0.875 -> 1, 7/3, 19/7
+    assert ema([1.0, 3.0, 3.0], 0.5) == pytest.approx([1.0, 7 / 3, 19 / 7], rel=1e-12)
+    assert ema([4.0, -2.0, 7.0], 0.0) == [4.0, -2.0, 7.0]
+    assert ema([5.0] * 50, 0.9) == pytest.approx([5.0] * 50, rel=1e-12)  # a constant stays put from the first point (no pull to 0)
+    with pytest.raises(ValueError, match="weight"):
+        ema([1.0], 1.0)
+    # the window is about n / 20 points: none for 20 points, w = 0.9 for 200, capped at 0.99
+    assert [smoothing_weight(n) for n in (1, 20, 40, 200, 10**6)] == pytest.approx([0.0, 0.0, 0.5, 0.9, 0.99])
+
+
+def test_curves_draw_a_long_metric_smoothed_over_its_raw_values_and_sparse_evals_as_points(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, out, **kwargs: saved.append(fig))
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": float((-1) ** s), **({"eval/loss": 10.0 - s / 50} if s % 50 == 49 else {})} for s in range(100)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_metrics(path, ["loss", "eval/loss"], tmp_path / "curves.png")
+    (fig,) = saved
+    loss_ax, eval_ax = fig.axes
+    raw, smoothed = loss_ax.get_lines()
+    assert list(raw.get_ydata()) == [r["loss"] for r in rows] and raw.get_alpha() < 0.5  # raw points, light, behind
+    assert list(smoothed.get_ydata()) == pytest.approx(ema([r["loss"] for r in rows], smoothing_weight(100)), rel=1e-12)
+    assert max(abs(y) for y in smoothed.get_ydata()[20:]) < 0.2  # +-1 alternating averages out
+    (points,) = eval_ax.get_lines()  # only the steps where the eval ran, as markers
+    assert list(points.get_xdata()) == [49, 99] and list(points.get_ydata()) == [10.0 - 49 / 50, 10.0 - 99 / 50] and points.get_marker() == "o"
 
 
 def test_rng_restore_leaves_cuda_alone_when_the_state_has_none(monkeypatch):

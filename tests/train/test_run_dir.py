@@ -39,7 +39,7 @@ def test_a_second_run_on_a_locked_output_dir_fails_at_once(tmp_path):
 
 def test_a_fresh_run_refuses_a_used_output_dir_unless_told_to_overwrite(tmp_path):
     train(rm_cfg(tmp_path, "max_steps=2"))
-    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, checkpoints, final, base_model\).*overwrite=true"):
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, checkpoints, final, curves.png, base_model\).*overwrite=true"):
         train(rm_cfg(tmp_path, "max_steps=1"))
     train(rm_cfg(tmp_path, "max_steps=1", "overwrite=true"))
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [-1, 0]  # nothing of the first run mixed in
