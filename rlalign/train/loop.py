@@ -34,7 +34,7 @@ from torch import nn
 from rlalign.config import Config, ConfigError, fields_help
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
-from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
+from rlalign.lm.models import context_length, enable_gradient_checkpointing, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
 from rlalign.train import distributed
 from rlalign.train.common import (
     MetricsLogger,
@@ -47,6 +47,7 @@ from rlalign.train.common import (
     set_seed,
 )
 from rlalign.train.checkpoints import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, replace_dir, save_checkpoint
+from rlalign.train.rl_eval import evaluate_policy, load_eval_prompts
 from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
 from rlalign.train.run_dir import claim_run_dir
 from rlalign.train.updater import NonFiniteError, Updater
@@ -97,7 +98,8 @@ class Run:
         start: the base with optional fresh LoRA, or the saved adapter to train on its base."""
         m = model_cfg
         path = self.checkpoint.model_dir if self.checkpoint else (self.adapter_path or self.base_path)
-        return load_policy(path, m.dtype, self.device, None if self.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
+        policy = load_policy(path, m.dtype, self.device, None if self.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
+        return enable_gradient_checkpointing(policy) if m.gradient_checkpointing else policy
 
     def __enter__(self) -> Run:
         return self
@@ -148,6 +150,16 @@ class RLRun(Run):
 
     prompts: list[PromptExample] = field(default_factory=list)
     rewards: list[RewardTerm] = field(default_factory=list)
+    eval_prompts: list[PromptExample] = field(default_factory=list)  # held-out prompts; empty: no evaluation
+
+    def evaluator(self, cfg, policy: nn.Module) -> Callable[[int], tuple[dict[str, float], list[dict]]] | None:
+        """``evaluate(step)`` for :func:`run_steps`: ``policy`` (unwrapped) on the held-out prompts
+        (:func:`rlalign.train.rl_eval.evaluate_policy`); None without held-out prompts."""
+        if not self.eval_prompts:
+            return None
+        return lambda step: evaluate_policy(
+            policy, self.tokenizer, self.eval_prompts, self.rewards, cfg.eval, cfg.sampling.max_new_tokens, cfg.model, cfg.seed, self.world, step
+        )
 
     def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
         """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
@@ -169,10 +181,13 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
     with contextlib.ExitStack() as on_error:
         on_error.push(run.__exit__)  # bad prompts or rewards: let go of the lock
         prompt_set = load_prompt_set(cfg.data, prompts)
-        check_prompt_lengths(prompt_set, run.tokenizer, context_length(run.base_path, cfg.model.gguf_file), cfg.sampling.max_new_tokens)
+        eval_prompts = load_eval_prompts(cfg.eval, cfg.data) if prompts is None or cfg.eval.data is not None else []  # Python prompts: eval.data or none
+        context = context_length(run.base_path, cfg.model.gguf_file)
+        check_prompt_lengths(prompt_set, run.tokenizer, context, cfg.sampling.max_new_tokens)
+        check_prompt_lengths(eval_prompts, run.tokenizer, context, cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens)
         rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world)
         on_error.pop_all()
-    return RLRun(**vars(run), prompts=prompt_set, rewards=rewards)
+    return RLRun(**vars(run), prompts=prompt_set, rewards=rewards, eval_prompts=eval_prompts)
 
 
 def check_world(world: distributed.World, prompts_per_step: int, rows_per_step: int, num_minibatches: int) -> None:
@@ -306,15 +321,31 @@ def run_steps(
     sample_every: int = 1,
     checkpoint_extra: Callable[[], dict[str, Any]] = dict,
     first_record: dict[str, float] | None = None,
+    evaluate: Callable[[int], tuple[dict[str, float], list[dict]]] | None = None,
+    eval_every: int = 0,
 ) -> tuple[list[dict[str, float]], Path]:
     """The outer loop of every trainer: ``step_fn`` until ``total_steps``, each step's metrics
     logged (``first_record`` before the first, as step ``state.step - 1``), the samples it returns
     every ``sample_every`` steps, a checkpoint every ``cfg.save_every`` steps and at the end, then
     the final model and the curves of ``plot_keys``. ``batch_size``: examples (prompts) per step, for
-    the checkpoint's data position. Returns (this call's metrics, final dir)."""
+    the checkpoint's data position. ``evaluate(step)`` -> (eval metrics, sample rows) runs before the
+    first step of a fresh run (logged as step -1), after every ``eval_every``-th step (0: none between)
+    and after the last; its rows go to ``eval_samples.jsonl`` and the trackers' table ``eval/samples``.
+    Returns (this call's metrics, final dir)."""
     history: list[dict[str, float]] = []
     is_main = state.world.is_main
+
+    def evaluation(step: int, log: MetricsLogger) -> dict[str, float]:
+        metrics, rows = evaluate(step)
+        if rows and is_main:
+            with (run.run_dir / "eval_samples.jsonl").open("a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+            log.log_samples(step, "eval/samples", rows)
+        return metrics
+
     with StopRequests() as stops, MetricsLogger(run.run_dir, total_steps, cfg.progress, cfg.report_to, run.run_dir.name, state.step, enabled=is_main, config=cfg.model_dump(mode="json")) as log:
+        if evaluate is not None and state.step == 0:
+            first_record = {**(first_record or {}), **evaluation(-1, log)}
         if first_record is not None:
             log.log(state.step - 1, first_record)
         while state.step < total_steps:
@@ -326,6 +357,8 @@ def run_steps(
                     f"step {state.step} stopped: {err}; no weights of this step were written. "
                     f"The last good checkpoint is {last if last else 'none (the run has not saved one)'}"
                 ) from None
+            if evaluate is not None and ((eval_every and (state.step + 1) % eval_every == 0) or state.step + 1 == total_steps):
+                metrics.update(evaluation(state.step, log))
             log.log(state.step, metrics, summary_keys=summary_keys)
             if samples and (state.step + 1) % sample_every == 0 and is_main:
                 with (run.run_dir / "samples.jsonl").open("a") as f:

@@ -8,7 +8,7 @@
   unless the config says ``overwrite: true``; then the old contents go before anything is written.
 - A resumed run continues in its directory. The checkpoint must come from the same trainer, and the
   fields that define the run (model, data, batch shape, seed, optimiser, ...) must match; every
-  difference is named. Lines of ``metrics.jsonl`` and ``samples.jsonl`` from the resumed step on are
+  difference is named. Lines of ``metrics.jsonl``, ``samples.jsonl`` and ``eval_samples.jsonl`` from the resumed step on are
   cut, so each step has exactly one line; checkpoints after the resumed step are an error (they
   belong to a run that went further: resume from the latest, or into another directory).
 - Temporary directories a killed run left behind are removed.
@@ -30,12 +30,13 @@ __all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_difference
 
 LOCK_FILE = ".rlalign.lock"
 # what a run writes in its directory; the trackers' files too (report_to): tensorboard/ events, the W&B run in wandb/ and its id
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "checkpoints", "final", "curves.png", "tensorboard", "wandb", "wandb_id", "base_model")
-# fields that may differ between a checkpoint's run and its resumption: length, logging, saving, threads
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl", "checkpoints", "final", "curves.png", "tensorboard", "wandb", "wandb_id", "base_model")
+# fields that may differ between a checkpoint's run and its resumption: length, logging, evaluation, saving, threads, memory
 # ("tensorboard": the field report_to replaced, still in older checkpoints' configs)
 RESUMABLE_CHANGES = {
     "steps", "max_steps", "output_dir", "overwrite", "progress", "report_to", "tensorboard", "plots", "save_every", "keep_last",
     "sample_every", "num_samples_logged", "eval_every", "eval_batch_size", "num_threads", "model.device", "save_merged",
+    "eval", "micro_batch_size", "model.gradient_checkpointing",  # evaluation, and memory-only options (the same updates)
 }
 
 
@@ -158,9 +159,9 @@ def config_differences(saved: dict[str, Any], now: dict[str, Any], prefix: str =
 
 
 def cut_logs(run_dir: Path, step: int) -> None:
-    """Drop the lines of ``metrics.jsonl`` and ``samples.jsonl`` for steps ``step`` and later (written
+    """Drop the lines of ``metrics.jsonl``, ``samples.jsonl`` and ``eval_samples.jsonl`` for steps ``step`` and later (written
     after the checkpoint a run resumes from), so each step ends up with one line."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
+    for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
         path = run_dir / name
         if not path.is_file():
             continue
