@@ -5,6 +5,7 @@ from rlalign.core.advantages import (
     gae,
     group_advantages,
     kl_shaped_rewards,
+    overlong_penalty,
     last_token_index,
     reward_to_go,
     rloo_advantages,
@@ -34,6 +35,7 @@ from rlalign.core.losses import (
     kl_penalty_loss,
     policy_gradient_loss,
     sft_loss,
+    truncated_is_weights,
     value_loss,
 )
 from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten, whiten

@@ -25,6 +25,7 @@ __all__ = [
     "gae",
     "token_gae",
     "kl_shaped_rewards",
+    "overlong_penalty",
     "last_token_index",
     "group_advantages",
     "rloo_advantages",
@@ -149,6 +150,30 @@ def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
         (rewards * mask).T, (values * mask).T, next_values.T, episode_end.T, episode_end.T, gamma, lam
     )
     return advantages.T * mask, returns.T * mask
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), a reward added to the score:
+
+        R_len(y) = 0                                  |y| <= L_max - L_buf
+                   ((L_max - L_buf) - |y|) / L_buf    L_max - L_buf < |y| <= L_max
+                   -1                                 |y| > L_max
+
+    a penalty growing linearly from 0 to -1 over the last ``buffer`` tokens of the budget.
+
+    Args:
+        lengths: completion lengths |y|. Shape: (B,).
+        max_len: L_max, the token budget.
+        buffer: L_buf, 0 < L_buf <= L_max.
+    Returns:
+        Shape: (B,), float32.
+    """
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"the overlong buffer must be in (0, max_len={max_len}], got {buffer}")
+    lengths = lengths.to(torch.float32)
+    start = max_len - buffer
+    ramp = (start - lengths) / buffer
+    return torch.where(lengths <= start, torch.zeros_like(lengths), torch.where(lengths <= max_len, ramp, torch.full_like(lengths, -1.0)))
 
 
 def kl_shaped_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float | Tensor) -> Tensor:

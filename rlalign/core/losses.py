@@ -30,6 +30,7 @@ __all__ = [
     "explained_variance",
     "policy_gradient_loss",
     "clipped_surrogate_loss",
+    "truncated_is_weights",
     "value_loss",
     "entropy_loss",
     "kl_penalty_loss",
@@ -37,6 +38,7 @@ __all__ = [
     "bradley_terry_loss",
     "PGStats",
     "ClipStats",
+    "TISStats",
     "ValueStats",
     "EntropyStats",
     "KLStats",
@@ -138,6 +140,8 @@ def clipped_surrogate_loss(
     dual_clip: float | None = None,
     mode: Aggregation = "token-mean",
     max_len: int | None = None,
+    importance_sampling: Literal["token", "sequence"] = "token",
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, ClipStats]:
     """PPO clipped surrogate, per token:
 
@@ -148,16 +152,33 @@ def clipped_surrogate_loss(
     With ``dual_clip = c > 1`` the loss of a negative-advantage token is also capped at -c*A
     (Ye et al. 2020): l_t = min(l_t, -c A_t) for A_t < 0.
 
+    ``importance_sampling="sequence"`` is GSPO (Zheng et al. 2025, eq. 5-7): one ratio per sequence,
+    the geometric mean of its token ratios, s_i = exp(1/|o_i| sum_t (log pi - log pi_old)), clipped at
+    the sequence level; every token of sequence i carries l_i = -min(s_i A_i, clip(s_i) A_i), so the
+    seq-mean-token-mean aggregation gives GSPO's 1/G sum_i l_i.
+
+    ``token_weights`` w_t (detached) multiply each token's loss before aggregation: truncated
+    importance sampling's min(pi_old / pi_sampler, C) (:func:`truncated_is_weights`).
+
     Args:
         logp: log pi_theta(a_t), with grad. Shape: (B, C) or (N,).
         old_logp: log pi_old(a_t), the sampling policy. Shape: like ``logp``.
         advantages: Shape: like ``logp``, or (B,) broadcast over tokens.
         mask: 1 on counted tokens.
         eps_high: defaults to ``eps_low``.
+        token_weights: Shape: like ``logp``.
     """
     eps_high = eps_low if eps_high is None else eps_high
     advantages = _broadcast(advantages.detach(), logp)
     log_ratio = logp - old_logp.detach()
+    if importance_sampling == "sequence":
+        if logp.dim() != 2:
+            raise ValueError("importance_sampling='sequence' needs (B, C) log-probs")
+        m = _mask_like(logp, mask)
+        seq_log_ratio = masked_sum(log_ratio, m, dim=-1) / m.sum(-1).clamp(min=1.0)  # (B,): mean token log-ratio
+        log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logp)  # (B, C): each token carries its sequence's
+    elif importance_sampling != "token":
+        raise ValueError(f"importance_sampling must be 'token' or 'sequence', got {importance_sampling!r}")
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
@@ -169,6 +190,8 @@ def clipped_surrogate_loss(
         cap = -dual_clip * advantages
         dual_active = (advantages < 0) & (token_loss > cap)
         token_loss = torch.where(advantages < 0, torch.min(token_loss, cap), token_loss)
+    if token_weights is not None:
+        token_loss = token_loss * token_weights.detach()
     loss = aggregate(token_loss, mask, mode, max_len)
 
     with torch.no_grad():
@@ -184,6 +207,39 @@ def clipped_surrogate_loss(
             ratio_mean=masked_mean(ratio, m),
         )
     return loss, stats
+
+
+class TISStats(NamedTuple):
+    weight_mean: Tensor  # mean truncated weight over counted tokens
+    weight_min: Tensor
+    truncated_frac: Tensor  # share of counted tokens whose ratio exceeded the cap
+
+
+def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float, mask: Tensor | None = None) -> tuple[Tensor, TISStats]:
+    """Truncated importance sampling for the sampler/trainer mismatch: w_t = min(pi_old(a_t) / pi_sampler(a_t), C).
+
+    The tokens were drawn by the sampler (another precision or inference engine), whose
+    probabilities differ from the trainer's pi_old; weighting each token's loss by their ratio,
+    truncated at C to bound the variance, corrects the gradient towards the on-policy one (Yao et al.
+    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; Ionides 2008 for
+    truncated IS).
+
+    Args:
+        old_logp: log pi_old(a_t) by the trainer's forward. Shape: (B, C).
+        sampler_logp: log-probs the sampler drew a_t with. Shape: (B, C).
+        cap: C > 0.
+        mask: 1 on counted tokens (for the statistics).
+    Returns:
+        (weights, detached, shape (B, C); stats).
+    """
+    if cap <= 0:
+        raise ValueError(f"the truncation cap must be > 0, got {cap}")
+    ratio = torch.exp(old_logp.detach() - sampler_logp.detach())  # (B, C)
+    weights = ratio.clamp(max=cap)
+    m = _mask_like(weights, mask)
+    counted = m > 0
+    weight_min = weights[counted].min() if counted.any() else weights.new_ones(())
+    return weights, TISStats(masked_mean(weights, m), weight_min, masked_mean((ratio > cap).to(m.dtype), m))
 
 
 class ValueStats(NamedTuple):

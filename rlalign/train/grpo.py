@@ -69,10 +69,10 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.config import load_config
-from rlalign.core.advantages import group_advantages, rloo_advantages
-from rlalign.core.logprobs import token_logprobs_and_entropy
-from rlalign.core.losses import clipped_surrogate_loss, kl_penalty_loss
-from rlalign.core.masks import masked_mean
+from rlalign.core.advantages import group_advantages, overlong_penalty, rloo_advantages
+from rlalign.core.kl import entropy_from_logits, kl_k1, kl_k2, kl_k3
+from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
+from rlalign.core.losses import clipped_surrogate_loss, entropy_loss, kl_penalty_loss, truncated_is_weights
 from rlalign.lm.data import PromptExample
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
@@ -80,7 +80,7 @@ from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
-from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
+from rlalign.train.rollouts import RewardTerm, add_score_term, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = ["GRPOConfig", "ADVANTAGE_ESTIMATORS", "grpo_loss", "grpo_step", "train", "add_arguments", "run"]
@@ -100,7 +100,24 @@ class GRPOConfig(RLConfig):
     )
     eps_low: float = Field(0.2, gt=0, lt=1, description="clip the ratio below at 1 - eps_low")
     eps_high: float = Field(0.2, gt=0, description="clip the ratio above at 1 + eps_high (DAPO's clip-higher: 0.28)")
-    beta: float = Field(0.04, ge=0, description="coefficient of the k3 KL to the reference in the loss; 0 loads no reference")
+    beta: float = Field(0.04, ge=0, description="coefficient of the KL to the reference (in the loss, or in the reward); 0 loads no reference")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="per-token KL estimator: k1 = log pi - log pi_ref, k2 = x^2 / 2, k3 = e^x - x - 1 (x = log pi_ref - log pi)")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="loss: beta * aggregate(KL) in the loss (GRPO); reward: each completion's reward minus beta * its summed KL at pi_old, before the advantages"
+    )
+    importance_sampling: Literal["token", "sequence"] = Field(
+        "token", description="token: one ratio per token (GRPO); sequence: one per completion, exp of its mean token log-ratio, clipped as a whole (GSPO)"
+    )
+    dual_clip: float | None = Field(None, gt=1, description="cap the loss of negative-advantage tokens at -c * A (dual clip, c > 1); null = off")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus: the loss gains -entropy_coef * aggregate(entropy)")
+    tis_cap: float | None = Field(
+        None, gt=0, description="truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, tis_cap) for the sampler/trainer "
+        "mismatch (bfloat16 sampling; e.g. 2.0); null = off"
+    )
+    overlong_buffer: int | None = Field(
+        None, ge=1, description="DAPO soft overlong punishment: a reward from 0 down to -overlong_penalty over the last this many tokens of max_new_tokens; null = off"
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="the overlong punishment's largest penalty (at max_new_tokens)")
     mask_truncated: bool = Field(False, description="leave completions that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)")
 
     @model_validator(mode="after")
@@ -108,12 +125,16 @@ class GRPOConfig(RLConfig):
         batch = self.prompts_per_step * self.group_size
         if batch % self.num_minibatches:
             raise ValueError(f"num_minibatches={self.num_minibatches} must divide prompts_per_step * group_size = {batch}")
+        if self.overlong_buffer is not None and self.overlong_buffer > self.sampling.max_new_tokens:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} exceeds sampling.max_new_tokens={self.sampling.max_new_tokens}")
         return self
 
 
 # ----------------------------------------------------------------------------------------------
 # The GRPO loss and step
 # ----------------------------------------------------------------------------------------------
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
     "group": partial(group_advantages, scale="group"),
@@ -124,32 +145,48 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
 
 
 def grpo_loss(
-    policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None, cfg: GRPOConfig, on_policy: bool = False
+    policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None, cfg: GRPOConfig, on_policy: bool = False,
+    sampler_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """L = aggregate(clipped surrogate) + beta * aggregate(k3(logp, ref_logp)) on one minibatch.
+    """L = aggregate(clipped surrogate) + beta * aggregate(KL(logp, ref_logp)) - entropy_coef * aggregate(H) on one minibatch.
 
     Args:
         rollout: the minibatch; ``rollout.logprobs`` is log pi_old, or the sampler's log-probs when
             ``on_policy``. Shapes: (B, C).
         advantages: one per completion, broadcast over its tokens. Shape: (B,).
         mask: 1 on tokens that count. Shape: (B, C).
-        ref_logp: reference log-probs, or None when beta = 0. Shape: (B, C).
+        ref_logp: reference log-probs, or None without a KL term in the loss. Shape: (B, C).
         on_policy: this is the only update of the rollout, so pi_old is the policy being updated:
             log pi_old = logp.detach() (r = 1 exactly, as TRL does with num_iterations = 1), and
             ``logprob_mismatch`` reports how far the sampler's log-probs were from it.
+        sampler_logp: the sampler's log-probs when ``rollout.logprobs`` holds a recomputed pi_old
+            (for truncated importance sampling); None: they are ``rollout.logprobs``. Shape: (B, C).
     Returns:
-        (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy.
+        (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy, tis/*.
     """
     with forward_precision(cfg.model, policy):
         logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
-    logp, entropy = token_logprobs_and_entropy(logits, rollout.completion_ids.to(device), cfg.sampling.temperature)  # (B, C) each, float32; entropy detached
-    sampler_logp, mask = rollout.logprobs.to(device), mask.to(device)
-    old_logp = logp.detach() if on_policy else sampler_logp  # (B, C)
+    completion_ids = rollout.completion_ids.to(device)
+    if cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient
+        logp = token_logprobs(logits, completion_ids, cfg.sampling.temperature)  # (B, C), float32
+        entropy = entropy_from_logits(logits / cfg.sampling.temperature)  # (B, C)
+    else:  # the entropy is a statistic: from the log-probs' own pass over the logits
+        logp, entropy = token_logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature)  # (B, C) each
+    mask = mask.to(device)
+    old_logp = logp.detach() if on_policy else rollout.logprobs.to(device)  # (B, C)
+    sampler = (rollout.logprobs if sampler_logp is None or on_policy else sampler_logp).to(device)  # (B, C)
+    stats = {}
+    weights = None
+    if cfg.tis_cap is not None:  # min(pi_old / pi_sampler, C) per token
+        weights, tis = truncated_is_weights(old_logp, sampler, cfg.tis_cap, mask)
+        stats.update({"tis/weight_mean": tis.weight_mean, "tis/weight_min": tis.weight_min, "tis/truncated_frac": tis.truncated_frac})
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm (Dr.GRPO), not this batch's C
-    pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps_low, cfg.eps_high, mode=cfg.aggregation, max_len=max_len)
+    pg_loss, clip = clipped_surrogate_loss(
+        logp, old_logp, advantages.to(device), mask, cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.aggregation, max_len, cfg.importance_sampling, weights
+    )
     loss = pg_loss
-    stats = {
+    stats.update({
         "loss/policy": pg_loss.detach(),
         "clip_frac": clip.clip_frac,
         "clip_frac/low": clip.clip_frac_low,
@@ -157,14 +194,19 @@ def grpo_loss(
         "approx_kl": clip.approx_kl,
         "ratio_mean": clip.ratio_mean,
         "ratio_dev": ratio_deviation(logp, old_logp, mask),
-    }
+    })
+    if cfg.dual_clip is not None:
+        stats["clip_frac/dual"] = clip.dual_clip_frac
     if on_policy:
-        stats["logprob_mismatch"] = logprob_mismatch(logp, sampler_logp, rollout.completion_mask.to(device))  # every sampled token, as the recompute path
+        stats["logprob_mismatch"] = logprob_mismatch(logp, sampler, rollout.completion_mask.to(device))  # every sampled token, as the recompute path
     if ref_logp is not None:
-        kl_loss, kl = kl_penalty_loss(logp, ref_logp.to(device), mask, "k3", mode=cfg.aggregation, max_len=max_len)
+        kl_loss, kl = kl_penalty_loss(logp, ref_logp.to(device), mask, cfg.kl_estimator, mode=cfg.aggregation, max_len=max_len)
         loss = loss + cfg.beta * kl_loss
         stats["kl"] = kl.kl
-    stats["entropy"] = masked_mean(entropy, mask)
+    ent_loss, ent = entropy_loss(entropy, mask, mode=cfg.aggregation, max_len=max_len)
+    if cfg.entropy_coef > 0:
+        loss = loss + cfg.entropy_coef * ent_loss
+    stats["entropy"] = ent.entropy
     return loss, stats
 
 
@@ -185,14 +227,13 @@ def grpo_step(
     completions = rollout.decode_completions(tokenizer)
     t1 = time.perf_counter()
 
-    # 2. score: the weighted sum of the reward terms; gathered from every rank for the statistics
+    # 2. score: the weighted sum of the reward terms (+ DAPO's overlong punishment); gathered from every rank
     scored = score_shard(rewards, tokenizer, examples, rollout, completions, G, world, step=state.step)  # local rows (B,), scores (B global,)
+    if cfg.overlong_buffer is not None:
+        scored = add_score_term(scored, "overlong", cfg.overlong_penalty * overlong_penalty(rollout.completion_lengths(), cfg.sampling.max_new_tokens, cfg.overlong_buffer), world)
     t2 = time.perf_counter()
 
-    # 3. group-relative advantages, one per completion (broadcast over its tokens by the loss)
-    all_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scored.scores, G)  # (B global,)
-    shard = world.shard(len(batch))
-    advantages = all_advantages[shard.start * G : shard.stop * G]  # (B,) this rank's rows
+    # 3. reference log-probs, pi_old (recomputed when the sampler's numerics differ), optional KL in the reward
     mask = loss_mask(rollout, cfg.mask_truncated)  # (B, C)
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
@@ -200,21 +241,33 @@ def grpo_step(
     ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, cfg.micro_batch_size or rollout.batch_size // m, autocast, cfg.compile) if cfg.beta > 0 else None
     t_ref = time.perf_counter()
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated, no pass needed for it
-    mismatch = None
+    mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's log-probs
     if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics are not the training forward's
         update_rows = [rows for mb in minibatches for rows in micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)]
         old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile)  # (B, C), on the updates' row batches
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()
+    kl_metrics = {}
+    if ref_logp is not None and cfg.kl_in == "reward":  # R_i - beta * sum_t KL_t at pi_old; the loss then has no KL term
+        token_kl = KL_ESTIMATORS[cfg.kl_estimator](rollout.logprobs, ref_logp) * rollout.completion_mask  # (B, C)
+        scored = add_score_term(scored, "kl_penalty", -cfg.beta * token_kl.sum(-1), world)
+        kl_metrics["kl"] = float(distributed.global_mean_var(token_kl, rollout.completion_mask, world)[0])
+        ref_logp = None
 
-    # 4. mu passes x minibatches of clipped-surrogate updates against log pi_old
+    # 4. group-relative advantages, one per completion (broadcast over its tokens by the loss)
+    all_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scored.scores, G)  # (B global,)
+    shard = world.shard(len(batch))
+    advantages = all_advantages[shard.start * G : shard.stop * G]  # (B,) this rank's rows
+
+    # 5. mu passes x minibatches of clipped-surrogate updates against log pi_old
     #    (each one's gradient accumulated over micro-batches of cfg.micro_batch_size rows: the same update, less memory)
     updates = UpdateMeans()
     for _ in range(cfg.mu):
         for mb in minibatches:
             def loss_of(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-                return grpo_loss(updater.model, rollout.select(micro), advantages[micro], mask[micro], None if ref_logp is None else ref_logp[micro], cfg, on_policy)
+                ref = None if ref_logp is None else ref_logp[micro]
+                return grpo_loss(updater.model, rollout.select(micro), advantages[micro], mask[micro], ref, cfg, on_policy, sampler_logp[micro])
 
             micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)
             stats, grad_norm = minibatch_step(updater, loss_of, micro_rows, mask, cfg.aggregation, world)
@@ -222,6 +275,7 @@ def grpo_step(
     t3 = time.perf_counter()
 
     metrics = updates.means()
+    metrics.update(kl_metrics)
     metrics.update(reward_stats(scored.scores, scored.per_term))
     metrics.update(completion_stats(rollout, world))
     metrics["frac_zero_std_groups"] = (scored.scores.view(-1, G).std(dim=1) <= 1e-6).float().mean().item()

@@ -54,7 +54,7 @@ from rlalign.config import Config, load_config
 from rlalign.core.advantages import kl_shaped_rewards, token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_k1, kl_k3
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
-from rlalign.core.losses import Aggregation, clipped_surrogate_loss, entropy_loss, value_loss
+from rlalign.core.losses import Aggregation, clipped_surrogate_loss, entropy_loss, truncated_is_weights, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.data import PromptExample
 from rlalign.lm.models import enable_gradient_checkpointing, load_critic
@@ -106,6 +106,11 @@ class PPOConfig(RLConfig):
     kl_horizon: float = Field(10000.0, gt=0, description="adaptive controller horizon, in sequences")
     missing_eos_penalty: float | None = Field(None, ge=0, description="subtract this from the score of completions without EOS; null = no penalty")
     entropy_coef: float = Field(0.0, ge=0, description="c2: weight of the entropy bonus")
+    dual_clip: float | None = Field(None, gt=1, description="cap the loss of negative-advantage tokens at -c * A (dual clip, c > 1); null = off")
+    tis_cap: float | None = Field(
+        None, gt=0, description="truncated importance sampling: weight each token's policy loss by min(pi_old / pi_sampler, tis_cap) when pi_old is "
+        "recomputed (model.autocast or sampling.dtype); null = off"
+    )
     aggregation: Aggregation = Field("token-mean", description="token-loss reduction (as for GRPO)")
 
     @model_validator(mode="after")
@@ -167,8 +172,11 @@ def critic_values(critic: nn.Module, rollout: Rollout) -> Tensor:
     return values[:, p - 1 : -1]  # (B, C)
 
 
-def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """L_pi = aggregate(clipped surrogate) + c2 * L_H on one minibatch (``rollout.logprobs`` = log pi_old)."""
+def policy_loss(
+    policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, cfg: PPOConfig, sampler_logp: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """L_pi = aggregate(clipped surrogate) + c2 * L_H on one minibatch (``rollout.logprobs`` = log pi_old;
+    ``sampler_logp``: the sampler's log-probs, for truncated importance sampling when they are not pi_old's)."""
     with forward_precision(cfg.model, policy):
         logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
@@ -180,10 +188,19 @@ def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: T
         logp, entropy = token_logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature)  # (B, C) each
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
-    pg_loss, clip = clipped_surrogate_loss(logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, mode=cfg.aggregation, max_len=max_len)
+    stats, weights = {}, None
+    if cfg.tis_cap is not None:  # min(pi_old / pi_sampler, C) per token
+        weights, tis = truncated_is_weights(old_logp, old_logp if sampler_logp is None else sampler_logp.to(device), cfg.tis_cap, mask)
+        stats.update({"tis/weight_mean": tis.weight_mean, "tis/weight_min": tis.weight_min, "tis/truncated_frac": tis.truncated_frac})
+    pg_loss, clip = clipped_surrogate_loss(
+        logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, cfg.dual_clip, mode=cfg.aggregation, max_len=max_len, token_weights=weights
+    )
     ent_loss, ent = entropy_loss(entropy, mask, mode=cfg.aggregation, max_len=max_len)
     loss = pg_loss + cfg.entropy_coef * ent_loss if cfg.entropy_coef > 0 else pg_loss
-    stats = {
+    if cfg.dual_clip is not None:
+        stats["clip_frac/dual"] = clip.dual_clip_frac
+    return loss, {
+        **stats,
         "loss/policy": pg_loss.detach(),
         "clip_frac": clip.clip_frac,
         "approx_kl": clip.approx_kl,
@@ -191,7 +208,6 @@ def policy_loss(policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: T
         "ratio_dev": ratio_deviation(logp, old_logp, mask),
         "entropy": ent.entropy,
     }
-    return loss, stats
 
 
 def critic_loss(critic: nn.Module, rollout: Rollout, returns: Tensor, old_values: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
@@ -243,7 +259,7 @@ def ppo_step(
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(pass_rows)])  # (B, C)
     t_ref = time.perf_counter()
-    mismatch = None
+    mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's log-probs
     if cfg.recompute_old_logprobs:  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + pass_rows) for s in range(0, rollout.batch_size, pass_rows)]
@@ -271,7 +287,7 @@ def ppo_step(
             mb_mask = mask * present  # (B, C)
 
             def actor_loss(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-                return policy_loss(policy.model, rollout.select(micro), advantages[micro], mb_mask[micro], cfg)
+                return policy_loss(policy.model, rollout.select(micro), advantages[micro], mb_mask[micro], cfg, sampler_logp[micro])
 
             def value_loss_of(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
                 return critic_loss(critic.model, rollout.select(micro), returns[micro], old_values[micro], mb_mask[micro], cfg)

@@ -38,6 +38,7 @@ __all__ = [
     "check_prompt_lengths",
     "prompt_batch",
     "RewardTerm",
+    "add_score_term",
     "build_rewards",
     "score_rollout",
     "sample_shard",
@@ -260,6 +261,16 @@ def score_shard(
     scores = distributed.gather_rows(local_scores, world)  # (B global,)
     per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
     return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term)
+
+
+def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world: distributed.World) -> ScoredRollout:
+    """``scored`` with ``local_values`` (this rank's rows, (B,)) added to every row's score and logged as
+    the term ``name`` (e.g. an overlong or KL penalty the trainer adds after the reward terms)."""
+    local_values = local_values.to(scored.local_scores.dtype)
+    return ScoredRollout(
+        scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: local_values},
+        scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)},
+    )
 
 
 def reward_stats(total: Tensor, per_term: dict[str, Tensor]) -> dict[str, float]:
