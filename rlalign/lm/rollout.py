@@ -94,6 +94,30 @@ class Rollout:
         for start in range(0, self.batch_size, size):
             yield self.select(slice(start, start + size))
 
+    @classmethod
+    def concat(cls, rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+        """The rows of ``rollouts`` in order: prompts left-padded and completions right-padded to the
+        longest, groups renumbered so that each rollout's follow the previous one's."""
+        width_p = max(r.prompt_ids.shape[1] for r in rollouts)
+        width_c = max(r.completion_ids.shape[1] for r in rollouts)
+
+        def pad(x: Tensor, width: int, value: float, left: bool) -> Tensor:
+            extra = width - x.shape[1]
+            return torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=value)
+
+        offsets = [0]
+        for r in rollouts[:-1]:
+            offsets.append(offsets[-1] + r.num_groups)
+        return cls(
+            torch.cat([pad(r.prompt_ids, width_p, pad_token_id, True) for r in rollouts]),
+            torch.cat([pad(r.prompt_mask, width_p, 0, True) for r in rollouts]),
+            torch.cat([pad(r.completion_ids, width_c, pad_token_id, False) for r in rollouts]),
+            torch.cat([pad(r.completion_mask, width_c, 0, False) for r in rollouts]),
+            torch.cat([pad(r.logprobs, width_c, 0.0, False) for r in rollouts]),
+            torch.cat([r.group_index + offset for r, offset in zip(rollouts, offsets)]),
+            torch.cat([r.truncated for r in rollouts]),
+        )
+
     def decode_completions(self, tokenizer: PreTrainedTokenizerBase) -> list[str]:
         """Completion texts without EOS and padding."""
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(self.completion_ids, self.completion_mask)]

@@ -44,7 +44,7 @@ Metrics (one metrics.jsonl line per step; minibatch statistics are means over th
 
 Python use (see also the README):
 
-    from rlalign.config import load_config
+    from rlalign.config import ConfigError, load_config
     from rlalign.train import grpo
     cfg = load_config(grpo.GRPOConfig, "configs/grpo_arithmetic.yaml", ["steps=20"])
     result = grpo.train(cfg)                     # result.history: one metrics dict per step
@@ -68,7 +68,7 @@ from pydantic import Field, model_validator
 import torch
 from torch import Tensor, nn
 
-from rlalign.config import load_config
+from rlalign.config import ConfigError, load_config
 from rlalign.core.advantages import group_advantages, overlong_penalty, rloo_advantages
 from rlalign.core.kl import entropy_from_logits, kl_k1, kl_k2, kl_k3
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
@@ -76,11 +76,13 @@ from rlalign.core.losses import clipped_surrogate_loss, entropy_loss, kl_penalty
 from rlalign.lm.data import PromptExample
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
-from rlalign.train.common import forward_precision
+from rlalign.train.common import batch_order, forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
-from rlalign.train.rollouts import RewardTerm, add_score_term, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
+from rlalign.train.rollouts import (
+    RewardTerm, ScoredRollout, add_score_term, completion_stats, concat_scored, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard, select_rows,
+)
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = ["GRPOConfig", "ADVANTAGE_ESTIMATORS", "grpo_loss", "grpo_step", "train", "add_arguments", "run"]
@@ -119,6 +121,11 @@ class GRPOConfig(RLConfig):
     )
     overlong_penalty: float = Field(1.0, ge=0, description="the overlong punishment's largest penalty (at max_new_tokens)")
     mask_truncated: bool = Field(False, description="leave completions that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards all tie and draw more prompts until the step holds prompts_per_step "
+        "informative groups (one process only)"
+    )
+    max_sampling_rounds: int = Field(4, ge=1, description="dynamic sampling: at most this many draws of prompts_per_step prompts per step; then tied groups fill the step")
 
     @model_validator(mode="after")
     def _minibatches_divide(self) -> GRPOConfig:
@@ -219,18 +226,19 @@ def grpo_step(
         (metrics, a few samples with their rewards).
     """
     world, G = state.world, cfg.group_size  # one process, or this rank under torchrun: B below is this rank's share of the rows
-    # 1. sample G completions per prompt (no grad, KV cache); the sampling log-probs are log pi_old
+    # 1-2. sample G completions per prompt (no grad, KV cache; the sampling log-probs are log pi_old) and score them:
+    #      the weighted reward terms (+ DAPO's overlong punishment), gathered from every rank. Dynamic sampling
+    #      draws again until the step holds prompts_per_step groups whose rewards do not all tie.
     t0 = time.perf_counter()
-    examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)  # the global batch, with each record's columns
+    if cfg.dynamic_sampling:
+        examples, rollout, scored, sampling_metrics, sampling_seconds = informative_rollout(updater, tokenizer, rewards, prompts, state, cfg)
+        t1 = t0 + sampling_seconds  # time/generate: the draws' sampling; time/score: their scoring
+    else:
+        examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)  # the global batch, with each record's columns
+        rollout = sample_shard(updater, tokenizer, [ex.prompt for ex in examples], cfg.sampling, cfg.model, G, state)
+        t1 = time.perf_counter()
+        scored, sampling_metrics = score_groups(rewards, tokenizer, examples, rollout, state, cfg), {}
     batch = [ex.prompt for ex in examples]
-    rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, state)
-    completions = rollout.decode_completions(tokenizer)
-    t1 = time.perf_counter()
-
-    # 2. score: the weighted sum of the reward terms (+ DAPO's overlong punishment); gathered from every rank
-    scored = score_shard(rewards, tokenizer, examples, rollout, completions, G, world, step=state.step)  # local rows (B,), scores (B global,)
-    if cfg.overlong_buffer is not None:
-        scored = add_score_term(scored, "overlong", cfg.overlong_penalty * overlong_penalty(rollout.completion_lengths(), cfg.sampling.max_new_tokens, cfg.overlong_buffer), world)
     t2 = time.perf_counter()
 
     # 3. reference log-probs, pi_old (recomputed when the sampler's numerics differ), optional KL in the reward
@@ -276,6 +284,7 @@ def grpo_step(
 
     metrics = updates.means()
     metrics.update(kl_metrics)
+    metrics.update(sampling_metrics)
     metrics.update(reward_stats(scored.scores, scored.per_term))
     metrics.update(completion_stats(rollout, world))
     metrics["frac_zero_std_groups"] = (scored.scores.view(-1, G).std(dim=1) <= 1e-6).float().mean().item()
@@ -286,6 +295,60 @@ def grpo_step(
     metrics["lr"] = updater.lr
     metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"], t_ref, t_old))
     return metrics, sample_rows(state.step, scored, cfg.num_samples_logged)
+
+
+def score_groups(rewards: Sequence[RewardTerm], tokenizer, examples: list[PromptExample], rollout: Rollout, state: TrainState, cfg: GRPOConfig) -> ScoredRollout:
+    """The weighted reward terms of every completion (``score_shard``), plus DAPO's overlong punishment when set."""
+    scored = score_shard(rewards, tokenizer, examples, rollout, rollout.decode_completions(tokenizer), cfg.group_size, state.world, step=state.step)
+    if cfg.overlong_buffer is None:
+        return scored
+    penalty = cfg.overlong_penalty * overlong_penalty(rollout.completion_lengths(), cfg.sampling.max_new_tokens, cfg.overlong_buffer)  # (B,)
+    return add_score_term(scored, "overlong", penalty, state.world)
+
+
+def informative_rollout(
+    updater: Updater, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], state: TrainState, cfg: GRPOConfig
+) -> tuple[list[PromptExample], Rollout, ScoredRollout, dict[str, float], float]:
+    """DAPO dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards all tie has zero
+    advantages and carries no gradient, so it is dropped, and prompts_per_step more prompts are drawn
+    (the next data positions) until the step holds prompts_per_step informative groups, at most
+    ``max_sampling_rounds`` draws; past that, tied groups fill the step in draw order (they add
+    nothing to the gradient, and keep the step's shape). ``state.data_position`` counts the prompts drawn.
+
+    Returns:
+        (the kept groups' prompt records, rollout and scores, dynamic/* metrics, the seconds spent sampling).
+    """
+    n, G = cfg.prompts_per_step, cfg.group_size
+    position = state.step * n if state.data_position is None else state.data_position
+    draws: list[tuple[list[PromptExample], Rollout, ScoredRollout, Tensor]] = []  # (records, rollout, scores, informative (n,)) per draw
+    sampling_time = 0.0
+    while len(draws) < cfg.max_sampling_rounds and sum(int(d[3].sum()) for d in draws) < n:
+        start = time.perf_counter()
+        examples = [prompts[i] for i in batch_order(len(prompts), position, n, cfg.seed)]
+        position += n
+        rollout = sample_shard(updater, tokenizer, [ex.prompt for ex in examples], cfg.sampling, cfg.model, G, state)
+        sampling_time += time.perf_counter() - start
+        scored = score_groups(rewards, tokenizer, examples, rollout, state, cfg)
+        draws.append((examples, rollout, scored, scored.scores.view(-1, G).std(dim=1) > 1e-6))
+    state.data_position = position
+    # informative groups in draw order, then tied ones to fill: (draw, group) pairs
+    order = [(d, g) for want in (True, False) for d, draw in enumerate(draws) for g in range(n) if bool(draw[3][g]) == want][:n]
+    kept_examples, kept_rollouts, kept_scored = [], [], []
+    for d, (examples, rollout, scored, _) in enumerate(draws):
+        groups = [g for dd, g in order if dd == d]
+        if groups:
+            rows = torch.tensor([g * G + j for g in groups for j in range(G)])
+            kept_examples.extend(examples[g] for g in groups)
+            kept_rollouts.append(rollout.select(rows))
+            kept_scored.append(select_rows(scored, rows))
+    informative = sum(int(d[3].sum()) for d in draws)
+    metrics = {
+        "dynamic/draws": float(len(draws)),
+        "dynamic/prompts_drawn": float(len(draws) * n),
+        "dynamic/tied_groups": float(len(draws) * n - informative),  # dropped, bar those filling the step
+        "dynamic/filled_groups": float(max(n - informative, 0)),
+    }
+    return kept_examples, Rollout.concat(kept_rollouts, tokenizer.pad_token_id), concat_scored(kept_scored), metrics, sampling_time
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,6 +365,8 @@ def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: S
     """
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
+        if cfg.dynamic_sampling and run.world.distributed:
+            raise ConfigError("dynamic_sampling runs in one process: under torchrun the ranks would keep unequal numbers of groups")
         policy = run.load_policy(cfg.model)
         reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
         updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)

@@ -215,9 +215,10 @@ class TrainState:
     step: int
     generator: torch.Generator
     world: distributed.World = field(default_factory=distributed.World)
+    data_position: int | None = None  # examples drawn so far, when a step may draw more than its batch (dynamic sampling); None: step * batch
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"generator": self.generator.get_state(), **({"data_position": self.data_position} if self.data_position is not None else {})}
 
 
 def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater], world: distributed.World = distributed.World()) -> TrainState:
@@ -235,6 +236,7 @@ def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater
         restore_rng_state(ckpt.rng)
         state.generator.set_state(ckpt.extra["generator"])
         state.step = ckpt.step
+        state.data_position = ckpt.extra.get("data_position")
     return state
 
 
@@ -367,7 +369,8 @@ def run_steps(
             state.step += 1
             stop = distributed.all_max(float(stops.signal is not None), state.world) > 0  # every rank stops at the same step
             if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total_steps or stop:
-                write_checkpoint(run.run_dir, cfg, state, models, updaters, run.tokenizer, state.step * batch_size, checkpoint_extra())
+                position = state.step * batch_size if state.data_position is None else state.data_position
+                write_checkpoint(run.run_dir, cfg, state, models, updaters, run.tokenizer, position, checkpoint_extra())
             if stop:
                 raise RunStopped(
                     f"stopped by {stops.signal or 'a signal to another process'} after step {state.step - 1}, saved in "

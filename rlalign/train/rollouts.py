@@ -39,6 +39,8 @@ __all__ = [
     "prompt_batch",
     "RewardTerm",
     "add_score_term",
+    "select_rows",
+    "concat_scored",
     "build_rewards",
     "score_rollout",
     "sample_shard",
@@ -270,6 +272,24 @@ def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: local_values},
         scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)},
+    )
+
+
+def select_rows(scored: ScoredRollout, rows: Tensor) -> ScoredRollout:
+    """The rows ``rows`` of a one-process ``scored`` (local rows are the global ones)."""
+    index = rows.tolist()
+    return ScoredRollout(
+        [scored.prompts[i] for i in index], [scored.completions[i] for i in index], scored.local_scores[rows],
+        {k: v[rows] for k, v in scored.local_per_term.items()}, scored.scores[rows], {k: v[rows] for k, v in scored.per_term.items()},
+    )
+
+
+def concat_scored(parts: Sequence[ScoredRollout]) -> ScoredRollout:
+    """The rows of ``parts`` in order (one process)."""
+    return ScoredRollout(
+        [p for part in parts for p in part.prompts], [c for part in parts for c in part.completions], torch.cat([part.local_scores for part in parts]),
+        {k: torch.cat([part.local_per_term[k] for part in parts]) for k in parts[0].local_per_term}, torch.cat([part.scores for part in parts]),
+        {k: torch.cat([part.per_term[k] for part in parts]) for k in parts[0].per_term},
     )
 
 

@@ -148,3 +148,50 @@ def test_ppo_dual_clip_and_truncated_importance_sampling(tiny_path, tmp_path):
     result = ppo.train(cfg, reward_functions=REWARDS)
     for row in result.history:
         assert "clip_frac/dual" in row and 0 < row["tis/weight_mean"] <= 2.0 and row["tis/weight_min"] > 0
+
+
+def first_char_parity(prompts: list[str], completions: list[str]) -> list[float]:
+    """0/1 by the completion's first character: groups of 2 often tie."""
+    return [float(len(c) > 0 and ord(c[0]) % 2 == 0) for c in completions]
+
+
+def test_dynamic_sampling_keeps_only_informative_groups_and_resumes_exactly(tiny_path, tmp_path):
+    overrides = {"dynamic_sampling": True, "group_size": 2, "prompts_per_step": 4, "steps": 3, "save_every": 1, "beta": 0.0}
+    rewards = [grpo.RewardTerm("parity", 1.0, first_char_parity)]
+    straight = grpo.train(make_cfg(tiny_path, tmp_path / "straight", **overrides), reward_functions=rewards)
+    for row in straight.history:
+        assert row["frac_zero_std_groups"] == 0.0 and row["dynamic/filled_groups"] == 0.0
+        assert row["dynamic/prompts_drawn"] == 4 * row["dynamic/draws"]
+        assert row["dynamic/tied_groups"] >= 4 * (row["dynamic/draws"] - 1)  # a draw follows only when the earlier ones fell short
+    assert sum(r["dynamic/draws"] for r in straight.history) > 3 and sum(r["dynamic/tied_groups"] for r in straight.history) > 0  # ties happen with G = 2
+    # the data position (prompts drawn so far) is in the checkpoint: a resumed run draws the straight run's prompts
+    resumed_dir = tmp_path / "resumed"
+    grpo.train(make_cfg(tiny_path, resumed_dir, **{**overrides, "steps": 1}), reward_functions=rewards)
+    resumed = grpo.train(make_cfg(tiny_path, resumed_dir, **overrides), resume=resumed_dir, reward_functions=rewards)
+    assert resumed.history[-1]["dynamic/draws"] == straight.history[-1]["dynamic/draws"]
+    a, b = (load_file(str(r.final_dir / "model.safetensors")) for r in (straight, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dynamic_sampling_fills_the_step_with_tied_groups_after_its_last_draw(tiny_path, tmp_path):
+    constant = [grpo.RewardTerm("constant", 1.0, lambda prompts, completions: [1.0] * len(completions))]
+    result = grpo.train(make_cfg(tiny_path, tmp_path / "run", dynamic_sampling=True, max_sampling_rounds=3, steps=1), reward_functions=constant)
+    row = result.history[0]
+    assert row["dynamic/draws"] == 3 and row["dynamic/filled_groups"] == 2 and row["dynamic/tied_groups"] == 6 and row["frac_zero_std_groups"] == 1.0
+
+
+def test_rollouts_concatenate_with_their_padding_and_groups(minibatch):
+    # the second part made wider (one more prompt pad on the left, two more completion pads on the right)
+    _, rollout, _ = minibatch  # 2 prompts x 2 samples
+    a, b = rollout.select(slice(0, 2)), rollout.select(slice(2, 4))
+    pad = torch.nn.functional.pad
+    wide = grpo.Rollout(pad(b.prompt_ids, (1, 0)), pad(b.prompt_mask, (1, 0)), pad(b.completion_ids, (0, 2)), pad(b.completion_mask, (0, 2)),
+                        pad(b.logprobs, (0, 2)), b.group_index - 1, b.truncated)
+    joined = grpo.Rollout.concat([a, wide], pad_token_id=0)
+    assert joined.batch_size == 4 and joined.group_index.tolist() == [0, 0, 1, 1]
+    assert joined.prompt_ids.shape[1] == wide.prompt_ids.shape[1] and joined.completion_ids.shape[1] == wide.completion_ids.shape[1]
+    for i, part in ((0, a), (2, wide)):
+        for j in range(2):
+            assert joined.prompt_ids[i + j][joined.prompt_mask[i + j].bool()].tolist() == part.prompt_ids[j][part.prompt_mask[j].bool()].tolist()
+            assert joined.completion_ids[i + j][joined.completion_mask[i + j].bool()].tolist() == part.completion_ids[j][part.completion_mask[j].bool()].tolist()
+            assert joined.logprobs[i + j].sum().item() == pytest.approx(part.logprobs[j].sum().item())
