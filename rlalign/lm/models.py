@@ -349,7 +349,10 @@ def is_checkpointing(model: nn.Module) -> bool:
     """Whether a forward of ``model`` now recomputes activations in backward (and so drops a KV cache):
     checkpointing on, train mode, grad enabled."""
     backbone = model.backbone if isinstance(model, ScalarHeadModel) else unwrap_causal_lm(model)
-    return bool(getattr(backbone, "is_gradient_checkpointing", False)) and model.training and torch.is_grad_enabled()
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    flag = "is_activation_checkpointing" if hasattr(type(backbone), "is_activation_checkpointing") else "is_gradient_checkpointing"  # renamed in transformers 5
+    return bool(getattr(backbone, flag, False))
 
 
 @contextlib.contextmanager
