@@ -201,7 +201,6 @@ class RLConfig(RunConfig):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on held-out prompts (eval/* metrics, eval_samples.jsonl)")
     sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
     num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
-    plots: bool = Field(True, description="write curves.png of the headline metrics at the end")
     compile: bool = Field(False, description=COMPILE_HELP)
 
     @model_validator(mode="after")
