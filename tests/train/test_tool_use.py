@@ -1,0 +1,129 @@
+"""Multi-turn tool use in GRPO rollouts: the masks, the log-probs, tool errors, the config wiring,
+and a learning test on the embedded multiplication task."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlalign.lm.models import load_policy, load_tokenizer
+from rlalign.lm.rollout import Rollout
+from rlalign.lm.sampling import SamplingParams
+from rlalign.lm.tools import TAG, ToolEnvironment, ToolFormat, ToolRegistry
+from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+from rlalign.train import tool_rollout as tr
+from rlalign.train.passes import rollout_token_logprobs
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyModelSpec(hidden_size=64, num_layers=2, intermediate_size=128), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path):
+    return load_tokenizer(tiny_path)
+
+
+def scripted_sampler(tokenizer, turns: list[list[str]]):
+    """A stand-in for ``sample``: call k returns ``turns[k]`` (one text per active row; "<eos>" at the end
+    is the EOS token), with log-prob -0.5 on every token."""
+    calls = iter(turns)
+
+    def fake_sample(model, prompts, params, pad, stop, group_size, generator):
+        texts = next(calls)
+        assert len(texts) == len(prompts)
+        rows = [tokenizer(t.removesuffix("<eos>"), add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if t.endswith("<eos>") else []) for t in texts]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        n = len(prompts)
+        prompt_ids = torch.ones((n, 1), dtype=torch.long)
+        return Rollout(prompt_ids, torch.ones_like(prompt_ids), ids, mask, -0.5 * mask.float(), torch.arange(n), torch.zeros(n, dtype=torch.bool))
+
+    return fake_sample
+
+
+def tool_spans(text: str) -> list[int]:
+    """1 on the characters of every <result>...</result> (one token per character; "<eos>" is one token)."""
+    text = text.replace("<eos>", "#")
+    tool = [0] * len(text)
+    start = 0
+    while (i := text.find("<result>", start)) != -1:
+        j = text.index("</result>", i) + len("</result>")
+        tool[i:j] = [1] * (j - i)
+        start = j
+    return tool
+
+
+def test_tool_tokens_are_masked_and_turns_are_cut_after_the_closing_tag(tokenizer, monkeypatch):
+    monkeypatch.setattr(tr, "sample", scripted_sampler(tokenizer, [
+        # rows 0, 1: "37*48=", rows 2, 3: "1/0="; row 0 drew past its call (cut), row 3 ran out of tokens without a call
+        ["<tool>calculator: 37*48</tool>junk", "12<eos>", "<tool>calculator: 1/0</tool>", "99"],
+        ["1776<eos>", "<tool>calculator: 2+2</tool>"],  # rows 0 and 2
+        ["<tool>calculator: 5</tool>"],  # row 2's third turn: max_turns, its call is not run
+    ]))
+    registry = ToolRegistry.builtin(["calculator"])
+    out = tr.tool_rollout(None, tokenizer, [{"prompt": "37*48="}, {"prompt": "1/0="}], lambda: ToolEnvironment(registry, TAG, 3), TAG,
+                          SamplingParams(8), group_size=2, max_turns=3)
+    texts = [tokenizer.decode(ids[m.bool()].tolist()) for ids, m in zip(out.rollout.completion_ids, out.rollout.completion_mask)]
+    assert texts == [
+        "<tool>calculator: 37*48</tool><result>1776</result>1776<eos>",
+        "12<eos>",
+        "<tool>calculator: 1/0</tool><result>error: division by zero</result><tool>calculator: 2+2</tool><result>4</result><tool>calculator: 5</tool>",
+        "99",
+    ]
+    assert out.final_texts == ["1776", "12", "<tool>calculator: 5</tool>", "99"]
+    assert out.rollout.truncated.tolist() == [False, False, True, True]
+    assert out.turns.tolist() == [2, 1, 3, 1] and out.tool_messages.tolist() == [1, 0, 2, 0]
+    assert out.rollout.group_index.tolist() == [0, 0, 1, 1]
+    for row, text in enumerate(texts):
+        assistant = [1 - t for t in tool_spans(text)]
+        n = len(assistant)
+        assert out.assistant_mask[row].tolist() == assistant + [0] * (out.assistant_mask.shape[1] - n)  # exactly the tool tokens are 0
+        assert out.rollout.logprobs[row, :n].tolist() == [-0.5 * a for a in assistant]
+    assert tokenizer.decode(out.rollout.prompt_ids[2][out.rollout.prompt_mask[2].bool()].tolist()) == "<bos>1/0="
+
+
+class EchoEnvironment:
+    """Answers every turn with a tool message "ok" until ``max_turns`` (any text is a call)."""
+
+    def __init__(self, max_turns: int):
+        self.max_turns, self.turns = max_turns, 0
+
+    def reset(self, record):
+        return record["prompt"]
+
+    def step(self, text):
+        self.turns += 1
+        return [{"role": "tool", "content": "ok"}], self.turns >= self.max_turns, float(len(text))
+
+
+def test_sampler_logprobs_of_assistant_tokens_equal_the_training_forward(tiny_path, tokenizer):
+    model = load_policy(tiny_path)
+    out = tr.tool_rollout(model, tokenizer, [{"prompt": "12+3="}, {"prompt": "7*8*9="}], lambda: EchoEnvironment(3), TAG, SamplingParams(5),
+                          group_size=3, max_turns=3, generator=torch.Generator().manual_seed(0))
+    assert (out.turns == 3).any() and (out.assistant_mask == 0).logical_and(out.rollout.completion_mask == 1).any()  # tool tokens between turns
+    training = rollout_token_logprobs(model, out.rollout, 1.0)  # (B, C) one forward over prompt + every turn
+    sampled = out.assistant_mask.bool()
+    torch.testing.assert_close(out.rollout.logprobs[sampled], training[sampled], rtol=0, atol=2e-5)  # ratio 1 before any update
+    assert (out.rollout.logprobs[~sampled] == 0).all()
+    assert out.env_rewards == [float(len(t)) for t in out.final_texts]  # the last turn's reward
+
+
+def test_a_tool_that_raises_is_a_message_not_a_crash(tokenizer, monkeypatch):
+    def broken(_: str) -> str:
+        raise KeyError("no such thing")
+
+    monkeypatch.setattr(tr, "sample", scripted_sampler(tokenizer, [["<tool>broken: x</tool>"], ["done<eos>"]]))
+    registry = ToolRegistry().register_tool("broken", broken)
+    out = tr.tool_rollout(None, tokenizer, [{"prompt": "q"}], lambda: ToolEnvironment(registry, TAG, 3), TAG, SamplingParams(8), max_turns=3)
+    assert tokenizer.decode(out.rollout.completion_ids[0].tolist()) == "<tool>broken: x</tool><result>error: KeyError: 'no such thing'</result>done<eos>"
+    assert out.final_texts == ["done"]
+
+
+def test_a_single_token_closing_tag_is_a_stop_token(tokenizer):
+    assert tr._stop_token(tokenizer, TAG) == []  # "</tool>" is 7 characters here
+    assert tr._stop_token(tokenizer, ToolFormat("x", "<", ">", "[", "]", False)) == [tokenizer.convert_tokens_to_ids(">")]
