@@ -2,6 +2,7 @@
 
 - :mod:`rlalign.tasks.tiny_model`: character tokenizer + small LlamaForCausalLM, saved as an HF dir.
 - :mod:`rlalign.tasks.arithmetic`: "12+35=" -> "47", reward = exact answer (accuracy).
+- :mod:`rlalign.tasks.multiplication`: "37*48=" -> a calculator call, its result, "1776" (GRPO with tools).
 - :mod:`rlalign.tasks.preference`: pairs ranked by a hidden rule (vowel share), for reward models.
 
 ``TASKS[name]`` gives each task's record makers (in the formats of :mod:`rlalign.lm.data`) and its
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlalign.tasks import arithmetic, preference
+from rlalign.tasks import arithmetic, multiplication, preference
 
 __all__ = ["Task", "TASKS"]
 
@@ -34,6 +35,9 @@ class Task:
 
 TASKS: dict[str, Task] = {
     "arithmetic": Task("arithmetic", arithmetic.sft_records, arithmetic.prompt_records, arithmetic.reward, "accuracy", 6),
+    "multiplication": Task(
+        "multiplication", multiplication.sft_records, multiplication.prompt_records, multiplication.reward, "accuracy", multiplication.MAX_NEW_TOKENS
+    ),
     "preference": Task(
         "preference", preference.sft_records, preference.prompt_records, preference.hidden_reward, "hidden_score", 12, preference.preference_records, eval_temperature=1.0
     ),

@@ -59,7 +59,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -75,6 +75,7 @@ from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.core.losses import clipped_surrogate_loss, entropy_loss, kl_penalty_loss, truncated_is_weights
 from rlalign.lm.data import PromptExample
 from rlalign.lm.rollout import Rollout
+from rlalign.lm.tools import ToolRegistry
 from rlalign.train import distributed
 from rlalign.train.common import batch_order, forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
@@ -83,6 +84,7 @@ from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import (
     RewardTerm, ScoredRollout, add_score_term, completion_stats, concat_scored, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard, select_rows,
 )
+from rlalign.train.tool_rollout import ToolRollout, ToolsConfig, sample_tool_shard, tool_registry
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = ["GRPOConfig", "ADVANTAGE_ESTIMATORS", "grpo_loss", "grpo_step", "train", "add_arguments", "run"]
@@ -126,6 +128,10 @@ class GRPOConfig(RLConfig):
         "informative groups (one process only)"
     )
     max_sampling_rounds: int = Field(4, ge=1, description="dynamic sampling: at most this many draws of prompts_per_step prompts per step; then tied groups fill the step")
+    tools: ToolsConfig | None = Field(
+        None, description="multi-turn tool use (rlalign.train.tool_rollout): tool results appended between turns and left out of the loss; "
+        "rewards score the last turn; one process only; null = single-turn"
+    )
 
     @model_validator(mode="after")
     def _minibatches_divide(self) -> GRPOConfig:
@@ -134,6 +140,8 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"num_minibatches={self.num_minibatches} must divide prompts_per_step * group_size = {batch}")
         if self.overlong_buffer is not None and self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} exceeds sampling.max_new_tokens={self.sampling.max_new_tokens}")
+        if self.tools is not None and (self.dynamic_sampling or self.overlong_buffer is not None):
+            raise ValueError("tools: dynamic_sampling and overlong_buffer are not supported with multi-turn rollouts")
         return self
 
 
@@ -153,7 +161,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
 
 def grpo_loss(
     policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None, cfg: GRPOConfig, on_policy: bool = False,
-    sampler_logp: Tensor | None = None,
+    sampler_logp: Tensor | None = None, sampled_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """L = aggregate(clipped surrogate) + beta * aggregate(KL(logp, ref_logp)) - entropy_coef * aggregate(H) on one minibatch.
 
@@ -168,6 +176,8 @@ def grpo_loss(
             ``logprob_mismatch`` reports how far the sampler's log-probs were from it.
         sampler_logp: the sampler's log-probs when ``rollout.logprobs`` holds a recomputed pi_old
             (for truncated importance sampling); None: they are ``rollout.logprobs``. Shape: (B, C).
+        sampled_mask: 1 on the tokens the sampler drew, for ``logprob_mismatch`` (multi-turn rollouts:
+            not the tool tokens, whose sampler log-probs are 0); None: ``rollout.completion_mask``. Shape: (B, C).
     Returns:
         (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy, tis/*.
     """
@@ -205,7 +215,8 @@ def grpo_loss(
     if cfg.dual_clip is not None:
         stats["clip_frac/dual"] = clip.dual_clip_frac
     if on_policy:
-        stats["logprob_mismatch"] = logprob_mismatch(logp, sampler, rollout.completion_mask.to(device))  # every sampled token, as the recompute path
+        sampled = rollout.completion_mask if sampled_mask is None else sampled_mask
+        stats["logprob_mismatch"] = logprob_mismatch(logp, sampler, sampled.to(device))  # every sampled token, as the recompute path
     if ref_logp is not None:
         kl_loss, kl = kl_penalty_loss(logp, ref_logp.to(device), mask, cfg.kl_estimator, mode=cfg.aggregation, max_len=max_len)
         loss = loss + cfg.beta * kl_loss
@@ -218,9 +229,14 @@ def grpo_loss(
 
 
 def grpo_step(
-    updater: Updater, reference: nn.Module | None, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], state: TrainState, cfg: GRPOConfig
+    updater: Updater, reference: nn.Module | None, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], state: TrainState, cfg: GRPOConfig,
+    tools: ToolRegistry | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """One GRPO step (0-based ``state.step``): sample, score, advantages, mu x minibatch updates.
+
+    With ``cfg.tools`` the rollout is multi-turn (:func:`rlalign.train.tool_rollout.tool_rollout`, with
+    ``tools``, or the registry of ``cfg.tools``): the reward terms score each row's last assistant turn,
+    and the loss mask is also 0 on tool tokens (``ToolRollout.assistant_mask``).
 
     Returns:
         (metrics, a few samples with their rewards).
@@ -230,7 +246,16 @@ def grpo_step(
     #      the weighted reward terms (+ DAPO's overlong punishment), gathered from every rank. Dynamic sampling
     #      draws again until the step holds prompts_per_step groups whose rewards do not all tie.
     t0 = time.perf_counter()
-    if cfg.dynamic_sampling:
+    assistant_mask = None  # (B, C) with tools: 0 on tool tokens
+    if cfg.tools is not None:
+        examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)
+        registry = tools if tools is not None else tool_registry(cfg.tools)
+        records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples]
+        episodes = sample_tool_shard(updater, tokenizer, records, cfg.sampling, cfg.model, G, state, cfg.tools, registry)
+        rollout, assistant_mask = episodes.rollout, episodes.assistant_mask
+        t1 = time.perf_counter()
+        scored, sampling_metrics = score_groups(rewards, tokenizer, examples, rollout, state, cfg, episodes), tool_metrics(episodes)
+    elif cfg.dynamic_sampling:
         examples, rollout, scored, sampling_metrics, sampling_seconds = informative_rollout(updater, tokenizer, rewards, prompts, state, cfg)
         t1 = t0 + sampling_seconds  # time/generate: the draws' sampling; time/score: their scoring
     else:
@@ -243,6 +268,9 @@ def grpo_step(
 
     # 3. reference log-probs, pi_old (recomputed when the sampler's numerics differ), optional KL in the reward
     mask = loss_mask(rollout, cfg.mask_truncated)  # (B, C)
+    sampled_mask = rollout.completion_mask if assistant_mask is None else rollout.completion_mask * assistant_mask  # (B, C) tokens the sampler drew
+    if assistant_mask is not None:
+        mask = mask * assistant_mask  # tool tokens get no gradient
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
@@ -253,7 +281,7 @@ def grpo_step(
     if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics are not the training forward's
         update_rows = [rows for mb in minibatches for rows in micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)]
         old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile)  # (B, C), on the updates' row batches
-        mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
+        mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()
     kl_metrics = {}
@@ -275,7 +303,7 @@ def grpo_step(
         for mb in minibatches:
             def loss_of(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
                 ref = None if ref_logp is None else ref_logp[micro]
-                return grpo_loss(updater.model, rollout.select(micro), advantages[micro], mask[micro], ref, cfg, on_policy, sampler_logp[micro])
+                return grpo_loss(updater.model, rollout.select(micro), advantages[micro], mask[micro], ref, cfg, on_policy, sampler_logp[micro], sampled_mask[micro])
 
             micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)
             stats, grad_norm = minibatch_step(updater, loss_of, micro_rows, mask, cfg.aggregation, world)
@@ -297,13 +325,32 @@ def grpo_step(
     return metrics, sample_rows(state.step, scored, cfg.num_samples_logged)
 
 
-def score_groups(rewards: Sequence[RewardTerm], tokenizer, examples: list[PromptExample], rollout: Rollout, state: TrainState, cfg: GRPOConfig) -> ScoredRollout:
-    """The weighted reward terms of every completion (``score_shard``), plus DAPO's overlong punishment when set."""
+def score_groups(
+    rewards: Sequence[RewardTerm], tokenizer, examples: list[PromptExample], rollout: Rollout, state: TrainState, cfg: GRPOConfig, episodes: ToolRollout | None = None,
+) -> ScoredRollout:
+    """The weighted reward terms of every completion (``score_shard``), plus DAPO's overlong punishment when set.
+    Multi-turn ``episodes``: the terms score each row's last assistant turn, and the environment's
+    rewards, where it gave any, are the term "environment" (0 for rows without one)."""
+    if episodes is not None:
+        scored = score_shard(rewards, tokenizer, examples, rollout, episodes.final_texts, cfg.group_size, state.world, step=state.step)
+        if any(r is not None for r in episodes.env_rewards):
+            scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in episodes.env_rewards]), state.world)
+        return scored
     scored = score_shard(rewards, tokenizer, examples, rollout, rollout.decode_completions(tokenizer), cfg.group_size, state.world, step=state.step)
     if cfg.overlong_buffer is None:
         return scored
     penalty = cfg.overlong_penalty * overlong_penalty(rollout.completion_lengths(), cfg.sampling.max_new_tokens, cfg.overlong_buffer)  # (B,)
     return add_score_term(scored, "overlong", penalty, state.world)
+
+
+def tool_metrics(episodes: ToolRollout) -> dict[str, float]:
+    """tools/turns (assistant turns per completion), tools/messages (tool results per completion), tools/tokens_frac (share of tool tokens)."""
+    tokens = episodes.rollout.completion_mask.sum().clamp(min=1)
+    return {
+        "tools/turns": episodes.turns.float().mean().item(),
+        "tools/messages": episodes.tool_messages.float().mean().item(),
+        "tools/tokens_frac": 1.0 - (episodes.assistant_mask.sum() / tokens).item(),
+    }
 
 
 def informative_rollout(
@@ -356,24 +403,33 @@ def informative_rollout(
 # ----------------------------------------------------------------------------------------------
 
 
-def train(cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> RLResult:
+def train(
+    cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None,
+    tools: Mapping[str, Callable[[str], object]] | None = None,
+) -> RLResult:
     """Run GRPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
     Args:
         reward_functions: extra reward terms from Python, added to ``cfg.rewards``.
         prompts: prompt records (``{"prompt": ..., "answer"?: ...}``) to use instead of ``cfg.data``.
+        tools: Python functions of one string to register as tools, by name, next to ``cfg.tools.enabled``.
     """
+    if tools and cfg.tools is None:
+        raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         if cfg.dynamic_sampling and run.world.distributed:
             raise ConfigError("dynamic_sampling runs in one process: under torchrun the ranks would keep unequal numbers of groups")
+        if cfg.tools is not None and run.world.distributed:
+            raise ConfigError("tools run in one process: under torchrun the ranks would take different numbers of turns")
+        registry = tool_registry(cfg.tools, tools) if cfg.tools is not None else None
         policy = run.load_policy(cfg.model)
         reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
         updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
         state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
 
         def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
-            return grpo_step(updater, reference, run.tokenizer, run.rewards, run.prompts, state, cfg)
+            return grpo_step(updater, reference, run.tokenizer, run.rewards, run.prompts, state, cfg, registry)
 
         history, final_dir = run_steps(
             step, cfg, run, state, SavedModels(policy), {"policy": updater},

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlalign.config import ConfigError, load_config
 from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams
 from rlalign.lm.tools import TAG, ToolEnvironment, ToolFormat, ToolRegistry
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+from rlalign.train import grpo
 from rlalign.train import tool_rollout as tr
 from rlalign.train.passes import rollout_token_logprobs
 
@@ -127,3 +129,83 @@ def test_a_tool_that_raises_is_a_message_not_a_crash(tokenizer, monkeypatch):
 def test_a_single_token_closing_tag_is_a_stop_token(tokenizer):
     assert tr._stop_token(tokenizer, TAG) == []  # "</tool>" is 7 characters here
     assert tr._stop_token(tokenizer, ToolFormat("x", "<", ">", "[", "]", False)) == [tokenizer.convert_tokens_to_ids(">")]
+
+
+# ----------------------------------------------------------------------------------------------
+# GRPO with tools
+# ----------------------------------------------------------------------------------------------
+
+
+def make_cfg(tiny_path, tmp_path, **overrides) -> grpo.GRPOConfig:
+    base = {
+        "model.path": str(tiny_path), "output_dir": str(tmp_path / "run"), "data.task": "arithmetic", "rewards": [], "steps": 2,
+        "prompts_per_step": 2, "group_size": 4, "sampling.max_new_tokens": 32, "optim.lr": 3e-3, "beta": 0.0, "progress": False,
+        "overwrite": True, "plots": False, "tools.max_turns": 3, "tools.format": "tag",
+    }
+    base.update(overrides)
+    return load_config(grpo.GRPOConfig, None, base)
+
+
+def test_grpo_with_tools_scores_the_last_turn_and_leaves_tool_tokens_out_of_the_loss(tiny_path, tmp_path, tokenizer, monkeypatch):
+    def script(model, prompts, params, pad, stop, group_size, generator):  # a call first, then the answer copied from the result
+        texts = ["42<eos>" if "<result>" in tokenizer.decode(p) else "<tool>calculator: 6*7</tool>" for p in prompts]
+        return scripted_sampler(tokenizer, [texts])(model, prompts, params, pad, stop, group_size, generator)
+
+    monkeypatch.setattr(tr, "sample", script)
+    seen = []
+    real_loss = grpo.grpo_loss
+
+    def spy_loss(policy, rollout, advantages, mask, *args):
+        seen.append((rollout, mask))
+        return real_loss(policy, rollout, advantages, mask, *args)
+
+    monkeypatch.setattr(grpo, "grpo_loss", spy_loss)
+    answers = []
+
+    def is_42(prompts, completions):
+        answers.extend(completions)
+        return [float(c == "42") for c in completions]
+
+    result = grpo.train(make_cfg(tiny_path, tmp_path), reward_functions=[grpo.RewardTerm("is_42", 1.0, is_42)], prompts=[{"prompt": "6*7="}] * 4)
+    assert answers == ["42"] * 16  # the reward sees the final answer, 8 rows x 2 steps
+    assert result.history[0]["tools/turns"] == 2.0 and result.history[0]["tools/messages"] == 1.0
+    assert result.history[0]["reward/mean"] == 1.0
+    rollout, mask = seen[0]
+    text = "<tool>calculator: 6*7</tool><result>42</result>42<eos>"
+    assert tokenizer.decode(rollout.completion_ids[0].tolist()) == text
+    assert mask.tolist() == [[1.0 - t for t in tool_spans(text)]] * 8  # 0 exactly on the tool's tokens
+
+
+def test_tools_are_one_process_and_single_options_only(tiny_path, tmp_path):
+    with pytest.raises(ConfigError, match="not supported with multi-turn"):
+        make_cfg(tiny_path, tmp_path, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="unknown built-in tool"):
+        grpo.train(make_cfg(tiny_path, tmp_path, **{"tools.enabled": ["shell"]}), reward_functions=[grpo.RewardTerm("r", 1.0, lambda p, c: [0.0] * len(c))])
+    with pytest.raises(ConfigError, match="cfg.tools is null"):
+        grpo.train(make_cfg(tiny_path, tmp_path, tools=None), tools={"f": str})
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded multiplication task
+# ----------------------------------------------------------------------------------------------
+
+
+def test_multiplication_records_splits_and_reward():
+    from rlalign.tasks import TASKS, multiplication as mul
+
+    train = {r["prompt"] for r in mul.prompt_records("train", 500, seed=1)}
+    held_out = {r["prompt"] for r in mul.prompt_records("eval", 50, seed=1)}
+    assert not train & held_out and len(held_out) == 50
+    records = mul.sft_records("train", 400, seed=0, tool_share=0.5)
+    with_tool = [r for r in records if r["completion"].startswith("<tool>")]
+    assert 150 < len(with_tool) < 250  # about half
+    prompt, completion = with_tool[0]["prompt"], with_tool[0]["completion"]
+    a, b = (int(x) for x in prompt.removesuffix("=").split("*"))
+    assert completion == f"<tool>calculator: {a}*{b}</tool><result>{a * b}</result>{a * b}"
+    assert len(completion) + 1 <= TASKS["multiplication"].max_new_tokens  # + EOS
+    # the final answer: after the last </result> or </tool>, or the whole text
+    assert mul.reward(["37*48="] * 5, ["1776", " 1776 ", "<tool>calculator: 37*48</tool><result>1776</result>1776", "<tool>calculator: 37*48</tool>1776",
+                                       "<tool>calculator: 37*48</tool><result>1776</result>1777"]) == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert mul.reward(["37*48="], ["<result>1776</result>"]) == [0.0]  # the copied result alone is no answer
+    with pytest.raises(ValueError, match="not a multiplication prompt"):
+        mul.correct("1+2=", "3")
