@@ -34,7 +34,7 @@ MAX_NEW_TOKENS = 56  # the longest SFT completion (99*99: 51 characters) plus EO
 class MultiplicationSpec:
     """Operands from ``min_operand`` to ``max_operand``; share of problems held out for eval."""
 
-    min_operand: int = 10
+    min_operand: int = 32  # 32 * 32 = 1024: every product has four digits
     max_operand: int = 99
     eval_fraction: float = 0.1
 

@@ -209,3 +209,100 @@ def test_multiplication_records_splits_and_reward():
     assert mul.reward(["37*48="], ["<result>1776</result>"]) == [0.0]  # the copied result alone is no answer
     with pytest.raises(ValueError, match="not a multiplication prompt"):
         mul.correct("1+2=", "3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Learning test: GRPO with a calculator raises the multiplication success rate from an SFT start
+# ----------------------------------------------------------------------------------------------
+
+
+def sft_on_transcripts(tokenizer, records: list[dict], steps: int, seed: int = 0) -> torch.nn.Module:
+    """A fresh tiny Llama trained on prompt -> completion pairs, the loss on completion tokens except
+    the tool's <result>...</result> (as the GRPO loss leaves tool tokens out): the model learns to call
+    and to copy what comes back, not to guess the product."""
+    import random
+
+    from rlalign.tasks.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tokenizer, TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), seed=seed)
+    rows = []
+    for r in records:
+        prompt = tokenizer(r["prompt"])["input_ids"]
+        completion = tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        labels = [-100] * len(prompt) + completion  # one token per character
+        if "<result>" in r["completion"]:
+            i, j = r["completion"].index("<result>"), r["completion"].index("</result>") + len("</result>")
+            labels[len(prompt) + i : len(prompt) + j] = [-100] * (j - i)
+        rows.append((prompt + completion, labels))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        batch = rng.sample(rows, 32)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # (32, T)
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])  # (32, T)
+        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model.eval()
+
+
+def success_rates(model, tokenizer, records: list[dict], samples: int = 2) -> tuple[float, float]:
+    """(success with the calculator's results fed back, success without tools: the model's own text
+    after its call scored as is), sampled at temperature 1 with a fixed seed."""
+    from rlalign.lm.data import encode_prompts
+    from rlalign.lm.sampling import sample
+    from rlalign.tasks import multiplication as mul
+
+    prompts = [r["prompt"] for r in records for _ in range(samples)]
+    registry = ToolRegistry.builtin(["calculator"])
+    with_tools = tr.tool_rollout(model, tokenizer, records, lambda: ToolEnvironment(registry, TAG, 2), TAG, SamplingParams(32), samples, 2,
+                                 torch.Generator().manual_seed(1))
+    alone = sample(model, encode_prompts(tokenizer, [r["prompt"] for r in records]), SamplingParams(56), tokenizer.pad_token_id, [tokenizer.eos_token_id],
+                   samples, torch.Generator().manual_seed(1))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return mean(mul.reward(prompts, with_tools.final_texts)), mean(mul.reward(prompts, alone.decode_completions(tokenizer)))
+
+
+@pytest.mark.slow
+def test_grpo_with_a_calculator_raises_the_multiplication_success_rate(tmp_path):
+    """SFT on transcripts that call the calculator half the time (the other half answer directly,
+    which a tiny model cannot do), then GRPO with the calculator: the success rate rises because the
+    policy learns to call; without the tool's result fed back the same policy almost never succeeds,
+    and GRPO without tools does not raise it.
+
+    Measured (64 held-out prompts x 2 samples): with tools 0.41 -> 0.91, calls per completion 0.34 ->
+    0.97; SFT / GRPO seeds 1 and 3: 0.27 -> 0.84 and 0.30 -> 0.94; without tools 0 throughout. At
+    optim.lr = 2e-3 GRPO collapses (the answer after the result loses its EOS), hence 5e-4."""
+    from rlalign.tasks import multiplication as mul
+    from rlalign.tasks.tiny_model import build_char_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = build_char_tokenizer()
+    model = sft_on_transcripts(tokenizer, mul.sft_records("train", 5000, seed=0, tool_share=0.5), steps=250)
+    model.save_pretrained(tmp_path / "sft")
+    tokenizer.save_pretrained(tmp_path / "sft")
+    held_out = mul.prompt_records("eval", 64, seed=0)
+    start, start_alone = success_rates(model, tokenizer, held_out)
+
+    def run_grpo(name: str, **overrides):
+        cfg = load_config(grpo.GRPOConfig, None, {
+            "model.path": str(tmp_path / "sft"), "output_dir": str(tmp_path / name), "data.task": "arithmetic", "steps": 20, "prompts_per_step": 8,
+            "group_size": 8, "sampling.max_new_tokens": 32, "optim.lr": 5e-4, "beta": 0.0, "progress": False, "plots": False,
+            "tools.max_turns": 2, "tools.format": "tag", **overrides,
+        })
+        return grpo.train(cfg, reward_functions=[grpo.RewardTerm("correct", 1.0, mul.reward)], prompts=mul.prompt_records("train", 512, seed=1))
+
+    result = run_grpo("tools")
+    end, end_alone = success_rates(result.policy.eval(), tokenizer, held_out)
+    control = run_grpo("no_tools", tools=None, **{"sampling.max_new_tokens": 56})  # the same run, single-turn: no result comes back
+    _, control_alone = success_rates(control.policy.eval(), tokenizer, held_out)
+    print(f"success with tools {start:.3f} -> {end:.3f} (without tools {start_alone:.3f} -> {end_alone:.3f}); "
+          f"calls per completion {result.history[0]['tools/messages']:.2f} -> {result.history[-1]['tools/messages']:.2f}; "
+          f"GRPO without tools: {start_alone:.3f} -> {control_alone:.3f}")
+    assert start <= 0.65  # SFT: the calculator called only part of the time
+    assert end >= max(start + 0.25, 0.6)
+    assert end_alone <= 0.1  # the policy's own text after its call is not the product: the tool's result is what counts
+    assert control_alone <= 0.1  # GRPO cannot teach the tiny model to multiply
