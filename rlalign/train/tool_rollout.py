@@ -29,7 +29,8 @@ closing tag and what was drawn after it dropped), or at ``max_new_tokens``. Ever
 row's prompt plus its completion so far as the prompt (prefilled again: no KV cache is kept across
 turns), one row per prompt; each turn draws its uniforms from ``generator``.
 
-Deliberate simplifications: one process only (under torchrun the ranks would take different
+Deliberate simplifications: sampling is eager (``sampling.compile`` is not used: every turn has
+new shapes); one process only (under torchrun the ranks would take different
 numbers of turns); tool results are written by the format's result tags as plain text, not by the
 chat template; a row's completion may grow to max_turns x (max_new_tokens + result length).
 """

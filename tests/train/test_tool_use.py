@@ -10,7 +10,7 @@ from rlalign.config import ConfigError, load_config
 from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams
-from rlalign.lm.tools import TAG, ToolEnvironment, ToolFormat, ToolRegistry
+from rlalign.lm.tools import TAG, ToolCall, ToolEnvironment, ToolFormat, ToolRegistry
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo
 from rlalign.train import tool_rollout as tr
@@ -124,6 +124,18 @@ def test_a_tool_that_raises_is_a_message_not_a_crash(tokenizer, monkeypatch):
     out = tr.tool_rollout(None, tokenizer, [{"prompt": "q"}], lambda: ToolEnvironment(registry, TAG, 3), TAG, SamplingParams(8), max_turns=3)
     assert tokenizer.decode(out.rollout.completion_ids[0].tolist()) == "<tool>broken: x</tool><result>error: KeyError: 'no such thing'</result>done<eos>"
     assert out.final_texts == ["done"]
+
+
+def shout(text: str) -> str:
+    return text.upper() + "!"
+
+
+def test_the_registry_of_a_config_imports_user_tools_and_adds_python_ones():
+    registry = tr.tool_registry(tr.ToolsConfig(enabled=["calculator", "tests.train.test_tool_use:shout"]), {"twice": lambda s: s * 2})
+    assert sorted(registry.tools) == ["calculator", "shout", "twice"]
+    assert registry.call(ToolCall("shout", "hi")) == "HI!" and registry.call(ToolCall("twice", "ab")) == "abab"
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        tr.tool_registry(tr.ToolsConfig(enabled=["tests.train.test_tool_use:nothing"]))
 
 
 def test_a_single_token_closing_tag_is_a_stop_token(tokenizer):
