@@ -157,6 +157,10 @@ class RLRun(Run):
         (:func:`rlalign.train.rl_eval.evaluate_policy`); None without held-out prompts."""
         if not self.eval_prompts:
             return None
+        if getattr(cfg, "tools", None) is not None:  # the evaluation samples one turn: it would score tool calls that never got their result
+            if self.world.is_main:
+                print("eval: evaluation during RL does not run tool calls yet; no eval/* metrics for this run with tools")
+            return None
         return lambda step: evaluate_policy(
             policy, self.tokenizer, self.eval_prompts, self.rewards, cfg.eval, cfg.sampling.max_new_tokens, cfg.model, cfg.seed, self.world, step
         )

@@ -33,7 +33,9 @@ __all__ = [
 class DataConfig(Config):
     """Where the training prompts come from: an embedded task or a file (exactly one)."""
 
-    task: Literal["arithmetic", "preference"] | None = Field(None, description="embedded offline task (rlalign.tasks) giving the prompts")
+    task: Literal["arithmetic", "preference", "multiplication"] | None = Field(
+        None, description="embedded offline task (rlalign.tasks) giving the prompts (multiplication: with tools, a calculator)"
+    )
     path: str | None = Field(
         None, description="TRL prompt-only data (a 'prompt' column, text or messages; other columns kept and passed to rewards, e.g. 'answer'): "
         "a JSON / JSONL / CSV / Parquet / Arrow file, a directory, or a Hub dataset name"
@@ -51,7 +53,7 @@ class DataConfig(Config):
         return self
 
 
-BUILTIN_REWARDS = ("arithmetic", "preference", "exact_match", "math_answer", "format", "code_execution")
+BUILTIN_REWARDS = ("arithmetic", "preference", "multiplication", "exact_match", "math_answer", "format", "code_execution")
 
 
 class RewardConfig(Config):
@@ -59,7 +61,7 @@ class RewardConfig(Config):
 
     function: str | None = Field(
         None,
-        description="arithmetic | preference (the task's reward) | exact_match | math_answer (vs the prompts' 'answer' column, "
+        description="arithmetic | preference | multiplication (the task's reward) | exact_match | math_answer (vs the prompts' 'answer' column, "
         "math_answer through math-verify) | format (regex 'pattern') | code_execution (runs the completion's code with the prompts' "
         "'tests' column in a sandbox) | 'package.module:function': TRL's reward convention (keywords prompts, completions (messages "
         "for conversational prompts), completion_ids, trainer_state and the row's other columns) or fn(prompts, completions)",
