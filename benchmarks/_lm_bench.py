@@ -100,6 +100,32 @@ def smollm2_checkpoint(path: str | Path = SMOLLM2_DIR) -> Path:
     return path
 
 
+def reward_checkpoint(base: str | Path) -> Path:
+    """A reward-model checkpoint over ``base``'s weights, made once next to it (``<base>-rm``): symlinks
+    to every file of ``base`` (the same safetensors file, so the same pages as the policy's) and a fresh
+    scalar head (seed 0, ScalarHeadModel's initialisation, bias 0) in ``value_head.safetensors``, which
+    rlalign loads as a trained head. Memory and speed benchmarks need a reward model's shape, not a
+    trained one; rlalign refuses a reward model without a head, since it would score noise."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rlalign.lm.models import HEAD_FILE
+
+    base = Path(base).resolve()
+    path = base.with_name(base.name + "-rm")
+    if (path / HEAD_FILE).is_file():
+        return path
+    hidden = json.loads((base / "config.json").read_text())["hidden_size"]
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    for f in base.iterdir():
+        (tmp / f.name).symlink_to(f)
+    weight = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)) / (hidden + 1) ** 0.5
+    save_file({"weight": weight.contiguous(), "bias": torch.zeros(1)}, str(tmp / HEAD_FILE))
+    tmp.rename(path)
+    return path
+
+
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -270,7 +296,7 @@ class PPOSetup:
     controller), without its outer loop; see :class:`GRPOSetup`."""
 
     def __init__(self, cfg, records: list[dict], reward_fn=None):
-        from rlalign.lm.models import load_critic
+        from rlalign.lm.models import enable_gradient_checkpointing, load_critic
         from rlalign.train import ppo
         from rlalign.train.loop import resume_state, start_rl_run
         from rlalign.train.rollouts import RewardTerm
@@ -282,7 +308,9 @@ class PPOSetup:
         self.policy = self.run.load_policy(m)
         self.reference = self.run.load_reference(m, cfg.reference)
         critic_init = cfg.critic.path or next((r.reward_model for r in cfg.rewards if r.reward_model), None) or self.run.base_path  # as ppo.train
-        self.critic = load_critic(critic_init, m.dtype, self.run.device)
+        self.critic = load_critic(critic_init, m.dtype, self.run.device, attn_implementation=m.attn_implementation)
+        if m.gradient_checkpointing:  # as ppo.train: the critic is checkpointed with the policy
+            enable_gradient_checkpointing(self.critic)
         updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
         self.updaters = {
             "policy": Updater.create(self.policy, cfg.optim, updates, self.run.world, m.sharding),
@@ -298,3 +326,50 @@ class PPOSetup:
                                         self.state, self.cfg)
         self.state.step += 1
         return metrics
+
+
+class SFTSetup:
+    """:func:`rlalign.train.sft.train`'s setup (``start_run``, its data, ``load_policy``, the
+    ``Updater``) and :func:`rlalign.train.supervised.supervised_loop`'s step (gradient accumulated over
+    micro-batches of ``cfg.micro_batch_size`` examples), without the loop's evaluations, checkpoints and
+    final save; see :class:`GRPOSetup`. One process only (no torchrun)."""
+
+    def __init__(self, cfg):
+        from rlalign.train import sft
+        from rlalign.train.loop import start_run
+        from rlalign.train.updater import Updater
+
+        self.cfg = cfg
+        self.run = start_run(cfg, cfg.batch_size, "batch_size")
+        self.train_set, _, _ = sft._datasets(cfg)
+        self.policy = self.run.load_policy(cfg.model)
+        self.updater = Updater.create(self.policy, cfg.optim, cfg.max_steps, self.run.world, cfg.model.sharding)
+        self.step_index = 0
+        self._sft = sft
+
+    def step(self) -> dict[str, float]:
+        """One optimiser step on the next batch, as ``supervised_loop``'s; its metrics."""
+        from functools import partial
+
+        from rlalign.train import distributed
+        from rlalign.train.common import batch_order, forward_precision
+
+        cfg, run, world = self.cfg, self.run, self.run.world
+        indices = batch_order(len(self.train_set), self.step_index * cfg.batch_size, cfg.batch_size, cfg.seed)
+        examples = [self.train_set[i] for i in indices]
+        size = cfg.micro_batch_size or len(examples)
+        tokens: list[float] = []
+
+        def micro_loss(micro: list):
+            def call():
+                with forward_precision(cfg.model, self.updater.model):
+                    loss, stats = self._sft._batch_loss(self.updater.model, run.tokenizer, micro, cfg.data.max_length, cfg.data.packing, cfg.data.completion_only_loss)
+                tokens.append(float(stats.tokens))
+                return loss, float(stats.tokens)
+
+            return call
+
+        micro = [micro_loss(examples[s : s + size]) for s in range(0, len(examples), size)]
+        grad_norm, _ = self.updater.accumulated_step(micro, partial(distributed.loss_scale, world=world))
+        self.step_index += 1
+        return {"grad_norm": grad_norm, "tokens": sum(tokens)}
