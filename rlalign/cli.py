@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "classic": ("rlalign.classic.cli", "textbook RL on Gymnasium: value iteration, Q-learning, DQN, VPG, TRPO, PPO"),
     "sft": ("rlalign.train.sft", "supervised fine-tuning (completion-only loss)"),
     "rm": ("rlalign.train.reward_model", "Bradley-Terry reward-model training on preference pairs"),
+    "dpo": ("rlalign.train.dpo", "direct preference optimisation (DPO, IPO, cDPO, SimPO)"),
     "grpo": ("rlalign.train.grpo", "GRPO on a causal LM"),
     "ppo": ("rlalign.train.ppo", "RLHF PPO on a causal LM (policy, reference, reward model, critic)"),
     "config": ("rlalign.config_command", "print a command's full default config as YAML, each field with its description"),

@@ -12,6 +12,7 @@ from rlalign.config import default_yaml
 CONFIG_CLASSES = {
     "sft": "rlalign.train.sft:SFTConfig",
     "rm": "rlalign.train.reward_model:RMConfig",
+    "dpo": "rlalign.train.dpo:DPOConfig",
     "grpo": "rlalign.train.grpo:GRPOConfig",
     "ppo": "rlalign.train.ppo:PPOConfig",
     "demo": "rlalign.demo:DemoConfig",

@@ -38,6 +38,7 @@ from rlalign.core.losses import (
     truncated_is_weights,
     value_loss,
 )
+from rlalign.core.preference import PreferenceStats, dpo_loss, ipo_loss, simpo_loss
 from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten, whiten
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -62,6 +62,9 @@ __all__ = [
     "pack_sft",
     "PreferenceBatch",
     "collate_preferences",
+    "explicit_prompt",
+    "PreferenceCompletionBatch",
+    "collate_preference_completions",
 ]
 
 Messages = list[dict[str, Any]]  # [{"role": str, "content": str, ...}, ...]
@@ -606,3 +609,84 @@ def collate_preferences(tokenizer: PreTrainedTokenizerBase, examples: Sequence[P
     margins = [ex.margin for ex in examples]
     margin = None if all(m is None for m in margins) else torch.tensor([m or 0.0 for m in margins], dtype=torch.float32)
     return PreferenceBatch(input_ids, attention_mask, margin)
+
+
+def explicit_prompt(example: PreferenceExample) -> PreferenceExample:
+    """``example`` with its prompt made explicit: a pair with an implicit prompt (whole texts or
+    conversations) becomes the shared start of chosen and rejected plus the two remainders, as TRL's
+    ``extract_prompt`` splits them: the longest common prefix of messages for conversations, of
+    characters for texts (moved back before a space the responses differ after). A pair with a prompt
+    is returned as it is.
+
+    Raises:
+        DataError: when chosen and rejected share no start, so there is no prompt to condition on.
+    """
+    if example.prompt is not None:
+        return example
+    chosen, rejected = example.chosen, example.rejected
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if isinstance(chosen, str) and 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
+        shared -= 1  # the responses start with the space (TRL's convention)
+    if shared == 0:
+        raise DataError(f"a pair with no prompt column whose chosen and rejected responses share no start, so no prompt can be extracted: "
+                        f"chosen {chosen!r:.60}, rejected {rejected!r:.60}")
+    return PreferenceExample(chosen[:shared], chosen[shared:], rejected[shared:], example.margin)
+
+
+@dataclass
+class PreferenceCompletionBatch:
+    """Preference pairs as prompts and completions, for log-probs of the responses (DPO and its family).
+
+    Rows 0..B-1 hold the chosen responses and rows B..2B-1 the rejected ones; row b and row B + b
+    have the same prompt (so one forward of 2B rows scores both, and a pair's prompt can run once).
+    Prompts are left-padded and completions right-padded, the layout of a
+    :class:`rlalign.lm.rollout.Rollout` (:func:`rlalign.lm.logprobs.completion_logprobs`).
+    """
+
+    prompt_ids: Tensor  # (2B, P)
+    prompt_mask: Tensor  # (2B, P)
+    completion_ids: Tensor  # (2B, C), a response's tokens and its EOS
+    completion_mask: Tensor  # (2B, C)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.prompt_ids.shape[0] // 2
+
+
+def collate_preference_completions(
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[PreferenceExample], max_length: int = 512
+) -> PreferenceCompletionBatch:
+    """Encode pairs as prompt + chosen and prompt + rejected (:func:`example_tokens`; an implicit prompt
+    is extracted first, :func:`explicit_prompt`). A pair longer than ``max_length`` (prompt plus its
+    longer response) loses the start of its prompt first (one token at least is kept) and then the ends
+    of its responses, so both responses keep the same prompt.
+
+    Raises:
+        DataError: a pair whose prompt has no token (nothing to predict the first response token from).
+    """
+    if max_length < 2:
+        raise ValueError(f"max_length must be >= 2 (a prompt token and a response token), got {max_length}")
+    rows: list[tuple[list[int], list[int], list[int]]] = []  # (prompt, chosen, rejected) token ids
+    for ex in map(explicit_prompt, examples):
+        prompt = _encode_prompt(tokenizer, ex.prompt)
+        if not prompt:
+            raise DataError(f"the prompt {ex.prompt!r:.60} has no token: give the tokenizer a BOS token or the pair a non-empty prompt")
+        chosen, rejected = (_completion_ids(tokenizer, ex.prompt, response) for response in (ex.chosen, ex.rejected))
+        keep = max(1, max_length - max(len(chosen), len(rejected)))  # prompt tokens kept
+        prompt = prompt[-keep:]
+        rows.append((prompt, chosen[: max_length - len(prompt)], rejected[: max_length - len(prompt)]))
+    prompts = [p for p, _, _ in rows] * 2
+    completions = [c for _, c, _ in rows] + [r for _, _, r in rows]
+    width, length = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)  # (2B, P)
+    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (2B, P)
+    completion_ids = torch.full((len(prompts), length), tokenizer.pad_token_id, dtype=torch.long)  # (2B, C)
+    completion_mask = torch.zeros((len(prompts), length), dtype=torch.long)  # (2B, C)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        prompt_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[row, width - len(prompt) :] = 1
+        completion_ids[row, : len(completion)] = torch.tensor(completion)
+        completion_mask[row, : len(completion)] = 1
+    return PreferenceCompletionBatch(prompt_ids, prompt_mask, completion_ids, completion_mask)
