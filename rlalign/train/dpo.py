@@ -55,7 +55,7 @@ from rlalign.lm.models import evaluating, reference_policy
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, forward_precision, generation_eval
-from rlalign.train.loop import RLRun, add_run_arguments, start_run, summary_line
+from rlalign.train.loop import add_run_arguments, start_run, summary_line
 from rlalign.train.passes import share_prompts
 from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
@@ -204,8 +204,8 @@ def train(cfg: DPOConfig, resume: str | Path | None = None) -> dict[str, float]:
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         train_examples, eval_examples = _datasets(cfg)
         model = run.load_policy(cfg.model)
-        # the frozen reference (None: SimPO, or LoRA's base with adapters off); RLRun's loader only reads what every Run has
-        reference = None if cfg.loss == "simpo" else RLRun.load_reference(run, cfg.model, cfg.reference)
+        # the frozen reference (None: SimPO, or LoRA's base with adapters off)
+        reference = None if cfg.loss == "simpo" else run.load_reference(cfg.model, cfg.reference)
         if cfg.precompute_ref_logprobs:
             train_set, eval_set = (_precompute(model, reference, run.tokenizer, examples, cfg) for examples in (train_examples, eval_examples))
             reference = None  # nothing of the reference is held while training

@@ -110,6 +110,18 @@ class Run:
             self.lock.close()
             self.lock = None
 
+    def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
+        """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
+        Under ``model.autocast: bfloat16`` its matmul weights are held in bfloat16 (:func:`hold_matmul_weights`: the values
+        autocast would cast them to, so its log-probs equal the policy's at equal weights; no cast per forward, about half
+        the memory, a faster reference pass)."""
+        if model_cfg.lora is not None and path is None:
+            return None
+        reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
+        if model_cfg.autocast != "none":
+            hold_matmul_weights(reference, model_cfg.autocast)
+        return distributed.shard_frozen(reference, self.world, model_cfg.sharding)
+
     @property
     def model_path(self) -> Path:
         """Where the trained model's weights come from: the checkpoint's when resuming, else the start."""
@@ -164,18 +176,6 @@ class RLRun(Run):
         return lambda step: evaluate_policy(
             policy, self.tokenizer, self.eval_prompts, self.rewards, cfg.eval, cfg.sampling.max_new_tokens, cfg.model, cfg.seed, self.world, step
         )
-
-    def load_reference(self, model_cfg: ModelConfig, path: str | None) -> nn.Module | None:
-        """The frozen reference (sharded under FSDP2), or None for LoRA without ``path``: the base with adapters off serves.
-        Under ``model.autocast: bfloat16`` its matmul weights are held in bfloat16 (:func:`hold_matmul_weights`: the values
-        autocast would cast them to, so its log-probs equal the policy's at equal weights; no cast per forward, about half
-        the memory, a faster reference pass)."""
-        if model_cfg.lora is not None and path is None:
-            return None
-        reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
-        if model_cfg.autocast != "none":
-            hold_matmul_weights(reference, model_cfg.autocast)
-        return distributed.shard_frozen(reference, self.world, model_cfg.sharding)
 
 
 def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None, reward_functions: Sequence[RewardTerm], rows_per_step: int, minibatches: int) -> RLRun:
