@@ -212,7 +212,7 @@ def test_legacy_tensorboard_key_still_loads(tmp_path):
     del saved["report_to"]
     saved["tensorboard"] = True
     assert SFTConfig.model_validate(saved).report_to == ["jsonl", "tensorboard"]
-    assert config_differences(saved, load_config(SFTConfig, None, {"report_to": ["jsonl", "wandb"]}).model_dump(mode="json")) == []
+    assert config_differences(saved, load_config(SFTConfig, None, {"report_to": ["jsonl", "tensorboard"]}).model_dump(mode="json")) == []
 
 
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
