@@ -70,8 +70,7 @@ from torch import Tensor, nn
 
 from rlalign.config import ConfigError, load_config
 from rlalign.core.advantages import group_advantages, overlong_penalty, rloo_advantages
-from rlalign.core.kl import entropy_from_logits, kl_k1, kl_k2, kl_k3
-from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
+from rlalign.core.kl import kl_k1, kl_k2, kl_k3
 from rlalign.core.losses import clipped_surrogate_loss, entropy_loss, kl_penalty_loss, truncated_is_weights
 from rlalign.lm.data import PromptExample
 from rlalign.lm.rollout import Rollout
@@ -79,7 +78,7 @@ from rlalign.lm.tools import ToolRegistry
 from rlalign.train import distributed
 from rlalign.train.common import batch_order, forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
-from rlalign.train.passes import completion_logits, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
+from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import (
     RewardTerm, ScoredRollout, add_score_term, completion_stats, concat_scored, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard, select_rows,
@@ -185,11 +184,7 @@ def grpo_loss(
         logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
     completion_ids = rollout.completion_ids.to(device)
-    if cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient
-        logp = token_logprobs(logits, completion_ids, cfg.sampling.temperature)  # (B, C), float32
-        entropy = entropy_from_logits(logits / cfg.sampling.temperature)  # (B, C)
-    else:  # the entropy is a statistic: from the log-probs' own pass over the logits
-        logp, entropy = token_logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature)  # (B, C) each
+    logp, entropy = logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature, cfg.entropy_coef > 0)  # (B, C) each, float32
     mask = mask.to(device)
     old_logp = logp.detach() if on_policy else rollout.logprobs.to(device)  # (B, C)
     sampler = (rollout.logprobs if sampler_logp is None or on_policy else sampler_logp).to(device)  # (B, C)

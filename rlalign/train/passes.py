@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from rlalign.core.logprobs import token_logprobs
+from rlalign.core.kl import entropy_from_logits
+from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.lm import private
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
 from rlalign.lm.models import evaluating, reference_policy
@@ -28,6 +29,7 @@ __all__ = [
     "share_prompts",
     "compiled_completion_logits",
     "rollout_token_logprobs",
+    "logprobs_and_entropy",
     "reference_logprobs",
     "training_logprobs",
     "loss_mask",
@@ -76,6 +78,15 @@ def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: floa
     logits = completion_logits(model, rollout, compiled)  # (B, C, V)
     completion_ids, completion_mask = rollout.completion_ids.to(logits.device), rollout.completion_mask.to(logits.device)
     return token_logprobs(logits, completion_ids, temperature).masked_fill(completion_mask == 0, 0.0).float().cpu()
+
+
+def logprobs_and_entropy(logits: Tensor, completion_ids: Tensor, temperature: float, entropy_grad: bool) -> tuple[Tensor, Tensor]:
+    """log pi(y_t) and the entropy of softmax(logits / temperature), float32. With ``entropy_grad`` (an
+    entropy bonus in the loss) the entropy keeps its gradient; otherwise it is a detached statistic
+    from the log-probs' own pass over the logits. Shapes: (B, C, V), (B, C) -> (B, C), (B, C)."""
+    if entropy_grad:
+        return token_logprobs(logits, completion_ids, temperature), entropy_from_logits(logits / temperature)
+    return token_logprobs_and_entropy(logits, completion_ids, temperature)
 
 
 @torch.no_grad()

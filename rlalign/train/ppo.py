@@ -52,8 +52,7 @@ from torch import Tensor, nn
 
 from rlalign.config import Config, load_config
 from rlalign.core.advantages import kl_shaped_rewards, token_gae
-from rlalign.core.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_k1, kl_k3
-from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
+from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k3
 from rlalign.core.losses import Aggregation, clipped_surrogate_loss, entropy_loss, truncated_is_weights, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.data import PromptExample
@@ -62,7 +61,7 @@ from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
-from rlalign.train.passes import completion_logits, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
+from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
 from rlalign.train.updater import Updater, minibatch_step
@@ -181,11 +180,7 @@ def policy_loss(
         logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
     completion_ids = rollout.completion_ids.to(device)
-    if cfg.entropy_coef > 0:  # the bonus needs the entropy's gradient
-        logp = token_logprobs(logits, completion_ids, cfg.sampling.temperature)  # (B, C), float32
-        entropy = entropy_from_logits(logits / cfg.sampling.temperature)  # (B, C)
-    else:  # the entropy is a statistic: from the log-probs' own pass over the logits
-        logp, entropy = token_logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature)  # (B, C) each
+    logp, entropy = logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature, cfg.entropy_coef > 0)  # (B, C) each, float32
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
     stats, weights = {}, None
