@@ -34,6 +34,7 @@ EXPLORERS: dict[str, Explorer] = {
     for e in (
         Explorer("per-token-ratio", "rlalign.explore.per_token_ratio", "PerTokenRatioExplorer"),
         Explorer("ppo-loss-decomposition", "rlalign.explore.ppo_loss", "PPOLossDecomposition"),
+        Explorer("ppo-surrogates", "rlalign.explore.ppo_surrogates", "PPO surrogate objectives along the update (PPO paper, fig. 2)"),
         Explorer("baseline-variance", "rlalign.explore.baseline_variance", "BaselineVarianceReduction"),
         Explorer("gae-lambda-sweep", "rlalign.explore.gae_sweep", "GAELambdaSweep / GAEExplorer"),
         Explorer("entropy-collapse", "rlalign.explore.entropy_collapse", "EntropyCollapseDemo"),
