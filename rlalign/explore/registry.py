@@ -41,6 +41,7 @@ EXPLORERS: dict[str, Explorer] = {
         Explorer("grpo-advantage", "rlalign.explore.grpo_advantage", "GRPOAdvantageExplorer"),
         Explorer("kl-penalty-tradeoff", "rlalign.explore.kl_penalty", "KLPenaltyTradeoff"),
         Explorer("kl-divergence", "rlalign.explore.kl_divergence", "KLDivergenceExplorer"),
+        Explorer("maze-values", "rlalign.explore.maze_values", "MazeValueIteration"),
     )
 }
 
