@@ -57,21 +57,19 @@ from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, forward_precision, generation_eval
 from rlalign.train.loop import add_run_arguments, start_run, summary_line
 from rlalign.train.passes import share_prompts
-from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
+from rlalign.train.reward_model import RMDataConfig
+from rlalign.train.supervised import SupervisedConfig, supervised_loop
 
 __all__ = ["DPODataConfig", "DPOConfig", "Pair", "sequence_logps", "reference_logps", "pair_logps", "preference_loss", "train", "add_arguments", "run"]
 
 
-class DPODataConfig(SupervisedDataConfig):
-    """Where the preference pairs come from."""
+class DPODataConfig(RMDataConfig):
+    """Where the preference pairs come from: as for the reward model (the same formats and sources)."""
 
-    task: Literal["preference"] | None = Field("preference", description="built-in task used when train_file is null")
     train_file: str | None = Field(
         None, description="TRL preference data: {prompt, chosen, rejected} or {chosen, rejected} (implicit prompt: their shared start), text or messages; "
         "a file, directory or Hub name; overrides task"
     )
-    eval_file: str | None = Field(None, description="held-out pairs (required with train_file)")
-    num_train: int = Field(4000, ge=1, description="number of built-in training pairs")
     num_eval: int = Field(200, ge=1, description="number of built-in held-out pairs (their prompts are also the prompts of the eval/reward generations)")
     max_length: int = Field(64, ge=2, description="longest prompt + response in tokens (a longer pair loses the start of its prompt, then the ends of its responses)")
 
