@@ -47,7 +47,6 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from rlalign.config import load_config
 from rlalign.core.preference import PreferenceStats, dpo_loss, ipo_loss, simpo_loss
 from rlalign.lm.data import PreferenceCompletionBatch, PreferenceExample, collate_preference_completions, load_preferences
 from rlalign.lm.logprobs import completion_logprobs
@@ -55,7 +54,7 @@ from rlalign.lm.models import evaluating, reference_policy
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, forward_precision, generation_eval
-from rlalign.train.loop import add_run_arguments, start_run, summary_line
+from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command
 from rlalign.train.passes import share_prompts
 from rlalign.train.reward_model import RMDataConfig
 from rlalign.train.supervised import SupervisedConfig, supervised_loop
@@ -239,7 +238,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(DPOConfig, args.config, args.overrides)
-    result = train(cfg, resume=args.resume)
-    print(summary_line(cfg.output_dir, result))
-    return 0
+    return run_supervised_command(DPOConfig, train, args)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlalign.config import Config, ConfigError, fields_help
+from rlalign.config import Config, ConfigError, fields_help, load_config
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
 from rlalign.lm.models import context_length, enable_gradient_checkpointing, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
@@ -69,6 +69,7 @@ __all__ = [
     "RLResult",
     "add_run_arguments",
     "summary_line",
+    "run_supervised_command",
 ]
 
 StepFn = Callable[["TrainState"], tuple[dict[str, float], list[dict]]]
@@ -494,3 +495,10 @@ def summary_line(output_dir: str | Path, metrics: dict[str, float]) -> str:
     summary = {"output_dir": str(output_dir), "final": str(Path(output_dir) / "final")}
     summary.update({k: round(v, 4) if math.isfinite(v) else None for k, v in metrics.items()})
     return json.dumps(summary, allow_nan=False)
+
+
+def run_supervised_command(config_cls: type[Config], train: Callable[..., dict[str, float]], args: argparse.Namespace) -> int:
+    """The command of a supervised trainer (SFT, RM, DPO): load the config, train (or resume), print :func:`summary_line`."""
+    cfg = load_config(config_cls, args.config, args.overrides)
+    print(summary_line(cfg.output_dir, train(cfg, resume=args.resume)))
+    return 0

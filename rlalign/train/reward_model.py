@@ -44,13 +44,12 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from rlalign.config import load_config
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
 from rlalign.lm.models import ScalarHeadModel, enable_gradient_checkpointing, last_token_values, load_reward_model
 from rlalign.tasks import TASKS
 from rlalign.train.common import ModelConfig, OptimConfig
-from rlalign.train.loop import add_run_arguments, start_run, summary_line
+from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command
 from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["RMDataConfig", "RMConfig", "pair_rewards", "evaluate_pairs", "train", "add_arguments", "run"]
@@ -160,7 +159,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(RMConfig, args.config, args.overrides)
-    result = train(cfg, resume=args.resume)
-    print(summary_line(cfg.output_dir, result))
-    return 0
+    return run_supervised_command(RMConfig, train, args)

@@ -30,7 +30,6 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from rlalign.config import load_config
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
 from rlalign.lm.data import Prompt, SFTExample, collate_sft, completion_text, load_sft, pack_sft
@@ -38,7 +37,7 @@ from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, generation_eval
-from rlalign.train.loop import add_run_arguments, start_run, summary_line
+from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command
 from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["SFTDataConfig", "SFTConfig", "train", "add_arguments", "run"]
@@ -169,7 +168,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(SFTConfig, args.config, args.overrides)
-    result = train(cfg, resume=args.resume)
-    print(summary_line(cfg.output_dir, result))
-    return 0
+    return run_supervised_command(SFTConfig, train, args)
