@@ -30,13 +30,29 @@ from torch.func import grad, vmap
 
 from rlalign.core.advantages import rloo_advantages
 from rlalign.core.losses import policy_gradient_loss
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
+from rlalign.explore.params import Param
 
 SUMMARY = "REINFORCE gradient variance on a softmax bandit with no baseline, mean reward, optimal b*, and RLOO"
 
 BASELINES = ("none", "mean reward", "optimal b*", "RLOO (leave-one-out)")
 THETA = (0.5, 0.0, -0.5, 0.3, -0.2)  # policy logits
 MU = (0.2, 0.5, 0.8, 0.3, 0.6)  # mean reward of each arm (before the offset c)
+OFFSETS = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0)  # reward offsets c compared
+COLOURS = ("tab:red", "tab:blue", "tab:green", "tab:purple")
+
+PARAMS = (
+    Param("sigma", "reward noise σ", 0.5, 0.0, 2.0, 0.05),
+    Param("batch_size", "batch size n", 8, 2, 32, 1, kind="int"),
+    Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
+    Param("offset", "offset c of the right panel", "2", choices=tuple(f"{c:g}" for c in OFFSETS), kind="choice",
+          stage="figure", convert=float),
+)
+EQUATIONS = (
+    ("the REINFORCE estimate with a baseline b (Williams 1992)", r"$\hat{g} = \frac{1}{n}\sum_{i=1}^{n} (r_i - b)\,\nabla_\theta \log \pi_\theta(a_i)$"),
+    ("its variance for a constant b", r"$\mathrm{tr\,Cov}[\hat{g}] = \frac{1}{n}\left[\sum_k \pi_k \left((\mu_k + c - b)^2 + \sigma^2\right) w_k - |\nabla J|^2\right],\ w_k = |e_k - \pi|^2$"),
+    ("the variance-minimising baseline (Greensmith et al. 2004)", r"$b^* = \frac{\sum_k \pi_k w_k (\mu_k + c)}{\sum_k \pi_k w_k}$"),
+)
 
 
 @dataclass
@@ -66,7 +82,7 @@ def _batch_gradient(theta, actions, psi):
 
 
 def compute(
-    offsets: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0),
+    offsets: tuple[float, ...] = OFFSETS,
     sigma: float = 0.5,
     batch_size: int = 8,
     n_batches: int = 4000,
@@ -116,9 +132,15 @@ def compute(
     )
 
 
-def plot(result: BaselineVarianceResult, path: str | Path) -> Path:
+def _offset_index(result: BaselineVarianceResult, offset: float) -> int:
+    if not np.any(np.isclose(result.offsets, offset)):
+        raise ValueError(f"offset {offset:g} is not one of the computed offsets {result.offsets.tolist()}")
+    return int(np.argmin(np.abs(result.offsets - offset)))
+
+
+def plot(result: BaselineVarianceResult, path: str | Path, offset: float = 2.0) -> Path:
     fig, axes = new_figure(2, width=5.6, height=4.8)
-    colours = ("tab:red", "tab:blue", "tab:green", "tab:purple")
+    colours = COLOURS
     markers = ("o", "s", "^", "D")
     ax = axes[0]
     for i, name in enumerate(result.baselines):
@@ -133,7 +155,7 @@ def plot(result: BaselineVarianceResult, path: str | Path) -> Path:
     ax.legend(fontsize=8)
 
     ax = axes[1]
-    c_index = int(np.argmin(np.abs(result.offsets - 2.0)))
+    c_index = _offset_index(result, offset)
     K = result.exact_gradient.size
     x = np.arange(K)
     width = 0.18
@@ -149,3 +171,32 @@ def plot(result: BaselineVarianceResult, path: str | Path) -> Path:
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower right", ncols=3, fontsize=8, title="right panel")
     fig.suptitle(f"Baseline variance reduction on a {K}-armed softmax bandit, rewards N(μ_a + c, {result.sigma:g}²)")
     return save_figure(fig, path)
+
+
+def figure(result: BaselineVarianceResult, offset: float = 2.0) -> dict:
+    """The live page's figure: variance against the offset c, and the estimates' spread at ``offset``."""
+    c_index = _offset_index(result, offset)
+    symbols = ("circle-open", "square-open", "triangle-up-open", "diamond-open")
+    data = []
+    for i, name in enumerate(result.baselines):
+        data.append(trace(result.offsets, result.mc_variance[i], f"{name} (Monte Carlo)", mode="markers", colour=COLOURS[i], symbol=symbols[i]))
+        if np.isfinite(result.exact_variance[i]).all():
+            data.append(trace(result.offsets, result.exact_variance[i], f"{name} (closed form)", colour=COLOURS[i], width=1.2))
+    K = result.exact_gradient.size
+    arms = [f"θ{k + 1} (π={p:.2f}, μ={m:.1f})" for k, (p, m) in enumerate(zip(result.pi, result.mu))]
+    x = np.arange(K)
+    for i, name in enumerate(result.baselines):
+        data.append({"type": "scatter", "mode": "markers", "x": x + (i - 1.5) * 0.18, "y": result.mc_mean[i, c_index],
+                     "name": f"{name}: mean ± std", "xaxis": "x2", "yaxis": "y2",
+                     "marker": {"color": PLOTLY_COLOURS[COLOURS[i]], "size": 8, "symbol": symbols[i]},
+                     "error_y": {"type": "data", "array": result.mc_std[i, c_index], "visible": True, "color": PLOTLY_COLOURS[COLOURS[i]]}})
+    data.append(trace(x, result.exact_gradient, "exact gradient dJ/dθ", panel=2, mode="markers",
+                      marker={"size": 40, "color": "#000", "symbol": "line-ew-open", "line": {"width": 3, "color": "#000"}}))
+    layout = panels_layout(f"Baseline variance reduction on a {K}-armed softmax bandit, rewards N(μ_a + c, {result.sigma:g}²)", [
+        {"title": f"Variance of the REINFORCE gradient (batch n = {result.batch_size})", "x": "reward offset c added to every arm",
+         "y": "total variance tr Cov[ĝ] (reward²)", "ylog": True},
+        {"title": f"Same mean, different spread (c = {result.offsets[c_index]:g}, {result.n_batches} batches)",
+         "x": "policy logit θ_k of arm k", "y": "gradient estimate ĝ_k (reward units)"},
+    ])
+    layout["xaxis2"].update(tickvals=x.tolist(), ticktext=arms)
+    return {"data": data, "layout": layout}

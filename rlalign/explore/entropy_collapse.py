@@ -24,11 +24,26 @@ import torch
 from rlalign.core.advantages import rloo_advantages
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.losses import entropy_loss, policy_gradient_loss
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import new_figure, panels_layout, save_figure, trace
+from rlalign.explore.params import Param
 
 SUMMARY = "policy entropy and reward over training on a bandit, with and without the entropy bonus c2*H"
 
 MU = (0.9, 0.85, 0.7, 0.5, 0.3, 0.1)  # success probability of each arm
+COLOURS = ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown")
+
+# the live page compares no bonus with one coefficient, on a shorter run (fewer, larger steps) than the CLI's
+PARAMS = (
+    Param("coefs", "entropy coefficient c2 (vs none)", 0.1, 0.01, 0.5, 0.01, convert=lambda c2: (0.0, c2), help="typical 0.01"),
+    Param("lr", "learning rate (Adam, cosine-annealed)", 0.25, 0.01, 0.5, 0.01),
+    Param("n_steps", "training steps", 100, 50, 1500, 50, kind="int"),
+    Param("batch_size", "batch size", 64, 8, 256, 8, kind="int"),
+    Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
+)
+EQUATIONS = (
+    ("the loss: policy gradient plus the entropy bonus", r"$L = L_{PG} - c_2\,H[\pi_\theta],\quad H[\pi] = -\sum_a \pi(a) \log \pi(a)$"),
+    ("its exact optimum (the Gibbs policy)", r"$\pi^* = \arg\max_\pi\ E_\pi[\mu] + c_2 H[\pi] = \mathrm{softmax}(\mu / c_2)$"),
+)
 
 
 @dataclass
@@ -96,7 +111,7 @@ def compute(
 
 def plot(result: EntropyCollapseResult, path: str | Path) -> Path:
     fig, axes = new_figure(2, width=5.4, height=4.3)
-    colours = ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown")
+    colours = COLOURS
     K = result.mu.size
     for e, coef in enumerate(result.coefs):
         name = "no bonus (c2 = 0)" if coef == 0 else f"c2 = {coef:g}"
@@ -119,3 +134,27 @@ def plot(result: EntropyCollapseResult, path: str | Path) -> Path:
         ax.set_xlabel(f"training step (Adam, cosine-annealed lr, batch of {result.batch_size})")
     fig.suptitle(f"Entropy collapse on a {K}-armed Bernoulli bandit, μ = {tuple(float(m) for m in result.mu)}, PG loss with RLOO advantages")
     return save_figure(fig, path)
+
+
+def figure(result: EntropyCollapseResult) -> dict:
+    """The live page's figure: entropy and expected reward over training per coefficient, dotted: the exact optimum."""
+    data = []
+    ends = result.steps[[0, -1]]
+    for e, coef in enumerate(result.coefs):
+        name = "no bonus (c2 = 0)" if coef == 0 else f"c2 = {coef:g}"
+        col = COLOURS[e % len(COLOURS)]
+        data += [
+            trace(result.steps, result.entropy[e], name, panel=1, colour=col, width=1.6),
+            trace(ends, [result.target_entropy[e]] * 2, f"{name}: optimum H(softmax(μ/c2))", panel=1, colour=col, dash="dot", width=1.4),
+            trace(result.steps, result.expected_reward[e], name, panel=2, colour=col, width=1.6, legend=False),
+            trace(ends, [result.target_reward[e]] * 2, f"{name}: optimum reward", panel=2, colour=col, dash="dot", width=1.4, legend=False),
+        ]
+    K = result.mu.size
+    data.append(trace(ends, [np.log(K)] * 2, f"uniform policy, log {K}", colour="0.4", dash="dash", width=1))
+    x = f"training step (Adam, cosine-annealed lr = {result.lr:g}, batch of {result.batch_size})"
+    layout = panels_layout(f"Entropy collapse on a {K}-armed Bernoulli bandit, PG loss with RLOO advantages", [
+        {"title": "Entropy: → 0 without the bonus, → H(softmax(μ/c2)) with it", "x": x, "y": "policy entropy H[π] (nats)",
+         "yrange": [-0.05, float(np.log(K)) + 0.3]},
+        {"title": "Reward: the bonus trades some reward for spread", "x": x, "y": "expected reward E_π[μ]"},
+    ])
+    return {"data": data, "layout": layout}

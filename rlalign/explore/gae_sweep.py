@@ -30,11 +30,26 @@ import numpy as np
 import torch
 
 from rlalign.core.advantages import gae
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import new_figure, panels_layout, save_figure, trace, vline
+from rlalign.explore.params import Param
 
 SUMMARY = "bias^2, variance and MSE of the GAE advantage vs lambda on a chain MDP with exact values (also GAEExplorer)"
 
 WALK_REWARD, RUN_REWARD, GOAL_REWARD = -0.1, -0.3, 2.0
+
+PARAMS = (
+    Param("lam", "GAE λ (marked)", 0.95, 0.0, 1.0, 0.05, stage="figure", help="typical 0.95"),
+    Param("gamma", "discount γ", 0.95, 0.8, 1.0, 0.01, help="typical 0.99-1.0"),
+    Param("sigma", "reward noise σ", 1.0, 0.0, 2.0, 0.1),
+    Param("critic_bias", "critic bias E[V̂ − V]", 1.5, -2.0, 2.0, 0.1),
+    Param("critic_noise", "critic noise (std of V̂ − V)", 0.5, 0.0, 1.5, 0.05),
+    Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
+)
+EQUATIONS = (
+    ("the TD residual", r"$\delta_t = r_t + \gamma V(s_{t+1}) - V(s_t)$"),
+    ("GAE (Schulman et al. 2016, eq. 16)", r"$\hat{A}_t^{GAE(\gamma,\lambda)} = \sum_{l=0}^{\infty} (\gamma\lambda)^l\,\delta_{t+l}$"),
+    ("the error it is judged by", r"$\mathrm{MSE} = \mathrm{bias}^2 + \mathrm{variance}$ of $\hat{A}_t - (Q(s_t, a_t) - \hat{V}(s_t))$"),
+)
 
 
 @dataclass
@@ -140,15 +155,25 @@ def compute(
     )
 
 
-def plot(result: GAESweepResult, path: str | Path) -> Path:
+def _lambda_index(result: GAESweepResult, lam: float) -> int:
+    if not np.any(np.isclose(result.lambdas, lam)):
+        raise ValueError(f"lambda {lam:g} is not one of the computed lambdas {result.lambdas.tolist()}")
+    return int(np.argmin(np.abs(result.lambdas - lam)))
+
+
+def plot(result: GAESweepResult, path: str | Path, lam: float | None = None) -> Path:
+    lam_marked = lam
     fig, axes = new_figure(2, width=5.4, height=4.3)
     lam = result.lambdas
+    marked = None if lam_marked is None else _lambda_index(result, lam_marked)
     for ax, c in zip(axes, (1, 0)):
         ax.plot(lam, result.bias_sq[c], "o-", color="tab:red", ms=4, label="bias²  (visit-weighted)")
         ax.plot(lam, result.variance[c], "s-", color="tab:blue", ms=4, label="variance")
         ax.plot(lam, result.mse[c], "k--", lw=1.5, label="MSE = bias² + variance")
         best = int(np.argmin(result.mse[c]))
         ax.plot(lam[best], result.mse[c, best], "k*", ms=14, label=f"lowest MSE at λ={lam[best]:g}")
+        if marked is not None:
+            ax.axvline(lam[marked], color="0.4", ls=":", lw=1.2, label=f"λ={lam[marked]:g}: MSE {result.mse[c, marked]:.3g}")
         ax.set_xlabel("GAE λ   (0: TD residual δ_t;  1: Monte-Carlo return − V_critic(s_t))")
         ax.set_ylabel("error of Â_t against Q(s_t,a_t) − V_critic(s_t)  (reward²)")
         ax.set_title(f"critic: {result.critics[c]}")
@@ -159,3 +184,28 @@ def plot(result: GAESweepResult, path: str | Path) -> Path:
     n = result.v_true.size
     fig.suptitle(f"GAE bias–variance trade-off on an {n}-state chain (γ={result.gamma:g}, reward noise σ={result.sigma:g}, {result.n_episodes} episodes)")
     return save_figure(fig, path)
+
+
+def figure(result: GAESweepResult, lam: float = 0.95) -> dict:
+    """The live page's figure: bias², variance and MSE against lambda for both critics, ``lam`` marked."""
+    j = _lambda_index(result, lam)
+    data, panels = [], []
+    for p, c in enumerate((1, 0), start=1):
+        best = int(np.argmin(result.mse[c]))
+        first = p == 1
+        data += [
+            trace(result.lambdas, result.bias_sq[c], "bias² (visit-weighted)", panel=p, mode="lines+markers", colour="tab:red", legend=first),
+            trace(result.lambdas, result.variance[c], "variance", panel=p, mode="lines+markers", colour="tab:blue", symbol="square", legend=first),
+            trace(result.lambdas, result.mse[c], "MSE = bias² + variance", panel=p, colour="k", dash="dash", legend=first),
+            trace([result.lambdas[best]], [result.mse[c, best]], "lowest MSE", panel=p, mode="markers", colour="k", symbol="star",
+                  legend=first, marker={"size": 16, "color": "#000", "symbol": "star"}),
+        ]
+        critic = "exact V (every λ unbiased)" if c == 0 else f"V̂ = V + bias + noise (mean V̂ − V = {np.mean(result.v_hat - result.v_true):.2f})"
+        panels.append({"title": f"critic: {critic}<br>λ = {result.lambdas[j]:g}: bias² {result.bias_sq[c, j]:.3g}, "
+                                f"variance {result.variance[c, j]:.3g}, MSE {result.mse[c, j]:.3g}",
+                       "x": "GAE λ (0: TD residual δ_t; 1: Monte-Carlo return − V̂(s_t))", "y": "error of Â_t (reward²)"})
+    n = result.v_true.size
+    layout = panels_layout(f"GAE bias–variance trade-off on an {n}-state chain (γ = {result.gamma:g}, reward noise σ = {result.sigma:g}, "
+                           f"{result.n_episodes} episodes)", panels)
+    layout["shapes"] = [vline(result.lambdas[j], panel=1), vline(result.lambdas[j], panel=2)]
+    return {"data": data, "layout": layout}

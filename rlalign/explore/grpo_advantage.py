@@ -25,9 +25,22 @@ import numpy as np
 import torch
 
 from rlalign.core.advantages import group_advantages, rloo_advantages
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
+from rlalign.explore.params import Param
 
 SUMMARY = "GRPO/Dr.GRPO/RLOO advantages of right and wrong answers vs success rate and G; fraction of tied groups"
+
+CMAP = ("tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:red", "tab:brown")
+PARAMS = (
+    Param("scales_group_size", "group size G (middle panel)", 8, 2, 64, 1, kind="int", help="typical 4-16"),
+    Param("n_groups", "sampled groups per point (right panel)", 4000, 500, 8000, 500, kind="int"),
+    Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
+)
+EQUATIONS = (
+    ("GRPO's group-normalised advantage (Shao et al. 2024, eq. 3)", r"$\hat{A}_{i} = \frac{r_i - \mathrm{mean}(r_1, \ldots, r_G)}{\mathrm{std}(r_1, \ldots, r_G)}$"),
+    ("for pass/fail rewards with k of G correct, p = k/G", r"$\hat{A}_{correct} = \sqrt{\frac{1 - \hat{p}}{\hat{p}}\,\frac{G - 1}{G}},\quad \hat{A}_{wrong} = -\sqrt{\frac{\hat{p}}{1 - \hat{p}}\,\frac{G - 1}{G}}$"),
+    ("a group that ties carries no signal, with probability", r"$P(\mathrm{tie}) = p^G + (1 - p)^G$"),
+)
 
 
 @dataclass
@@ -93,7 +106,7 @@ def compute(
 
 def plot(result: GRPOAdvantageResult, path: str | Path) -> Path:
     fig, axes = new_figure(3, width=4.8, height=4.3)
-    cmap = ("tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:red", "tab:brown")
+    cmap = CMAP
     ax = axes[0]
     for i, G in enumerate(result.group_sizes):
         col = cmap[i % len(cmap)]
@@ -129,3 +142,28 @@ def plot(result: GRPOAdvantageResult, path: str | Path) -> Path:
     ax.legend(fontsize=7)
     fig.suptitle("GRPO group-relative advantages with binary rewards (computed with group_advantages / rloo_advantages)")
     return save_figure(fig, path)
+
+
+def figure(result: GRPOAdvantageResult) -> dict:
+    """The live page's figure: the three panels of :func:`plot`."""
+    data = []
+    for i, G in enumerate(result.group_sizes):
+        col = CMAP[i % len(CMAP)]
+        data.append(trace(result.p_hat[i], result.adv_correct[i], f"G = {G}: correct", panel=1, mode="lines+markers", colour=col))
+        data.append(trace(result.p_hat[i], result.adv_wrong[i], f"G = {G}: wrong", panel=1, mode="lines+markers", colour=col, dash="dash",
+                          symbol="square"))
+    for (name, values), dash in zip(result.scale_correct.items(), (None, None, "dash", "dot")):
+        data.append(trace(result.scale_p_hat, values, name, panel=2, mode="lines+markers", dash=dash))
+    for i, G in enumerate(result.tie_group_sizes):
+        col = CMAP[result.group_sizes.index(G) % len(CMAP)] if G in result.group_sizes else CMAP[i % len(CMAP)]
+        data.append(trace(result.tie_p, result.tie_fraction[i], f"G = {G}: sampled", panel=3, mode="markers", colour=col, symbol="circle-open"))
+        data.append(trace(result.tie_p, result.tie_exact[i], f"G = {G}: p^G + (1−p)^G", panel=3, colour=col, width=1.2))
+    layout = panels_layout("GRPO group-relative advantages with binary rewards (group_advantages / rloo_advantages)", [
+        {"title": "GRPO z-score advantage vs p̂ and G", "x": "group success rate p̂ = k / G", "y": "GRPO advantage (std units)"},
+        {"title": f"Scaling choices, G = {result.scales_group_size}", "x": "group success rate p̂ = k / G",
+         "y": "advantage of a correct answer (r = 1)"},
+        {"title": f"Tied groups: no signal ({result.n_groups} per point)", "x": "true success rate p",
+         "y": "fraction of all-tied groups"},
+    ], height=520)
+    layout["colorway"] = [PLOTLY_COLOURS[c] for c in ("tab:blue", "tab:orange", "tab:green", "tab:red")]
+    return {"data": data, "layout": layout}

@@ -30,11 +30,31 @@ import numpy as np
 import torch
 
 from rlalign.core.kl import categorical_kl, kl_k1, kl_k2, kl_k3
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
+from rlalign.explore.params import Param
 
 SUMMARY = "forward vs reverse KL fitting a Gaussian to a bimodal target; bias and std of k1/k2/k3 vs true KL"
 
 ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+COLOURS = {"k1": "tab:green", "k2": "tab:purple", "k3": "tab:orange"}
+
+# the live page fits with fewer, larger Adam steps than the CLI (the fits still reach their optima)
+PARAMS = (
+    Param("mode_distance", "target modes at ±", 2.5, 0.5, 4.0, 0.1),
+    Param("mode_sigma", "width of each mode", 0.7, 0.3, 1.5, 0.05),
+    Param("start", "both fits start at μ =", 1.0, -3.0, 3.0, 0.1, convert=lambda mu: (mu, 1.0),
+          help="reverse KL is not convex: from near 0 it can stop between the modes"),
+    Param("n_fit_steps", "fit steps (Adam)", 150, 50, 1500, 50, kind="int"),
+    Param("lr", "fit learning rate", 0.15, 0.01, 0.3, 0.01),
+    Param("n_samples", "samples per estimator point", 4000, 500, 8000, 500, kind="int"),
+    Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
+)
+EQUATIONS = (
+    ("forward (mode covering) and reverse (mode seeking) KL",
+     r"$\mathrm{KL}(p\,\|\,q) = \sum_x p(x) \log\frac{p(x)}{q(x)},\qquad \mathrm{KL}(q\,\|\,p) = \sum_x q(x) \log\frac{q(x)}{p(x)}$"),
+    ("single-sample estimators of KL(π‖ref), a ~ π (Schulman 2020)",
+     r"$x = \log\frac{\pi_{ref}(a)}{\pi(a)}:\quad k_1 = -x,\quad k_2 = \frac{x^2}{2},\quad k_3 = e^x - 1 - x$"),
+)
 
 
 @dataclass
@@ -62,17 +82,22 @@ def _gauss_logits(x: torch.Tensor, mu: torch.Tensor, log_sigma: torch.Tensor) ->
     return -0.5 * ((x - mu) / log_sigma.exp()) ** 2
 
 
-def _fit(x: torch.Tensor, p_logits: torch.Tensor, forward: bool, n_steps: int, start: tuple[float, float]) -> torch.Tensor:
-    """(mu, log sigma) minimising KL(p||q) (forward) or KL(q||p) (reverse) with Adam from ``start`` = (mu, sigma)."""
-    params = torch.tensor([start[0], np.log(start[1])], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.Adam([params], lr=0.05)
+def _fit(x: torch.Tensor, p_logits: torch.Tensor, n_steps: int, start: tuple[float, float], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mu, log sigma) minimising KL(p||q) (forward) and KL(q||p) (reverse), each with Adam from ``start`` = (mu, sigma).
+
+    Both fits run in one loop: row 0 is the forward fit, row 1 the reverse one. Their losses touch
+    disjoint rows and Adam is per-parameter, so each row moves exactly as it would alone.
+    """
+    params = torch.tensor([[start[0], np.log(start[1])]] * 2, dtype=torch.float64, requires_grad=True)  # (2, 2)
+    opt = torch.optim.Adam([params], lr=lr)
     for _ in range(n_steps):
-        q_logits = _gauss_logits(x, params[0], params[1])
-        loss = categorical_kl(p_logits, q_logits) if forward else categorical_kl(q_logits, p_logits)
+        q_forward = _gauss_logits(x, params[0, 0], params[0, 1])
+        q_reverse = _gauss_logits(x, params[1, 0], params[1, 1])
+        loss = categorical_kl(p_logits, q_forward) + categorical_kl(q_reverse, p_logits)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return params.detach()
+    return params[0].detach(), params[1].detach()
 
 
 def compute(
@@ -81,6 +106,7 @@ def compute(
     mode_sigma: float = 0.7,
     n_fit_steps: int = 1500,
     start: tuple[float, float] = (1.0, 1.0),
+    lr: float = 0.05,
     n_categories: int = 20,
     deltas: tuple[float, ...] = tuple(np.round(np.geomspace(0.03, 3.0, 15), 4)),
     n_samples: int = 4000,
@@ -91,8 +117,7 @@ def compute(
     p_logits = torch.logaddexp(_gauss_logits(x, torch.tensor(-mode_distance), torch.tensor(np.log(mode_sigma))),
                                _gauss_logits(x, torch.tensor(mode_distance), torch.tensor(np.log(mode_sigma))))
     fits = {}
-    for name, forward in (("forward", True), ("reverse", False)):
-        mu, log_sigma = _fit(x, p_logits, forward, n_fit_steps, start)
+    for name, (mu, log_sigma) in zip(("forward", "reverse"), _fit(x, p_logits, n_fit_steps, start, lr)):
         fits[name] = (np.array([mu.item(), log_sigma.exp().item()]), _gauss_logits(x, mu, log_sigma))
     p = torch.softmax(p_logits, -1)
     q_fwd = torch.softmax(fits["forward"][1], -1)
@@ -145,7 +170,7 @@ def plot(result: KLDivergenceResult, path: str | Path) -> Path:
     ax.legend(fontsize=7.5, loc="upper left")
     ax.set_ylim(0, max(result.p.max(), result.q_reverse.max()) * 1.45)
 
-    colours = {"k1": "tab:green", "k2": "tab:purple", "k3": "tab:orange"}
+    colours = COLOURS
     kl = result.true_kl
     ax = axes[1]
     for name, col in colours.items():
@@ -170,3 +195,27 @@ def plot(result: KLDivergenceResult, path: str | Path) -> Path:
     ax.legend(fontsize=8)
     fig.suptitle("KL divergence: forward vs reverse, and the k1 / k2 / k3 estimators (core.kl)")
     return save_figure(fig, path)
+
+
+def figure(result: KLDivergenceResult) -> dict:
+    """The live page's figure: the two fits, and the estimators' bias and relative spread against the true KL."""
+    (mf, sf), (mr, sr) = result.forward_params, result.reverse_params
+    data = [
+        trace(result.x, result.p, "target p (bimodal)", colour="#aaaaaa", fill="tozeroy", width=1),
+        trace(result.x, result.q_forward, f"argmin KL(p‖q): μ={mf:.2f}, σ={sf:.2f} (mode covering)", colour="tab:blue"),
+        trace(result.x, result.q_reverse, f"argmin KL(q‖p): μ={mr:.2f}, σ={sr:.2f} (mode seeking)", colour="tab:red"),
+    ]
+    kl = result.true_kl
+    for name, col in COLOURS.items():
+        data.append(trace(kl, result.estimator_mean[name] - kl, f"{name}: exact bias", panel=2, colour=col, width=1.5))
+        data.append(trace(kl, result.mc_mean[name] - kl, f"{name}: sample mean − KL ± 2 SE", panel=2, mode="markers", colour=col,
+                          symbol="circle-open", error_y={"type": "data", "array": 2 * result.mc_se[name], "visible": True,
+                                                         "color": PLOTLY_COLOURS[col]}))
+        data.append(trace(kl, result.estimator_std[name] / kl, f"{name}: std / KL", panel=3, mode="lines+markers", colour=col))
+    layout = panels_layout("KL divergence: forward vs reverse, and the k1 / k2 / k3 estimators (core.kl)", [
+        {"title": "Fitting one Gaussian to two modes", "x": f"outcome x (grid of {result.x.size} categories)", "y": "probability per category"},
+        {"title": f"Bias (n = {result.n_samples} samples per point)", "x": "true KL(π ‖ ref) (nats)", "y": "bias E[k] − KL (nats)"},
+        {"title": "Relative spread of one sample's estimate", "x": "true KL(π ‖ ref) (nats)", "y": "std / true KL", "ylog": True},
+    ], height=520)
+    layout["xaxis2"]["type"] = layout["xaxis3"]["type"] = "log"
+    return {"data": data, "layout": layout}

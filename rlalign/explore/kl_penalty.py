@@ -33,12 +33,28 @@ import torch
 
 from rlalign.core.kl import categorical_kl, kl_k1
 from rlalign.core.losses import kl_penalty_loss, policy_gradient_loss
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
+from rlalign.explore.params import Param
 
 SUMMARY = "reward vs KL(pi||ref) over beta on a bandit: k1-in-reward and k3-in-loss ascent vs the closed form"
 
 REWARD = (0.0, 0.25, 0.5, 0.75, 1.0)
 REF_LOGITS = (1.0, 0.5, 0.0, -0.5, -1.0)
+BETAS = (0.1, 0.15, 0.25, 0.4, 0.6, 1.0, 1.6, 2.5, 4.0)
+
+# the live page runs fewer, larger steps than the CLI (total variation to the optimum stays below 0.02)
+PARAMS = (
+    Param("beta", "KL coefficient β (policies shown)", "0.4", choices=tuple(f"{b:g}" for b in BETAS), kind="choice",
+          stage="figure", convert=float),
+    Param("n_steps", "ascent steps (Adam, cosine-annealed)", 100, 50, 1000, 50, kind="int"),
+    Param("lr", "learning rate", 0.3, 0.05, 0.5, 0.05),
+)
+EQUATIONS = (
+    ("the KL-regularised objective of RLHF and its optimum (Rafailov et al. 2023, eq. 4)",
+     r"$\max_\pi\ E_{\pi}[r] - \beta\,\mathrm{KL}(\pi\,\|\,\pi_{ref}),\qquad \pi^*(a) = \frac{\pi_{ref}(a)\,e^{r(a)/\beta}}{Z}$"),
+    ("k1 in the reward (PPO) and k3 in the loss (GRPO, Shao et al. 2024)",
+     r"$A = r - \beta \log\frac{\pi}{\pi_{ref}},\qquad k_3 = \frac{\pi_{ref}}{\pi} - \log\frac{\pi_{ref}}{\pi} - 1$"),
+)
 
 
 @dataclass
@@ -68,48 +84,59 @@ def closed_form(reward: torch.Tensor, ref_logits: torch.Tensor, beta: float) -> 
     return torch.softmax(torch.log_softmax(ref_logits, -1) + reward / beta, -1)
 
 
-def forward_kl_optimum(reward: torch.Tensor, ref: torch.Tensor, beta: float, iters: int = 200) -> torch.Tensor:
-    """Maximiser of E_pi[r] - beta KL(ref||pi): pi_k = beta ref_k / (lam - r_k), sum = 1, by bisection on lam."""
-    lo, hi = reward.max().item(), reward.max().item() + beta  # total mass > 1 just above max r, <= 1 at max r + beta
+def forward_kl_optimum(reward: torch.Tensor, ref: torch.Tensor, beta: float | torch.Tensor, iters: int = 200) -> torch.Tensor:
+    """Maximiser of E_pi[r] - beta KL(ref||pi): pi_k = beta ref_k / (lam - r_k), sum = 1, by bisection on lam.
+
+    ``beta`` a float gives (K,); a (B,) tensor of betas gives (B, K), bisected together.
+    """
+    betas = torch.as_tensor(beta, dtype=reward.dtype).reshape(-1, 1)  # (B, 1)
+    lo = reward.max().expand_as(betas).clone()  # total mass > 1 just above max r, <= 1 at max r + beta
+    hi = lo + betas
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        if (beta * ref / (mid - reward)).sum() > 1.0:
-            lo = mid
-        else:
-            hi = mid
-    pi = beta * ref / (hi - reward)
-    return pi / pi.sum()
+        above = (betas * ref / (mid - reward)).sum(-1, keepdim=True) > 1.0  # (B, 1)
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    pi = betas * ref / (hi - reward)  # (B, K)
+    pi = pi / pi.sum(-1, keepdim=True)
+    return pi[0] if not torch.is_tensor(beta) or beta.dim() == 0 else pi
 
 
-def _ascend(reward, ref_logits, betas, method: str, n_steps: int, lr: float) -> torch.Tensor:
-    """Adam on one row of logits per beta (rows independent); returns the policies. Shape: (B, K)."""
+def _ascend(reward, ref_logits, betas, n_steps: int, lr: float) -> dict[str, torch.Tensor]:
+    """Adam on one row of logits per beta and method (rows independent); returns each method's policies (B, K).
+
+    Both methods run in one loop: rows 0..B-1 put k1 in the reward, rows B..2B-1 put k3 in the loss.
+    The two losses touch disjoint rows and Adam is per-parameter, so each row moves exactly as it
+    would alone.
+    """
     B = betas.numel()
     ref_logp = torch.log_softmax(ref_logits, -1).expand(B, -1)  # (B, K)
-    theta = ref_logits.repeat(B, 1).clone().requires_grad_(True)  # (B, K), start at ref
+    theta = ref_logits.repeat(2 * B, 1).clone().requires_grad_(True)  # (2B, K), start at ref
     opt = torch.optim.Adam([theta], lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, n_steps)
     rewards = reward.expand(B, -1)  # (B, K)
+    k3_mask_scale = (betas / betas.mean())[:, None]  # (B, 1)
     for _ in range(n_steps):
-        logp = torch.log_softmax(theta, -1)  # (B, K)
+        logp = torch.log_softmax(theta, -1)  # (2B, K)
         weights = logp.detach().exp()  # pi(a): the masked means below are exact expectations E_pi
-        if method == "k1 in reward":
-            advantages = rewards - betas[:, None] * kl_k1(logp, ref_logp).detach()
-            loss, _ = policy_gradient_loss(logp, advantages, mask=weights)
-        else:  # "k3 in loss"
-            pg, _ = policy_gradient_loss(logp, rewards, mask=weights)
-            # mask = (beta_i / mean beta) pi sums to B, so the masked mean is sum_i beta_i E_i[k3] / sum_i beta_i;
-            # times sum(beta) / B it is (1/B) sum_i beta_i E_i[k3], the same 1/B per row as the pg term
-            kl, _ = kl_penalty_loss(logp, ref_logp, mask=(betas / betas.mean())[:, None] * weights, estimator="k3")
-            loss = pg + kl * betas.sum() / B
+        logp_k1, logp_k3 = logp[:B], logp[B:]
+        # k1 in the reward: advantage r - beta k1
+        advantages = rewards - betas[:, None] * kl_k1(logp_k1, ref_logp).detach()
+        k1_loss, _ = policy_gradient_loss(logp_k1, advantages, mask=weights[:B])
+        # k3 in the loss: mask = (beta_i / mean beta) pi sums to B, so the masked mean is sum_i beta_i E_i[k3] / sum_i beta_i;
+        # times sum(beta) / B it is (1/B) sum_i beta_i E_i[k3], the same 1/B per row as the pg term
+        pg, _ = policy_gradient_loss(logp_k3, rewards, mask=weights[B:])
+        kl, _ = kl_penalty_loss(logp_k3, ref_logp, mask=k3_mask_scale * weights[B:], estimator="k3")
+        loss = k1_loss + pg + kl * betas.sum() / B
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
-    return torch.softmax(theta.detach(), -1)
+    policies = torch.softmax(theta.detach(), -1)
+    return {"k1 in reward": policies[:B], "k3 in loss": policies[B:]}
 
 
 def compute(
-    betas: tuple[float, ...] = (0.1, 0.15, 0.25, 0.4, 0.6, 1.0, 1.6, 2.5, 4.0),
+    betas: tuple[float, ...] = BETAS,
     n_steps: int = 800,
     lr: float = 0.2,
 ) -> KLPenaltyResult:
@@ -118,9 +145,9 @@ def compute(
     ref_logits = torch.tensor(REF_LOGITS, dtype=torch.float64)
     ref = torch.softmax(ref_logits, -1)
     beta_t = torch.tensor(betas, dtype=torch.float64)
-    found = {m: _ascend(reward, ref_logits, beta_t, m, n_steps, lr) for m in ("k1 in reward", "k3 in loss")}
+    found = _ascend(reward, ref_logits, beta_t, n_steps, lr)
     pi_closed = torch.stack([closed_form(reward, ref_logits, b) for b in betas])  # (B, K)
-    pi_fwd = torch.stack([forward_kl_optimum(reward, ref, b) for b in betas])
+    pi_fwd = forward_kl_optimum(reward, ref, beta_t)  # (B, K)
 
     def kl_to_ref(pi):  # KL(pi || ref) with core's exact categorical KL
         return categorical_kl(torch.log(pi), ref_logits.expand_as(pi)).numpy()
@@ -130,7 +157,7 @@ def compute(
 
     dense = np.logspace(-1.3, 1.0, 120)
     frontier = torch.stack([closed_form(reward, ref_logits, b) for b in dense])
-    forward = torch.stack([forward_kl_optimum(reward, ref, b) for b in dense])
+    forward = forward_kl_optimum(reward, ref, torch.tensor(dense, dtype=torch.float64))
     return KLPenaltyResult(
         betas=np.array(betas), reward=reward.numpy(), ref=ref.numpy(), pi_closed=pi_closed.numpy(),
         pi_k1_reward=found["k1 in reward"].numpy(), pi_k3_loss=found["k3 in loss"].numpy(), pi_forward_closed=pi_fwd.numpy(),
@@ -143,7 +170,13 @@ def compute(
     )
 
 
-def plot(result: KLPenaltyResult, path: str | Path) -> Path:
+def _beta_index(result: KLPenaltyResult, beta: float) -> int:
+    if not np.any(np.isclose(result.betas, beta)):
+        raise ValueError(f"beta {beta:g} is not one of the computed betas {result.betas.tolist()}")
+    return int(np.argmin(np.abs(result.betas - beta)))
+
+
+def plot(result: KLPenaltyResult, path: str | Path, beta: float = 0.4) -> Path:
     fig, axes = new_figure(2, width=5.6, height=4.4)
     ax = axes[0]
     ax.plot(result.frontier_kl, result.frontier_reward, "k-", lw=2, label="closed form π* ∝ ref·exp(r/β)")
@@ -162,7 +195,7 @@ def plot(result: KLPenaltyResult, path: str | Path) -> Path:
     ax.legend(fontsize=8, loc="lower right")
 
     ax = axes[1]
-    i = int(np.argmin(np.abs(result.betas - 0.4)))
+    i = _beta_index(result, beta)
     K = result.reward.size
     x = np.arange(K)
     w = 0.19
@@ -177,3 +210,33 @@ def plot(result: KLPenaltyResult, path: str | Path) -> Path:
     ax.legend(fontsize=8)
     fig.suptitle("KL-penalised bandit: max E[r] − β·KL(π‖ref); where each way of applying the penalty converges")
     return save_figure(fig, path)
+
+
+def figure(result: KLPenaltyResult, beta: float = 0.4) -> dict:
+    """The live page's figure: the reward-KL frontier with the found policies (``beta`` ringed), and the policies at ``beta``."""
+    i = _beta_index(result, beta)
+    k1, k3 = "k1 in reward", "k3 in loss"
+    data = [
+        trace(result.frontier_kl, result.frontier_reward, "closed form π* ∝ ref·exp(r/β)", colour="k"),
+        trace(result.forward_kl, result.forward_reward, "closed form of max E[r] − β KL(ref‖π)", colour="tab:orange", dash="dash", width=1.5),
+        trace(result.kl[k1], result.expected_reward[k1], "ascent, k1 in the reward (PPO)", mode="markers", colour="tab:blue",
+              symbol="circle-open", text=[f"β={b:g}" for b in result.betas], marker={"size": 11, "color": PLOTLY_COLOURS["tab:blue"],
+                                                                                  "symbol": "circle-open", "line": {"width": 2}}),
+        trace(result.kl[k3], result.expected_reward[k3], "ascent, k3 in the loss (GRPO)", mode="markers", colour="tab:orange",
+              symbol="square", text=[f"β={b:g}" for b in result.betas]),
+        trace([result.kl[k1][i], result.kl[k3][i]], [result.expected_reward[k1][i], result.expected_reward[k3][i]], f"β = {result.betas[i]:g}",
+              mode="markers", marker={"size": 22, "color": "rgba(0,0,0,0)", "line": {"width": 2, "color": "#d62728"}}),
+    ]
+    arms = [f"arm {k + 1} (r={r:g})" for k, r in enumerate(result.reward)]
+    for name, probs, col in (("reference", result.ref, "#999999"), ("closed form π*", result.pi_closed[i], "#000000"),
+                             ("k1 in reward (found)", result.pi_k1_reward[i], PLOTLY_COLOURS["tab:blue"]),
+                             ("k3 in loss (found)", result.pi_k3_loss[i], PLOTLY_COLOURS["tab:orange"]),
+                             ("closed form for k3 in loss", result.pi_forward_closed[i], PLOTLY_COLOURS["tab:red"])):
+        data.append({"type": "bar", "x": arms, "y": probs, "name": name, "xaxis": "x2", "yaxis": "y2", "marker": {"color": col}})
+    layout = panels_layout("KL-penalised bandit: max E[r] − β·KL(π‖ref); where each way of applying the penalty converges", [
+        {"title": f"Reward–KL trade-off, β from {result.betas.max():g} (origin) to {result.betas.min():g}", "x": "KL(π ‖ ref) (nats)",
+         "y": "expected reward E_π[r]"},
+        {"title": f"Policies at β = {result.betas[i]:g} ({result.n_steps} Adam steps)", "x": "arm", "y": "probability"},
+    ])
+    layout["barmode"] = "group"
+    return {"data": data, "layout": layout}

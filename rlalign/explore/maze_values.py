@@ -28,13 +28,24 @@ from matplotlib.patches import Polygon, Rectangle
 
 from rlalign.classic.maze import COLS, GOAL, ROWS, START, TRAP, WALLS, _model
 from rlalign.classic.value_iteration import tabular_model, value_iteration
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import new_figure, panels_layout, save_figure, trace, vline
+from rlalign.explore.params import Param
 
 SUMMARY = "2x3 maze: V* heatmap with greedy-policy arrows, Q* per action, and V_k over value-iteration sweeps"
 
 ACTION_NAMES = ("up", "down", "left", "right")  # the maze's action order (MOVES)
 _ARROW = {0: (0.0, -0.28), 1: (0.0, 0.28), 2: (-0.28, 0.0), 3: (0.28, 0.0)}  # (dx, dy) with row 0 at the top
 _TERMINAL = {GOAL: "G  +10", TRAP: "T  -10"}
+SWEEPS = 30
+
+PARAMS = (
+    Param("sweep", "value-iteration sweep k", 1, 0, SWEEPS, 1, kind="int", stage="figure"),
+    Param("gamma", "discount γ", 0.9, 0.5, 0.99, 0.01),
+)
+EQUATIONS = (
+    ("the Bellman optimality backup, one sweep", r"$V_{k+1}(s) = \max_a \left[ r(s, a) + \gamma \sum_{s'} p(s'\,|\,s, a)\, V_k(s') \right],\quad V_0 = 0$"),
+    ("its fixed point and the greedy policy", r"$Q^*(s, a) = r(s, a) + \gamma\, V^*(s'),\qquad \pi^*(s) = \arg\max_a Q^*(s, a)$"),
+)
 
 
 @dataclass
@@ -51,7 +62,7 @@ class MazeValuesResult:
     sweeps: int
 
 
-def compute(gamma: float = 0.9, sweeps: int = 30) -> MazeValuesResult:
+def compute(gamma: float = 0.9, sweeps: int = SWEEPS) -> MazeValuesResult:
     """Run ``sweeps`` value-iteration sweeps on the maze from V_0 = 0 and solve it with ``value_iteration``."""
     if sweeps < 1:
         raise ValueError("sweeps must be >= 1")
@@ -190,3 +201,63 @@ def plot(result: MazeValuesResult, path: str | Path, sweep: int | None = None) -
 
     fig.suptitle("MazeValueIteration: the seed's 2x3 maze solved by value iteration (S start, G goal +10, T trap −10, thick line: wall)")
     return save_figure(fig, path)
+
+
+def _wall_shapes(panel: int) -> list[dict]:
+    suffix = "" if panel == 1 else str(panel)
+    shapes = [{"type": "rect", "xref": f"x{suffix}", "yref": f"y{suffix}", "x0": -0.5, "x1": COLS - 0.5, "y0": -0.5, "y1": ROWS - 0.5,
+               "line": {"color": "#000", "width": 3}}]
+    for pair in WALLS:
+        a, b = sorted(pair)
+        (ra, ca), (rb, cb) = divmod(a, COLS), divmod(b, COLS)
+        if ca == cb:
+            x0, x1, y0, y1 = ca - 0.5, ca + 0.5, (ra + rb) / 2, (ra + rb) / 2
+        else:
+            x0, x1, y0, y1 = (ca + cb) / 2, (ca + cb) / 2, ra - 0.5, ra + 0.5
+        shapes.append({"type": "line", "xref": f"x{suffix}", "yref": f"y{suffix}", "x0": x0, "x1": x1, "y0": y0, "y1": y1,
+                       "line": {"color": "#000", "width": 7}})
+    return shapes
+
+
+def figure(result: MazeValuesResult, sweep: int = SWEEPS) -> dict:
+    """The live page's figure: V_sweep with the greedy arrows of Q*, Q* per action, V_k over sweeps, the Bellman residual."""
+    k = int(sweep)
+    if not 0 <= k <= result.sweeps:
+        raise ValueError(f"sweep must be in [0, {result.sweeps}], got {k}")
+    span = float(max(np.abs(result.values).max(), np.abs(result.q_star).max(), 1e-9))
+    v = result.values[k]
+    cells = [f"{_cell_label(s)}<br>V={v[s]:.2f}" for s in range(ROWS * COLS)]
+    colours = {"colorscale": [[0.0, "#a50026"], [0.25, "#f46d43"], [0.5, "#ffffbf"], [0.75, "#66bd63"], [1.0, "#006837"]],  # RdYlGn
+               "zmin": -span, "zmax": span, "showscale": False}
+    data = [{"type": "heatmap", "z": v.reshape(ROWS, COLS), "x": list(range(COLS)), "y": list(range(ROWS)), "name": f"V_{k}",
+             "text": np.array(cells).reshape(ROWS, COLS).tolist(), "texttemplate": "%{text}", "textfont": {"size": 13},
+             **colours}]
+    live = [s for s in range(ROWS * COLS) if not result.terminal[s]]
+    state_names = [f"s{s}{' (start)' if s == START else ''}" for s in live]
+    data.append({"type": "heatmap", "z": result.q_star[live], "x": list(ACTION_NAMES), "y": state_names, "name": "Q*",
+                 "text": [[f"{q:.2f}{' ◀' if a == result.policy[s] else ''}" for a, q in enumerate(result.q_star[s])] for s in live],
+                 "texttemplate": "%{text}", "xaxis": "x2", "yaxis": "y2", **colours})
+    sweeps = np.arange(result.sweeps + 1)
+    for s, name in zip(live, state_names):
+        data.append(trace(sweeps, result.values[:, s], name, panel=3, mode="lines+markers"))
+    data.append(trace(sweeps, result.bellman_residual, "max_s |T V_k(s) − V_k(s)|", panel=4, mode="lines+markers", colour="tab:blue"))
+    data.append(trace(sweeps, result.bellman_residual[0] * result.gamma**sweeps, "γ^k · residual_0 (contraction bound)", panel=4,
+                      colour="0.4", dash="dash"))
+    converged = " = V*" if np.allclose(v, result.v_star, atol=1e-9) else ""
+    layout = panels_layout("The seed's 2x3 maze solved by value iteration (S start, G goal +10, T trap −10, thick line: wall)", [
+        {"title": f"V_{k}{converged} (sweep {k} of {result.sweeps}); arrows: greedy policy of Q*", "x": "column", "y": "row"},
+        {"title": f"Q*(s, a) = r + γ V*(s'), γ = {result.gamma:g} (◀ greedy)", "x": "action", "y": "state"},
+        {"title": "V_k(s) converging to V*", "x": "value-iteration sweep k", "y": "V_k(s)"},
+        {"title": "Bellman residual per sweep", "x": "value-iteration sweep k", "y": "residual (reward units)"},
+    ], height=420, columns=2)
+    layout["yaxis"].update(autorange="reversed", tickvals=list(range(ROWS)), ticktext=[f"row {r}" for r in range(ROWS)], scaleanchor="x")
+    layout["xaxis"].update(tickvals=list(range(COLS)), ticktext=[f"col {c}" for c in range(COLS)], showgrid=False)
+    layout["yaxis2"]["autorange"] = "reversed"
+    layout["shapes"] = _wall_shapes(1) + [vline(k, panel=3), vline(k, panel=4)]
+    for s in live:
+        r, c = divmod(s, COLS)
+        dx, dy = _ARROW[int(result.policy[s])]
+        layout["annotations"].append({"x": c + dx / 2, "y": r + 0.3 + dy / 2, "ax": c - dx / 2, "ay": r + 0.3 - dy / 2, "xref": "x",
+                                      "yref": "y", "axref": "x", "ayref": "y", "showarrow": True, "arrowhead": 2, "arrowwidth": 2.5,
+                                      "arrowcolor": "#000", "text": ""})
+    return {"data": data, "layout": layout}

@@ -27,12 +27,25 @@ from matplotlib.patches import Patch
 
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import clipped_surrogate_loss, policy_gradient_loss
-from rlalign.explore._common import CLIP_COLOUR, NEG_COLOUR, POS_COLOUR, new_figure, save_figure
+from rlalign.explore._common import CLIP_COLOUR, NEG_COLOUR, PLOTLY_COLOURS, POS_COLOUR, new_figure, panels_layout, save_figure
+from rlalign.explore.params import Param
 
 SUMMARY = "per-token ratios pi/pi_old of a sampled sequence after one update, and which tokens the clip bounds"
 
 VOCAB = ("the", "cat", "sat", "on", "mat", ".")
 TOKEN_REWARD = (0.2, 1.0, 0.6, 0.0, 0.9, -0.5)  # R(v), one per vocabulary entry
+
+PARAMS = (
+    Param("eps", "clip range ε", 0.2, 0.05, 0.5, 0.01, help="typical 0.1-0.2"),
+    Param("lr", "step size of the policy update", 12.0, 0.5, 30.0, 0.5),
+    Param("seq_len", "sequence length T", 12, 4, 24, 1, kind="int"),
+    Param("seed", "random seed (policy, sampled sequence)", 0, 0, 50, 1, kind="int"),
+)
+EQUATIONS = (
+    ("the per-token probability ratio", r"$r_t(\theta) = \frac{\pi_\theta(o_t\,|\,q, o_{<t})}{\pi_{\theta_{old}}(o_t\,|\,q, o_{<t})}$"),
+    ("each token's clipped objective (Schulman et al. 2017, eq. 7)",
+     r"$\ell_t = \min\left(r_t A_t,\ \mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)\,A_t\right)$"),
+)
 
 
 @dataclass
@@ -137,3 +150,35 @@ def plot(result: PerTokenRatioResult, path: str | Path) -> Path:
     ]
     ax.legend(handles=handles, fontsize=8, loc="upper left")
     return save_figure(fig, path)
+
+
+def figure(result: PerTokenRatioResult) -> dict:
+    """The live page's figure: the ratio and the token objectives of :func:`plot`, as bars per position."""
+    labels = [f"{t} {tok}" for t, tok in enumerate(result.tokens, start=1)]
+    colours = [PLOTLY_COLOURS[POS_COLOUR if a > 0 else NEG_COLOUR] for a in result.advantages]
+    hatch = ["/" if c > 0.5 else "" for c in result.clip_active]
+    eps = result.eps
+
+    def bars(y, name, panel, **extra):
+        suffix = "" if panel == 1 else str(panel)
+        return {"type": "bar", "x": labels, "y": y, "name": name, "xaxis": f"x{suffix}", "yaxis": f"y{suffix}", **extra}
+
+    data = [
+        bars(result.ratio - 1.0, "ratio r_t (hatched: clip active, no gradient)", 1, base=1.0,
+             marker={"color": colours, "pattern": {"shape": hatch}, "line": {"color": "#000", "width": 1}},
+             customdata=result.ratio, hovertemplate="r_t = %{customdata:.3f}<extra></extra>"),
+        bars(result.unclipped, "unclipped r_t·A_t", 2, marker={"color": "#ffffff", "line": {"color": colours, "width": 2}}),
+        bars(result.clipped_objective, "clipped min(r_t·A_t, clip(r_t)·A_t)", 2,
+             marker={"color": colours, "pattern": {"shape": hatch}, "line": {"color": "#000", "width": 1}}),
+    ]
+    lo, hi = min(float(result.ratio.min()), 1 - eps), max(float(result.ratio.max()), 1 + eps)
+    layout = panels_layout(f"Per-token ratios after one policy-gradient step (lr = {result.lr:g}); blue A_t > 0, red A_t < 0", [
+        {"title": f"ratio r_t; grey band: trust region [1−ε, 1+ε], ε = {eps:g}", "x": "position t and sampled token o_t",
+         "y": "r_t = π(o_t) / π_old(o_t)", "yrange": [lo - 0.15, hi + 0.15]},
+        {"title": "token objective: outline unclipped, filled clipped", "x": "position t and sampled token o_t",
+         "y": "token objective (reward units)"},
+    ])
+    layout["barmode"] = "group"
+    layout["shapes"] = [{"type": "rect", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1, "y0": 1 - eps, "y1": 1 + eps,
+                         "fillcolor": "#d9d9d9", "opacity": 0.6, "line": {"width": 0}, "layer": "below"}]
+    return {"data": data, "layout": layout}

@@ -19,9 +19,22 @@ import numpy as np
 import torch
 
 from rlalign.core.losses import clipped_surrogate_loss
-from rlalign.explore._common import CLIP_COLOUR, NEG_COLOUR, POS_COLOUR, new_figure, save_figure
+from torch.func import grad_and_value, vmap
+
+from rlalign.explore._common import CLIP_COLOUR, NEG_COLOUR, POS_COLOUR, band, new_figure, panels_layout, save_figure, trace
+from rlalign.explore.params import Param
 
 SUMMARY = "PPO clipped objective vs ratio for A>0 and A<0: clip region, unclipped line, zero-gradient zones"
+
+PARAMS = (
+    Param("eps", "clip range ε", 0.2, 0.05, 0.5, 0.01, help="typical 0.1-0.2"),
+    Param("advantage", "advantage |A|", 1.0, 0.1, 3.0, 0.1),
+    Param("r_max", "largest ratio shown", 2.0, 1.5, 4.0, 0.1),
+)
+EQUATIONS = (
+    ("the clipped surrogate (Schulman et al. 2017, eq. 7)", r"$L^{CLIP}(r) = \min\left(r\,A,\ \mathrm{clip}(r, 1-\epsilon, 1+\epsilon)\,A\right)$"),
+    ("the probability ratio", r"$r = \frac{\pi_\theta(a\,|\,s)}{\pi_{old}(a\,|\,s)}$"),
+)
 
 
 @dataclass
@@ -35,23 +48,43 @@ class PPOLossResult:
     eps: float
 
 
+def _objective_at(ratio: torch.Tensor, advantage: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L^CLIP, clip flag) of one token with ratio ``ratio``: -clipped_surrogate_loss with log pi_old = 0. Shapes: () -> ()."""
+    logp = torch.log(ratio).reshape(1)  # log pi with log pi_old = 0, so exp(logp - old) = r
+    loss, stats = clipped_surrogate_loss(logp, torch.zeros_like(logp), advantage.reshape(1), eps_low=eps)
+    return -loss, stats.clip_frac
+
+
 def compute(eps: float = 0.2, advantage: float = 1.0, r_max: float = 2.0, n_points: int = 401) -> PPOLossResult:
     """Evaluate the clipped surrogate and its slope on a ratio grid (0, r_max] for A = +advantage, -advantage."""
     ratio = np.linspace(r_max / n_points, r_max, n_points)
     advantages = np.array([advantage, -advantage])
-    objective = np.zeros((2, n_points))
-    slope = np.zeros((2, n_points))
-    clipped = np.zeros((2, n_points))
+    # every grid point is its own one-token loss: vmap runs them at once, grad gives dL^CLIP/dr at each
+    slope_and_value = vmap(grad_and_value(_objective_at, has_aux=True), in_dims=(0, None, None))
+    ratio_t = torch.tensor(ratio, dtype=torch.float64)  # (R,)
+    objective, slope, clipped = np.zeros((2, n_points)), np.zeros((2, n_points)), np.zeros((2, n_points))
     for i, a in enumerate(advantages):
-        for j, r in enumerate(ratio):
-            ratio_t = torch.tensor([r], dtype=torch.float64, requires_grad=True)  # (1,)
-            logp = torch.log(ratio_t)  # log pi with log pi_old = 0, so exp(logp - old) = r
-            loss, stats = clipped_surrogate_loss(logp, torch.zeros(1, dtype=torch.float64), torch.tensor([a], dtype=torch.float64), eps_low=eps)
-            (grad,) = torch.autograd.grad(-loss, ratio_t)
-            objective[i, j] = -loss.item()
-            slope[i, j] = grad.item()
-            clipped[i, j] = stats.clip_frac.item()
+        grads, (values, clip) = slope_and_value(ratio_t, torch.tensor(a, dtype=torch.float64), eps)
+        objective[i], slope[i], clipped[i] = values.numpy(), grads.numpy(), clip.numpy()
     return PPOLossResult(ratio, advantages, objective, advantages[:, None] * ratio[None, :], slope, clipped, eps)
+
+
+def figure(result: PPOLossResult) -> dict:
+    """The live page's figure: the same two panels as :func:`plot`."""
+    eps, traces, shapes, panels = result.eps, [], [], []
+    for p, (a, obj, unc, slope) in enumerate(zip(result.advantages, result.objective, result.unclipped, result.slope), start=1):
+        colour = POS_COLOUR if a > 0 else NEG_COLOUR
+        shapes.append(band(1 - eps, 1 + eps, panel=p))
+        flat = np.abs(slope) < 1e-12
+        if flat.any():
+            shapes.append(band(result.ratio[flat].min(), result.ratio[flat].max(), panel=p, colour="#9a9a9a", opacity=0.25))
+        traces.append(trace(result.ratio, obj, f"L^CLIP, A = {a:+g}", panel=p, colour=colour, width=3.5))
+        traces.append(trace(result.ratio, unc, f"r·A, A = {a:+g} (unclipped)", panel=p, colour="k", dash="dash", width=1.2))
+        panels.append({"title": f"A = {a:+g}   (grey: trust region [1−ε, 1+ε]; dark: dL/dr = 0)", "x": "probability ratio r = π_θ / π_old",
+                       "y": "surrogate objective L^CLIP (units of A)", "xrange": [0, float(result.ratio[-1])]})
+    layout = panels_layout(f"PPO clipped surrogate vs the probability ratio (ε = {eps:g})", panels)
+    layout["shapes"] = shapes
+    return {"data": traces, "layout": layout}
 
 
 def plot(result: PPOLossResult, path: str | Path) -> Path:

@@ -23,12 +23,27 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.func import vmap
 
 from rlalign.core.kl import categorical_kl
 from rlalign.core.losses import clipped_surrogate_loss
-from rlalign.explore._common import new_figure, save_figure
+from rlalign.explore._common import new_figure, panels_layout, save_figure, trace, vline
+from rlalign.explore.params import Param
 
 SUMMARY = "PPO paper fig. 2: KL, L^CPI, the clipped term and L^CLIP along the line from theta_old to the PPO update and beyond"
+
+PARAMS = (
+    Param("eps", "clip range ε", 0.2, 0.05, 0.5, 0.01, help="typical 0.1-0.2"),
+    Param("lr", "learning rate of the update (Adam)", 0.01, 0.001, 0.05, 0.001),
+    Param("epochs", "update epochs on the samples", 100, 1, 200, 1, kind="int"),
+    Param("seed", "random seed (policy, samples)", 0, 0, 50, 1, kind="int"),
+)
+EQUATIONS = (
+    ("TRPO's surrogate (conservative policy iteration)", r"$L^{CPI}(\theta) = \hat{E}_t\left[r_t(\theta)\,\hat{A}_t\right]$"),
+    ("PPO's clipped objective (Schulman et al. 2017, eq. 7)",
+     r"$L^{CLIP}(\theta) = \hat{E}_t\left[\min\left(r_t\hat{A}_t,\ \mathrm{clip}(r_t, 1-\epsilon, 1+\epsilon)\hat{A}_t\right)\right]$"),
+    ("the line the figure follows", r"$\theta(\alpha) = \theta_{old} + \alpha\,(\theta_{new} - \theta_{old})$"),
+)
 
 
 @dataclass
@@ -78,19 +93,21 @@ def compute(
         optimizer.step()
     direction = theta.detach() - theta_old  # (S, K)
     alpha = np.linspace(0.0, alpha_max, n_points)
-    curves = np.zeros((5, n_points))
+
+    def along(a: torch.Tensor) -> torch.Tensor:  # the five curves at one alpha: (5,)
+        theta_a = theta_old + a * direction
+        loss, stats, log_ratio = _surrogates(theta_a, theta_old, states, actions, advantages, eps)
+        ratio = log_ratio.exp()
+        return torch.stack([
+            categorical_kl(theta_old[states], theta_a[states]).mean(),
+            (ratio * advantages).mean(),
+            (ratio.clamp(1 - eps, 1 + eps) * advantages).mean(),
+            -loss,
+            stats.clip_frac,
+        ])
+
     with torch.no_grad():
-        for i, a in enumerate(alpha):
-            theta_a = theta_old + float(a) * direction
-            loss, stats, log_ratio = _surrogates(theta_a, theta_old, states, actions, advantages, eps)
-            ratio = log_ratio.exp()
-            curves[:, i] = [
-                categorical_kl(theta_old[states], theta_a[states]).mean().item(),
-                (ratio * advantages).mean().item(),
-                (ratio.clamp(1 - eps, 1 + eps) * advantages).mean().item(),
-                -loss.item(),
-                stats.clip_frac.item(),
-            ]
+        curves = vmap(along)(torch.tensor(alpha, dtype=torch.float64)).T.numpy()  # (5, L): every alpha at once
     return PPOSurrogatesResult(alpha, *curves, advantage_mean=advantages.mean().item(), eps=eps)
 
 
@@ -106,3 +123,18 @@ def plot(result: PPOSurrogatesResult, path: str | Path) -> Path:
     ax.legend(loc="upper left", fontsize=8)
     fig.suptitle(f"PPO surrogates from θ_old along the PPO update (ε = {result.eps:g})")
     return save_figure(fig, path)
+
+
+def figure(result: PPOSurrogatesResult) -> dict:
+    """The live page's figure: the four curves of :func:`plot` along alpha."""
+    a = result.alpha
+    data = [
+        trace(a, result.kl, "E_t[KL(π_old ‖ π_θ)]", colour="tab:purple"),
+        trace(a, result.cpi, "L^CPI = E_t[r_t A_t]", colour="tab:blue"),
+        trace(a, result.clip_objective, "L^CLIP = E_t[min(r_t A_t, clip(r_t) A_t)]", colour="tab:red", width=3.5),
+        trace(a, result.clipped_term, "E_t[clip(r_t, 1−ε, 1+ε) A_t]", colour="tab:orange", dash="dash", width=1.6),
+    ]
+    layout = panels_layout(f"PPO surrogates from θ_old along the PPO update (ε = {result.eps:g}; dotted: the update, α = 1)", [
+        {"title": "", "x": "interpolation factor α  (θ = θ_old + α (θ_new − θ_old))", "y": "objective / KL  (units of A; nats)"}])
+    layout["shapes"] = [vline(1.0)]
+    return {"data": data, "layout": layout}

@@ -1,4 +1,6 @@
-"""The explorers by name: kebab-case name -> module with ``SUMMARY``, ``compute()`` and ``plot(result, path)``.
+"""The explorers by name: kebab-case name -> module with ``SUMMARY``, ``compute()`` and ``plot(result, path)``,
+and for the live page (``rlalign explore --serve``) ``PARAMS`` (what the reader may move, with ranges),
+``EQUATIONS`` ((caption, mathtext) pairs) and ``figure(result)`` (a plotly figure as plain dicts).
 
 Running one writes ``<out>/<name>.png`` (the figure) and ``<out>/<name>.json`` (every array behind it).
 """
@@ -11,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 from rlalign.explore._common import write_json
+from rlalign.explore.params import Param
 
 __all__ = ["EXPLORERS", "Explorer", "get", "run_explorer"]
 
@@ -27,6 +30,14 @@ class Explorer:
     @property
     def summary(self) -> str:
         return self.load().SUMMARY
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        return self.load().PARAMS
+
+    @property
+    def equations(self) -> tuple[tuple[str, str], ...]:
+        return self.load().EQUATIONS
 
 
 EXPLORERS: dict[str, Explorer] = {
