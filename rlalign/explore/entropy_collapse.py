@@ -36,7 +36,7 @@ COLOURS = ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:
 PARAMS = (
     Param("coefs", "entropy coefficient c2 (vs none)", 0.1, 0.01, 0.5, 0.01, convert=lambda c2: (0.0, c2), help="typical 0.01"),
     Param("lr", "learning rate (Adam, cosine-annealed)", 0.25, 0.01, 0.5, 0.01),
-    Param("n_steps", "training steps", 100, 50, 1500, 50, kind="int"),
+    Param("n_steps", "training steps", 100, 50, 1500, 50, kind="int", size=True),
     Param("batch_size", "batch size", 64, 8, 256, 8, kind="int"),
     Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
 )

@@ -43,6 +43,7 @@ PARAMS = (
     Param("sigma", "reward noise σ", 1.0, 0.0, 2.0, 0.1),
     Param("critic_bias", "critic bias E[V̂ − V]", 1.5, -2.0, 2.0, 0.1),
     Param("critic_noise", "critic noise (std of V̂ − V)", 0.5, 0.0, 1.5, 0.05),
+    Param("n_episodes", "Monte-Carlo episodes", 10000, 2000, 40000, 2000, kind="int", size=True),
     Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
 )
 EQUATIONS = (

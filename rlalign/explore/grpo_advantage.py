@@ -33,7 +33,7 @@ SUMMARY = "GRPO/Dr.GRPO/RLOO advantages of right and wrong answers vs success ra
 CMAP = ("tab:purple", "tab:blue", "tab:green", "tab:orange", "tab:red", "tab:brown")
 PARAMS = (
     Param("scales_group_size", "group size G (middle panel)", 8, 2, 64, 1, kind="int", help="typical 4-16"),
-    Param("n_groups", "sampled groups per point (right panel)", 4000, 500, 8000, 500, kind="int"),
+    Param("n_groups", "sampled groups per point (right panel)", 2000, 500, 8000, 500, kind="int", size=True),
     Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
 )
 EQUATIONS = (
@@ -75,7 +75,8 @@ def compute(
     """Advantages of a correct and a wrong answer for every k, and the tied-group fraction by sampling."""
     p_hat, correct, wrong = [], [], []
     for G in group_sizes:
-        adv = torch.stack([group_advantages(_group_with_k(k, G), G, scale="group") for k in range(1, G)])  # (G-1, G)
+        groups = torch.cat([_group_with_k(k, G) for k in range(1, G)])  # ((G-1) G,): one group per k, normalised per group
+        adv = group_advantages(groups, G, scale="group").view(G - 1, G)  # (G-1, G)
         p_hat.append(np.arange(1, G) / G)
         correct.append(adv[:, 0].numpy())  # position 0 is correct for every k >= 1
         wrong.append(adv[:, -1].numpy())  # the last position is wrong for every k <= G-1
@@ -92,11 +93,11 @@ def compute(
     gen = torch.Generator().manual_seed(seed)
     tie_p = np.linspace(0.0, 1.0, 21)
     tie_fraction = np.zeros((len(tie_group_sizes), tie_p.size))
-    for i, Gs in enumerate(tie_group_sizes):
-        for j, p in enumerate(tie_p):
-            scores = torch.bernoulli(torch.full((n_groups * Gs,), float(p), dtype=torch.float64), generator=gen)
-            adv = group_advantages(scores, Gs).view(n_groups, Gs)
-            tie_fraction[i, j] = (adv == 0).all(dim=1).double().mean().item()
+    for i, Gs in enumerate(tie_group_sizes):  # every success rate at once: (P, n_groups * G) scores, groups consecutive
+        probs = torch.tensor(tie_p, dtype=torch.float64)[:, None].expand(-1, n_groups * Gs)
+        scores = torch.bernoulli(probs, generator=gen)
+        adv = group_advantages(scores.reshape(-1), Gs).view(tie_p.size, n_groups, Gs)
+        tie_fraction[i] = (adv == 0).all(dim=2).double().mean(dim=1).numpy()
     tie_exact = np.array([tie_p**Gs + (1 - tie_p) ** Gs for Gs in tie_group_sizes])
     return GRPOAdvantageResult(
         list(group_sizes), p_hat, correct, wrong, G, np.arange(1, G) / G, scale_correct,

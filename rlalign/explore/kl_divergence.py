@@ -44,9 +44,9 @@ PARAMS = (
     Param("mode_sigma", "width of each mode", 0.7, 0.3, 1.5, 0.05),
     Param("start", "both fits start at μ =", 1.0, -3.0, 3.0, 0.1, convert=lambda mu: (mu, 1.0),
           help="reverse KL is not convex: from near 0 it can stop between the modes"),
-    Param("n_fit_steps", "fit steps (Adam)", 150, 50, 1500, 50, kind="int"),
+    Param("n_fit_steps", "fit steps (Adam)", 120, 20, 1500, 20, kind="int", size=True),
     Param("lr", "fit learning rate", 0.15, 0.01, 0.3, 0.01),
-    Param("n_samples", "samples per estimator point", 4000, 500, 8000, 500, kind="int"),
+    Param("n_samples", "samples per estimator point", 4000, 500, 8000, 500, kind="int", size=True),
     Param("seed", "random seed", 0, 0, 50, 1, kind="int"),
 )
 EQUATIONS = (

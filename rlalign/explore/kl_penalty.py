@@ -46,7 +46,7 @@ BETAS = (0.1, 0.15, 0.25, 0.4, 0.6, 1.0, 1.6, 2.5, 4.0)
 PARAMS = (
     Param("beta", "KL coefficient β (policies shown)", "0.4", choices=tuple(f"{b:g}" for b in BETAS), kind="choice",
           stage="figure", convert=float),
-    Param("n_steps", "ascent steps (Adam, cosine-annealed)", 100, 50, 1000, 50, kind="int"),
+    Param("n_steps", "ascent steps (Adam, cosine-annealed)", 100, 50, 1000, 50, kind="int", size=True),
     Param("lr", "learning rate", 0.3, 0.05, 0.5, 0.05),
 )
 EQUATIONS = (

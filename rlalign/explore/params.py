@@ -37,6 +37,7 @@ class Param:
     help: str = ""
     stage: str = "compute"  # "compute": a keyword of compute(); "figure": of figure() and plot()
     convert: Callable[[Any], Any] | None = None  # control value -> the keyword's value
+    size: bool = False  # a problem size (steps, samples): larger values cost proportionally more compute
 
     def __post_init__(self) -> None:
         if self.stage not in ("compute", "figure"):
@@ -85,6 +86,7 @@ class Param:
         return {
             "name": self.name, "label": self.label, "kind": self.kind, "default": self.default, "low": self.low,
             "high": self.high, "step": self.step, "choices": list(self.choices), "help": self.help, "stage": self.stage,
+            "size": self.size,
         }
 
 

@@ -34,8 +34,8 @@ SUMMARY = "PPO paper fig. 2: KL, L^CPI, the clipped term and L^CLIP along the li
 
 PARAMS = (
     Param("eps", "clip range ε", 0.2, 0.05, 0.5, 0.01, help="typical 0.1-0.2"),
-    Param("lr", "learning rate of the update (Adam)", 0.01, 0.001, 0.05, 0.001),
-    Param("epochs", "update epochs on the samples", 100, 1, 200, 1, kind="int"),
+    Param("lr", "learning rate of the update (Adam)", 0.02, 0.001, 0.05, 0.001),
+    Param("epochs", "update epochs on the samples", 50, 1, 200, 1, kind="int", size=True),
     Param("seed", "random seed (policy, samples)", 0, 0, 50, 1, kind="int"),
 )
 EQUATIONS = (

@@ -152,7 +152,10 @@ def _control(param, value) -> str:
 def explorer_page(request: Request) -> HTMLResponse:
     explorer = _explorer(request)
     values = parse_params(explorer.params, request.query_params)  # a shared link opens at its values
-    controls = "".join(_control(p, values[p.name]) for p in explorer.params)
+    controls = "".join(_control(p, values[p.name]) for p in explorer.params if not p.size)
+    sizes = "".join(_control(p, values[p.name]) for p in explorer.params if p.size)
+    if sizes:
+        controls += f"<div class='sizes'><span class='group'>problem size (larger is slower)</span>{sizes}</div>"
     equations = "".join(
         f"<figure class='equation'><img src='/equation/{explorer.name}/{i}.svg' alt='{html.escape(tex)}'>"
         f"<figcaption>{html.escape(caption)}</figcaption></figure>"

@@ -3,7 +3,8 @@
 // changed while one is in flight are sent together when it returns, so a dragged slider never queues
 // stale work. The page publishes its state on #explorer for tests and the latency benchmark:
 // data-state (loading | ready | error), data-query (the values the drawn figure was computed for) and
-// data-latency-ms (from the first unanswered change to the figure drawn).
+// data-latency-ms (from the first unanswered change to the figure drawn), split into data-fetch-ms
+// (request to parsed answer, compute included) and data-draw-ms (plotly's redraw to the next frame).
 "use strict";
 
 (function () {
@@ -43,11 +44,15 @@
     root.dataset.state = "loading";
     const q = query();
     try {
+      const requested = performance.now();
       const response = await fetch(`/api/${name}/figure?${q}`);
       const body = await response.json();
       if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
+      const received = performance.now();
       await Plotly.react(figure, body.figure.data, body.figure.layout, { responsive: true, displaylogo: false });
       await nextFrame();
+      root.dataset.fetchMs = (received - requested).toFixed(1);
+      root.dataset.drawMs = (performance.now() - received).toFixed(1);
       links.png.href = `/api/${name}/download.png?${q}`;
       links.json.href = `/api/${name}/download.json?${q}`;
       history.replaceState(null, "", `?${q}`);
