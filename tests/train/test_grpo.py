@@ -112,6 +112,7 @@ def test_gradient_is_reinforce_with_group_mean_baseline_over_group_std(tiny_path
 def test_first_minibatch_ratio_is_one_and_metrics_are_logged(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path, steps=2, mu=2, num_minibatches=2, beta=0.1)
     result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)])
+    mismatch_bound = 1e-2 if can_pack_linear(torch.nn.Linear(2, 2).bfloat16()) else 5e-2
     for row in result.history:
         assert row["ratio_dev/first"] <= 1e-5  # sampler log-probs = training log-probs before any update (float round-off)
         assert row["ratio_dev"] > 1e-4  # later minibatches see a moved policy (the check above can fail)
@@ -318,14 +319,17 @@ def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
 
 def test_bfloat16_autocast_recomputes_old_logprobs_and_learns(tiny_path, tmp_path):
     # under autocast pi_old is recomputed by the training forward on the same minibatches, so the first
-    # ratio is 1; how far the sampler's bfloat16 log-probs were is logged (here ~5e-7: bfloat16 GEMMs
-    # accumulate in float32 and these shapes round alike); and the digit share still rises
+    # ratio is 1; how far the sampler's bfloat16 log-probs were is logged (~5e-7 with oneDNN's bfloat16
+    # GEMMs, which accumulate in float32 so these shapes round alike; ~1.5e-2 on a CPU without them,
+    # where the sampler's one-token products and the training forward's round differently); and the
+    # digit share still rises
     cfg = make_cfg(tiny_path, tmp_path, steps=30, prompts_per_step=4, group_size=8, beta=0.0, num_minibatches=2,
                    **{"sampling.max_new_tokens": 8, "model.autocast": "bfloat16"})
     result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("digits", 1.0, digit_share)])
+    mismatch_bound = 1e-2 if can_pack_linear(torch.nn.Linear(2, 2).bfloat16()) else 5e-2
     for row in result.history:
         assert row["ratio_dev/first"] <= 1e-5
-        assert 0 <= row["logprob_mismatch"] < 1e-2
+        assert 0 <= row["logprob_mismatch"] < mismatch_bound
     share = [row["reward/digits/mean"] for row in result.history]
     assert sum(share[-5:]) / 5 > sum(share[:5]) / 5 + 0.25, share
 
