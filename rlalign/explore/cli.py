@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8050, help="port for --serve (default: 8050; 0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address for --serve (default: 127.0.0.1, this machine only; another address exposes the page to the network)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="with --host: one more host name the page may be reached by (repeatable); others are refused")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,5 +72,5 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"rlalign explore: listening on {args.host}, reachable from other machines", file=sys.stderr)
         print(f"rlalign explore: {len(EXPLORERS)} explorers at {url}/ (Ctrl-C to stop)", flush=True)
 
-    serve(args.host, args.port, on_ready=ready)
+    serve(args.host, args.port, on_ready=ready, allow_hosts=tuple(args.allow_host))
     return 0

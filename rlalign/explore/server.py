@@ -27,6 +27,7 @@ import json
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,11 +65,31 @@ SECURITY_HEADERS = {
 }
 
 _compute_lock = threading.Lock()  # one computation at a time: the explorers are CPU-bound on a small machine
-_mathtext_lock = threading.Lock()
+_render_lock = threading.Lock()  # matplotlib's mathtext parser (equations, log-axis tick labels) is not thread-safe
+_cache: OrderedDict[tuple, Any] = OrderedDict()  # (name, compute values) -> result, the last CACHE_SIZE
+CACHE_SIZE = 128
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=SECURITY_HEADERS)
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class SecurityHeaders:
+    """ASGI middleware: SECURITY_HEADERS on every response, static files and errors included."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *((k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def _explorer(request: Request) -> Explorer:
@@ -78,18 +99,25 @@ def _explorer(request: Request) -> Explorer:
     return EXPLORERS[name]
 
 
-@functools.lru_cache(maxsize=128)
-def _computed(name: str, frozen_values: tuple[tuple[str, Any], ...]) -> tuple[Any, float]:
-    """(compute(**keywords), seconds it took), cached so the figure and its downloads are the same numbers."""
-    explorer = EXPLORERS[name]
+def _computed(name: str, frozen_values: tuple[tuple[str, Any], ...]) -> tuple[Any, float | None]:
+    """(compute(**keywords), seconds it took or None when it came from the cache). Cached, so the figure and
+    its downloads are the same numbers, and moving a figure-stage control recomputes nothing."""
+    explorer, key = EXPLORERS[name], (name, frozen_values)
     with _compute_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key], None
         start = time.perf_counter()
         result = explorer.load().compute(**keywords(explorer.params, dict(frozen_values), "compute"))
-        return result, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        _cache[key] = result
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+        return result, seconds
 
 
-def _result(request: Request) -> tuple[Explorer, dict[str, Any], Any, float, dict[str, Any]]:
-    """(explorer, parsed values, result, compute seconds, figure keywords) of a request."""
+def _result(request: Request) -> tuple[Explorer, dict[str, Any], Any, float | None, dict[str, Any]]:
+    """(explorer, parsed values, result, compute seconds or None if cached, figure keywords) of a request."""
     explorer = _explorer(request)
     values = parse_params(explorer.params, request.query_params)
     compute_values = tuple(sorted((p.name, values[p.name]) for p in explorer.params if p.stage == "compute"))
@@ -109,7 +137,7 @@ def _equation_svg(name: str, index: int) -> bytes:
     from matplotlib.font_manager import FontProperties
 
     buffer = io.BytesIO()
-    with _mathtext_lock:  # matplotlib's mathtext parser is not thread-safe
+    with _render_lock:
         mathtext.math_to_image(EXPLORERS[name].equations[index][1], buffer, format="svg", prop=FontProperties(size=16, math_fontfamily="cm"))
     return buffer.getvalue()
 
@@ -123,7 +151,6 @@ def _page(title: str, body: str) -> HTMLResponse:
         f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{html.escape(title)}</title>"
         "<link rel='icon' href='data:,'><link rel='stylesheet' href='/static/app.css'></head>"
         f"<body>{body}</body></html>",
-        headers=SECURITY_HEADERS,
     )
 
 
@@ -144,8 +171,8 @@ def _control(param, value) -> str:
         options = "".join(f"<option{' selected' if c == value else ''}>{html.escape(c)}</option>" for c in param.choices)
         widget = f"<select id='p-{name}' name='{name}' data-param>{options}</select>"
     else:
-        widget = (f"<input type='range' id='p-{name}' name='{name}' data-param min='{param.low:g}' max='{param.high:g}' "
-                  f"step='{param.step:g}' value='{value:g}'>")
+        widget = (f"<input type='range' id='p-{name}' name='{name}' data-param min='{param.low:.12g}' max='{param.high:.12g}' "
+                  f"step='{param.step:.12g}' value='{value:.12g}'>")
     return f"<div class='control'{tip}><label for='p-{name}'>{label}</label>{widget}<output for='p-{name}'>{html.escape(str(value))}</output></div>"
 
 
@@ -163,7 +190,7 @@ def explorer_page(request: Request) -> HTMLResponse:
     )
     query = html.escape(urlencode(values))
     body = (
-        f"<main id='explorer' data-name='{explorer.name}' data-state='loading' data-query='' data-initial='{query}'>"
+        f"<main id='explorer' data-name='{explorer.name}' data-state='loading' data-query=''>"
         f"<nav><a href='/'>&larr; all explorers</a></nav><h1>{explorer.name} <span class='seed'>{html.escape(explorer.seed_name)}</span></h1>"
         f"<p class='summary'>{html.escape(explorer.summary)}</p>"
         f"<section class='controls'>{controls}<div class='downloads'>"
@@ -183,39 +210,37 @@ def explorer_page(request: Request) -> HTMLResponse:
 def figure_endpoint(request: Request) -> JSONResponse:
     explorer, params, result, seconds, figure_keywords = _result(request)
     figure = to_jsonable(explorer.load().figure(result, **figure_keywords))
-    return JSONResponse({"name": explorer.name, "params": params, "compute_ms": round(1000 * seconds, 2), "figure": figure},
-                        headers=SECURITY_HEADERS)
+    compute_ms = None if seconds is None else round(1000 * seconds, 2)
+    return JSONResponse({"name": explorer.name, "params": params, "cached": seconds is None, "compute_ms": compute_ms, "figure": figure})
 
 
 def download_png(request: Request) -> Response:
     explorer, _, result, _, figure_keywords = _result(request)
     buffer = io.BytesIO()
-    explorer.load().plot(result, buffer, **figure_keywords)
-    return Response(buffer.getvalue(), media_type="image/png",
-                    headers={**SECURITY_HEADERS, "Content-Disposition": f'attachment; filename="{explorer.name}.png"'})
+    with _render_lock:
+        explorer.load().plot(result, buffer, **figure_keywords)
+    return Response(buffer.getvalue(), media_type="image/png", headers={"Content-Disposition": f'attachment; filename="{explorer.name}.png"'})
 
 
 def download_json(request: Request) -> Response:
     explorer, params, result, _, _ = _result(request)
     text = json.dumps({"explorer": explorer.name, "params": params, "result": to_jsonable(result)}, indent=1) + "\n"
-    return Response(text, media_type="application/json",
-                    headers={**SECURITY_HEADERS, "Content-Disposition": f'attachment; filename="{explorer.name}.json"'})
+    return Response(text, media_type="application/json", headers={"Content-Disposition": f'attachment; filename="{explorer.name}.json"'})
 
 
 def equation(request: Request) -> Response:
     explorer, index = _explorer(request), request.path_params["index"]
     if not 0 <= index < len(explorer.equations):
         raise HTTPException(404, f"{explorer.name} has {len(explorer.equations)} equations")
-    return Response(_equation_svg(explorer.name, index), media_type="image/svg+xml", headers=SECURITY_HEADERS)
+    return Response(_equation_svg(explorer.name, index), media_type="image/svg+xml")
 
 
 def plotly_js(request: Request) -> FileResponse:
-    return FileResponse(PLOTLY_JS, media_type="text/javascript", headers=SECURITY_HEADERS)
+    return FileResponse(PLOTLY_JS, media_type="text/javascript")
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    status = getattr(exc, "status_code", 400)
-    return _error(status, str(getattr(exc, "detail", exc)))
+    return _error(getattr(exc, "status_code", 400), str(getattr(exc, "detail", exc)), getattr(exc, "headers", None))
 
 
 async def _param_error(request: Request, exc: Exception) -> JSONResponse:
@@ -241,13 +266,24 @@ def create_app(allowed_hosts: list[str] | None = None) -> Starlette:
     ]
     handlers = {HTTPException: _http_error, ParamError: _param_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers,
-                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)])
+                     middleware=[Middleware(SecurityHeaders), Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)])
 
 
-def _allowed_hosts(host: str) -> list[str] | None:
-    if host in (LOOPBACK, "localhost", "::1"):
-        return None
-    return ["*"]  # told to listen beyond this machine: any name may reach it
+def allowed_hosts(host: str, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The Host header names the app answers when listening on ``host``: the loopback names, ``host`` itself,
+    and for a wildcard address (0.0.0.0, ::) this machine's name and addresses; plus ``extra`` (--allow-host).
+    Any other name is refused, so a web page elsewhere cannot reach the server by DNS rebinding."""
+    names = {LOOPBACK, "localhost", "[::1]", *extra}
+    if host not in (LOOPBACK, "localhost", "::1"):
+        names.add(f"[{host}]" if ":" in host else host)
+    if host in ("0.0.0.0", "::", ""):
+        machine = socket.gethostname()
+        names |= {machine, socket.getfqdn()}
+        try:
+            names |= set(socket.gethostbyname_ex(machine)[2])
+        except OSError:
+            pass
+    return sorted(names)
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
@@ -266,16 +302,18 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _server(host: str, port: int, warm: bool) -> tuple[uvicorn.Server, socket.socket]:
+def _server(host: str, port: int, warm: bool, allow_hosts: tuple[str, ...] = ()) -> tuple[uvicorn.Server, socket.socket]:
     sock = _bound_socket(host, port)
     if warm:
         threading.Thread(target=warm_up, daemon=True).start()
-    return uvicorn.Server(uvicorn.Config(create_app(_allowed_hosts(host)), log_level="warning", access_log=False)), sock
+    app = create_app(allowed_hosts(host, allow_hosts))
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)), sock
 
 
-def serve(host: str = LOOPBACK, port: int = 8050, on_ready: Callable[[str], None] | None = None, warm: bool = True) -> None:
-    """Serve until interrupted; ``on_ready(url)`` runs once the socket is bound."""
-    server, sock = _server(host, port, warm)
+def serve(host: str = LOOPBACK, port: int = 8050, on_ready: Callable[[str], None] | None = None, warm: bool = True,
+          allow_hosts: tuple[str, ...] = ()) -> None:
+    """Serve until interrupted; ``on_ready(url)`` runs once the socket is bound; ``allow_hosts``: more Host names to answer."""
+    server, sock = _server(host, port, warm, allow_hosts)
     if on_ready is not None:
         on_ready(_url(host, sock.getsockname()[1]))
     server.run(sockets=[sock])

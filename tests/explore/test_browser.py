@@ -126,10 +126,12 @@ def test_page_slider_and_screenshot(page, server_url, name, tmp_path):
 
     slider = next(p for p in explorer.params if p.kind != "choice")
     key = "ArrowLeft" if slider.default + 2 * slider.step > slider.high else "ArrowRight"
+    page.evaluate("() => { delete document.getElementById('explorer').dataset.latencyMs; }")
     value = slider_value_after_keys(page, slider.name, key, 2)
     assert float(value) != float(slider.default)
+    # the page sets data-latency-ms once the figure drawn is that of the controls' current values
     # (wait_for_function polls with eval, which the page's CSP forbids: wait for the state by selector)
-    page.wait_for_selector(f"#explorer[data-state=ready][data-query*='{slider.name}={value}']", timeout=60_000)
+    page.wait_for_selector("#explorer[data-state=ready][data-latency-ms]", timeout=60_000)
     after = root.get_attribute("data-query")
     assert dict(parse_qsl(after))[slider.name] == value
     assert_same_figure(plotted(page), expected(name, after))
@@ -158,8 +160,11 @@ def test_page_slider_and_screenshot(page, server_url, name, tmp_path):
 def test_selector_changes_the_figure(page, server_url):
     page.goto(f"{server_url}/explorer/kl-penalty-tradeoff")
     page.wait_for_selector(READY, timeout=60_000)
+    page.evaluate("() => { delete document.getElementById('explorer').dataset.latencyMs; }")
     page.select_option("select[name=beta]", "2.5")
-    page.wait_for_selector("#explorer[data-state=ready][data-query*='beta=2.5']", timeout=60_000)
+    page.wait_for_selector("#explorer[data-state=ready][data-latency-ms]", timeout=60_000)
+    assert dict(parse_qsl(page.locator("#explorer").get_attribute("data-query")))["beta"] == "2.5"
+    assert page.locator("#status").text_content() == "from the cache"  # a figure-stage control recomputes nothing
     shown = plotted(page)
     assert_same_figure(shown, expected("kl-penalty-tradeoff", page.locator("#explorer").get_attribute("data-query")))
     assert "β = 2.5" in [t["name"] for t in shown["data"]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -226,7 +227,8 @@ def test_page_has_a_control_per_param_and_its_equations(client, name):
         if p.kind == "choice":
             assert f"<select id='p-{p.name}'" in page.text
         else:
-            assert f"id='p-{p.name}' name='{p.name}' data-param min='{p.low:g}' max='{p.high:g}' step='{p.step:g}' value='{p.default:g}'" in page.text
+            assert (f"id='p-{p.name}' name='{p.name}' data-param min='{p.low:.12g}' max='{p.high:.12g}' step='{p.step:.12g}' "
+                    f"value='{p.default:.12g}'") in page.text
     for i in range(len(explorer.equations)):
         svg = client.get(f"/equation/{name}/{i}.svg")
         assert svg.status_code == 200 and svg.headers["content-type"] == "image/svg+xml" and b"<svg" in svg.content
@@ -244,7 +246,18 @@ def test_figure_endpoint_equals_compute(client):
 
 def test_a_shared_link_opens_at_its_values(client):
     page = client.get("/explorer/maze-values", params={"sweep": "2", "gamma": "0.8"})
-    assert "value='2'" in page.text and "value='0.8'" in page.text
+    assert "name='sweep' data-param min='0' max='30' step='1' value='2'>" in page.text
+    assert "name='gamma' data-param min='0.5' max='0.99' step='0.01' value='0.8'>" in page.text
+    assert "href='/api/maze-values/download.png?sweep=2&amp;gamma=0.8'" in page.text
+
+
+def test_figure_stage_controls_recompute_nothing(client):
+    first = client.get("/api/gae-lambda-sweep/figure", params={"seed": "7", "lam": "0.3"}).json()
+    again = client.get("/api/gae-lambda-sweep/figure", params={"seed": "7", "lam": "0.8"}).json()
+    assert first["cached"] is False and first["compute_ms"] > 0
+    assert again["cached"] is True and again["compute_ms"] is None
+    assert again["figure"]["data"] == first["figure"]["data"]  # the same result, another lambda marked
+    assert again["figure"]["layout"]["shapes"][0]["x0"] == 0.8
 
 
 def test_downloads_are_the_figure_and_numbers_of_the_current_values(client):
@@ -278,9 +291,11 @@ def test_assets_come_from_installed_packages(client):
     ("/api/kl-penalty-tradeoff/download.json", {"beta": "0.3"}, 400, "must be one of 0.1, 0.15"),
     ("/explorer/gae-lambda-sweep", {"lam": "2"}, 400, "lam='2' is out of range"),
     ("/api/no-such/figure", {}, 404, "unknown explorer 'no-such'"),
-    ("/explorer/..%2F..%2Fetc%2Fpasswd", {}, 404, ""),
-    ("/static/../server.py", {}, 404, ""),
-    ("/static/%2e%2e/server.py", {}, 404, ""),
+    ("/explorer/..%2F..%2Fetc%2Fpasswd", {}, 404, "Not Found"),
+    ("/explorer/%2e%2e", {}, 404, "unknown explorer '..'"),
+    ("/static/%2e%2e/server.py", {}, 404, "Not Found"),
+    ("/static/%2e%2e%2fserver.py", {}, 404, "Not Found"),
+    ("/static/..%2f..%2fparams.py", {}, 404, "Not Found"),
     ("/no/such/route", {}, 404, "Not Found"),
 ])
 def test_malformed_requests_get_a_4xx_with_a_message_and_no_traceback(client, path, params, status, message):
@@ -292,7 +307,8 @@ def test_malformed_requests_get_a_4xx_with_a_message_and_no_traceback(client, pa
 
 
 def test_other_methods_and_foreign_hosts_are_refused(client):
-    assert client.post("/api/maze-values/figure").status_code == 405
+    refused = client.post("/api/maze-values/figure")
+    assert refused.status_code == 405 and "GET" in refused.headers["allow"]
     assert client.get("/", headers={"host": "evil.example"}).status_code == 400  # DNS rebinding
     assert client.get("/", headers={"host": "localhost:8050"}).status_code == 200
 
@@ -307,8 +323,21 @@ def test_an_internal_error_is_one_line_not_a_traceback(client, monkeypatch):
     assert response.json() == {"error": "internal error: RuntimeError: boom"}
 
 
+def test_allowed_hosts():
+    from rlalign.explore.server import allowed_hosts
+
+    assert allowed_hosts("127.0.0.1") == ["127.0.0.1", "[::1]", "localhost"]
+    assert "192.0.2.7" in allowed_hosts("192.0.2.7") and "*" not in allowed_hosts("192.0.2.7")
+    wildcard = allowed_hosts("0.0.0.0", ("lab.example",))
+    assert {socket.gethostname(), "lab.example", "localhost"} <= set(wildcard) and "*" not in wildcard
+    app = TestClient(create_app(wildcard), base_url="http://lab.example:8050")
+    assert app.get("/").status_code == 200
+    assert app.get("/", headers={"host": "evil.example"}).status_code == 400
+
+
 def test_every_response_carries_the_security_headers(client):
-    for path in ("/", "/explorer/maze-values", "/api/maze-values/figure", "/api/no-such/figure"):
+    for path in ("/", "/explorer/maze-values", "/api/maze-values/figure", "/api/no-such/figure", "/static/app.js", "/static/plotly.min.js",
+                 "/equation/maze-values/0.svg", "/api/maze-values/download.json"):
         headers = client.get(path).headers
         assert headers["x-content-type-options"] == "nosniff"
         assert "default-src 'self'" in headers["content-security-policy"]
@@ -339,9 +368,9 @@ def test_cli_serve_binds_loopback_and_serves(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-        listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
-        if listening:  # iproute2's ss, where installed: nothing but the loopback address listens
-            assert all(" 127.0.0.1:" in row for row in listening.strip().splitlines()), listening
+        if shutil.which("ss"):  # iproute2's ss, where installed: nothing but the loopback address listens
+            listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
+            assert listening and all(" 127.0.0.1:" in row for row in listening.strip().splitlines()), listening
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -46,8 +46,8 @@
     try {
       const requested = performance.now();
       const response = await fetch(`/api/${name}/figure?${q}`);
-      const body = await response.json();
-      if (!response.ok) throw new Error(body.error || `HTTP ${response.status}`);
+      const body = await response.json().catch(() => ({}));
+      if (!response.ok || !body.figure) throw new Error(body.error || `HTTP ${response.status}`);
       const received = performance.now();
       await Plotly.react(figure, body.figure.data, body.figure.layout, { responsive: true, displaylogo: false });
       await nextFrame();
@@ -57,18 +57,19 @@
       links.json.href = `/api/${name}/download.json?${q}`;
       history.replaceState(null, "", `?${q}`);
       root.dataset.query = q;
-      root.dataset.computeMs = body.compute_ms;
+      root.dataset.computeMs = body.cached ? "cached" : body.compute_ms;
       if (changedAt !== null && q === query()) {
         root.dataset.latencyMs = (performance.now() - changedAt).toFixed(1);
         changedAt = null;
       }
-      status.textContent = `computed in ${body.compute_ms.toFixed(0)} ms`;
+      status.textContent = body.cached ? "from the cache" : `computed in ${body.compute_ms.toFixed(0)} ms`;
       status.classList.remove("error");
       root.dataset.state = "ready";
     } catch (err) {
       status.textContent = String(err.message || err);
       status.classList.add("error");
       root.dataset.state = "error";
+      changedAt = null;
     } finally {
       inFlight = false;
       if (dirty || query() !== root.dataset.query) {
