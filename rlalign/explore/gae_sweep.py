@@ -163,10 +163,10 @@ def _lambda_index(result: GAESweepResult, lam: float) -> int:
 
 
 def plot(result: GAESweepResult, path: str | Path, lam: float | None = None) -> Path:
-    lam_marked = lam
+    """Bias², variance and MSE against lambda for both critics; ``lam`` (one of the computed lambdas) marked."""
+    marked = None if lam is None else _lambda_index(result, lam)
     fig, axes = new_figure(2, width=5.4, height=4.3)
     lam = result.lambdas
-    marked = None if lam_marked is None else _lambda_index(result, lam_marked)
     for ax, c in zip(axes, (1, 0)):
         ax.plot(lam, result.bias_sq[c], "o-", color="tab:red", ms=4, label="bias²  (visit-weighted)")
         ax.plot(lam, result.variance[c], "s-", color="tab:blue", ms=4, label="variance")
