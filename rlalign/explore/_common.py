@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 __all__ = [
-    "new_figure", "save_figure", "to_jsonable", "write_json", "trace", "panels_layout", "band", "vline", "CLIP_COLOUR", "POS_COLOUR", "NEG_COLOUR",
+    "new_figure", "save_figure", "to_jsonable", "write_json", "trace", "panels_layout", "band", "vline", "grid_index", "CLIP_COLOUR", "POS_COLOUR", "NEG_COLOUR",
 ]
 
 POS_COLOUR = "tab:blue"  # A > 0
@@ -42,6 +42,13 @@ def save_figure(fig: Figure, path: str | Path | BinaryIO) -> Path | BinaryIO:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path
+
+
+def grid_index(grid: np.ndarray, value: float, what: str) -> int:
+    """Index of ``value`` in a computed ``grid`` (lambdas, betas, offsets), or ValueError naming ``what``."""
+    if not np.any(np.isclose(grid, value)):
+        raise ValueError(f"{what} {value:g} is not one of the computed {what}s {np.asarray(grid).tolist()}")
+    return int(np.argmin(np.abs(grid - value)))
 
 
 # ---------------------------------------------------------------- the live page's figures (plotly.js, plain dicts)

@@ -30,7 +30,7 @@ from torch.func import grad, vmap
 
 from rlalign.core.advantages import rloo_advantages
 from rlalign.core.losses import policy_gradient_loss
-from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
+from rlalign.explore._common import PLOTLY_COLOURS, grid_index, new_figure, panels_layout, save_figure, trace
 from rlalign.explore.params import Param
 
 SUMMARY = "REINFORCE gradient variance on a softmax bandit with no baseline, mean reward, optimal b*, and RLOO"
@@ -133,12 +133,6 @@ def compute(
     )
 
 
-def _offset_index(result: BaselineVarianceResult, offset: float) -> int:
-    if not np.any(np.isclose(result.offsets, offset)):
-        raise ValueError(f"offset {offset:g} is not one of the computed offsets {result.offsets.tolist()}")
-    return int(np.argmin(np.abs(result.offsets - offset)))
-
-
 def plot(result: BaselineVarianceResult, path: str | Path, offset: float = 2.0) -> Path:
     fig, axes = new_figure(2, width=5.6, height=4.8)
     colours = COLOURS
@@ -156,7 +150,7 @@ def plot(result: BaselineVarianceResult, path: str | Path, offset: float = 2.0) 
     ax.legend(fontsize=8)
 
     ax = axes[1]
-    c_index = _offset_index(result, offset)
+    c_index = grid_index(result.offsets, offset, "offset")
     K = result.exact_gradient.size
     x = np.arange(K)
     width = 0.18
@@ -176,7 +170,7 @@ def plot(result: BaselineVarianceResult, path: str | Path, offset: float = 2.0) 
 
 def figure(result: BaselineVarianceResult, offset: float = 2.0) -> dict:
     """The live page's figure: variance against the offset c, and the estimates' spread at ``offset``."""
-    c_index = _offset_index(result, offset)
+    c_index = grid_index(result.offsets, offset, "offset")
     symbols = ("circle-open", "square-open", "triangle-up-open", "diamond-open")
     data = []
     for i, name in enumerate(result.baselines):

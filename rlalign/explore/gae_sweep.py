@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from rlalign.core.advantages import gae
-from rlalign.explore._common import new_figure, panels_layout, save_figure, trace, vline
+from rlalign.explore._common import grid_index, new_figure, panels_layout, save_figure, trace, vline
 from rlalign.explore.params import Param
 
 SUMMARY = "bias^2, variance and MSE of the GAE advantage vs lambda on a chain MDP with exact values (also GAEExplorer)"
@@ -156,15 +156,9 @@ def compute(
     )
 
 
-def _lambda_index(result: GAESweepResult, lam: float) -> int:
-    if not np.any(np.isclose(result.lambdas, lam)):
-        raise ValueError(f"lambda {lam:g} is not one of the computed lambdas {result.lambdas.tolist()}")
-    return int(np.argmin(np.abs(result.lambdas - lam)))
-
-
 def plot(result: GAESweepResult, path: str | Path, lam: float | None = None) -> Path:
     """Bias², variance and MSE against lambda for both critics; ``lam`` (one of the computed lambdas) marked."""
-    marked = None if lam is None else _lambda_index(result, lam)
+    marked = None if lam is None else grid_index(result.lambdas, lam, "lambda")
     fig, axes = new_figure(2, width=5.4, height=4.3)
     lam = result.lambdas
     for ax, c in zip(axes, (1, 0)):
@@ -189,7 +183,7 @@ def plot(result: GAESweepResult, path: str | Path, lam: float | None = None) -> 
 
 def figure(result: GAESweepResult, lam: float = 0.95) -> dict:
     """The live page's figure: bias², variance and MSE against lambda for both critics, ``lam`` marked."""
-    j = _lambda_index(result, lam)
+    j = grid_index(result.lambdas, lam, "lambda")
     data, panels = [], []
     for p, c in enumerate((1, 0), start=1):
         best = int(np.argmin(result.mse[c]))

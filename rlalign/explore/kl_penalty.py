@@ -33,7 +33,7 @@ import torch
 
 from rlalign.core.kl import categorical_kl, kl_k1
 from rlalign.core.losses import kl_penalty_loss, policy_gradient_loss
-from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
+from rlalign.explore._common import PLOTLY_COLOURS, grid_index, new_figure, panels_layout, save_figure, trace
 from rlalign.explore.params import Param
 
 SUMMARY = "reward vs KL(pi||ref) over beta on a bandit: k1-in-reward and k3-in-loss ascent vs the closed form"
@@ -170,12 +170,6 @@ def compute(
     )
 
 
-def _beta_index(result: KLPenaltyResult, beta: float) -> int:
-    if not np.any(np.isclose(result.betas, beta)):
-        raise ValueError(f"beta {beta:g} is not one of the computed betas {result.betas.tolist()}")
-    return int(np.argmin(np.abs(result.betas - beta)))
-
-
 def plot(result: KLPenaltyResult, path: str | Path, beta: float = 0.4) -> Path:
     fig, axes = new_figure(2, width=5.6, height=4.4)
     ax = axes[0]
@@ -195,7 +189,7 @@ def plot(result: KLPenaltyResult, path: str | Path, beta: float = 0.4) -> Path:
     ax.legend(fontsize=8, loc="lower right")
 
     ax = axes[1]
-    i = _beta_index(result, beta)
+    i = grid_index(result.betas, beta, "beta")
     K = result.reward.size
     x = np.arange(K)
     w = 0.19
@@ -214,7 +208,7 @@ def plot(result: KLPenaltyResult, path: str | Path, beta: float = 0.4) -> Path:
 
 def figure(result: KLPenaltyResult, beta: float = 0.4) -> dict:
     """The live page's figure: the reward-KL frontier with the found policies (``beta`` ringed), and the policies at ``beta``."""
-    i = _beta_index(result, beta)
+    i = grid_index(result.betas, beta, "beta")
     k1, k3 = "k1 in reward", "k3 in loss"
     data = [
         trace(result.frontier_kl, result.frontier_reward, "closed form π* ∝ ref·exp(r/β)", colour="k"),
