@@ -81,6 +81,7 @@ __all__ = [
 
 DType = Literal["float32", "bfloat16", "float16"]
 HEAD_FILE = "value_head.safetensors"
+REWARD_INPUT_KEY = "rlalign_reward_input"  # config.json: how a reward model reads prompt + completion ("eos": as rlalign rm trains it)
 _ADAPTER_FILE = "adapter_config.json"
 
 
@@ -475,8 +476,9 @@ class ScalarHeadModel(nn.Module):
         A head without bias (a reward model from ``rlalign rm``) saves as a Hugging Face
         ``<Arch>ForSequenceClassification`` checkpoint: ``architectures`` that class (transformers'
         sequence-classification mapping of the backbone's config), one label (``id2label``),
-        ``pad_token_id``, the backbone's weights under the class's ``base_model_prefix`` and the
-        head as ``score.weight`` (1, H), float32. It warns when the pad token is an EOS token:
+        ``pad_token_id``, ``rlalign_reward_input: "eos"`` (it was trained on prompt + completion closed
+        by EOS, so :class:`rlalign.lm.rewards.RewardModelReward` scores it so), the backbone's weights
+        under the class's ``base_model_prefix`` and the head as ``score.weight`` (1, H), float32. It warns when the pad token is an EOS token:
         transformers' classifier reads the score at the last token that is not ``pad_token_id``,
         which is then the token before the closing EOS where rlalign reads it.
 
@@ -520,6 +522,7 @@ class ScalarHeadModel(nn.Module):
             pad = min(eos)
         config.pad_token_id = pad
         config.get_text_config().pad_token_id = pad
+        setattr(config, REWARD_INPUT_KEY, "eos")  # trained on prompt + completion + EOS: scored so (rlalign.lm.rewards.reward_input_of)
         try:
             with torch.device("meta"):
                 classifier = AutoModelForSequenceClassification.from_config(config)

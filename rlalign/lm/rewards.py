@@ -5,26 +5,24 @@ Rule-based (verifiable) rewards and a wrapper that turns a reward model into a r
     reward_fns = [math_answer({"What is 2+2?": "4"}), format_check(r"\\d+")]
     scores = score_completions(reward_fns, prompts, completions, weights=[1.0, 0.1])   # (B,)
 
-:func:`score_completions` is the one place where reward functions are called: it checks that a
-function returns one finite float per completion, and turns an exception or a NaN into a
-:class:`RewardFunctionError` naming the function and the prompt concerned (a batch that raises is
-re-run one pair at a time to find the prompt that triggers it).
+How functions are called (TRL's keywords, ``async def`` concurrently) and checked (a failure is an
+error naming the function and the prompt, never a silent 0): :mod:`rlalign.lm.reward_calls`.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from rlalign.errors import RLAlignError
-from rlalign.lm.data import PreferenceExample, collate_preferences
+from rlalign.lm.data import Messages, Prompt, PreferenceExample, collate_preferences
+from rlalign.lm.models import HEAD_FILE, REWARD_INPUT_KEY, resolve_model_path
+from rlalign.lm.reward_calls import RewardFunctionError, call_reward, check_finite, reward_fn_name, score_completions
 
 __all__ = [
     "RewardFn",
@@ -33,23 +31,17 @@ __all__ = [
     "math_answer",
     "format_check",
     "RewardModelReward",
+    "RewardInput",
+    "reward_input_of",
     "reward_fn_name",
     "score_completions",
     "call_reward",
+    "check_finite",
 ]
 
 
 class RewardFn(Protocol):
     def __call__(self, prompts: list[str], completions: list[str]) -> list[float]: ...
-
-
-class RewardFunctionError(RLAlignError, RuntimeError):
-    """A reward function raised, returned the wrong number of scores, or returned NaN/inf."""
-
-
-def reward_fn_name(fn: Callable) -> str:
-    """A function's ``name`` attribute, else its qualified name, else its type's name."""
-    return getattr(fn, "name", None) or getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def row_references(references: Mapping[str, str] | None, prompts: list[str], columns: Mapping[str, Sequence], column: str, name: str) -> list[str]:
@@ -103,111 +95,101 @@ def format_check(pattern: str, full_match: bool = True) -> RewardFn:
     return format_reward
 
 
-class RewardModelReward:
-    """A reward model as a reward function: r(x, y) read at the EOS of prompt + completion.
+RewardInput = Literal["text", "eos"]
 
-    Scores are computed without gradients in batches of ``batch_size`` pairs.
+
+def reward_input_of(path) -> RewardInput:
+    """How the reward model at ``path`` was trained to read prompt + completion: what its config.json
+    records under ``rlalign_reward_input`` (``rlalign rm`` writes "eos"); "eos" for the older rlalign
+    format (backbone + value_head.safetensors); else "text", the convention of Hugging Face reward models."""
+    path = resolve_model_path(path)
+    config_file = path / "config.json"
+    recorded = json.loads(config_file.read_text()).get(REWARD_INPUT_KEY) if config_file.is_file() else None
+    if recorded is not None:
+        if recorded not in ("text", "eos"):
+            raise ValueError(f"{config_file}: {REWARD_INPUT_KEY} is {recorded!r}, expected 'text' or 'eos'")
+        return recorded
+    return "eos" if (path / HEAD_FILE).is_file() else "text"
+
+
+REWARD_INPUT_TEXT = {
+    "text": "prompt + completion as its tokenizer encodes the text (no special tokens added; conversations through its chat template), "
+    "read at the last token that is not padding: as transformers and TRL score it",
+    "eos": "rlalign's training format: the prompt as the policy reads it, then the completion closed by EOS, read at that EOS",
+}
+
+
+class RewardModelReward:
+    """A reward model as a reward function: r(x, y), one forward pass per batch of ``batch_size`` pairs, no gradients.
+
+    ``input_format`` says how prompt + completion reach the model (:func:`reward_input_of` reads it
+    from a checkpoint):
+
+    - ``"text"``: as transformers / TRL's ``GRPOTrainer`` score a Hugging Face sequence classifier, and
+      as public reward models are meant to be used. A text prompt and its completion are joined as
+      text (``prompt + completion``); a conversation (prompt messages + the assistant's completion) is
+      rendered by the reward tokenizer's chat template (``tokenize=False``, no generation prompt).
+      The text is tokenized with ``add_special_tokens=False``, right-padded, positions 0..T-1, and
+      the score is read at the last token whose id is not the pad id (the tokenizer's pad token, its
+      EOS when it has none, as TRL sets it): transformers' ``*ForSequenceClassification`` rule.
+    - ``"eos"``: how ``rlalign rm`` trains (:func:`rlalign.lm.data.collate_preferences`): the prompt
+      encoded as the policy reads it, the completion's tokens closed by EOS, the score read at that
+      EOS; sequences longer than ``max_length`` keep their last tokens.
+
+    ``prompts`` are the data's prompts (text or messages) and ``completions`` the completions' texts
+    (or their assistant messages), as the trainers pass them.
     """
 
-    def __init__(self, model, tokenizer: PreTrainedTokenizerBase, batch_size: int = 32, max_length: int = 1024):
-        self.model, self.tokenizer, self.batch_size, self.max_length = model, tokenizer, batch_size, max_length
+    def __init__(
+        self, model, tokenizer: PreTrainedTokenizerBase, input_format: RewardInput = "text", batch_size: int = 32, max_length: int = 1024
+    ):
+        if input_format not in ("text", "eos"):
+            raise ValueError(f"input_format must be 'text' or 'eos', got {input_format!r}")
+        self.model, self.tokenizer, self.input_format = model, tokenizer, input_format
+        self.batch_size, self.max_length = batch_size, max_length
         self.name = f"RewardModelReward({getattr(model.config, 'name_or_path', '') or type(model).__name__})"
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def __call__(self, prompts: list, completions: list) -> list[float]:
         device = next(self.model.parameters()).device
         scores: list[float] = []
         for start in range(0, len(prompts), self.batch_size):
-            pairs = [PreferenceExample(p, c, c) for p, c in zip(prompts[start : start + self.batch_size], completions[start : start + self.batch_size], strict=True)]
-            batch = collate_preferences(self.tokenizer, pairs, self.max_length)
-            n = batch.num_pairs
-            ids, mask = batch.input_ids[:n].to(device), batch.attention_mask[:n].to(device)  # (n, T): the "chosen" half
-            scores.extend(self.model.sequence_scores(ids, mask).tolist())
+            batch = slice(start, start + self.batch_size)
+            score = self._text_scores if self.input_format == "text" else self._eos_scores
+            scores.extend(score(prompts[batch], completions[batch], device).tolist())
         return scores
 
+    def _eos_scores(self, prompts: list, completions: list, device) -> Tensor:
+        pairs = [PreferenceExample(p, c, c) for p, c in zip(prompts, completions, strict=True)]
+        batch = collate_preferences(self.tokenizer, pairs, self.max_length)
+        n = batch.num_pairs
+        ids, mask = batch.input_ids[:n].to(device), batch.attention_mask[:n].to(device)  # (n, T): the "chosen" half
+        return self.model.sequence_scores(ids, mask)  # (n,)
 
-def _keyword_names(fn: Callable) -> set[str] | None:
-    """The keyword arguments ``fn`` takes: None for ``**kwargs`` (all of them), an empty set when it
-    cannot take ``prompts`` and ``completions`` by name (then it is called positionally)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return set()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    named = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-    return named if "completions" in named else set()
+    def text(self, prompt: Prompt, completion: str | Messages) -> str:
+        """The text the model scores in the "text" format (TRL's ``prompt + completion``, or the chat template's rendering)."""
+        if isinstance(prompt, str):
+            return prompt + (completion if isinstance(completion, str) else "".join(m["content"] for m in completion))
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RewardFunctionError(
+                f"{self.name}: the prompt is a conversation but the reward model's tokenizer has no chat template, so it cannot be "
+                f"scored as TRL scores it; give its tokenizer a chat template or set input_format: eos (prompt {prompt!r})"
+            )
+        messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        return self.tokenizer.apply_chat_template(list(prompt) + list(messages), tokenize=False)
 
-
-def call_reward(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, Sequence], context: Mapping[str, object]) -> Sequence:
-    """TRL's convention where ``fn`` takes it: keywords ``prompts``, ``completions``, every other
-    column and every ``context`` entry by name (all of them for ``**kwargs``, else those it names);
-    else ``fn(prompts, completions)``."""
-    names = _keyword_names(fn)
-    if names is not None and not names:
-        return fn(prompts, completions)
-    kwargs = {**columns, **context, "prompts": prompts, "completions": completions}  # a column of either name never replaces them
-    return fn(**(kwargs if names is None else {key: value for key, value in kwargs.items() if key in names}))
-
-
-def _call_one(
-    fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, Sequence], context: Mapping[str, object] | None = None
-) -> list[float]:
-    """``fn``'s scores, checked: one finite number per completion, or None where it does not apply (read as NaN)."""
-    try:
-        scores = list(call_reward(fn, prompts, completions, columns, context or {}))
-    except Exception as err:  # find which prompt makes it raise
-        if len(prompts) > 1:
-            for i, (p, c) in enumerate(zip(prompts, completions)):
-                _call_one(fn, name, [p], [c], {key: [values[i]] for key, values in columns.items()}, context)
-        raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {err} (prompt {prompts[0]!r})") from err
-    if len(scores) != len(prompts):
-        raise RewardFunctionError(f"reward function {name} returned {len(scores)} scores for {len(prompts)} completions")
-    for p, s in zip(prompts, scores):
-        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)):
-            raise RewardFunctionError(f"reward function {name} returned {s!r} (expected a finite float) for prompt {p!r} (None marks a completion the function does not apply to)")
-    return [math.nan if s is None else float(s) for s in scores]
-
-
-def score_completions(
-    reward_fns: Sequence[RewardFn], prompts: list[str], completions: list[str], weights: Sequence[float] | None = None,
-    columns: Mapping[str, Sequence] | None = None,
-    context: Mapping[str, object] | None = None,
-) -> Tensor:
-    """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32. A function may return
-    None for a completion it does not apply to: its term is left out of that completion's sum.
-
-    ``columns``: the rows' other dataset columns (``answer``, ``tests``, ...), one value per row each.
-    A function that takes ``completions`` by name is called TRL's way, with keywords: ``prompts``,
-    ``completions`` and the columns it names (every one for ``**kwargs``), so a reference is the row's
-    own, not looked up by prompt text; any other function is called ``fn(prompts, completions)``.
-    ``context``: keywords that are not per row (a trainer passes ``trainer_state``, with ``global_step``).
-
-    Raises:
-        RewardFunctionError: naming the function and the prompt, when one raises or returns
-        something other than one finite number per completion.
-    """
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-    if not reward_fns:
-        raise ValueError("no reward functions")
-    weights = [1.0] * len(reward_fns) if weights is None else list(weights)
-    if len(weights) != len(reward_fns):
-        raise ValueError(f"{len(weights)} weights for {len(reward_fns)} reward functions")
-    total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
-    for fn, weight in zip(reward_fns, weights):
-        name = reward_fn_name(fn)
-        scores = torch.tensor(_call_one(fn, name, list(prompts), list(completions), dict(columns or {}), dict(context or {})), dtype=torch.float32)  # (B,), NaN: None
-        applies = ~torch.isnan(scores)  # a None score leaves the term out of that completion's sum (TRL's nansum)
-        check_finite(scores[applies], f"reward function {name} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
-        total += weight * scores.nan_to_num(0.0)
-        check_finite(total, f"the reward total after reward function {name} (weight {weight}) is", prompts, "not finite in float32")
-    return total
-
-
-def check_finite(values: Tensor, what: str, prompts: Sequence[str], why: str) -> None:
-    """Raise :class:`RewardFunctionError` naming the first prompt whose value in ``values`` (B,) is not finite."""
-    bad = (~torch.isfinite(values)).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise RewardFunctionError(f"{what} {values[i].item()} for prompt {prompts[i]!r}: {why}")
+    def _text_scores(self, prompts: list, completions: list, device) -> Tensor:
+        if self.pad_id is None:
+            raise RewardFunctionError(f"{self.name}: its tokenizer has neither a pad nor an EOS token, so a batch has no padding to read past")
+        texts = [self.text(p, c) for p, c in zip(prompts, completions, strict=True)]
+        encoded = self.tokenizer(texts, add_special_tokens=False, padding=True, padding_side="right", return_tensors="pt")
+        ids, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)  # (n, T)
+        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if context is not None and ids.shape[1] > context:
+            longest = int(mask.sum(1).argmax())
+            raise RewardFunctionError(f"{self.name}: prompt + completion is {int(mask[longest].sum())} tokens, over the reward model's {context} positions (prompt {prompts[longest]!r})")
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)  # (n, T): transformers numbers them so whatever the padding
+        values = self.model(ids, mask, position_ids=positions)  # (n, T)
+        last = (positions * (ids != self.pad_id)).argmax(-1)  # (n,): transformers' last non-pad token
+        return values.gather(1, last[:, None]).squeeze(1)  # (n,)

@@ -308,7 +308,7 @@ def grpo_step(
     metrics = updates.means()
     metrics.update(kl_metrics)
     metrics.update(sampling_metrics)
-    metrics.update(reward_stats(scored.scores, scored.per_term))
+    metrics.update(reward_stats(scored.scores, scored.per_term, scored.failed))
     metrics.update(completion_stats(rollout, world))
     metrics["frac_zero_std_groups"] = (scored.scores.view(-1, G).std(dim=1) <= 1e-6).float().mean().item()
     metrics["adv/std"] = all_advantages.std().item()
@@ -405,7 +405,8 @@ def train(
     """Run GRPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
     Args:
-        reward_functions: extra reward terms from Python, added to ``cfg.rewards``.
+        reward_functions: extra reward terms from Python, added to ``cfg.rewards``: :class:`RewardTerm` objects or plain
+            functions (TRL's ``reward_len(completions, **kwargs)``; named by the function, weight 1).
         prompts: prompt records (``{"prompt": ..., "answer"?: ...}``) to use instead of ``cfg.data``.
         tools: Python functions of one string to register as tools, by name, next to ``cfg.tools.enabled``.
     """

@@ -299,7 +299,7 @@ def ppo_step(
     kl_ctl.update(seq_kl.mean().item(), len(batch))
 
     metrics = updates.means()
-    metrics.update(reward_stats(scored.scores, scored.per_term))
+    metrics.update(reward_stats(scored.scores, scored.per_term, scored.failed))
     metrics.update(completion_stats(rollout, world))
     adv_mean, adv_var = distributed.global_mean_var(advantages, mask, world)
     metrics["score"] = scored.scores.mean().item()
@@ -335,7 +335,8 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
     """Run PPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
     Args:
-        reward_functions: extra score terms from Python, added to ``cfg.rewards``.
+        reward_functions: extra score terms from Python, added to ``cfg.rewards``: :class:`RewardTerm` objects or plain
+            functions (TRL's ``reward_len(completions, **kwargs)``; named by the function, weight 1).
         prompts: prompt records to use instead of ``cfg.data``.
     """
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step, 1)  # minibatches may hold any share of a rank's rows

@@ -70,8 +70,21 @@ class RewardConfig(Config):
         None, description="reward-model checkpoint: one written by rlalign rm or any Hugging Face *ForSequenceClassification checkpoint with one label "
         "(or an older rlalign backbone + value_head.safetensors); its score at the end of prompt + response is the reward"
     )
+    input_format: Literal["auto", "text", "eos"] = Field(
+        "auto",
+        description="reward_model: how prompt + completion reach it. text: as transformers and TRL score a Hugging Face reward model "
+        "(prompt + completion as its tokenizer encodes the text, no special tokens added, conversations through its chat template, "
+        "the score at the last non-padding token); eos: as rlalign rm trains (the completion closed by EOS, the score at that EOS); "
+        "auto: what the checkpoint's config.json records (rlalign_reward_input, written by rlalign rm), else text",
+    )
     pattern: str | None = Field(None, description="regular expression the whole completion must match (function: format)")
     weight: float = Field(1.0, description="coefficient of this term in the total reward")
+    on_error: Literal["raise", "skip"] = Field(
+        "raise",
+        description="a call that raises, times out or returns a value that is not a finite number: raise = stop with an error naming "
+        "the term and the prompt; skip = leave the term out for those completions and count them as reward/<name>/failed",
+    )
+    timeout_s: float | None = Field(None, gt=0, description="time limit of one call of this term on a batch (null = none)")
     name: str | None = Field(None, description="metric name, reward/<name>/mean; defaults to the function name or 'rm'")
     partial_credit: bool = Field(False, description="function: code_execution: score the share of tests passed instead of 1 only when all pass")
     allow_weak_sandbox: bool = Field(
@@ -86,6 +99,8 @@ class RewardConfig(Config):
             raise ValueError(f"function {self.function!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'package.module:function'")
         if (self.function == "format") != (self.pattern is not None):
             raise ValueError("'pattern' goes with function: format, and format needs a pattern")
+        if self.reward_model is None and self.input_format != "auto":
+            raise ValueError("input_format goes with reward_model")
         if self.function != "code_execution" and (self.partial_credit or self.allow_weak_sandbox):
             raise ValueError("partial_credit and allow_weak_sandbox go with function: code_execution")
         return self

@@ -15,7 +15,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -25,7 +25,8 @@ from rlalign.config import ConfigError
 from rlalign.lm.code_execution import TestsError, code_execution, parse_tests
 from rlalign.lm.data import DataError, PromptExample, completion_text, encode_prompts, load_prompts, render_prompt
 from rlalign.lm.models import attention_kernel, evaluating, load_reward_model, load_tokenizer
-from rlalign.lm.rewards import RewardModelReward, call_reward, check_finite, exact_match, format_check, math_answer, reward_fn_name, score_completions
+from rlalign.lm.reward_calls import CallPolicy, score_terms
+from rlalign.lm.rewards import REWARD_INPUT_TEXT, RewardModelReward, call_reward, check_finite, exact_match, format_check, math_answer, reward_fn_name, reward_input_of
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
 from rlalign.tasks import TASKS
@@ -91,11 +92,25 @@ def prompt_batch(prompts: Sequence[PromptExample], step: int, batch_size: int, s
 
 @dataclass
 class RewardTerm:
-    """One weighted reward term, ``fn(prompts, completions) -> list[float]`` (rlalign.lm.rewards protocol)."""
+    """One weighted reward term, ``fn(prompts, completions, **columns) -> list[float | None]`` (the
+    :mod:`rlalign.lm.reward_calls` convention, ``async def`` allowed), with what a failed call does
+    (``on_error``: "raise" or "skip") and its time limit per call (None: none)."""
 
     name: str
     weight: float
-    fn: Callable[[list[str], list[str]], Sequence[float]]
+    fn: Callable[..., Sequence[float]]
+    on_error: str = "raise"
+    timeout_s: float | None = None
+
+
+def as_reward_term(term) -> RewardTerm:
+    """A :class:`RewardTerm` as it is; a plain callable (a TRL user's ``reward_len(completions, **kwargs)``)
+    as a term named by its function name, weight 1."""
+    if isinstance(term, RewardTerm):
+        return term
+    if not callable(term):
+        raise ConfigError(f"a reward term must be a RewardTerm or a callable, got {type(term).__name__}")
+    return RewardTerm(reward_fn_name(term), 1.0, term)
 
 
 def _references(prompts: Sequence[PromptExample], tokenizer, function: str, column: str = "answer") -> dict[str, str | None]:
@@ -167,7 +182,11 @@ def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer, world: 
         rm_tokenizer = load_tokenizer(spec.reward_model)
     except (OSError, ValueError):  # a reward model saved without its tokenizer shares the policy's
         rm_tokenizer = tokenizer
-    return RewardModelReward(model, rm_tokenizer)
+    input_format = reward_input_of(spec.reward_model) if spec.input_format == "auto" else spec.input_format
+    if world.is_main:  # which convention scores the run, said once
+        source = "recorded in its config" if spec.input_format == "auto" and input_format == "eos" else f"input_format: {spec.input_format}"
+        print(f"reward {spec.label}: {spec.reward_model} scores {REWARD_INPUT_TEXT[input_format]} ({input_format}, {source})")
+    return RewardModelReward(model, rm_tokenizer, input_format)
 
 
 def build_rewards(
@@ -175,15 +194,19 @@ def build_rewards(
     prompts: Sequence[PromptExample],
     tokenizer,
     model_cfg: ModelConfig,
-    extra: Sequence[RewardTerm] = (),
+    extra: Sequence[RewardTerm | Callable] = (),
     world: distributed.World = distributed.World(),
 ) -> list[RewardTerm]:
-    """Reward terms of the config (functions resolved, reward models loaded frozen) plus ``extra``."""
+    """Reward terms of the config (functions resolved, reward models loaded frozen) plus ``extra``
+    (terms, or plain callables: see :func:`as_reward_term`)."""
     terms = [
-        RewardTerm(spec.label, spec.weight, _reward_model(spec, model_cfg, tokenizer, world) if spec.reward_model else _reward_function(spec, prompts, tokenizer))
+        RewardTerm(
+            spec.label, spec.weight, _reward_model(spec, model_cfg, tokenizer, world) if spec.reward_model else _reward_function(spec, prompts, tokenizer),
+            spec.on_error, spec.timeout_s,
+        )
         for spec in specs
     ]
-    terms.extend(extra)
+    terms.extend(as_reward_term(term) for term in extra)
     if not terms:
         raise ConfigError("no reward: add at least one term under 'rewards' (a function or a reward_model)")
     names = [t.name for t in terms]
@@ -193,20 +216,26 @@ def build_rewards(
 
 
 def score_rollout(
-    terms: Sequence[RewardTerm], prompts: list[str], completions: list[str], columns: dict[str, list] | None = None, context: dict | None = None
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Total reward sum_k w_k R_k per completion (B,) and each term's unweighted values; ``columns``:
-    the rows' other dataset columns, for the terms that take them (``**kwargs``).
+    terms: Sequence[RewardTerm], prompts: list, completions: list, columns: dict[str, list] | None = None, context: dict | None = None
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """Total reward sum_k w_k R_k per completion (B,), each term's unweighted values (B,) (0 where the
+    term does not apply or its call failed, which leaves it out of the sum) and each term's failed
+    rows (B,) bool; ``columns``: the rows' other dataset columns, for the terms that take them.
 
-    Every call goes through :func:`rlalign.lm.rewards.score_completions`, so a function that
-    raises or returns NaN is an error naming it and the prompt.
+    Every call goes through :func:`rlalign.lm.reward_calls.score_terms`: async terms run
+    concurrently, and a failed call is an error naming the term and the prompt unless the term's
+    ``on_error`` is "skip".
     """
-    per_term = {t.name: score_completions([t.fn], prompts, completions, columns=columns, context=context) for t in terms}  # name -> (B,)
-    total = torch.zeros(len(prompts))
-    for t in terms:
+    results = score_terms([CallPolicy(t.name, t.fn, t.on_error, t.timeout_s) for t in terms], prompts, completions, columns, context)
+    per_term, failed = {}, {}
+    total = torch.zeros(len(prompts))  # (B,)
+    for t, result in zip(terms, results):
+        applies = ~torch.isnan(result.values)
+        check_finite(result.values[applies], f"reward term {t.name!r} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
+        per_term[t.name], failed[t.name] = result.values.nan_to_num(0.0), result.failed
         total = total + t.weight * per_term[t.name]
         check_finite(total, f"the total reward after term {t.name!r} (weight {t.weight}) is", prompts, "not finite in float32")
-    return total, per_term
+    return total, per_term, failed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,6 +270,7 @@ class ScoredRollout:
     local_per_term: dict[str, Tensor]  # name -> (B,), unweighted
     scores: Tensor  # (B global,)
     per_term: dict[str, Tensor]  # name -> (B global,)
+    failed: dict[str, Tensor] = field(default_factory=dict)  # name -> (B global,) bool: the term's call failed there (on_error: skip)
 
 
 def score_shard(
@@ -257,12 +287,13 @@ def score_shard(
     columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
     columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
     context = {"trainer_state": SimpleNamespace(global_step=step)}
-    local_scores, local_per_term = score_rollout(rewards, prompts, as_messages, columns, context)  # (B,)
+    local_scores, local_per_term, local_failed = score_rollout(rewards, prompts, as_messages, columns, context)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()
     scores = distributed.gather_rows(local_scores, world)  # (B global,)
     per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
-    return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term)
+    failed = {name: distributed.gather_rows(rows_failed.float(), world).bool() for name, rows_failed in local_failed.items()}
+    return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed)
 
 
 def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world: distributed.World) -> ScoredRollout:
@@ -271,7 +302,7 @@ def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world
     local_values = local_values.to(scored.local_scores.dtype)
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: local_values},
-        scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)},
+        scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)}, scored.failed,
     )
 
 
@@ -281,6 +312,7 @@ def select_rows(scored: ScoredRollout, rows: Tensor) -> ScoredRollout:
     return ScoredRollout(
         [scored.prompts[i] for i in index], [scored.completions[i] for i in index], scored.local_scores[rows],
         {k: v[rows] for k, v in scored.local_per_term.items()}, scored.scores[rows], {k: v[rows] for k, v in scored.per_term.items()},
+        {k: v[rows] for k, v in scored.failed.items()},
     )
 
 
@@ -289,17 +321,21 @@ def concat_scored(parts: Sequence[ScoredRollout]) -> ScoredRollout:
     return ScoredRollout(
         [p for part in parts for p in part.prompts], [c for part in parts for c in part.completions], torch.cat([part.local_scores for part in parts]),
         {k: torch.cat([part.local_per_term[k] for part in parts]) for k in parts[0].local_per_term}, torch.cat([part.scores for part in parts]),
-        {k: torch.cat([part.per_term[k] for part in parts]) for k in parts[0].per_term},
+        {k: torch.cat([part.per_term[k] for part in parts]) for k in parts[0].per_term}, {k: torch.cat([part.failed[k] for part in parts]) for k in parts[0].failed},
     )
 
 
-def reward_stats(total: Tensor, per_term: dict[str, Tensor]) -> dict[str, float]:
-    """reward/mean, reward/std and reward/<name>/mean|std of each term."""
+def reward_stats(total: Tensor, per_term: dict[str, Tensor], failed: dict[str, Tensor] | None = None) -> dict[str, float]:
+    """reward/mean, reward/std and reward/<name>/mean|std of each term; reward/<name>/failed, the
+    number of completions whose call of the term failed, for each term in ``failed`` that had any."""
     std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # noqa: E731
     stats = {"reward/mean": total.mean().item(), "reward/std": std(total)}
     for name, values in per_term.items():
         stats[f"reward/{name}/mean"] = values.mean().item()
         stats[f"reward/{name}/std"] = std(values)
+    for name, rows in (failed or {}).items():
+        if rows.any():
+            stats[f"reward/{name}/failed"] = float(rows.sum())
     return stats
 
 

@@ -45,9 +45,9 @@ def test_nan_or_wrong_length_is_an_error_naming_the_prompt():
         score_completions([lambda p, c: [1.0]], ["one", "two"], ["a", "b"])
 
 
-def test_reward_model_as_reward_function(llama_checkpoint, tokenizer):
+def test_reward_model_as_reward_function_in_rlalign_training_format(llama_checkpoint, tokenizer):
     rm = load_reward_model(llama_checkpoint, trainable=True).eval()  # a fresh head: the test is the reading, not the score
-    fn = RewardModelReward(rm, tokenizer, batch_size=2)
+    fn = RewardModelReward(rm, tokenizer, input_format="eos", batch_size=2)
     prompts, completions = ["ab", "c", "de"], ["x", "yy", ""]
     scores = fn(prompts, completions)
     for p, c, s in zip(prompts, completions, scores):

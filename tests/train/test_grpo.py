@@ -272,7 +272,7 @@ def test_builtin_reward_terms_from_the_config(tiny_path, tmp_path):
     assert row["reward/mean"] == pytest.approx(expected, abs=1e-6)
     # the score functions themselves, on known answers
     terms = rollouts.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {"answer": "5"})], load_tokenizer(tiny_path), cfg.model)
-    total, per_term = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["5", "five"])
+    total, per_term, _ = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["5", "five"])
     assert {k: v.tolist() for k, v in per_term.items()} == {"exact_match": [1.0, 0.0], "math_answer": [1.0, 0.0], "format": [1.0, 0.0], "imported": [1.0, 0.0]}
     assert total.tolist() == [2.75, 0.0]
     with pytest.raises(ConfigError, match="'pattern' goes with function: format"):
@@ -311,7 +311,7 @@ def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
     cfg = make_cfg(tiny_path, tmp_path, steps=1, beta=0.0, rewards=[{"function": "code_execution", "allow_weak_sandbox": isolation_available() is not None}])
     prompts = [grpo.PromptExample("2+3=", {"tests": "assert f() == 5"})]
     terms = rollouts.build_rewards(cfg.rewards, prompts, load_tokenizer(tiny_path), cfg.model)
-    total, _ = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["def f():\n    return 5", "def f():\n    return 6"])
+    total, _, _ = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["def f():\n    return 5", "def f():\n    return 6"])
     assert total.tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match="'tests' column"):
         rollouts.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {})], load_tokenizer(tiny_path), cfg.model)

@@ -204,7 +204,7 @@ def test_answers_and_tests_are_per_row_not_per_prompt_text(tmp_path):
     cfg = load_config(grpo.GRPOConfig, None, [f"model.path={path}", "rewards=[{function: exact_match}]"])
     records = [PromptExample("2+2=", {"answer": "4"}), PromptExample("2+2=", {"answer": "5"})]  # one prompt, two answers
     terms = rollouts.build_rewards(cfg.rewards, records, load_tokenizer(path), cfg.model)
-    total, _ = rollouts.score_rollout(terms, ["2+2=", "2+2="], ["4", "4"], {"answer": ["4", "5"]})
+    total, _, _ = rollouts.score_rollout(terms, ["2+2=", "2+2="], ["4", "4"], {"answer": ["4", "5"]})
     assert total.tolist() == [1.0, 0.0]  # each row against its own answer, not the last one of its prompt text
     with pytest.raises(DataError, match="prompt record 1: tests have no top-level assert"):
         cfg = load_config(grpo.GRPOConfig, None, [f"model.path={path}", "rewards=[{function: code_execution, allow_weak_sandbox: true}]"])

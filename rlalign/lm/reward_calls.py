@@ -1,0 +1,295 @@
+"""Calling reward functions: the one place where a reward function runs, is checked, and fails loudly.
+
+    length, judged = score_terms([CallPolicy("len", reward_len), CallPolicy("judge", judge, on_error="skip", timeout_s=30)],
+                                 prompts, completions, columns, context)
+    length.values    # (B,) float32, NaN where the term does not apply (None) or failed
+    judged.failed    # (B,) bool: the call failed for these rows and the term is left out
+
+A reward function is called TRL's way when it takes ``completions`` by name (keywords ``prompts``,
+``completions``, the rows' columns and the context entries it names, all of them for ``**kwargs``),
+else as ``fn(prompts, completions)``. It returns one score per completion: a finite number, or None
+where it does not apply (the term is then left out of that completion's sum, TRL's nansum).
+
+``async def`` functions (and objects whose ``__call__`` is async, TRL's ``is_async_callable``) are
+started first, all together on one event loop that lives in a daemon thread for the whole process
+(so a client an async function keeps, e.g. an ``httpx.AsyncClient``, stays on one loop); the
+synchronous functions run meanwhile in the calling thread, then the async results are collected.
+Their waiting overlaps: two functions that each wait 1 s cost 1 s, not 2.
+
+Failures. A call that raises, exceeds ``timeout_s``, returns the wrong number of scores, or returns a
+value that is not a finite number is, by default (``on_error="raise"``), a :class:`RewardFunctionError`
+naming the function and the prompt (a batch that raises is re-run one row at a time to find the
+prompt that does). With ``on_error="skip"`` the term is left out for the rows concerned (the whole
+batch for a timeout or a wrong count, else the rows that raise or give a bad value) and they are
+counted in ``failed``, which the trainers log as ``reward/<term>/failed``. Never a silent 0.
+
+A synchronous function that times out cannot be stopped from outside: its thread runs on until it
+returns, and its result is dropped. An async one is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rlalign.errors import RLAlignError
+
+__all__ = [
+    "RewardFunctionError",
+    "CallPolicy",
+    "TermScores",
+    "reward_fn_name",
+    "is_async_reward",
+    "call_reward",
+    "score_terms",
+    "score_completions",
+    "check_finite",
+]
+
+OnError = Literal["raise", "skip"]
+
+
+class RewardFunctionError(RLAlignError, RuntimeError):
+    """A reward function raised, timed out, returned the wrong number of scores, or returned NaN/inf."""
+
+
+def reward_fn_name(fn: Callable) -> str:
+    """A function's ``name`` attribute, else its ``__name__``, else its type's name (a callable object)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def is_async_reward(fn: Callable) -> bool:
+    """Whether calling ``fn`` returns a coroutine: an ``async def`` function, a ``functools.partial`` of
+    one, or an object whose ``__call__`` is ``async def`` (TRL's ``is_async_callable``)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    """One reward function to call: its metric ``name``, what a failed call does, and its time limit (None: none)."""
+
+    name: str
+    fn: Callable
+    on_error: OnError = "raise"
+    timeout_s: float | None = None
+
+
+@dataclass
+class TermScores:
+    """One term's scores for a batch."""
+
+    values: Tensor  # (B,) float32; NaN where the function returned None or the call failed
+    failed: Tensor  # (B,) bool: rows whose call failed (only with on_error="skip"; else it raised)
+
+
+def _keyword_names(fn: Callable) -> set[str] | None:
+    """The keyword arguments ``fn`` takes: None for ``**kwargs`` (all of them), an empty set when it
+    cannot take ``prompts`` and ``completions`` by name (then it is called positionally)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    named = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return named if "completions" in named else set()
+
+
+def call_reward(fn: Callable, prompts: list, completions: list, columns: Mapping[str, Sequence], context: Mapping[str, object]):
+    """TRL's convention where ``fn`` takes it: keywords ``prompts``, ``completions``, every other
+    column and every ``context`` entry by name (all of them for ``**kwargs``, else those it names);
+    else ``fn(prompts, completions)``. Returns what ``fn`` returns (a coroutine for an async one)."""
+    names = _keyword_names(fn)
+    if names is not None and not names:
+        return fn(prompts, completions)
+    kwargs = {**columns, **context, "prompts": prompts, "completions": completions}  # a column of either name never replaces them
+    return fn(**(kwargs if names is None else {key: value for key, value in kwargs.items() if key in names}))
+
+
+# ----------------------------------------------------------------------------------------------
+# The event loop of async reward functions
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop per process, running in a daemon thread, started on first use."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="rlalign-async-rewards", daemon=True).start()
+    return loop
+
+
+async def _await_with_limit(coroutine, timeout_s: float | None):
+    return await (asyncio.wait_for(coroutine, timeout_s) if timeout_s is not None else coroutine)
+
+
+def _start_async(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict) -> concurrent.futures.Future:
+    """Schedule one async call on the loop; its future holds the scores or the exception."""
+    coroutine = call_reward(policy.fn, prompts, completions, columns, context)
+    return asyncio.run_coroutine_threadsafe(_await_with_limit(coroutine, policy.timeout_s), _event_loop())
+
+
+def _run_sync(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict):
+    """One synchronous call, in a worker thread when it has a time limit."""
+    if policy.timeout_s is None:
+        return call_reward(policy.fn, prompts, completions, columns, context)
+    worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reward-{policy.name}")
+    future = worker.submit(call_reward, policy.fn, prompts, completions, columns, context)
+    worker.shutdown(wait=False)  # a call past its limit keeps its thread until it returns
+    return future.result(timeout=policy.timeout_s)
+
+
+def _call(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict):
+    """One call of either kind, waited for (the per-row re-runs after a failure)."""
+    if is_async_reward(policy.fn):
+        return _start_async(policy, prompts, completions, columns, context).result()
+    return _run_sync(policy, prompts, completions, columns, context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checking what came back
+# ----------------------------------------------------------------------------------------------
+
+
+def _bad_value(score) -> bool:
+    return score is not None and (isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score))
+
+
+def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, columns: dict, context: dict) -> TermScores:
+    """Scores from a call's ``outcome`` (its return value or its exception), by ``policy.on_error``."""
+    n, name, skip = len(prompts), policy.name, policy.on_error == "skip"
+    if isinstance(outcome, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
+        if skip:
+            return _all_failed(n)
+        raise RewardFunctionError(f"reward function {name} took longer than its timeout_s={policy.timeout_s} (batch of {n}, first prompt {prompts[0]!r})") from outcome
+    if isinstance(outcome, BaseException):
+        if n > 1:  # find the rows that raise: alone, each succeeds or fails on its own
+            rows = [_checked(policy, _outcome(policy, [p], [c], _row(columns, i), context), [p], [c], _row(columns, i), context) for i, (p, c) in enumerate(zip(prompts, completions))]
+            return TermScores(torch.cat([r.values for r in rows]), torch.cat([r.failed for r in rows]))
+        if skip:
+            return _all_failed(n)
+        raise RewardFunctionError(f"reward function {name} raised {type(outcome).__name__}: {outcome} (prompt {prompts[0]!r})") from outcome
+    try:
+        scores = list(outcome)
+    except TypeError:
+        scores = None
+    if scores is None or len(scores) != n:
+        if skip:
+            return _all_failed(n)
+        got = f"{len(scores)} scores" if scores is not None else f"a {type(outcome).__name__}"
+        raise RewardFunctionError(f"reward function {name} returned {got} for {n} completions (first prompt {prompts[0]!r})")
+    failed = [_bad_value(s) for s in scores]
+    if any(failed) and not skip:
+        i = failed.index(True)
+        raise RewardFunctionError(
+            f"reward function {name} returned {scores[i]!r} (expected a finite float) for prompt {prompts[i]!r} "
+            "(None marks a completion the function does not apply to)"
+        )
+    values = [math.nan if s is None or bad else float(s) for s, bad in zip(scores, failed)]
+    return TermScores(torch.tensor(values, dtype=torch.float32), torch.tensor(failed, dtype=torch.bool))
+
+
+def _outcome(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict):
+    try:
+        return _call(policy, prompts, completions, columns, context)
+    except Exception as err:  # noqa: BLE001 - every failure of user code is judged by the policy
+        return err
+
+
+def _row(columns: dict, i: int) -> dict:
+    return {key: [values[i]] for key, values in columns.items()}
+
+
+def _all_failed(n: int) -> TermScores:
+    return TermScores(torch.full((n,), math.nan), torch.ones(n, dtype=torch.bool))
+
+
+def score_terms(
+    policies: Sequence[CallPolicy], prompts: list, completions: list, columns: Mapping[str, Sequence] | None = None,
+    context: Mapping[str, object] | None = None,
+) -> list[TermScores]:
+    """Call every function on the batch (async ones concurrently, see the module docstring) and
+    check what each returns. Returns one :class:`TermScores` per policy, in their order.
+
+    Raises:
+        RewardFunctionError: a failed call of a function whose ``on_error`` is "raise".
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    columns, context = dict(columns or {}), dict(context or {})
+    pending: dict[int, concurrent.futures.Future] = {}
+    for k, policy in enumerate(policies):  # start every async call before the first synchronous one
+        if is_async_reward(policy.fn):
+            try:
+                pending[k] = _start_async(policy, prompts, completions, columns, context)
+            except Exception as err:  # noqa: BLE001 - raised before its first await
+                pending[k] = _done(err)
+    results: dict[int, TermScores] = {}
+    for k, policy in enumerate(policies):
+        if k not in pending:
+            results[k] = _checked(policy, _outcome(policy, prompts, completions, columns, context), prompts, completions, columns, context)
+    for k, future in pending.items():
+        outcome = future.exception() or future.result()
+        results[k] = _checked(policies[k], outcome, prompts, completions, columns, context)
+    return [results[k] for k in range(len(policies))]
+
+
+def _done(err: BaseException) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(err)
+    return future
+
+
+def score_completions(
+    reward_fns: Sequence[Callable], prompts: list, completions: list, weights: Sequence[float] | None = None,
+    columns: Mapping[str, Sequence] | None = None,
+    context: Mapping[str, object] | None = None,
+) -> Tensor:
+    """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32. A function may return
+    None for a completion it does not apply to: its term is left out of that completion's sum.
+
+    ``columns``: the rows' other dataset columns (``answer``, ``tests``, ...), one value per row each;
+    ``context``: keywords that are not per row (a trainer passes ``trainer_state``, with ``global_step``).
+    How functions are called and checked: the module docstring.
+
+    Raises:
+        RewardFunctionError: naming the function and the prompt, when one raises or returns
+        something other than one finite number per completion.
+    """
+    if not reward_fns:
+        raise ValueError("no reward functions")
+    weights = [1.0] * len(reward_fns) if weights is None else list(weights)
+    if len(weights) != len(reward_fns):
+        raise ValueError(f"{len(weights)} weights for {len(reward_fns)} reward functions")
+    policies = [CallPolicy(reward_fn_name(fn), fn) for fn in reward_fns]
+    results = score_terms(policies, list(prompts), list(completions), columns, context)
+    total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
+    for policy, weight, result in zip(policies, weights, results):
+        name, scores = policy.name, result.values
+        applies = ~torch.isnan(scores)
+        check_finite(scores[applies], f"reward function {name} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
+        total += weight * scores.nan_to_num(0.0)
+        check_finite(total, f"the reward total after reward function {name} (weight {weight}) is", prompts, "not finite in float32")
+    return total
+
+
+def check_finite(values: Tensor, what: str, prompts: Sequence, why: str) -> None:
+    """Raise :class:`RewardFunctionError` naming the first prompt whose value in ``values`` (B,) is not finite."""
+    bad = (~torch.isfinite(values)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise RewardFunctionError(f"{what} {values[i].item()} for prompt {prompts[i]!r}: {why}")

@@ -1,0 +1,147 @@
+"""Reward terms as users bring them, through the trainers: a Hugging Face reward model from the config
+(scored as transformers scores it), plain Python functions, async functions, and the failure policy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+from rlalign.config import load_config
+from rlalign.lm.reward_calls import CallPolicy, RewardFunctionError, score_terms
+from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+from rlalign.train import grpo, ppo
+
+from tests.lm.test_reward_model_scoring import bpe_tokenizer, save_gpt2_rm, transformers_scores
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyModelSpec(hidden_size=64, num_layers=2, intermediate_size=128), seed=0)
+
+
+def make_cfg(trainer, tiny_path, tmp_path, **overrides):
+    base = {
+        "model.path": str(tiny_path), "output_dir": str(tmp_path / "run"), "data.task": "arithmetic", "data.num_prompts": 16, "steps": 1,
+        "prompts_per_step": 2, "sampling.max_new_tokens": 5, "progress": False, "overwrite": True, "plots": False, "num_samples_logged": 64, "sample_every": 1,
+    }
+    if trainer is grpo:
+        base["group_size"] = 4
+    base.update(overrides)
+    return load_config(trainer.GRPOConfig if trainer is grpo else trainer.PPOConfig, None, base)
+
+
+def samples(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+
+
+def metrics(tmp_path) -> list[dict]:
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "reward/mean" in row]  # training steps, not evaluations
+
+
+def test_a_hugging_face_reward_model_in_the_config_logs_what_transformers_scores(tiny_path, tmp_path, capsys):
+    rm = save_gpt2_rm(tmp_path / "rm", bpe_tokenizer())  # its own tokenizer (BPE, pad == EOS), not the policy's
+    grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"reward_model": str(rm)}]))
+    rows = samples(tmp_path)
+    assert len(rows) == 8
+    expected = transformers_scores(rm, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+    assert [r["rm"] for r in rows] == pytest.approx(expected, abs=2e-5)
+    said = capsys.readouterr().out
+    assert said.count("reward rm:") == 1 and "as transformers and TRL score it (text, input_format: auto)" in said
+
+
+def reward_len(completions, **kwargs):
+    """TRL's quick-start reward, as its docs write it."""
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+@pytest.mark.parametrize("trainer", [grpo, ppo])
+def test_a_plain_function_is_a_term_named_by_the_function(trainer, tiny_path, tmp_path):
+    overrides = {"rewards": []} if trainer is grpo else {"rewards": [], "ppo_epochs": 1, "num_minibatches": 1}
+    trainer.train(make_cfg(trainer, tiny_path, tmp_path, **overrides), reward_functions=[reward_len])
+    rows = samples(tmp_path)
+    assert [r["reward_len"] for r in rows] == [-abs(20 - len(r["completion"])) for r in rows]
+    assert "reward/reward_len/mean" in metrics(tmp_path)[0]
+
+
+async def slow_digits(prompts, completions, **kwargs):
+    await asyncio.sleep(0.5)
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+async def slow_length(prompts, completions, **kwargs):
+    await asyncio.sleep(0.5)
+    return [float(len(c)) for c in completions]
+
+
+def test_async_functions_wait_together_and_score_as_their_sync_twins():
+    prompts, completions = ["a", "b", "c"], ["12x", "", "7"]
+    start = time.monotonic()
+    digits, length = score_terms([CallPolicy("digits", slow_digits), CallPolicy("len", slow_length)], prompts, completions)
+    waited = time.monotonic() - start
+    assert digits.values.tolist() == [2.0, 0.0, 1.0] and length.values.tolist() == [3.0, 0.0, 1.0]
+    assert waited < 0.9  # two waits of 0.5 s overlap (one after the other would be 1.0 s)
+
+
+def test_an_async_function_trains_through_grpo(tiny_path, tmp_path):
+    grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[]), reward_functions=[slow_digits])
+    rows = samples(tmp_path)
+    assert [r["slow_digits"] for r in rows] == [float(sum(ch.isdigit() for ch in r["completion"])) for r in rows]
+
+
+def flaky(prompts, completions, **kwargs):
+    if any("2" in p for p in prompts):  # a batch holding such a prompt raises; alone, the others score
+        raise ConnectionError("judge unreachable")
+    return [1.0] * len(prompts)
+
+
+def test_a_failed_call_stops_the_run_by_default_naming_the_term_and_the_prompt(tiny_path, tmp_path):
+    with pytest.raises(RewardFunctionError, match=r"flaky raised ConnectionError: judge unreachable \(prompt '[^']*2"):
+        grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[]), reward_functions=[grpo.RewardTerm("flaky", 1.0, flaky)])
+
+
+def test_skip_leaves_the_term_out_where_it_failed_and_counts_it(tiny_path, tmp_path):
+    term = grpo.RewardTerm("flaky", 1.0, flaky, on_error="skip")
+    grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"function": "arithmetic"}]), reward_functions=[term])
+    rows = samples(tmp_path)
+    failed = [r for r in rows if "2" in r["prompt"]]
+    assert failed and len(failed) < len(rows)  # some rows of the batch failed, the others scored
+    assert all(r["flaky"] == 0.0 and r["reward"] == pytest.approx(r["arithmetic"]) for r in failed)
+    assert all(r["flaky"] == 1.0 and r["reward"] == pytest.approx(r["arithmetic"] + 1.0) for r in rows if r not in failed)
+    assert metrics(tmp_path)[0]["reward/flaky/failed"] == len(failed)
+
+
+def test_bad_values_are_errors_or_skipped_rows_never_zeros():
+    def half_bad(prompts, completions):
+        return [float("nan"), 1.0, "high"]
+
+    with pytest.raises(RewardFunctionError, match=r"half_bad returned nan .*prompt 'a'"):
+        score_terms([CallPolicy("half_bad", half_bad)], ["a", "b", "c"], ["x", "y", "z"])
+    (scores,) = score_terms([CallPolicy("half_bad", half_bad, on_error="skip")], ["a", "b", "c"], ["x", "y", "z"])
+    assert scores.failed.tolist() == [True, False, True] and scores.values[1].item() == 1.0 and scores.values[[0, 2]].isnan().all()
+    (short,) = score_terms([CallPolicy("short", lambda p, c: [1.0], on_error="skip")], ["a", "b"], ["x", "y"])
+    assert short.failed.tolist() == [True, True]
+
+
+def test_a_call_past_its_time_limit_is_an_error_or_a_skipped_batch():
+    async def sleepy(prompts, completions):
+        await asyncio.sleep(5)
+        return [1.0] * len(prompts)
+
+    def sleepy_sync(prompts, completions):
+        time.sleep(1)
+        return [1.0] * len(prompts)
+
+    for fn in (sleepy, sleepy_sync):
+        start = time.monotonic()
+        with pytest.raises(RewardFunctionError, match=rf"{fn.__name__} took longer than its timeout_s=0.2 \(batch of 2, first prompt 'a'\)"):
+            score_terms([CallPolicy(fn.__name__, fn, timeout_s=0.2)], ["a", "b"], ["x", "y"])
+        assert time.monotonic() - start < 0.9
+        (skipped,) = score_terms([CallPolicy(fn.__name__, fn, on_error="skip", timeout_s=0.2)], ["a", "b"], ["x", "y"])
+        assert skipped.failed.tolist() == [True, True]
