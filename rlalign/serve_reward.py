@@ -1,0 +1,298 @@
+"""``rlalign serve-reward``: a reward model or a Python reward function served over HTTP.
+
+    rlalign serve-reward --reward-model runs/rm/final --port 5000
+    rlalign serve-reward --function my_rewards:length_penalty --port 5000
+
+Routes (the JSON protocol of docs/reward_protocol.md, which :class:`rlalign.lm.remote_reward.RemoteReward` speaks):
+
+- ``POST /score`` and ``POST /get_reward`` (OpenRLHF ``serve_rm``'s route; the same handler):
+  ``{"prompts": [...], "completions": [...], "columns": {name: [one value per row]}, "global_step": n}``
+  -> ``{"rewards": [float | null, ...], "scores": [the same]}`` (``scores`` as OpenRLHF's server sends it).
+  OpenRLHF's ``query`` (prompt + response text) with ``prompts`` stands for ``completions``: each
+  completion is its query with the prompt cut off the front; its ``labels`` become the
+  ``--label-column`` column (``answer`` by default) when ``columns`` has none.
+- ``GET /health`` -> ``{"status": "ok", "reward": name}``.
+
+A function is called as the trainer calls one (:func:`rlalign.lm.rewards.call_reward`, TRL's
+keywords: ``prompts``, ``completions``, the columns it names, ``trainer_state`` with ``global_step``);
+a reward model scores with :class:`rlalign.lm.rewards.RewardModelReward`, loaded as the trainers
+load one. A request that is not the protocol gets 400 ``{"error": ...}`` naming the field; a reward
+function that raises or returns something other than one finite number (or None) per row gets 500
+``{"error": ..., "retryable": false}`` naming the function and the prompt, never a traceback.
+
+One batch at a time: requests are scored in a worker thread (the server keeps answering ``/health``)
+under one lock, since a model's forward already uses every core it is given and a user's function
+need not be thread-safe. Concurrent clients queue; run more servers for more throughput.
+
+Safety: binds to the loopback address unless told otherwise; there is no authentication, so bind
+another address only on a network you trust. It takes no file paths from requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+from rlalign.config import ConfigError
+from rlalign.errors import RLAlignError
+from rlalign.lm.remote_reward import check_rewards
+from rlalign.lm.rewards import RewardFunctionError, call_reward, reward_fn_name
+
+__all__ = ["LOOPBACK", "RequestError", "parse_request", "score_rows", "load_function", "load_model_reward", "create_app", "running", "add_arguments", "run"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class RequestError(ValueError):
+    """A request that is not the protocol: the message names the field."""
+
+
+def _check_text_or_messages(value: Any, field: str) -> None:
+    if isinstance(value, str):
+        return
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
+        return
+    raise RequestError(f"{field}: expected text or a list of {{role, content}} messages, got {str(value)[:80]!r}")
+
+
+def parse_request(body: Any, label_column: str | None = "answer") -> tuple[list, list, dict[str, list], dict[str, Any]]:
+    """(prompts, completions, columns, context) of a request body (docs/reward_protocol.md).
+
+    Raises:
+        RequestError: naming the field that is missing or malformed.
+    """
+    if not isinstance(body, dict):
+        raise RequestError("request body: expected a JSON object with 'prompts' and 'completions'")
+    prompts, completions, queries = body.get("prompts"), body.get("completions"), body.get("query")
+    if not isinstance(prompts, list):
+        raise RequestError("prompts: missing, or not a list" + ("; OpenRLHF's 'query' alone cannot be split into prompt and completion" if queries is not None else ""))
+    for i, p in enumerate(prompts):
+        _check_text_or_messages(p, f"prompts[{i}]")
+    if completions is None and queries is not None:  # OpenRLHF: query = prompt + response
+        if not isinstance(queries, list) or len(queries) != len(prompts):
+            raise RequestError(f"query: expected a list of {len(prompts)} texts, one per prompt")
+        completions = []
+        for i, (p, q) in enumerate(zip(prompts, queries)):
+            if not isinstance(p, str) or not isinstance(q, str) or not q.startswith(p):
+                raise RequestError(f"query[{i}]: does not start with prompts[{i}], so the completion cannot be cut from it; send 'completions'")
+            completions.append(q[len(p):])
+    if not isinstance(completions, list):
+        raise RequestError("completions: missing, or not a list")
+    if len(completions) != len(prompts):
+        raise RequestError(f"completions: {len(completions)} values for {len(prompts)} prompts")
+    for i, c in enumerate(completions):
+        _check_text_or_messages(c, f"completions[{i}]")
+    columns = body.get("columns") or {}
+    if not isinstance(columns, dict):
+        raise RequestError("columns: expected an object {name: [one value per row]}")
+    for name, values in columns.items():
+        if not isinstance(values, list) or len(values) != len(prompts):
+            raise RequestError(f"columns.{name}: expected a list of {len(prompts)} values, one per row")
+        if name in ("prompts", "completions"):
+            raise RequestError(f"columns.{name}: the name of an argument every reward function takes; rename the column")
+    columns = dict(columns)
+    labels = body.get("labels")
+    if labels is not None:
+        if not isinstance(labels, list) or len(labels) != len(prompts):
+            raise RequestError(f"labels: expected a list of {len(prompts)} values, one per row")
+        if label_column is not None and label_column not in columns:
+            columns[label_column] = labels
+    context: dict[str, Any] = {}
+    step = body.get("global_step")
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise RequestError(f"global_step: expected an integer, got {step!r}")
+        context["trainer_state"] = SimpleNamespace(global_step=step)
+    return prompts, completions, columns, context
+
+
+def _call(fn: Callable, prompts: list, completions: list, columns: dict[str, list], context: dict[str, Any]) -> Any:
+    values = call_reward(fn, prompts, completions, columns, context)
+    if inspect.isawaitable(values):  # an async function (this runs on a worker thread, with no loop of its own)
+        values = asyncio.run(values)
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def score_rows(fn: Callable, prompts: list, completions: list, columns: dict[str, list], context: dict[str, Any], name: str | None = None) -> list[float | None]:
+    """``fn``'s rewards for the rows, checked: one finite float or None each.
+
+    Raises:
+        RewardFunctionError: naming the function and the prompt (a batch that raises is re-run one row
+            at a time to find the prompt that makes it raise).
+    """
+    name = name or reward_fn_name(fn)
+    if not prompts:
+        return []
+    try:
+        values = _call(fn, prompts, completions, columns, context)
+    except Exception as err:
+        culprit = 0
+        if len(prompts) > 1:
+            for i in range(len(prompts)):
+                try:
+                    _call(fn, prompts[i : i + 1], completions[i : i + 1], {k: v[i : i + 1] for k, v in columns.items()}, context)
+                except Exception:
+                    culprit = i
+                    break
+        raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {str(err)[:300]} (prompt {prompts[culprit]!r:.200})") from err
+    return check_rewards(values, len(prompts), f"reward function {name}", prompts)
+
+
+def load_function(spec: str) -> Callable:
+    """``package.module:function`` imported (the current directory importable, as the trainers do)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"--function {spec!r}: expected package.module:function")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"reward function {spec!r} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward function {spec!r} is not callable")
+    return fn
+
+
+def load_model_reward(
+    path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 32, max_length: int = 1024,
+    attn_implementation: str | None = None, input_format: str = "auto",
+):
+    """A reward-model directory as a :class:`RewardModelReward`, loaded as the trainers load one: frozen,
+    with its trained head and its own tokenizer; ``input_format`` "auto" reads how it was trained to
+    score (:func:`rlalign.lm.rewards.reward_input_of`), as a trainer's reward term does."""
+    from rlalign.lm.models import load_reward_model, load_tokenizer
+    from rlalign.lm.rewards import RewardModelReward, reward_input_of
+
+    model = load_reward_model(path, dtype, device, attn_implementation=attn_implementation)
+    fmt = reward_input_of(path) if input_format == "auto" else input_format
+    return RewardModelReward(model, load_tokenizer(path), fmt, batch_size=batch_size, max_length=max_length)
+
+
+def create_app(fn: Callable, name: str | None = None, label_column: str | None = "answer"):
+    """The Starlette app serving ``fn`` (a reward function or a :class:`RewardModelReward`)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    name = name or reward_fn_name(fn)
+    lock = threading.Lock()  # one batch at a time (module docstring)
+
+    def scored(prompts, completions, columns, context):
+        with lock:
+            return score_rows(fn, prompts, completions, columns, context, name)
+
+    async def score(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": "request body: not JSON"}, status_code=400)
+        try:
+            prompts, completions, columns, context = parse_request(body, label_column)
+        except RequestError as err:
+            return JSONResponse({"error": str(err)}, status_code=400)
+        try:
+            rewards = await run_in_threadpool(scored, prompts, completions, columns, context)
+        except RewardFunctionError as err:
+            return JSONResponse({"error": str(err), "retryable": False}, status_code=500)
+        return JSONResponse({"rewards": rewards, "scores": rewards})
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "reward": name})
+
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {str(exc)[:200]}"}, status_code=500)
+
+    routes = [Route("/score", score, methods=["POST"]), Route("/get_reward", score, methods=["POST"]), Route("/health", health, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={Exception: internal_error})
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise RLAlignError(f"cannot listen on {host}:{port}: {err.strerror}") from err
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _server(app, host: str, port: int):
+    try:
+        import uvicorn
+    except ImportError as err:
+        raise RLAlignError(f"rlalign serve-reward needs starlette and uvicorn ({err.name} is missing): pip install 'rlalign[explore]'") from err
+    sock = _bound_socket(host, port)
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)), sock
+
+
+@contextlib.contextmanager
+def running(app, host: str = LOOPBACK, port: int = 0) -> Iterator[str]:
+    """Serve ``app`` on a background thread while the block runs (port 0: a free one); yields the base URL."""
+    server, sock = _server(app, host, port)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the reward server did not start")
+            time.sleep(0.01)
+        yield _url(host, sock.getsockname()[1])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--reward-model", metavar="DIR", help="a reward-model checkpoint (from `rlalign rm`, or a Hugging Face sequence classifier with one label)")
+    what.add_argument("--function", metavar="MODULE:FUNCTION", help="a Python reward function, e.g. my_rewards:length_penalty (the current directory is importable)")
+    parser.add_argument("--host", default=LOOPBACK, help="address to listen on (default: 127.0.0.1, this machine only; there is no authentication)")
+    parser.add_argument("--port", type=int, default=5000, help="port (default: 5000, OpenRLHF serve_rm's; 0 picks a free one)")
+    parser.add_argument("--name", default=None, help="the reward's name in /health and errors (default: the function's or model's)")
+    parser.add_argument("--label-column", default="answer", help="the column OpenRLHF's 'labels' fill when a request has no such column (default: answer)")
+    model = parser.add_argument_group("with --reward-model")
+    model.add_argument("--device", default="cpu", help="device of the model (default: cpu)")
+    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype of the model (default: float32)")
+    model.add_argument("--batch-size", type=int, default=32, help="rows per forward pass (default: 32)")
+    model.add_argument("--max-length", type=int, default=1024, help="tokens read per prompt + completion, the last ones kept (default: 1024)")
+    model.add_argument("--input-format", default="auto", choices=["auto", "text", "eos"],
+                       help="how prompt + completion reach the model: auto (what the checkpoint records), text (Hugging Face's), eos (rlalign rm's)")
+    model.add_argument("--attn-implementation", default=None, help="transformers' attention kernel, e.g. eager or sdpa (default: its own choice)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        print(f"rlalign serve-reward: --port must be in 0..65535, got {args.port}", file=sys.stderr)
+        return 2
+    if args.reward_model:
+        fn = load_model_reward(args.reward_model, args.dtype, args.device, args.batch_size, args.max_length, args.attn_implementation, args.input_format)
+    else:
+        fn = load_function(args.function)
+    name = args.name or reward_fn_name(fn)
+    server, sock = _server(create_app(fn, name, args.label_column), args.host, args.port)
+    if args.host not in (LOOPBACK, "localhost", "::1"):
+        print(f"rlalign serve-reward: listening on {args.host}, reachable from other machines, without authentication", file=sys.stderr)
+    print(f"rlalign serve-reward: {name} at {_url(args.host, sock.getsockname()[1])}/score (Ctrl-C to stop)", flush=True)
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,165 @@
+"""JudgeReward: a scripted judge pins rendering, parsing, normalisation, failure counting and the error
+path; the tiny model pins the local greedy answers; a fake OpenAI-compatible server the remote path."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rlalign.lm.judge import DEFAULT_PATTERN, JudgeReward, LocalJudge, parse_score
+from rlalign.lm.rewards import RewardFunctionError, call_reward
+from rlalign.serve_reward import running
+from rlalign.tasks.tiny_model import build_char_tokenizer
+
+from .conftest import make_llama
+
+
+class Scripted:
+    """A judge that answers each conversation with ``answers[completion]`` and records what it was sent."""
+
+    def __init__(self, answers: dict[str, str]):
+        self.answers, self.sent = answers, []
+
+    def __call__(self, conversations):
+        self.sent.extend(conversations)
+        return [self.answers[c[-1]["content"].split("[Response]\n")[1].split("\n")[0]] for c in conversations]
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ("Score: 7", 0.7),
+        ("score = 7.5", 0.75),
+        ("Score: **8**", 0.8),
+        ("7/10", 0.7),
+        ("The response scores well.\nScore: 3", 0.3),  # "scores" is not followed by a number
+        ("Score: 10", 1.0),
+        ("Score: 0", 0.0),
+        ("Score: 4/10, then Score: 9", 0.4),  # the first match counts
+        ("Score: 11", None),  # out of [0, 10]
+        ("Score: -1", None),
+        ("I would give it a high mark", None),
+    ],
+)
+def test_the_default_pattern_reads_the_first_score_and_normalises_by_max_score(answer, expected):
+    import re
+
+    got = parse_score(answer, re.compile(DEFAULT_PATTERN), 0.0, 10.0)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_scores_are_normalised_over_min_and_max_score_with_a_custom_pattern():
+    judge = JudgeReward(Scripted({"a": "Rating: [[3]]", "b": "[[5]]", "c": "[[1]]"}), pattern=r"\[\[(\d+)\]\]", min_score=1, max_score=5)
+    assert judge(["p"] * 3, ["a", "b", "c"]) == [0.5, 1.0, 0.0]  # (3 - 1) / (5 - 1), (5 - 1) / 4, (1 - 1) / 4
+
+
+def test_the_judge_is_sent_the_rendered_template_with_columns_and_messages():
+    scripted = Scripted({"four": "Score: 10", "hi there": "Score: 5"})
+    judge = JudgeReward(scripted, template="Q: {prompt}\nRef: {answer}\n[Response]\n{completion}\nScore it.", system_prompt="You grade.")
+    prompts = ["2+2=", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "greet"}]]
+    completions = ["four", [{"role": "assistant", "content": "hi "}, {"role": "assistant", "content": "there"}]]
+    assert judge(prompts, completions, answer=["4", "hello"], trainer_state=None) == [1.0, 0.5]
+    assert scripted.sent == [
+        [{"role": "system", "content": "You grade."}, {"role": "user", "content": "Q: 2+2=\nRef: 4\n[Response]\nfour\nScore it."}],
+        [{"role": "system", "content": "You grade."}, {"role": "user", "content": "Q: system: be brief\nuser: greet\nRef: hello\n[Response]\nhi there\nScore it."}],
+    ]
+    with pytest.raises(RewardFunctionError, match=r"judge judge: its template needs the column 'answer', which the rows do not have \(prompt '2\+2='\)"):
+        judge(["2+2="], ["four"])
+
+
+def test_parse_failures_are_none_counted_logged_and_popped(caplog):
+    judge = JudgeReward(Scripted({"a": "Score: 6", "b": "no idea", "c": "Score: 2", "d": "9/10"}), name="helpful")
+    with caplog.at_level(logging.WARNING, logger="rlalign.lm.judge"):
+        scores = judge(["pa", "pb", "pc", "pd"], ["a", "b", "c", "d"])
+    assert scores == [0.6, None, 0.2, 0.9]  # None: the term does not apply to that completion, never 0
+    assert (judge.judged, judge.failures) == (4, 1) and judge.last_answers == ["Score: 6", "no idea", "Score: 2", "9/10"]
+    assert "judge helpful: 1 of 4 answers did not parse" in caplog.text and "prompt 'pb': the judge answered 'no idea'" in caplog.text
+    assert judge.pop_stats() == {"parse_failed": 1.0, "parse_failed_fraction": 0.25}
+    assert judge.pop_stats() == {"parse_failed": 0.0, "parse_failed_fraction": 0.0}
+
+
+def test_too_many_parse_failures_raise_naming_the_judge_a_prompt_and_its_raw_answer():
+    judge = JudgeReward(Scripted({"a": "Score: 6", "b": "great!", "c": "Score: 12", "d": "meh"}), name="helpful", max_failure_fraction=0.5)
+    with pytest.raises(RewardFunctionError) as err:
+        judge(["pa", "pb", "pc", "pd"], ["a", "b", "c", "d"])  # 3 of 4 fail: 0.75 > 0.5
+    assert "judge helpful: 3 of 4 answers have no score in [0, 10]" in str(err.value)
+    assert "prompt 'pb': the judge answered 'great!'" in str(err.value)
+    assert judge.failures == 3  # counted before raising
+    # exactly half failing is allowed at 0.5; 1.0 never raises
+    assert JudgeReward(Scripted({"a": "Score: 6", "b": "x"}), max_failure_fraction=0.5)(["p", "q"], ["a", "b"]) == [0.6, None]
+    assert JudgeReward(Scripted({"b": "x"}), max_failure_fraction=1.0)(["q"], ["b"]) == [None]
+    with pytest.raises(RewardFunctionError):
+        JudgeReward(Scripted({"b": "x"}), max_failure_fraction=0.0)(["q"], ["b"])
+
+
+def test_a_judge_giving_the_wrong_number_of_answers_is_an_error():
+    with pytest.raises(RewardFunctionError, match="gave 1 answers for 2 completions"):
+        JudgeReward(lambda conversations: ["Score: 1"])(["p", "q"], ["a", "b"])
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="no \\{completion\\} field"):
+        JudgeReward(Scripted({}), template="Rate {prompt}")
+    with pytest.raises(ValueError, match="max_score"):
+        JudgeReward(Scripted({}), max_score=0)
+    with pytest.raises(ValueError, match="plain names"):
+        JudgeReward(Scripted({}), template="{completion} {x[0]}")
+
+
+def test_it_is_called_as_a_trl_style_reward_function():
+    judge = JudgeReward(Scripted({"a": "Score: 3"}))
+    assert call_reward(judge, ["p"], ["a"], {"answer": ["x"], "completion_ids": [[1]]}, {"trainer_state": object()}) == [0.3]
+
+
+def test_a_local_judge_answers_greedily_as_generate_does(tokenizer):
+    model = make_llama(vocab=len(tokenizer), seed=1)
+    judge = JudgeReward.local(model, tokenizer, max_new_tokens=6, batch_size=2, max_failure_fraction=1.0, template="Rate: {completion}\n")
+    prompts, completions = ["a", "bb", "c"], ["x", "a longer one", "zz"]
+    scores = judge(prompts, completions)
+    conversations = judge.conversations(prompts, completions, {})
+    assert LocalJudge(model, tokenizer).prompts(conversations) == conversations  # the tiny tokenizer has a chat template
+    expected = []
+    for conversation in conversations:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert text == f"user: {conversation[0]['content']}\nassistant: "
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])  # the template has no BOS of its own here
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=2)
+        expected.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert judge.last_answers == expected and len(set(expected)) > 1
+    assert scores == [parse_score(a, judge.pattern, 0.0, 10.0) for a in expected]
+    assert judge.failures == sum(s is None for s in scores)
+
+
+def test_without_a_chat_template_the_judge_reads_the_messages_as_text():
+    plain = build_char_tokenizer()
+    plain.chat_template = None
+    conversations = [[{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]]
+    assert LocalJudge(make_llama(vocab=len(plain)), plain).prompts(conversations) == ["S\n\nU"]
+
+
+def test_a_remote_judge_asks_an_openai_compatible_endpoint():
+    seen, statuses = [], [503]
+
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        seen.append((body, request.headers.get("authorization")))
+        if statuses:
+            return JSONResponse({"error": {"message": "loading"}}, status_code=statuses.pop())
+        response = body["messages"][-1]["content"].split("[Response]\n")[1].split("\n")[0]
+        return JSONResponse({"choices": [{"message": {"role": "assistant", "content": f"Score: {len(response)}"}}]})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    with running(app) as url:
+        judge = JudgeReward.remote(f"{url}/v1", "judge-model", api_key="k", max_new_tokens=8, max_retries=1)
+        judge.answer.backoff = 0.01
+        assert judge(["p", "q"], ["abc", "abcdefgh"]) == [0.3, 0.8]
+    assert len(seen) == 3  # one 503, retried
+    body, auth = seen[-1]
+    assert auth == "Bearer k" and body["model"] == "judge-model" and body["temperature"] == 0 and body["max_tokens"] == 8
+    assert body["messages"][0]["role"] == "user" and "[Response]\n" in body["messages"][0]["content"]

@@ -1,0 +1,231 @@
+"""RemoteReward against real servers on 127.0.0.1: ``rlalign serve-reward``'s app serving a Python
+function (scores equal the local call's), and scripted servers that fail, stall, or answer wrongly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rlalign.lm.remote_reward import RemoteReward
+from rlalign.lm.rewards import RewardFunctionError, call_reward
+from rlalign.serve_reward import create_app, running
+
+
+def scripted_app(*answers):
+    """A server whose n-th POST /score gets ``answers[n]`` (the last one repeats): (delay s, status,
+    JSON payload or raw bytes), or a function of the request body giving that. Returns (app, bodies seen)."""
+    seen: list[dict] = []
+
+    async def score(request: Request) -> Response:
+        body = await request.json()
+        seen.append(body)
+        answer = answers[min(len(seen), len(answers)) - 1]
+        delay, status, payload = answer(body) if callable(answer) else answer
+        if delay:
+            await asyncio.sleep(delay)
+        if isinstance(payload, bytes):
+            return Response(payload, status_code=status, media_type="application/json")
+        return JSONResponse(payload, status_code=status)
+
+    return Starlette(routes=[Route("/score", score, methods=["POST"])]), seen
+
+
+def ok(body: dict) -> tuple[float, int, dict]:
+    return 0.0, 200, {"rewards": [float(len(c)) for c in body["completions"]]}
+
+
+def length_and_answer(prompts, completions, answer, **columns):
+    """len(completion text) + 10 where it equals the answer; None for an empty completion."""
+    out = []
+    for c, a in zip(completions, answer):
+        text = c if isinstance(c, str) else "".join(m["content"] for m in c)
+        out.append(None if not text else len(text) + 10.0 * (text == a))
+    return out
+
+
+PROMPTS = ["1+1=", "2+2=", [{"role": "user", "content": "say hi"}], "x", "long prompt"]
+COMPLETIONS = ["2", "five", [{"role": "assistant", "content": "hi"}], "", "abc"]
+ANSWERS = ["2", "4", "hi", "", "abd"]
+
+
+def test_remote_rewards_equal_the_local_functions_rewards():
+    received = []
+
+    def recording(prompts, completions, answer, **columns):
+        received.append((prompts, completions, answer))
+        return length_and_answer(prompts, completions, answer)
+
+    recording.name = "length_and_answer"
+    local = call_reward(length_and_answer, PROMPTS, COMPLETIONS, {"answer": ANSWERS}, {})
+    assert local == [11.0, 4.0, 12.0, None, 3.0]  # "2" == "2": 1 + 10; "hi" == "hi": 2 + 10; "" -> None
+    with running(create_app(recording)) as url:
+        remote = RemoteReward(f"{url}/score", batch_size=2)
+        assert remote(prompts=PROMPTS, completions=COMPLETIONS, answer=ANSWERS) == local
+        assert asyncio.run(remote.acall(PROMPTS, COMPLETIONS, answer=ANSWERS)) == local
+    # 3 batches of at most 2 rows each call, in flight together (so in any order); the messages arrive as they were sent
+    batches = sorted(received[:3], key=lambda batch: PROMPTS.index(batch[0][0]))
+    assert [len(p) for p, _, _ in batches] == [2, 2, 1]
+    assert [x for p, _, _ in batches for x in p] == PROMPTS and [x for _, c, _ in batches for x in c] == COMPLETIONS
+    assert [x for _, _, a in batches for x in a] == ANSWERS
+    assert remote.requests == 6
+
+
+def test_the_request_body_is_the_documented_protocol():
+    app, seen = scripted_app(ok)
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score", batch_size=8)
+        state = type("State", (), {"global_step": 7})()
+        remote(["a", "b"], ["xy", "z"], trainer_state=state, answer=["1", "2"], completion_ids=[[5, 6], [7]], not_per_row="ignored")
+        remote(PROMPTS[2:3], COMPLETIONS[2:3])
+    assert seen[0] == {
+        "prompts": ["a", "b"], "completions": ["xy", "z"], "columns": {"answer": ["1", "2"], "completion_ids": [[5, 6], [7]]},
+        "query": ["axy", "bz"], "labels": ["1", "2"], "global_step": 7,  # OpenRLHF's keys, from the texts and the answer column
+    }
+    assert seen[1] == {"prompts": PROMPTS[2:3], "completions": COMPLETIONS[2:3], "columns": {}}  # messages: no query
+
+
+def test_only_the_chosen_columns_are_sent_and_a_missing_or_unserialisable_one_is_an_error():
+    app, seen = scripted_app(ok)
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score", columns=["answer"], label_column=None)
+        remote(["a"], ["b"], answer=["1"], completion_ids=[[1, 2]])
+        assert seen[-1]["columns"] == {"answer": ["1"]} and "labels" not in seen[-1]
+        with pytest.raises(RewardFunctionError, match="the rows have no column 'answer' to send .prompt 'a'"):
+            remote(["a"], ["b"])
+        with pytest.raises(RewardFunctionError, match=r"columns.answer cannot be sent as JSON .* \(prompt 'a'\)"):
+            remote(["a"], ["b"], answer=[object()])
+    assert len(seen) == 1
+
+
+def test_batches_are_in_flight_together_and_come_back_in_row_order():
+    inflight, most = 0, 0
+    everyone = asyncio.Event()
+
+    async def gather_then_answer(request: Request) -> JSONResponse:
+        nonlocal inflight, most
+        body = await request.json()
+        inflight += 1
+        most = max(most, inflight)
+        if inflight == 4:
+            everyone.set()
+        try:
+            await asyncio.wait_for(everyone.wait(), 2.0)  # a client sending one at a time leaves most == 1
+        except TimeoutError:
+            pass
+        inflight -= 1
+        return JSONResponse({"rewards": [float(i) for i in body["columns"]["i"]]})
+
+    app = Starlette(routes=[Route("/score", gather_then_answer, methods=["POST"])])
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score", batch_size=1, max_concurrency=4)
+        assert remote(["p"] * 4, ["c"] * 4, i=[0, 1, 2, 3]) == [0.0, 1.0, 2.0, 3.0]
+    assert most == 4
+
+
+def test_a_server_that_fails_twice_then_answers_is_retried():
+    app, seen = scripted_app((0, 503, {"error": "warming up"}), (0, 502, "bad gateway".encode()), ok)
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score", max_retries=2, backoff=0.01)
+        assert remote(["p", "q"], ["abc", "de"]) == [3.0, 2.0]
+    assert len(seen) == 3 and remote.retries == 2
+    assert remote.pop_stats() == {"retries": 2.0} and remote.pop_stats() == {"retries": 0.0}
+
+
+def test_retries_run_out_with_an_error_naming_the_url_status_message_and_prompt():
+    app, seen = scripted_app((0, 503, {"error": "overloaded, try later"}))
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score", max_retries=2, backoff=0.01)
+        with pytest.raises(RewardFunctionError) as err:
+            remote(["first prompt", "second"], ["a", "b"])
+    message = str(err.value)
+    assert f"POST {url}/score failed after 3 tries: HTTP 503: overloaded, try later" in message and "'first prompt'" in message
+    assert len(seen) == 3
+
+
+def test_a_server_slower_than_the_time_limit_is_an_error_naming_the_url():
+    app, seen = scripted_app((1.0, 200, {"rewards": [1.0]}))
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score", timeout=0.2, max_retries=1, backoff=0.0)
+        with pytest.raises(RewardFunctionError, match=rf"POST {url}/score failed after 2 tries: no answer within the time limit .*'slow prompt'"):
+            remote(["slow prompt"], ["c"])
+    assert len(seen) == 2
+
+
+def test_nothing_listening_is_an_error_after_the_retries():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    remote = RemoteReward(f"http://127.0.0.1:{port}/score", max_retries=1, backoff=0.0)
+    with pytest.raises(RewardFunctionError, match=rf"POST http://127.0.0.1:{port}/score failed after 2 tries: ConnectError"):
+        remote(["p"], ["c"])
+    assert remote.retries == 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        ({"rewards": [1.0]}, r"returned 1 rewards for 2 completions \(first prompt 'p0'\)"),
+        ({"rewards": [1.0, "0.5"]}, r"returned '0.5' \(expected a finite number, or null .*\) for prompt 'p1'"),
+        ({"rewards": [True, 1.0]}, r"returned True \(expected a finite number"),
+        (b'{"rewards": [1.0, NaN]}', r"returned nan \(expected a finite number"),
+        ({"scores": [1.0, 2.0]}, r"answered without a 'rewards' list \(got \['scores'\]\)"),
+        ({"rewards": {"a": 1}}, r"returned dict .* not a list of rewards"),
+        (b"<html>oops</html>", r"HTTP 200 with a body that is not JSON"),
+    ],
+)
+def test_a_wrong_answer_is_an_error_at_once_never_a_zero(payload, error):
+    app, seen = scripted_app((0, 200, payload))
+    with running(app) as url:
+        with pytest.raises(RewardFunctionError, match=error):
+            RemoteReward(f"{url}/score", max_retries=3, backoff=0.01)(["p0", "p1"], ["a", "b"])
+    assert len(seen) == 1  # not retried
+
+
+def test_a_client_error_is_not_retried_and_its_message_is_shown():
+    app, seen = scripted_app((0, 400, {"error": "completions: 1 values for 2 prompts"}))
+    with running(app) as url:
+        with pytest.raises(RewardFunctionError, match=r"HTTP 400: completions: 1 values for 2 prompts \(.*'p'"):
+            RemoteReward(f"{url}/score", max_retries=3, backoff=0.01)(["p"], ["c"])
+    assert len(seen) == 1
+
+
+def test_a_raising_served_function_is_a_500_with_its_message_and_is_not_retried():
+    calls = []
+
+    def boom(prompts, completions):
+        calls.append(list(prompts))
+        if "bad row" in prompts:
+            raise ValueError("cannot score this")
+        return [1.0] * len(prompts)
+
+    with running(create_app(boom)) as url:
+        remote = RemoteReward(f"{url}/score", max_retries=3, backoff=0.01)
+        with pytest.raises(RewardFunctionError) as err:
+            remote(["fine", "bad row"], ["a", "b"])
+    assert "HTTP 500: reward function boom raised ValueError: cannot score this (prompt 'bad row')" in str(err.value)
+    assert calls == [["fine", "bad row"], ["fine"], ["bad row"]]  # one request; the server re-ran the rows to find the prompt
+    assert remote.retries == 0
+
+
+def test_a_sync_call_from_inside_an_event_loop_works():
+    app, _ = scripted_app(ok)
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score")
+
+        async def inside_a_loop():
+            return remote(["p"], ["abcd"])  # a synchronous caller running on an event loop
+
+        assert asyncio.run(inside_a_loop()) == [4.0]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="must start with http"):
+        RemoteReward("127.0.0.1:5000/score")
+    with pytest.raises(ValueError, match="batch_size"):
+        RemoteReward("http://127.0.0.1:5000/score", batch_size=0)
