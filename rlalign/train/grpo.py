@@ -81,7 +81,7 @@ from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, a
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import (
-    RewardTerm, ScoredRollout, add_score_term, completion_stats, concat_scored, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard, select_rows,
+    RewardTerm, ScoredRollout, add_score_term, completion_stats, concat_scored, prompt_batch, scored_stats, sample_rows, sample_shard, score_shard, select_rows,
 )
 from rlalign.train.tool_rollout import ToolRollout, ToolsConfig, sample_tool_shard, tool_registry
 from rlalign.train.updater import Updater, minibatch_step
@@ -308,7 +308,7 @@ def grpo_step(
     metrics = updates.means()
     metrics.update(kl_metrics)
     metrics.update(sampling_metrics)
-    metrics.update(reward_stats(scored.scores, scored.per_term, scored.failed))
+    metrics.update(scored_stats(scored))
     metrics.update(completion_stats(rollout, world))
     metrics["frac_zero_std_groups"] = (scored.scores.view(-1, G).std(dim=1) <= 1e-6).float().mean().item()
     metrics["adv/std"] = all_advantages.std().item()

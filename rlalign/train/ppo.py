@@ -63,7 +63,7 @@ from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
-from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, reward_stats, sample_rows, sample_shard, score_shard
+from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, scored_stats, sample_rows, sample_shard, score_shard
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = [
@@ -299,7 +299,7 @@ def ppo_step(
     kl_ctl.update(seq_kl.mean().item(), len(batch))
 
     metrics = updates.means()
-    metrics.update(reward_stats(scored.scores, scored.per_term, scored.failed))
+    metrics.update(scored_stats(scored))
     metrics.update(completion_stats(rollout, world))
     adv_mean, adv_var = distributed.global_mean_var(advantages, mask, world)
     metrics["score"] = scored.scores.mean().item()

@@ -66,7 +66,7 @@ def evaluate_policy(
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens or max_new_tokens, temperature=cfg.temperature)
     usable = len(prompts) - len(prompts) % world.size  # every rank an equal share
     generator = torch.Generator().manual_seed(seed)
-    scores, per_term, lengths, truncated, rows = [], {}, [], [], []
+    scores, per_term, failed, counters, lengths, truncated, rows = [], {}, {}, {}, [], [], []
     for start in range(0, usable, cfg.batch_size * world.size):
         batch = list(prompts[start : start + cfg.batch_size * world.size])
         shard = world.shard(len(batch))
@@ -79,6 +79,10 @@ def evaluate_policy(
         scores.append(scored.scores)
         for name, values in scored.per_term.items():
             per_term.setdefault(name, []).append(values)
+        for name, values in scored.failed.items():
+            failed.setdefault(name, []).append(values)
+        for key, value in scored.term_stats.items():
+            counters[key] = counters.get(key, 0.0) + value
         lengths.append(distributed.gather_rows(rollout.completion_lengths().float(), world))  # (B global,)
         truncated.append(distributed.gather_rows(rollout.truncated.float(), world))  # (B global,)
         if len(rows) < cfg.num_samples_logged:
@@ -86,7 +90,8 @@ def evaluate_policy(
     if not scores:
         return {}, []
     total = torch.cat(scores)  # (prompts x n,) prompt-major, groups adjacent
-    metrics = {f"eval/{key}": value for key, value in reward_stats(total, {k: torch.cat(v) for k, v in per_term.items()}).items()}
+    stats = reward_stats(total, {k: torch.cat(v) for k, v in per_term.items()}, {k: torch.cat(v) for k, v in failed.items()}) | counters
+    metrics = {f"eval/{key}": value for key, value in stats.items()}
     all_lengths = torch.cat(lengths)  # (prompts x n,)
     metrics["eval/completion_len/mean"] = all_lengths.mean().item()
     metrics["eval/completion_len/max"] = all_lengths.max().item()

@@ -48,6 +48,7 @@ __all__ = [
     "ScoredRollout",
     "score_shard",
     "reward_stats",
+    "scored_stats",
     "completion_stats",
     "sample_rows",
 ]
@@ -271,6 +272,7 @@ class ScoredRollout:
     scores: Tensor  # (B global,)
     per_term: dict[str, Tensor]  # name -> (B global,)
     failed: dict[str, Tensor] = field(default_factory=dict)  # name -> (B global,) bool: the term's call failed there (on_error: skip)
+    term_stats: dict[str, float] = field(default_factory=dict)  # reward/<name>/<key>: counters a term keeps (term_stats())
 
 
 def score_shard(
@@ -293,7 +295,14 @@ def score_shard(
     scores = distributed.gather_rows(local_scores, world)  # (B global,)
     per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
     failed = {name: distributed.gather_rows(rows_failed.float(), world).bool() for name, rows_failed in local_failed.items()}
-    return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed)
+    return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed, term_stats(rewards))
+
+
+def term_stats(terms: Sequence[RewardTerm]) -> dict[str, float]:
+    """Counters that terms keep about their calls since the last read (a judge's unparsable answers,
+    a remote reward's retries): ``reward/<name>/<key>`` for each ``fn.pop_stats()`` entry. Under
+    torchrun these are the counts of this process's rows."""
+    return {f"reward/{t.name}/{key}": float(value) for t in terms if callable(getattr(t.fn, "pop_stats", None)) for key, value in t.fn.pop_stats().items()}
 
 
 def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world: distributed.World) -> ScoredRollout:
@@ -303,6 +312,7 @@ def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: local_values},
         scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)}, scored.failed,
+        scored.term_stats,
     )
 
 
@@ -312,7 +322,7 @@ def select_rows(scored: ScoredRollout, rows: Tensor) -> ScoredRollout:
     return ScoredRollout(
         [scored.prompts[i] for i in index], [scored.completions[i] for i in index], scored.local_scores[rows],
         {k: v[rows] for k, v in scored.local_per_term.items()}, scored.scores[rows], {k: v[rows] for k, v in scored.per_term.items()},
-        {k: v[rows] for k, v in scored.failed.items()},
+        {k: v[rows] for k, v in scored.failed.items()}, scored.term_stats,
     )
 
 
@@ -322,6 +332,7 @@ def concat_scored(parts: Sequence[ScoredRollout]) -> ScoredRollout:
         [p for part in parts for p in part.prompts], [c for part in parts for c in part.completions], torch.cat([part.local_scores for part in parts]),
         {k: torch.cat([part.local_per_term[k] for part in parts]) for k in parts[0].local_per_term}, torch.cat([part.scores for part in parts]),
         {k: torch.cat([part.per_term[k] for part in parts]) for k in parts[0].per_term}, {k: torch.cat([part.failed[k] for part in parts]) for k in parts[0].failed},
+        {k: sum(part.term_stats.get(k, 0.0) for part in parts) for k in {k for part in parts for k in part.term_stats}},
     )
 
 
@@ -337,6 +348,11 @@ def reward_stats(total: Tensor, per_term: dict[str, Tensor], failed: dict[str, T
         if rows.any():
             stats[f"reward/{name}/failed"] = float(rows.sum())
     return stats
+
+
+def scored_stats(scored: ScoredRollout) -> dict[str, float]:
+    """What a trainer logs of a scored batch: :func:`reward_stats` over every rank's rows, and the terms' own counters."""
+    return {**reward_stats(scored.scores, scored.per_term, scored.failed), **scored.term_stats}
 
 
 def completion_stats(rollout: Rollout, world: distributed.World = distributed.World()) -> dict[str, float]:
