@@ -151,7 +151,9 @@ class ChatEndpoint:
                 body = json.dumps({"model": self.model, "messages": conversation, "temperature": 0, "max_tokens": self.max_new_tokens}).encode()
                 what = f"judge {self.name}, message {conversation[-1]['content']!r:.200}"
                 async with limit:
-                    answer = await post_json(client, self.url, body, max_retries=self.max_retries, backoff=self.backoff, what=what, retry_statuses=RETRY_STATUSES)
+                    answer = await post_json(
+                        client, self.url, body, max_retries=self.max_retries, backoff=self.backoff, what=what, timeout=self.timeout, retry_statuses=RETRY_STATUSES,
+                    )
                 try:
                     content = answer["choices"][0]["message"]["content"]
                 except (KeyError, IndexError, TypeError):

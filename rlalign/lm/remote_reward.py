@@ -71,10 +71,11 @@ def _server_message(response: httpx.Response) -> tuple[str, bool]:
 
 async def post_json(
     client: httpx.AsyncClient, url: str, body: bytes, *, max_retries: int, backoff: float, what: str,
-    retry_statuses: Iterable[int] = RETRY_STATUSES, on_retry=None,
+    timeout: float | None = None, retry_statuses: Iterable[int] = RETRY_STATUSES, on_retry=None,
 ) -> Any:
     """POST ``body`` (JSON bytes) to ``url`` and return the decoded JSON answer, retrying connection
     errors, timeouts and ``retry_statuses`` up to ``max_retries`` times (waits backoff, 2 backoff, ...).
+    ``timeout``: seconds for the whole of one try (the client's own limits apply to each phase of it).
     ``on_retry()`` runs before each retry. ``what`` ends the error message (e.g. the batch's first prompt).
 
     Raises:
@@ -84,9 +85,11 @@ async def post_json(
     retry_statuses = frozenset(retry_statuses)
     for attempt in range(max_retries + 1):
         try:
-            response = await client.post(url, content=body, headers={"content-type": "application/json"})
-        except httpx.TimeoutException as err:
-            problem, retryable = f"no answer within the time limit ({type(err).__name__})", True
+            async with asyncio.timeout(timeout):
+                response = await client.post(url, content=body, headers={"content-type": "application/json"})
+        except (httpx.TimeoutException, TimeoutError) as err:
+            limit = f" of {timeout:g} s" if timeout is not None else ""
+            problem, retryable = f"no answer within the time limit{limit} ({type(err).__name__})", True
         except httpx.TransportError as err:
             problem, retryable = f"{type(err).__name__}: {err}", True
         else:
@@ -195,7 +198,7 @@ class RemoteReward:
                 body = self._body(prompts[rows], completions[rows], {k: v[rows] for k, v in columns.items()}, step)
                 async with limit:
                     answer = await post_json(
-                        client, self.url, body, max_retries=self.max_retries, backoff=self.backoff, retry_statuses=self.retry_statuses,
+                        client, self.url, body, max_retries=self.max_retries, backoff=self.backoff, timeout=self.timeout, retry_statuses=self.retry_statuses,
                         what=f"{self.name}, batch of {len(prompts[rows])} from prompt {prompts[start]!r:.200}", on_retry=self._count_retry,
                     )
                 self.requests += 1
@@ -227,7 +230,7 @@ class RemoteReward:
         try:
             return json.dumps(payload, allow_nan=False).encode()
         except (TypeError, ValueError) as err:
-            field = next((f"columns.{k}" for k, v in columns.items() if not _jsonable(v)), None) or next(k for k in ("prompts", "completions") if not _jsonable(payload[k]))
+            field = next((f"columns.{k}" for k, v in columns.items() if not _jsonable(v)), None) or next((k for k in ("prompts", "completions") if not _jsonable(payload[k])), "the request")
             raise RewardFunctionError(f"{self.name}: {field} cannot be sent as JSON ({err}) (prompt {prompts[0]!r:.200})") from None
 
     def _rewards(self, answer: Any, prompts: list) -> list[float | None]:

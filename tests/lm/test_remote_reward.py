@@ -9,7 +9,7 @@ import socket
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rlalign.lm.remote_reward import RemoteReward
@@ -152,9 +152,27 @@ def test_a_server_slower_than_the_time_limit_is_an_error_naming_the_url():
     app, seen = scripted_app((1.0, 200, {"rewards": [1.0]}))
     with running(app) as url:
         remote = RemoteReward(f"{url}/score", timeout=0.2, max_retries=1, backoff=0.0)
-        with pytest.raises(RewardFunctionError, match=rf"POST {url}/score failed after 2 tries: no answer within the time limit .*'slow prompt'"):
+        with pytest.raises(RewardFunctionError, match=rf"POST {url}/score failed after 2 tries: no answer within the time limit of 0.2 s .*'slow prompt'"):
             remote(["slow prompt"], ["c"])
     assert len(seen) == 2
+
+
+def test_the_time_limit_is_for_the_whole_request_not_each_read():
+    async def trickle(request: Request) -> StreamingResponse:
+        async def chunks():
+            yield b'{"rewards": [1.0'
+            for _ in range(10):  # each piece comes well within 0.3 s, the whole answer in about 1 s
+                await asyncio.sleep(0.1)
+                yield b" "
+            yield b"]}"
+
+        return StreamingResponse(chunks(), media_type="application/json")
+
+    app = Starlette(routes=[Route("/score", trickle, methods=["POST"])])
+    with running(app) as url:
+        with pytest.raises(RewardFunctionError, match=r"no answer within the time limit of 0.3 s"):
+            RemoteReward(f"{url}/score", timeout=0.3, max_retries=0)(["p"], ["c"])
+        assert RemoteReward(f"{url}/score", timeout=5.0, max_retries=0)(["p"], ["c"]) == [1.0]
 
 
 def test_nothing_listening_is_an_error_after_the_retries():
