@@ -30,7 +30,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    lines = "\n".join(f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items())
+    width = max(len(name) for name in COMMANDS)
+    lines = "\n".join(f"  {name:<{width}} {text}" for name, (_, text) in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog="rlalign",
         description="Reinforcement learning for language models.",

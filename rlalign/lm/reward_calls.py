@@ -10,8 +10,8 @@ A reward function is called TRL's way when it takes ``completions`` by name (key
 else as ``fn(prompts, completions)``. It returns one score per completion: a finite number, or None
 where it does not apply (the term is then left out of that completion's sum, TRL's nansum).
 
-``async def`` functions (and objects whose ``__call__`` is async, TRL's ``is_async_callable``) are
-started first, all together on one event loop that lives in a daemon thread for the whole process
+``async def`` functions (and objects whose ``__call__`` is async, TRL's ``is_async_callable``, or
+that have an ``async def acall``, as rlalign's remote reward and judge) are started first, all together on one event loop that lives in a daemon thread for the whole process
 (so a client an async function keeps, e.g. an ``httpx.AsyncClient``, stays on one loop); the
 synchronous functions run meanwhile in the calling thread, then the async results are collected.
 Their waiting overlaps: two functions that each wait 1 s cost 1 s, not 2.
@@ -50,6 +50,7 @@ __all__ = [
     "TermScores",
     "reward_fn_name",
     "is_async_reward",
+    "async_entry",
     "call_reward",
     "score_terms",
     "score_completions",
@@ -76,6 +77,15 @@ def is_async_reward(fn: Callable) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def async_entry(fn: Callable) -> Callable | None:
+    """What to await for ``fn``: itself when it is async, its ``acall`` when it has an ``async def acall``
+    beside a synchronous ``__call__`` (rlalign's remote reward and judge), else None (a synchronous function)."""
+    if is_async_reward(fn):
+        return fn
+    acall = getattr(fn, "acall", None)
+    return acall if inspect.iscoroutinefunction(acall) else None
 
 
 @dataclass(frozen=True)
@@ -139,7 +149,7 @@ async def _await_with_limit(coroutine, timeout_s: float | None):
 
 def _start_async(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict) -> concurrent.futures.Future:
     """Schedule one async call on the loop; its future holds the scores or the exception."""
-    coroutine = call_reward(policy.fn, prompts, completions, columns, context)
+    coroutine = call_reward(async_entry(policy.fn), prompts, completions, columns, context)
     return asyncio.run_coroutine_threadsafe(_await_with_limit(coroutine, policy.timeout_s), _event_loop())
 
 
@@ -155,7 +165,7 @@ def _run_sync(policy: CallPolicy, prompts: list, completions: list, columns: dic
 
 def _call(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict):
     """One call of either kind, waited for (the per-row re-runs after a failure)."""
-    if is_async_reward(policy.fn):
+    if async_entry(policy.fn) is not None:
         return _start_async(policy, prompts, completions, columns, context).result()
     return _run_sync(policy, prompts, completions, columns, context)
 
@@ -233,7 +243,7 @@ def score_terms(
     columns, context = dict(columns or {}), dict(context or {})
     pending: dict[int, concurrent.futures.Future] = {}
     for k, policy in enumerate(policies):  # start every async call before the first synchronous one
-        if is_async_reward(policy.fn):
+        if async_entry(policy.fn) is not None:
             try:
                 pending[k] = _start_async(policy, prompts, completions, columns, context)
             except Exception as err:  # noqa: BLE001 - raised before its first await

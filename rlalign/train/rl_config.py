@@ -20,6 +20,8 @@ from rlalign.train.common import ModelConfig, OptimConfig, RunConfig
 __all__ = [
     "DataConfig",
     "BUILTIN_REWARDS",
+    "RemoteConfig",
+    "JudgeConfig",
     "RewardConfig",
     "SamplingConfig",
     "RLOptimConfig",
@@ -56,8 +58,47 @@ class DataConfig(Config):
 BUILTIN_REWARDS = ("arithmetic", "preference", "multiplication", "exact_match", "math_answer", "format", "code_execution")
 
 
+class RemoteConfig(Config):
+    """How a remote reward (``reward_url``) is asked (rlalign.lm.remote_reward.RemoteReward)."""
+
+    batch_size: int = Field(64, ge=1, description="rows per request")
+    request_timeout_s: float = Field(60.0, gt=0, description="seconds one request may take (connect, send, wait, read)")
+    max_retries: int = Field(3, ge=0, description="further tries of a request after a connection error, a timeout, 429 or 5xx (backoff doubling from 0.5 s)")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
+    label_column: str | None = Field("answer", description="row column also sent as OpenRLHF's 'labels' (null: none)")
+
+
+class JudgeConfig(Config):
+    """A generative judge (rlalign.lm.judge.JudgeReward): a causal LM asked a rubric per completion,
+    its answer parsed to a score in [0, 1]. A local checkpoint (``model``) or an OpenAI-compatible server
+    (``base_url`` + ``model_name``), exactly one."""
+
+    model: str | None = Field(None, description="local causal-LM checkpoint that judges, decoded greedily (frozen, on model.device in model.dtype)")
+    base_url: str | None = Field(None, description="OpenAI-compatible server that judges, e.g. http://127.0.0.1:8000/v1")
+    model_name: str | None = Field(None, description="the model the server serves (with base_url)")
+    template: str | None = Field(None, description="the user message: {prompt}, {completion} and any row column by name (null: the built-in 0-10 rubric)")
+    pattern: str | None = Field(None, description="regular expression whose first group is the score in the answer (null: 'Score: 7' / '7/10')")
+    system_prompt: str | None = Field(None, description="a system message before the rubric (null: none)")
+    min_score: float = Field(0.0, description="lowest score the rubric gives; x maps to (x - min_score) / (max_score - min_score)")
+    max_score: float = Field(10.0, description="highest score the rubric gives")
+    max_new_tokens: int = Field(16, ge=1, description="length of the judge's answer")
+    max_failure_fraction: float = Field(
+        0.5, ge=0, le=1, description="largest share of a call's answers that may fail to parse (each None, counted as reward/<name>/parse_failed); above it, an error"
+    )
+
+    @model_validator(mode="after")
+    def _one_judge(self) -> JudgeConfig:
+        if (self.model is None) == (self.base_url is None):
+            raise ValueError("set exactly one of judge.model (a local checkpoint) or judge.base_url (an OpenAI-compatible server)")
+        if (self.base_url is None) != (self.model_name is None):
+            raise ValueError("judge.model_name goes with judge.base_url, and judge.base_url needs it")
+        if not self.max_score > self.min_score:
+            raise ValueError(f"judge.max_score ({self.max_score}) must be greater than judge.min_score ({self.min_score})")
+        return self
+
+
 class RewardConfig(Config):
-    """One weighted term of the reward: a reward function or a reward model (exactly one)."""
+    """One weighted term of the reward: a reward function, a reward model, a remote reward or a judge (exactly one)."""
 
     function: str | None = Field(
         None,
@@ -70,6 +111,12 @@ class RewardConfig(Config):
         None, description="reward-model checkpoint: one written by rlalign rm or any Hugging Face *ForSequenceClassification checkpoint with one label "
         "(or an older rlalign backbone + value_head.safetensors); its score at the end of prompt + response is the reward"
     )
+    reward_url: str | None = Field(
+        None, description="a reward server's endpoint (rlalign serve-reward, OpenRLHF's serve_rm, docs/reward_protocol.md), e.g. http://127.0.0.1:5000/score; "
+        "asked with the prompts, completions and the rows' columns"
+    )
+    remote: RemoteConfig = Field(default_factory=RemoteConfig, description="reward_url: batching, time limit per request, retries")
+    judge: JudgeConfig | None = Field(None, description="a generative judge (an LLM asked a rubric per completion)")
     input_format: Literal["auto", "text", "eos"] = Field(
         "auto",
         description="reward_model: how prompt + completion reach it. text: as transformers and TRL score a Hugging Face reward model "
@@ -93,8 +140,10 @@ class RewardConfig(Config):
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
-        if (self.function is None) == (self.reward_model is None):
-            raise ValueError(f"set exactly one of function or reward_model (got function={self.function!r}, reward_model={self.reward_model!r})")
+        sources = {"function": self.function, "reward_model": self.reward_model, "reward_url": self.reward_url, "judge": self.judge}
+        given = [key for key, value in sources.items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of function, reward_model, reward_url or judge (got {', '.join(given) or 'none'})")
         if self.function is not None and ":" not in self.function and self.function not in BUILTIN_REWARDS:
             raise ValueError(f"function {self.function!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'package.module:function'")
         if (self.function == "format") != (self.pattern is not None):
@@ -107,9 +156,12 @@ class RewardConfig(Config):
 
     @property
     def label(self) -> str:
+        """The term's metric name: ``name``, else rm, remote, judge, or the function's name."""
         if self.name:
             return self.name
-        return "rm" if self.reward_model else str(self.function).split(":")[-1]
+        if self.function is not None:
+            return str(self.function).split(":")[-1]
+        return "rm" if self.reward_model else "remote" if self.reward_url else "judge"
 
 
 class SamplingConfig(Config):

@@ -190,6 +190,41 @@ def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer, world: 
     return RewardModelReward(model, rm_tokenizer, input_format)
 
 
+def _remote_reward(spec: RewardConfig) -> Callable:
+    from rlalign.lm.remote_reward import RemoteReward
+
+    r = spec.remote
+    return RemoteReward(
+        spec.reward_url, name=spec.label, batch_size=r.batch_size, timeout=r.request_timeout_s, max_retries=r.max_retries,
+        max_concurrency=r.max_concurrency, label_column=r.label_column,
+    )
+
+
+def _judge_reward(spec: RewardConfig, model_cfg: ModelConfig, world: distributed.World) -> Callable:
+    from rlalign.lm.judge import JudgeReward
+
+    judge = spec.judge
+    options = {"template": judge.template, "pattern": judge.pattern, "system_prompt": judge.system_prompt}
+    kwargs = {key: value for key, value in options.items() if value is not None}  # None: the judge's own default
+    kwargs.update(min_score=judge.min_score, max_score=judge.max_score, max_failure_fraction=judge.max_failure_fraction, name=spec.label)
+    if judge.base_url is not None:
+        return JudgeReward.remote(judge.base_url, judge.model_name, max_new_tokens=judge.max_new_tokens, **kwargs)
+    return JudgeReward.from_pretrained(
+        judge.model, model_cfg.dtype, world.device(model_cfg.device), judge.max_new_tokens, attn_implementation=model_cfg.attn_implementation, **kwargs
+    )
+
+
+def _term_fn(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer, model_cfg: ModelConfig, world: distributed.World) -> Callable:
+    """The reward function of one config term, by its source."""
+    if spec.reward_model is not None:
+        return _reward_model(spec, model_cfg, tokenizer, world)
+    if spec.reward_url is not None:
+        return _remote_reward(spec)
+    if spec.judge is not None:
+        return _judge_reward(spec, model_cfg, world)
+    return _reward_function(spec, prompts, tokenizer)
+
+
 def build_rewards(
     specs: Sequence[RewardConfig],
     prompts: Sequence[PromptExample],
@@ -198,15 +233,9 @@ def build_rewards(
     extra: Sequence[RewardTerm | Callable] = (),
     world: distributed.World = distributed.World(),
 ) -> list[RewardTerm]:
-    """Reward terms of the config (functions resolved, reward models loaded frozen) plus ``extra``
+    """Reward terms of the config (functions resolved, reward models and judges loaded frozen, remote rewards' clients) plus ``extra``
     (terms, or plain callables: see :func:`as_reward_term`)."""
-    terms = [
-        RewardTerm(
-            spec.label, spec.weight, _reward_model(spec, model_cfg, tokenizer, world) if spec.reward_model else _reward_function(spec, prompts, tokenizer),
-            spec.on_error, spec.timeout_s,
-        )
-        for spec in specs
-    ]
+    terms = [RewardTerm(spec.label, spec.weight, _term_fn(spec, prompts, tokenizer, model_cfg, world), spec.on_error, spec.timeout_s) for spec in specs]
     terms.extend(as_reward_term(term) for term in extra)
     if not terms:
         raise ConfigError("no reward: add at least one term under 'rewards' (a function or a reward_model)")

@@ -145,3 +145,37 @@ def test_a_call_past_its_time_limit_is_an_error_or_a_skipped_batch():
         assert time.monotonic() - start < 0.9
         (skipped,) = score_terms([CallPolicy(fn.__name__, fn, on_error="skip", timeout_s=0.2)], ["a", "b"], ["x", "y"])
         assert skipped.failed.tolist() == [True, True]
+
+
+def word_count(completions, **kwargs):
+    return [float(len(c.split())) for c in completions]
+
+
+def test_a_reward_server_in_the_config_scores_as_the_function_does_locally(tiny_path, tmp_path):
+    from rlalign.serve_reward import create_app, running
+
+    with running(create_app(word_count)) as url:
+        grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"reward_url": f"{url}/score", "remote": {"batch_size": 3}}]))
+    rows = samples(tmp_path)
+    assert [r["remote"] for r in rows] == word_count([r["completion"] for r in rows])
+
+
+def test_an_unreachable_reward_server_stops_the_run_naming_it(tiny_path, tmp_path):
+    from rlalign.serve_reward import create_app, running
+
+    with running(create_app(word_count)) as url:
+        pass  # the server is gone: nothing listens there any more
+    cfg = make_cfg(grpo, tiny_path, tmp_path, rewards=[{"reward_url": f"{url}/score", "remote": {"max_retries": 1, "request_timeout_s": 2}}])
+    with pytest.raises(RewardFunctionError, match=rf"{url}/score"):
+        grpo.train(cfg)
+
+
+def test_a_judge_in_the_config_is_asked_and_its_unparsable_answers_are_counted(tiny_path, tmp_path):
+    # the judge is the tiny random model itself: its answers never hold a score, so every one fails to parse;
+    # allowed (max_failure_fraction 1), each is left out of the sum and counted, never read as 0
+    judge = {"model": str(tiny_path), "max_new_tokens": 4, "max_failure_fraction": 1.0}
+    grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"function": "arithmetic"}, {"judge": judge}]))
+    step = metrics(tmp_path)[0]
+    assert step["reward/judge/parse_failed"] == 8 and step["reward/mean"] == pytest.approx(step["reward/arithmetic/mean"])
+    with pytest.raises(RewardFunctionError, match="judge"):
+        grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"judge": {**judge, "max_failure_fraction": 0.5}}]))
