@@ -25,8 +25,8 @@ number of rewards or a value that is not a finite number or null fail at once.
 
 One code path: the synchronous call runs :meth:`RemoteReward.acall` on an event loop of its own (on a
 worker thread when the caller is already inside one); ``max_concurrency`` batches are in flight at once.
-``AsyncReward(reward)`` is the reward as an ``async def`` function (TRL's convention for I/O-bound
-rewards), so a trainer awaits it beside its other async terms.
+As a reward term, the trainers await its ``acall`` on their event loop beside the other async terms
+(:func:`rlalign.lm.reward_calls.async_entry`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import httpx
 
 from rlalign.lm.rewards import RewardFunctionError
 
-__all__ = ["RemoteReward", "AsyncReward", "RETRY_STATUSES", "post_json", "check_rewards", "run_sync"]
+__all__ = ["RemoteReward", "RETRY_STATUSES", "post_json", "check_rewards", "run_sync"]
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
@@ -241,22 +241,6 @@ class RemoteReward:
             keys = sorted(answer) if isinstance(answer, dict) else type(answer).__name__
             raise RewardFunctionError(f"{who} answered without a 'rewards' list (got {keys}) for the batch from prompt {prompts[0]!r:.200}")
         return check_rewards(answer["rewards"], len(prompts), who, prompts)
-
-
-class AsyncReward:
-    """A reward with an ``acall`` (:class:`RemoteReward`, :class:`rlalign.lm.judge.JudgeReward`) as an
-    ``async def`` reward function, TRL's convention for I/O-bound rewards, which the trainers start
-    together on one event loop while the synchronous terms are scored. ``name`` and ``pop_stats`` are
-    the wrapped reward's."""
-
-    def __init__(self, reward):
-        self.reward, self.name = reward, reward.name
-
-    async def __call__(self, prompts: list, completions: list, **keywords: Any) -> list[float | None]:
-        return await self.reward.acall(prompts, completions, **keywords)
-
-    def pop_stats(self) -> dict[str, float]:
-        return self.reward.pop_stats()
 
 
 def _jsonable(value: Any) -> bool:

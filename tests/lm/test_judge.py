@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rlalign.lm.judge import DEFAULT_PATTERN, JudgeReward, LocalJudge, parse_score
-from rlalign.lm.remote_reward import AsyncReward
 from rlalign.lm.rewards import RewardFunctionError, call_reward, score_completions
 from rlalign.serve_reward import running
 from rlalign.tasks.tiny_model import build_char_tokenizer
@@ -119,7 +118,7 @@ def test_it_is_called_as_a_trl_style_reward_function():
 
 
 def test_as_an_async_term_a_parse_failure_leaves_the_sum_and_is_counted():
-    term = AsyncReward(JudgeReward(Scripted({"a": "Score: 4", "b": "?"}), name="judge_a"))
+    term = JudgeReward(Scripted({"a": "Score: 4", "b": "?"}), name="judge_a")  # awaited through its acall
     total = score_completions([term, lambda p, c: [1.0] * len(c)], ["p", "q"], ["a", "b"])
     assert total.tolist() == [pytest.approx(1.4), 1.0]  # 0.4 + 1; the judge's None leaves row 2's sum: 1
     assert term.name == "judge_a" and term.pop_stats() == {"parse_failed": 1.0, "parse_failed_fraction": 0.5}

@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rlalign.lm.remote_reward import AsyncReward, RemoteReward
-from rlalign.lm.reward_calls import is_async_reward
+from rlalign.lm.remote_reward import RemoteReward
+from rlalign.lm.reward_calls import async_entry, is_async_reward
 from rlalign.lm.rewards import RewardFunctionError, call_reward, score_completions
 from rlalign.serve_reward import create_app, running
 
@@ -247,8 +247,8 @@ def test_as_an_async_term_it_scores_the_same_and_keeps_its_name_and_counters():
     app, _ = scripted_app((0, 503, {"error": "busy"}), ok)
     with running(app) as url:
         remote = RemoteReward(f"{url}/score", name="remote_len", batch_size=1, backoff=0.01)
-        term = AsyncReward(remote)
-        assert is_async_reward(term) and not is_async_reward(remote) and term.name == "remote_len"
+        term = remote
+        assert async_entry(term) == remote.acall and not is_async_reward(remote) and term.name == "remote_len"
         total = score_completions([term, lambda p, c: [1.0] * len(c)], ["p", "q"], ["abc", "de"], weights=[2.0, 1.0])
     assert total.tolist() == [7.0, 5.0]  # 2 len + 1
     assert term.pop_stats() == {"retries": 1.0}
