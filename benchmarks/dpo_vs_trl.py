@@ -118,7 +118,8 @@ def as_text(tokenizer, rows: list[dict]) -> list[dict]:
 def rlalign_side(overrides: list[str], tokenizer, policy, reference, rows: list[dict]):
     """(loss, {name: grad}, token rows [(prompt ids, response ids)] chosen then rejected)."""
     from rlalign.config import load_config
-    from rlalign.lm.data import collate_preference_completions, load_preferences
+    from rlalign.lm.data import load_preferences
+    from rlalign.lm.encoding import collate_preference_completions
     from rlalign.train import dpo
 
     cfg = load_config(dpo.DPOConfig, None, overrides + ["data.max_length=1024"])

@@ -194,7 +194,7 @@ def step_flops(
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
-    from rlalign.lm.data import encode_prompts
+    from rlalign.lm.encoding import encode_prompts
     from rlalign.tasks import TASKS
     from rlalign.train.grpo import GRPOConfig
     from rlalign.train.passes import share_prompts

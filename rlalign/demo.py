@@ -33,7 +33,7 @@ import torch
 from pydantic import Field
 
 from rlalign.config import Config, load_config
-from rlalign.lm.data import encode_prompts, render_prompt
+from rlalign.lm.encoding import encode_prompts, render_prompt
 from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm.models import load_policy, load_reference, load_tokenizer
 from rlalign.lm.rewards import score_completions

@@ -3,7 +3,8 @@
 - :mod:`rlalign.lm.models`: policy / frozen reference / critic / reward model loaders, scalar
   heads, LoRA and the adapters-disabled reference, dropout off, dtype and device, the attention switch.
 - :mod:`rlalign.lm.data`: prompts, SFT pairs and preference pairs from JSONL / JSON / Parquet /
-  lists, validated at load; chat rendering; SFT and preference batches (padding or packing).
+  lists, validated at load; :mod:`rlalign.lm.encoding`: chat rendering, prompt tokens, SFT and
+  preference batches (padding or packing).
 - :mod:`rlalign.lm.sampling`: batched KV-cache sampling into a :class:`rlalign.lm.rollout.Rollout`;
   its prefill in :mod:`rlalign.lm.prefill`, one decode step and the draw in :mod:`rlalign.lm.decode`.
 - :mod:`rlalign.lm.logprobs`: training-time completion log-probs (LM head on completion positions only).

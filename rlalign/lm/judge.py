@@ -52,8 +52,8 @@ import httpx
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlalign.lm.data import completion_text, encode_prompts
 from rlalign.lm.decode import SamplingParams
+from rlalign.lm.encoding import completion_text, encode_prompts
 from rlalign.lm.models import evaluating
 from rlalign.lm.remote_reward import RETRY_STATUSES, post_json, run_sync
 from rlalign.lm.rewards import RewardFunctionError

@@ -25,7 +25,7 @@ from pydantic import Field, TypeAdapter, model_validator
 from transformers import AutoConfig
 
 from rlalign.config import Config, ConfigError
-from rlalign.lm.data import encode_prompts, render_prompt
+from rlalign.lm.encoding import encode_prompts, render_prompt
 from rlalign.lm.models import LoraConfig, load_policy, load_tokenizer, resolve_model_path
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample

@@ -23,7 +23,7 @@ Data: TRL's preference type, as ``rlalign rm`` reads it (:func:`rlalign.lm.data.
 ``{prompt, chosen, rejected}`` or ``{chosen, rejected}`` with an implicit prompt (the shared start is
 the prompt, as TRL's ``extract_prompt`` splits it), text or messages; or the built-in preference task.
 A response's tokens end with EOS; a pair longer than ``data.max_length`` loses the start of its prompt
-first (:func:`rlalign.lm.data.collate_preference_completions`).
+first (:func:`rlalign.lm.encoding.collate_preference_completions`).
 
 Metrics per step: ``loss/dpo`` (whichever loss), ``rewards/chosen`` and ``rewards/rejected`` (mean
 implicit rewards beta * rho; SimPO: beta / |y| log pi(y)), ``rewards/margin`` (mean r_c - r_r),
@@ -48,7 +48,8 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from rlalign.core.preference import PreferenceStats, dpo_loss, ipo_loss, simpo_loss
-from rlalign.lm.data import PreferenceCompletionBatch, PreferenceExample, collate_preference_completions, load_preferences
+from rlalign.lm.data import PreferenceExample, load_preferences
+from rlalign.lm.encoding import PreferenceCompletionBatch, collate_preference_completions
 from rlalign.lm.logprobs import completion_logprobs
 from rlalign.lm.models import evaluating, reference_policy
 from rlalign.tasks import TASKS

@@ -45,7 +45,8 @@ import torch
 from pydantic import Field, model_validator
 
 from rlalign.core.losses import bradley_terry_loss
-from rlalign.lm.data import PreferenceExample, collate_preferences, load_preferences
+from rlalign.lm.data import PreferenceExample, load_preferences
+from rlalign.lm.encoding import collate_preferences
 from rlalign.lm.models import ScalarHeadModel, enable_gradient_checkpointing, last_token_values, load_reward_model
 from rlalign.tasks import TASKS
 from rlalign.train.common import ModelConfig, OptimConfig

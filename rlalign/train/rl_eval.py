@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from rlalign.core.evaluation import pass_at_k
-from rlalign.lm.data import PromptExample, encode_prompts, load_prompts
+from rlalign.lm.data import PromptExample, load_prompts
+from rlalign.lm.encoding import encode_prompts
 from rlalign.lm.models import evaluating
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks import TASKS

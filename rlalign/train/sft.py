@@ -32,7 +32,8 @@ from pydantic import Field
 
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
-from rlalign.lm.data import Prompt, SFTExample, collate_sft, completion_text, load_sft, pack_sft
+from rlalign.lm.data import Prompt, SFTExample, load_sft
+from rlalign.lm.encoding import collate_sft, completion_text, pack_sft
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
@@ -106,7 +107,7 @@ def generation_pairs(examples: list[SFTExample]) -> list[tuple[Prompt, str]]:
 
 
 def _batch_loss(model, tokenizer, examples: list[SFTExample], max_length: int, packing: bool, completion_only: bool = True):
-    """The loss of one batch on its target tokens (:func:`rlalign.lm.data.example_tokens`) and its stats (mean nll, counted tokens)."""
+    """The loss of one batch on its target tokens (:func:`rlalign.lm.encoding.example_tokens`) and its stats (mean nll, counted tokens)."""
     device = next(model.parameters()).device
     batch = (pack_sft if packing else collate_sft)(tokenizer, examples, max_length, completion_only)
     logits = model(

@@ -47,7 +47,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from rlalign.config import Config
-from rlalign.lm.data import encode_prompts
+from rlalign.lm.encoding import encode_prompts
 from rlalign.lm.models import attention_kernel, evaluating
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams, left_pad, sample

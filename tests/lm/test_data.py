@@ -9,19 +9,8 @@ import torch
 
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
-from rlalign.lm.data import (
-    DataError,
-    PreferenceExample,
-    SFTExample,
-    collate_preferences,
-    collate_sft,
-    encode_prompts,
-    load_preferences,
-    load_prompts,
-    load_sft,
-    pack_sft,
-    render_prompt,
-)
+from rlalign.lm.data import DataError, PreferenceExample, SFTExample, load_preferences, load_prompts, load_sft
+from rlalign.lm.encoding import collate_preferences, collate_sft, encode_prompts, pack_sft, render_prompt
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -9,19 +9,8 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from rlalign.lm.data import (
-    DataError,
-    PreferenceExample,
-    PromptExample,
-    SFTExample,
-    collate_preferences,
-    collate_sft,
-    example_tokens,
-    load_preferences,
-    load_prompts,
-    load_sft,
-    read_rows,
-)
+from rlalign.lm.data import DataError, PreferenceExample, PromptExample, SFTExample, load_preferences, load_prompts, load_sft, read_rows
+from rlalign.lm.encoding import collate_preferences, collate_sft, example_tokens
 
 USER = [{"role": "user", "content": "hi"}]
 REPLY = [{"role": "assistant", "content": "yo"}]

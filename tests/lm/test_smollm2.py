@@ -37,7 +37,7 @@ def smollm2():
 
 
 def test_chat_sampling_matches_generate_and_answers(smollm2):
-    from rlalign.lm.data import encode_prompts
+    from rlalign.lm.encoding import encode_prompts
     from rlalign.lm.sampling import SamplingParams, sample
 
     _, tok, model = smollm2

@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 
 from rlalign.cli import main
 from rlalign.config import ConfigError, load_config
-from rlalign.lm.data import DataError, PreferenceExample, collate_preference_completions, explicit_prompt, load_preferences
+from rlalign.lm.data import DataError, PreferenceExample, load_preferences
+from rlalign.lm.encoding import collate_preference_completions, explicit_prompt
 from rlalign.lm.models import apply_lora, load_policy, load_reference, load_tokenizer
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import dpo

@@ -15,7 +15,8 @@ import torch
 from rlalign.config import ConfigError, load_config
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.masks import masked_mean
-from rlalign.lm.data import DataError, encode_prompts
+from rlalign.lm.data import DataError
+from rlalign.lm.encoding import encode_prompts
 from rlalign.lm.models import cast_copy, load_policy, load_tokenizer
 from rlalign.lm.packed import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError

@@ -17,7 +17,7 @@ from rlalign.config import load_config
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.masks import masked_mean
-from rlalign.lm.data import encode_prompts
+from rlalign.lm.encoding import encode_prompts
 from rlalign.lm.logprobs import completion_logits
 from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.sampling import SamplingParams, sample

@@ -264,7 +264,7 @@ def sft_on_transcripts(tokenizer, records: list[dict], steps: int, seed: int = 0
 def success_rates(model, tokenizer, records: list[dict], samples: int = 2) -> tuple[float, float]:
     """(success with the calculator's results fed back, success without tools: the model's own text
     after its call scored as is), sampled at temperature 1 with a fixed seed."""
-    from rlalign.lm.data import encode_prompts
+    from rlalign.lm.encoding import encode_prompts
     from rlalign.lm.sampling import sample
     from rlalign.tasks import multiplication as mul
 
