@@ -109,7 +109,7 @@ def reward_checkpoint(base: str | Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from rlalign.lm.models import HEAD_FILE
+    from rlalign.lm.heads import HEAD_FILE
 
     base = Path(base).resolve()
     path = base.with_name(base.name + "-rm")
@@ -296,7 +296,8 @@ class PPOSetup:
     controller), without its outer loop; see :class:`GRPOSetup`."""
 
     def __init__(self, cfg, records: list[dict], reward_fn=None):
-        from rlalign.lm.models import enable_gradient_checkpointing, load_critic
+        from rlalign.lm.heads import load_critic
+        from rlalign.lm.model_modes import enable_gradient_checkpointing
         from rlalign.train import ppo
         from rlalign.train.loop import resume_state, start_rl_run
         from rlalign.train.rollouts import RewardTerm

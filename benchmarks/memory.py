@@ -184,7 +184,8 @@ STEP_KEYS = ("tokens", "completion_len/max", "time/generate", "time/reference", 
 
 def checkpointing_state(models) -> list[bool]:
     """Per trained model: would its training forward recompute activations in backward (checkpointing on, train mode)?"""
-    from rlalign.lm.models import ScalarHeadModel, unwrap_causal_lm
+    from rlalign.lm.heads import ScalarHeadModel
+    from rlalign.lm.models import unwrap_causal_lm
 
     state = []
     for m in models:

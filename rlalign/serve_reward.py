@@ -172,7 +172,8 @@ def load_model_reward(
     """A reward-model directory as a :class:`RewardModelReward`, loaded as the trainers load one: frozen,
     with its trained head and its own tokenizer; ``input_format`` "auto" reads how it was trained to
     score (:func:`rlalign.lm.rewards.reward_input_of`), as a trainer's reward term does."""
-    from rlalign.lm.models import load_reward_model, load_tokenizer
+    from rlalign.lm.heads import load_reward_model
+    from rlalign.lm.models import load_tokenizer
     from rlalign.lm.rewards import RewardModelReward, reward_input_of
 
     model = load_reward_model(path, dtype, device, attn_implementation=attn_implementation)

@@ -1,7 +1,9 @@
 """Language-model plumbing on any Hugging Face causal LM (one module per concern):
 
-- :mod:`rlalign.lm.models`: policy / frozen reference / critic / reward model loaders, scalar
-  heads, LoRA and the adapters-disabled reference, dropout off, dtype and device, the attention switch.
+- :mod:`rlalign.lm.models`: policy / frozen reference / tokenizer loaders, LoRA and the
+  adapters-disabled reference, dropout off, dtype and device; :mod:`rlalign.lm.heads`: the critic and
+  reward model (a scalar head on the backbone); :mod:`rlalign.lm.model_modes`: the attention switch,
+  activation checkpointing, eval mode.
 - :mod:`rlalign.lm.data`: prompts, SFT pairs and preference pairs from JSONL / JSON / Parquet /
   lists, validated at load; :mod:`rlalign.lm.encoding`: chat rendering, prompt tokens, SFT and
   preference batches (padding or packing).

@@ -54,7 +54,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlalign.lm.decode import SamplingParams
 from rlalign.lm.encoding import completion_text, encode_prompts
-from rlalign.lm.models import evaluating
+from rlalign.lm.model_modes import evaluating
 from rlalign.lm.remote_reward import RETRY_STATUSES, post_json, run_sync
 from rlalign.lm.rewards import RewardFunctionError
 

@@ -41,7 +41,8 @@ from transformers import DynamicCache
 
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.masks import position_ids_from_mask
-from rlalign.lm.models import cache_argument, is_checkpointing
+from rlalign.lm.model_modes import is_checkpointing
+from rlalign.lm.models import cache_argument
 
 __all__ = ["completion_positions", "completion_logits", "completion_logprobs", "rollout_logprobs"]
 

@@ -22,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlalign.lm.data import Messages, Prompt, PreferenceExample
 from rlalign.lm.encoding import collate_preferences
-from rlalign.lm.models import HEAD_FILE, REWARD_INPUT_KEY, resolve_model_path
+from rlalign.lm.heads import HEAD_FILE, REWARD_INPUT_KEY
+from rlalign.lm.models import resolve_model_path
 from rlalign.lm.reward_calls import RewardFunctionError, call_reward, check_finite, reward_fn_name, score_completions
 
 __all__ = [

@@ -31,7 +31,7 @@ full guards twice (the first draw runs before the loop, with its full guards), a
 cache object and the shapes stay the same; a guard that would
 fail raises rather than run a wrong version. The graph reads the parameters when it runs, so
 in-place weight updates need no recompile. Inside the compiled step the model runs its "eager"
-attention, which inductor fuses (:func:`rlalign.lm.models.attention_kernel`). This removes most of
+attention, which inductor fuses (:func:`rlalign.lm.model_modes.attention_kernel`). This removes most of
 transformers' per-module Python cost, which is what a small model's step is made of; a model whose
 decode step is bound by reading its weights from memory (SmolLM2-135M at batch 8 on one CPU core)
 gains most from a half-precision copy with packed weights (``rlalign.lm.packed.PackedLinear``).
@@ -69,7 +69,8 @@ from transformers import DynamicCache, StaticCache
 
 from rlalign.lm import private
 from rlalign.lm.decode import SamplingParams, _decode_step, _draw, filter_logits, inverse_cdf_draw
-from rlalign.lm.models import attention_kernel, cache_argument, unwrap_causal_lm
+from rlalign.lm.model_modes import attention_kernel
+from rlalign.lm.models import cache_argument, unwrap_causal_lm
 from rlalign.lm.prefill import _layer_types, _model_mask, _prefill, _prompt_rows, pack_prompts
 from rlalign.lm.rollout import Rollout
 

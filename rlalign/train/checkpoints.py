@@ -107,7 +107,7 @@ def save_checkpoint(
     """Write ``<run_dir>/checkpoints/step_<step>`` atomically; keep the newest ``keep_last`` (None = all).
 
     ``model`` is anything with ``save_pretrained`` (a transformers or peft model, a
-    :class:`rlalign.lm.models.ScalarHeadModel`, :class:`rlalign.train.loop.SavedModels`). ``extra``
+    :class:`rlalign.lm.heads.ScalarHeadModel`, :class:`rlalign.train.loop.SavedModels`). ``extra``
     must hold tensors and plain containers.
     """
     root = _checkpoint_root(run_dir)

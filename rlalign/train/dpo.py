@@ -51,7 +51,8 @@ from rlalign.core.preference import PreferenceStats, dpo_loss, ipo_loss, simpo_l
 from rlalign.lm.data import PreferenceExample, load_preferences
 from rlalign.lm.encoding import PreferenceCompletionBatch, collate_preference_completions
 from rlalign.lm.logprobs import completion_logprobs
-from rlalign.lm.models import evaluating, reference_policy
+from rlalign.lm.model_modes import evaluating
+from rlalign.lm.models import reference_policy
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import OptimConfig, forward_precision, generation_eval

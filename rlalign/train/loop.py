@@ -34,7 +34,8 @@ from torch import nn
 from rlalign.config import Config, ConfigError, fields_help, load_config
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
-from rlalign.lm.models import context_length, enable_gradient_checkpointing, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
+from rlalign.lm.model_modes import enable_gradient_checkpointing
+from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
 from rlalign.train import distributed
 from rlalign.train.common import (
     MetricsLogger,

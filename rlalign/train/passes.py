@@ -19,7 +19,8 @@ from rlalign.core.kl import entropy_from_logits
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.lm import private
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
-from rlalign.lm.models import evaluating, reference_policy
+from rlalign.lm.model_modes import evaluating
+from rlalign.lm.models import reference_policy
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import autocast_context

@@ -56,7 +56,8 @@ from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k
 from rlalign.core.losses import Aggregation, clipped_surrogate_loss, entropy_loss, truncated_is_weights, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.data import PromptExample
-from rlalign.lm.models import enable_gradient_checkpointing, load_critic
+from rlalign.lm.heads import load_critic
+from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision

@@ -20,7 +20,7 @@ and the model saves as an exact Hugging Face sequence-classification checkpoint.
 the tokenizer's ``pad_token_id``, the weights with the backbone under the class's prefix (``model.``,
 ``transformer.``, ...) and the head as ``score.weight`` (1, H), and the tokenizer. It loads with
 ``AutoModelForSequenceClassification.from_pretrained`` as well as with
-:func:`rlalign.lm.models.load_reward_model` (PPO's ``reward_model:``, GRPO's reward-model term) and
+:func:`rlalign.lm.heads.load_reward_model` (PPO's ``reward_model:``, GRPO's reward-model term) and
 ``load_critic`` (PPO's critic starts from it, with a bias of 0 that it then trains).
 
 Transformers' classifier reads the score at the last token that is not ``pad_token_id``; rlalign
@@ -47,7 +47,8 @@ from pydantic import Field, model_validator
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, load_preferences
 from rlalign.lm.encoding import collate_preferences
-from rlalign.lm.models import ScalarHeadModel, enable_gradient_checkpointing, last_token_values, load_reward_model
+from rlalign.lm.heads import ScalarHeadModel, last_token_values, load_reward_model
+from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.tasks import TASKS
 from rlalign.train.common import ModelConfig, OptimConfig
 from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command

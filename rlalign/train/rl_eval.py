@@ -28,7 +28,7 @@ from torch import nn
 from rlalign.core.evaluation import pass_at_k
 from rlalign.lm.data import PromptExample, load_prompts
 from rlalign.lm.encoding import encode_prompts
-from rlalign.lm.models import evaluating
+from rlalign.lm.model_modes import evaluating
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks import TASKS
 from rlalign.train import distributed

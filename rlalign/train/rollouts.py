@@ -25,7 +25,9 @@ from rlalign.config import ConfigError
 from rlalign.lm.code_execution import TestsError, code_execution, parse_tests
 from rlalign.lm.data import DataError, PromptExample, load_prompts
 from rlalign.lm.encoding import completion_text, encode_prompts, render_prompt
-from rlalign.lm.models import attention_kernel, evaluating, load_reward_model, load_tokenizer
+from rlalign.lm.heads import load_reward_model
+from rlalign.lm.model_modes import attention_kernel, evaluating
+from rlalign.lm.models import load_tokenizer
 from rlalign.lm.reward_calls import CallPolicy, score_terms
 from rlalign.lm.rewards import REWARD_INPUT_TEXT, RewardModelReward, call_reward, check_finite, exact_match, format_check, math_answer, reward_fn_name, reward_input_of
 from rlalign.lm.rollout import Rollout

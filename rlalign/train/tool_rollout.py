@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from rlalign.config import Config
 from rlalign.lm.encoding import encode_prompts
-from rlalign.lm.models import attention_kernel, evaluating
+from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams, left_pad, sample
 from rlalign.lm.tools import Environment, ToolEnvironment, ToolFormat, ToolRegistry, format_for, render_observation

@@ -68,7 +68,8 @@ def test_shared_prompt_logits_equal_the_full_forward(arch, prompts, tiny_llama, 
     # the group's rows; logits and gradients equal those of one forward over prompt + completion per
     # row. A one-token prompt beside longer ones leaves that group's shared part all padding; when
     # every prompt is one token long there is nothing to share and one forward runs.
-    from rlalign.lm.models import LoraConfig, attention_kernel, load_policy
+    from rlalign.lm.models import LoraConfig, load_policy
+    from rlalign.lm.model_modes import attention_kernel
 
     model = {"llama": tiny_llama, "llama-eager": tiny_llama, "gpt2": tiny_gpt2}.get(arch) or load_policy(llama_checkpoint, lora=LoraConfig(r=4))
     if arch == "lora":  # non-zero adapters, so they take part

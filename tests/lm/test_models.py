@@ -10,19 +10,16 @@ import textwrap
 import pytest
 import torch
 
+from rlalign.lm.heads import HEAD_FILE, ScalarHeadModel, load_critic, load_reward_model
 from rlalign.lm.models import (
-    HEAD_FILE,
     LoraConfig,
-    ScalarHeadModel,
     apply_lora,
     cache_argument,
     cast_copy,
     copy_weights,
     hold_matmul_weights,
-    load_critic,
     load_policy,
     load_reference,
-    load_reward_model,
     load_tokenizer,
     reference_policy,
 )
@@ -190,7 +187,7 @@ def test_attention_implementation_option_switches_the_kernel_not_the_tokens(llam
 
 
 def test_attention_kernel_switches_for_a_block_and_back(llama_checkpoint):
-    from rlalign.lm.models import attention_kernel
+    from rlalign.lm.model_modes import attention_kernel
 
     policy = load_policy(llama_checkpoint, attn_implementation="eager", lora=LoraConfig(r=4))  # through peft too
     config = policy.get_base_model().config

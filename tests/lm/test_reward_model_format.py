@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
-from rlalign.lm import models
-from rlalign.lm.models import HEAD_FILE, ScalarHeadModel, load_critic, load_reward_model
+from rlalign.lm import heads
+from rlalign.lm.heads import HEAD_FILE, ScalarHeadModel, load_critic, load_reward_model
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 
 # right-padded after each row's EOS (2); the character tokenizer's pad is 0, not its EOS
@@ -135,7 +135,7 @@ def test_without_a_sequence_classification_class_the_head_goes_to_value_head_fil
     def no_class(config, **kwargs):
         raise ValueError(f"Unrecognized configuration class {type(config)}")
 
-    monkeypatch.setattr(models.AutoModelForSequenceClassification, "from_config", no_class)
+    monkeypatch.setattr(heads.AutoModelForSequenceClassification, "from_config", no_class)
     with pytest.warns(UserWarning, match="no sequence-classification model"):
         rm.save_pretrained(tmp_path / "rm")
     assert (tmp_path / "rm" / HEAD_FILE).is_file()
@@ -143,7 +143,7 @@ def test_without_a_sequence_classification_class_the_head_goes_to_value_head_fil
 
 
 def test_the_load_report_about_the_classifier_head_alone_is_dropped():
-    report_filter = models._ScoreOnlyLoadReport()
+    report_filter = heads._ScoreOnlyLoadReport()
 
     def record(message: str) -> logging.LogRecord:
         return logging.LogRecord("transformers.modeling_utils", logging.WARNING, __file__, 1, message, None, None)

@@ -18,7 +18,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from rlalign.lm.models import ScalarHeadModel, load_reward_model, load_tokenizer
+from rlalign.lm.heads import ScalarHeadModel, load_reward_model
+from rlalign.lm.models import load_tokenizer
 from rlalign.lm.rewards import RewardModelReward, reward_input_of
 from rlalign.lm.reward_calls import RewardFunctionError
 from rlalign.tasks.tiny_model import build_char_tokenizer

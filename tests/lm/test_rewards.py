@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlalign.lm.models import load_reward_model
+from rlalign.lm.heads import load_reward_model
 from rlalign.lm.rewards import RewardFunctionError, RewardModelReward, exact_match, format_check, math_answer, score_completions
 
 

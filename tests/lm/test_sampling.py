@@ -10,7 +10,8 @@ import torch
 from rlalign.lm import sampling
 from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm import compiled as compiled_steps
-from rlalign.lm.models import attention_kernel, cast_copy
+from rlalign.lm.model_modes import attention_kernel
+from rlalign.lm.models import cast_copy
 from rlalign.lm.packed import PackedLinear, can_pack_linear, pack_linear_layers, repack_linear_layers
 from rlalign.lm.sampling import SamplingParams, cache_bucket, filter_logits, inverse_cdf_draw, left_pad, sample
 

@@ -13,7 +13,8 @@ import httpx
 import pytest
 import torch
 
-from rlalign.lm.models import load_reward_model, load_tokenizer
+from rlalign.lm.heads import load_reward_model
+from rlalign.lm.models import load_tokenizer
 from rlalign.lm.remote_reward import RemoteReward
 from rlalign.lm.rewards import RewardModelReward, reward_input_of
 from rlalign.serve_reward import create_app, load_model_reward, running

@@ -66,7 +66,7 @@ def test_chat_sampling_matches_generate_and_answers(smollm2):
 
 
 def test_reward_scoring_on_the_real_model(smollm2):
-    from rlalign.lm.models import load_reward_model
+    from rlalign.lm.heads import load_reward_model
     from rlalign.lm.rewards import RewardModelReward, math_answer, score_completions
 
     path, tok, _ = smollm2

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rlalign.config import load_config
 from rlalign.lm.logprobs import completion_logits
-from rlalign.lm.models import enable_gradient_checkpointing, evaluating, is_checkpointing
+from rlalign.lm.model_modes import enable_gradient_checkpointing, evaluating, is_checkpointing
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import distributed, grpo, ppo

@@ -8,7 +8,8 @@ import torch
 from rlalign.cli import main
 from rlalign.config import ConfigError, load_config
 from rlalign.lm.data import load_preferences
-from rlalign.lm.models import load_reward_model, load_tokenizer
+from rlalign.lm.heads import load_reward_model
+from rlalign.lm.models import load_tokenizer
 from rlalign.tasks.preference import preference_records
 from rlalign.train.common import read_metrics
 from rlalign.train.reward_model import RMConfig, evaluate_pairs, train

@@ -33,7 +33,8 @@ import torch
 from rlalign.config import load_config
 from rlalign.core.kl import AdaptiveKLController, FixedKLController
 from rlalign.lm.data import load_prompts
-from rlalign.lm.models import load_critic, load_policy, load_tokenizer
+from rlalign.lm.heads import load_critic
+from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.rollout import Rollout
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo, ppo

@@ -31,7 +31,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model, LlamaConfig, Ll
 from rlalign.config import load_config
 from rlalign.core.losses import AGGREGATION_MODES, aggregate
 from rlalign.lm.data import PreferenceExample, SFTExample
-from rlalign.lm.models import ScalarHeadModel
+from rlalign.lm.heads import ScalarHeadModel
 from rlalign.lm.rewards import RewardModelReward
 from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_checkpoint
 from rlalign.train import distributed, reward_model, sft
