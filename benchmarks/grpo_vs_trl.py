@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/grpo_vs_trl.py --config tiny --sft-steps 1000 --steps 40 --block 2 --last 20
     .venv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign trl trl-bf16 --steps 5 --block 1 --last 5
     .venv/bin/python benchmarks/grpo_vs_trl.py --config smollm2 --sides rlalign rlalign-bf16 trl-bf16 --steps 5 --block 1 --last 5
+    python benchmarks/grpo_vs_trl.py --config llama-1b-shape --device cuda --sides rlalign-bf16-fast rlalign-bf16-fast-compiled trl-bf16 \
+        --steps 3 --block 1 --baseline trl-bf16      # on a GPU (tools/gpu_check.sh)
 
 (smollm2: every side's worker peaks at ~5.3-6.2 GB RSS and all stay alive for the whole run, so
 four sides at once do not fit in 24 GB; run them three at a time, rlalign float32 in both runs.)
@@ -21,6 +23,16 @@ Configurations (``--config``):
               answer, max(0, 1 - |x - v| / 100) (an exact-answer reward is ~always 0 for a 135M model);
               2 prompts x G=8 x 32 new tokens, temperature 0.7, beta 0.04 (a reference model on both
               sides), lr 1e-6
+    smollm2-shape, llama-1b-shape   the GPU sizes: a Llama of SmolLM2-135M's shape, or of
+              Llama-3.2-1B's decoder with SmolLM2's vocabulary (1.07B parameters), random weights
+              (``_lm_bench.random_checkpoint``: no EOS, so every row runs to the cap), SmolLM2's
+              tokenizer and chat prompts, the smollm2 reward; 8 prompts x G=8 x 256 new tokens,
+              temperature 0.7, beta 0.04, lr 1e-6
+
+Device (``--device``): cpu, or cuda: every side's models on the GPU (TRL: ``use_cpu=False``); each
+step is timed between device synchronisations, and a worker hands its cached GPU memory back
+(``torch.cuda.empty_cache``) before the next side's turn, so the sides share the card; the table
+then also gives each side's peak GPU memory (``torch.cuda.max_memory_allocated``).
 
 Sides (``--sides``): ``rlalign`` (float32), ``rlalign-bf16`` (``model.autocast: bfloat16``: forwards
 under bfloat16 autocast, float32 master weights, log pi_old recomputed by the training forward),
@@ -29,6 +41,8 @@ forwards and ``sampling.attn_implementation: sdpa`` for the decode loop), ``rlal
 (as rlalign-bf16-eager, and the decode loop runs on a bfloat16 copy of the policy,
 ``sampling.dtype: bfloat16``, refreshed after each update, its linear weights packed for oneDNN:
 ``sampling.pack_weights``, on by default; ``rlalign-bf16-fast-unpacked`` turns that off),
+``rlalign-bf16-copy`` (the GPU's fast settings: rlalign-bf16 with the bfloat16 sampling copy,
+``sampling.dtype: bfloat16``, attention left at its default, SDPA, in training and decoding),
 ``-compiled`` on a side adds ``sampling.compile: true`` (the decode step and the draw through
 torch.compile; compiled during the first step, which no statistic counts), ``-compiled-all`` also
 ``compile: true`` (the training forward and backward compiled with dynamic shapes), ``-compiled-train``
@@ -73,6 +87,9 @@ TRL's loss forward goes through its tiled fused LM head (log-probs and entropy w
 per rollout both use the detached training log-probs as pi_old (no extra forward for log pi_old).
 
 Output: a markdown table on stdout and, with ``--out``, the raw per-step records and summaries as JSON.
+Each rlalign step's policy update (``time/update``) is also given in TFLOP/s, its FLOPs counted as
+benchmarks/mfu.py counts them; with ``--device cuda`` the parent first times a bfloat16 8192^3 matmul
+on the idle card (best of 10) and the table gives the update's MFU against that peak.
 """
 
 from __future__ import annotations
@@ -81,6 +98,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,8 +112,11 @@ import _lm_bench as lb  # noqa: E402
 CONFIGS = {
     "tiny": dict(prompts_per_step=2, group_size=8, max_new_tokens=8, temperature=0.7, beta=0.02, lr=1e-4, num_prompts=1024),
     "smollm2": dict(prompts_per_step=2, group_size=8, max_new_tokens=32, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
+    "smollm2-shape": dict(prompts_per_step=8, group_size=8, max_new_tokens=256, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
+    "llama-1b-shape": dict(prompts_per_step=8, group_size=8, max_new_tokens=256, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
 }
-SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-train", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-unpacked", "rlalign-bf16-fast-compiled", "trl", "trl-bf16")
+SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-train", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-unpacked", "rlalign-bf16-fast-compiled",
+         "rlalign-bf16-copy", "rlalign-bf16-copy-compiled", "trl", "trl-bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +153,7 @@ def setting(spec: dict):
 
 def step_prompt_indices(num_records: int, steps: int, per_step: int, seed: int) -> list[list[int]]:
     """The record indices rlalign's ``prompt_batch`` draws at each step (TRL's dataset is laid out in this order)."""
-    from rlalign.train.common import batch_order
+    from rlalign.train.seeding import batch_order
 
     return [batch_order(num_records, s * per_step, per_step, seed) for s in range(steps)]
 
@@ -140,6 +161,29 @@ def step_prompt_indices(num_records: int, steps: int, per_step: int, seed: int) 
 # ----------------------------------------------------------------------------------------------
 # Workers: one side each, in its own process
 # ----------------------------------------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _release_gpu_cache(device: str) -> None:
+    """Hand this worker's cached, unused GPU memory back before the next side's turn."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _peak_gpu_mb(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 class _timed:
@@ -162,6 +206,30 @@ class _timed:
         self.total = 0.0
 
 
+def _update_flops_counter(setup: lb.GRPOSetup, cfg):
+    """Called before a step: returns the function that, given the step's metrics, counts the FLOPs
+    of its policy update (forward + backward), as benchmarks/mfu.py counts them."""
+    import mfu
+    from rlalign.lm.encoding import encode_prompts
+    from rlalign.train.passes import share_prompts
+    from rlalign.train.rollouts import prompt_batch
+
+    dims = mfu.model_dims(setup.policy.config)
+
+    def before_step():
+        batch = [ex.prompt for ex in prompt_batch(setup.run.prompts, setup.state.step, cfg.prompts_per_step, cfg.seed)]
+        prompt_len = max(len(ids) for ids in encode_prompts(setup.run.tokenizer, batch))  # left-padded to the longest
+
+        def after_step(metrics: dict) -> float:
+            c = int(metrics["completion_len/max"])
+            groups = cfg.prompts_per_step if share_prompts() and not cfg.compile else None
+            return mfu.step_flops(dims, cfg.prompts_per_step * cfg.group_size, prompt_len, c, c, groups, cfg.prompts_per_step)["policy_fwd_bwd"]
+
+        return after_step
+
+    return before_step
+
+
 def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
     import torch
 
@@ -173,7 +241,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
     cfg = grpo.GRPOConfig.model_validate(
         dict(
             output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
-            model=dict(path=str(path), dtype="float32", device="cpu", autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
+            model=dict(path=str(path), dtype="float32", device=spec["device"], autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
             sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
                           attn_implementation="sdpa" if spec["attn"] else None, dtype="bfloat16" if spec["copy"] else None, pack_weights=spec["pack"],
                           compile=spec["compile_sampling"]),
@@ -184,6 +252,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
         )
     )
     setup = lb.GRPOSetup(cfg, records, reward_fn)  # grpo.train()'s setup; its outer loop would write files every step
+    count_flops = _update_flops_counter(setup, cfg)
     ref_time = _timed(grpo, "reference_logprobs")  # grpo_step looks these names up at call time
     old_time = _timed(grpo, "training_logprobs")  # log pi_old recomputed under model.autocast
     chan.send({"ready": True, "rss_import_mb": rss_import, "rss_loaded_mb": lb.current_rss_mb(), "n_params": lb.count_parameters(setup.policy)})
@@ -197,19 +266,23 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             ref_time.reset()
             old_time.reset()
             step = setup.state.step
+            flops_of = count_flops()
+            _sync(spec["device"])
             t0 = time.perf_counter()
             metrics = setup.step()
+            _sync(spec["device"])
             dt = time.perf_counter() - t0
             records_out.append(
                 {
                     "step": step, "time": dt, "tokens": metrics["tokens"], "reward": metrics["reward/mean"], "kl": metrics.get("kl"),
                     "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_reference": ref_time.total,
                     "t_old_logp": old_time.total, "t_train": metrics["time/train"] - ref_time.total - old_time.total,
-                    "logprob_mismatch": metrics.get("logprob_mismatch"),
+                    "logprob_mismatch": metrics.get("logprob_mismatch"), "t_update": metrics.get("time/update"), "update_flops": flops_of(metrics),
                 }
             )
+        _release_gpu_cache(spec["device"])
         chan.send({"records": records_out})
-    chan.send({"peak_rss_mb": lb.peak_rss_mb()})
+    chan.send({"peak_rss_mb": lb.peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(spec["device"])})
 
 
 def trl_worker(spec: dict, chan: lb.Channel) -> None:
@@ -226,7 +299,7 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
     batch = spec["prompts_per_step"] * spec["group_size"]
     args = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
-        seed=spec["seed"], data_seed=spec["seed"], use_cpu=True, bf16=spec["bf16"], fp16=False,
+        seed=spec["seed"], data_seed=spec["seed"], use_cpu=spec["device"] == "cpu", bf16=spec["bf16"], fp16=False,
         model_init_kwargs={"dtype": "float32"},
         per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=spec["group_size"],
         max_completion_length=spec["max_new_tokens"], temperature=spec["temperature"], top_p=1.0, top_k=0,
@@ -253,6 +326,7 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
             self.t_begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            _sync(spec["device"])
             self.t_end = time.perf_counter()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -270,6 +344,7 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
                 }
             )
             if len(self.block) == self.want:
+                _release_gpu_cache(spec["device"])
                 chan.send({"records": self.block})
                 self.block = []
                 if state.global_step < args.max_steps:
@@ -294,13 +369,13 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
     trainer.train()
     cmd = chan.recv()
     assert cmd["cmd"] == "stop", cmd
-    chan.send({"peak_rss_mb": lb.peak_rss_mb()})
+    chan.send({"peak_rss_mb": lb.peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(spec["device"])})
 
 
 def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
     fast = "-fast" in side
-    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast, "compile_sampling": "-compiled" in side and not side.endswith("-compiled-train"),
+    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast or "-copy" in side, "compile_sampling": "-compiled" in side and not side.endswith("-compiled-train"),
             "compile_train": side.endswith(("-compiled-all", "-compiled-train")), "pack": not side.endswith("-unpacked")}
     if side.startswith("rlalign"):
         rlalign_worker(spec, chan)
@@ -353,26 +428,36 @@ def summarise(side: str, records: list[dict], info: dict, last: int) -> dict:
         "mean_reward_last": statistics.mean(r["reward"] for r in records[-last:]) if records else None,
         "reward_last_steps": min(last, len(records)),
         "peak_rss_mb": info.get("peak_rss_mb"),
+        "peak_gpu_mb": info.get("peak_gpu_mb"),
+        "error": info.get("error"),
         "rss_loaded_mb": info.get("rss_loaded_mb"),
         "rss_import_mb": info.get("rss_import_mb"),
         "n_params": info.get("n_params"),
     }
-    for key in ("t_generate", "t_score", "t_reference", "t_old_logp", "t_train", "compute_time", "log_time"):
-        if timed and key in timed[0]:
+    if timed and timed[0].get("update_flops") and timed[0].get("t_update"):
+        out["update_tflops"] = statistics.median(r["update_flops"] / r["t_update"] for r in timed) / 1e12
+    for key in ("t_generate", "t_score", "t_reference", "t_old_logp", "t_train", "t_update", "compute_time", "log_time"):
+        if timed and key in timed[0] and timed[0][key] is not None:
             out[f"median_{key}_s"] = statistics.median(r[key] for r in timed)
     return out
 
 
-def markdown(summaries: list[dict]) -> str:
-    base = next((s["median_step_s"] for s in summaries if s["side"] == "rlalign"), None)
-    head = "| side | steps timed | median step s (min-max) | vs rlalign | completion tok/s | peak RSS MB | RSS after load MB | mean reward, last k |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+def markdown(summaries: list[dict], baseline: str = "rlalign", bf16_peak_tflops: float | None = None) -> str:
+    base = next((s["median_step_s"] for s in summaries if s["side"] == baseline), None)
+    gpu = any(s.get("peak_gpu_mb") for s in summaries)
+    head = f"| side | steps timed | median step s (min-max) | vs {baseline} | completion tok/s | peak RSS MB | RSS after load MB |"
+    head += " peak GPU MB |" * gpu + " mean reward, last k |"
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * gpu + "---:|"]
     for s in summaries:
+        if not s["steps_timed"]:
+            lines.append(f"| {s['side']} | {s['steps']} | failed: {s.get('error') or 'no timed step'} |" + " - |" * (5 + gpu))
+            continue
         rel = f"{s['median_step_s'] / base:.2f}x" if base and s["median_step_s"] else "-"
         lines.append(
             f"| {s['side']} | {s['steps_timed']} | {s['median_step_s']:.3f} ({s['min_step_s']:.3f}-{s['max_step_s']:.3f}) | {rel} | "
-            f"{s['completion_tokens_per_s']:.1f} | {s['peak_rss_mb']:.0f} | {s['rss_loaded_mb']:.0f} | "
-            f"{s['mean_reward_last']:.3f} (k={s['reward_last_steps']}) |"
+            f"{s['completion_tokens_per_s']:.1f} | {s['peak_rss_mb'] or 0:.0f} | {s['rss_loaded_mb'] or 0:.0f} | "
+            + (f"{s['peak_gpu_mb'] or 0:.0f} | " if gpu else "")
+            + f"{s['mean_reward_last']:.3f} (k={s['reward_last_steps']}) |"
         )
     lines += ["", "Median phase times, s. train = policy forward/backward, clip, optimiser (TRL: plus its batch fetch); "
               "TRL's reference column also holds its prompt tokenisation, completion decoding and advantages:", "",
@@ -382,7 +467,49 @@ def markdown(summaries: list[dict]) -> str:
             old = f"{s['median_t_old_logp_s']:.3f}" if "median_t_old_logp_s" in s else "-"
             lines.append(f"| {s['side']} | {s['median_t_generate_s']:.3f} | {s['median_t_score_s']:.4f} | {s['median_t_reference_s']:.3f} | {old} | "
                          f"{s['median_t_train_s']:.3f} |")
+    if any("update_tflops" in s for s in summaries):
+        peak = f"the bfloat16 peak measured here, {bf16_peak_tflops:.0f} TFLOP/s" if bf16_peak_tflops else "no peak measured"
+        lines += ["", f"rlalign's policy update (forward + backward + clip + AdamW, FLOPs counted as benchmarks/mfu.py counts them), against {peak}:", "",
+                  "| side | median update s | update TFLOP/s | MFU |", "|---|---:|---:|---:|"]
+        for s in summaries:
+            if "update_tflops" in s:
+                mfu = f"{s['update_tflops'] / bf16_peak_tflops:.1%}" if bf16_peak_tflops else "-"
+                lines.append(f"| {s['side']} | {s['median_t_update_s']:.3f} | {s['update_tflops']:.1f} | {mfu} |")
     return "\n".join(lines)
+
+
+def run_blocks(workers: list, args, spec: dict, log_dir: Path, failed) -> None:
+    """Start one worker per side (appended to ``workers``), hand out blocks of steps in turn, then stop them."""
+    for side in args.sides:  # one at a time, so model loading does not overlap
+        w = Worker(side, spec, log_dir)
+        workers.append(w)
+        try:
+            w.info.update(w.recv())
+        except (RuntimeError, json.JSONDecodeError) as err:
+            failed(w, err)
+    done = 0
+    while done < args.steps:
+        k = min(args.block, args.steps - done)
+        for w in workers:
+            if "error" in w.info:
+                continue
+            try:
+                w.send({"cmd": "run", "steps": k})
+                w.records.extend(w.recv()["records"])
+            except (RuntimeError, BrokenPipeError, json.JSONDecodeError) as err:
+                failed(w, err)
+                continue
+            print(f"{w.side}: {len(w.records)}/{args.steps} steps, last {w.records[-1]['time']:.3f} s", file=sys.stderr)
+        done += k
+    for w in workers:
+        if "error" not in w.info:
+            try:
+                w.send({"cmd": "stop"})
+                w.info.update(w.recv())
+            except (RuntimeError, BrokenPipeError, json.JSONDecodeError) as err:
+                failed(w, err)
+        w.proc.wait()
+        w.log.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--last", type=int, default=5, help="mean reward over this many last steps")
     parser.add_argument("--sft-steps", type=int, default=0, help="tiny only: warm-start both sides from this many rlalign SFT steps (0 = random init)")
+    parser.add_argument("--device", default="cpu", help="model device of every side: cpu or cuda")
+    parser.add_argument("--baseline", default="rlalign", help="the side the 'vs' column divides by")
     parser.add_argument("--out", help="write the records and summaries as JSON here")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -405,34 +534,48 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.config == "tiny":
         model_path = sft_warm_start(args.sft_steps, args.threads) if args.sft_steps else lb.tiny_checkpoint()
+    elif args.config.endswith("-shape"):
+        model_path = lb.random_checkpoint(args.config.removesuffix("-shape"))
     else:
         model_path = lb.smollm2_checkpoint()
-    spec = {"config": args.config, "model_path": str(model_path), "steps": args.steps, "threads": args.threads, "seed": args.seed, **CONFIGS[args.config]}
+    spec = {"config": args.config, "model_path": str(model_path), "steps": args.steps, "threads": args.threads, "seed": args.seed, "device": args.device,
+            **CONFIGS[args.config]}
     # rlalign's prompt order, computed here: the TRL worker then imports no more of rlalign than the task's prompts and reward
     spec["prompt_order"] = step_prompt_indices(len(setting(spec)[1]), spec["steps"], spec["prompts_per_step"], spec["seed"])
     log_dir = Path(tempfile.mkdtemp(prefix=f"grpo_vs_trl_{args.config}_"))
     print(f"worker logs in {log_dir}", file=sys.stderr)
+    bf16_peak = None
+    if args.device.startswith("cuda"):  # on the idle card, before any worker holds memory
+        import mfu
+        import torch
+
+        bf16_peak = mfu.matmul_peak(torch.bfloat16, 8192, 10, args.device) / 1e3
+        torch.cuda.empty_cache()
     load_before = lb.machine_load()
     started = time.time()
 
-    workers = []
-    for side in args.sides:  # one at a time, so model loading does not overlap
-        w = Worker(side, spec, log_dir)
-        w.info.update(w.recv())
-        workers.append(w)
-    done = 0
-    while done < args.steps:
-        k = min(args.block, args.steps - done)
+    def failed(w: Worker, err: Exception) -> None:
+        """A side whose worker died: its error (the log's last line) is recorded and the others go on."""
+        w.proc.kill()
+        w.log.flush()
+        tail = Path(w.log.name).read_text().strip().splitlines()[-1:] or [str(err)]
+        w.info["error"] = tail[0][:300]
+        print(f"{w.side} failed: {w.info['error']}", file=sys.stderr)
+
+    def interrupted(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals the process, then its whole group: one is enough
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)  # `timeout` stopping the run: summarise the steps run so far
+    workers: list[Worker] = []
+    try:
+        run_blocks(workers, args, spec, log_dir, failed)
+    except KeyboardInterrupt:
+        print("interrupted: the table holds the steps run so far", file=sys.stderr)
         for w in workers:
-            w.send({"cmd": "run", "steps": k})
-            w.records.extend(w.recv()["records"])
-            print(f"{w.side}: {len(w.records)}/{args.steps} steps, last {w.records[-1]['time']:.3f} s", file=sys.stderr)
-        done += k
-    for w in workers:
-        w.send({"cmd": "stop"})
-        w.info.update(w.recv())
-        w.proc.wait()
-        w.log.close()
+            w.proc.kill()
+            w.proc.wait()
+            w.log.close()
 
     summaries = [summarise(w.side, w.records, w.info, args.last) for w in workers]
     import torch
@@ -442,14 +585,16 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "trl": next((w.info.get("trl") for w in workers if "trl" in w.info), None),
-        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads, "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "load_before": load_before, "load_after": lb.machine_load(), "wall_s": round(time.time() - started, 1),
         "sft_steps": args.sft_steps, "rlalign_commit": lb.code_version(), "ref_model_trl": next((w.info.get("ref_model") for w in workers if "ref_model" in w.info), None),
     }
-    table = markdown(summaries)
+    env["bf16_peak_tflops"] = bf16_peak
+    table = markdown(summaries, args.baseline, bf16_peak)
     print(f"\n{args.config}: {spec['prompts_per_step']} prompts x G={spec['group_size']} x {spec['max_new_tokens']} new tokens, "
           f"beta {spec['beta']}, lr {spec['lr']}, {args.steps} steps per side in blocks of {args.block}, {args.threads} thread(s), "
-          f"load {env['load_before']} -> {env['load_after']}, torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
+          f"on {env['gpu'] or 'the CPU'}, load {env['load_before']} -> {env['load_after']}, torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
           f"rlalign {env['rlalign_commit']}\n")
     print(table)
     if args.out:

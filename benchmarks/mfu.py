@@ -6,9 +6,11 @@
     .venv/bin/python benchmarks/mfu.py --steps 3 --fast         # + eager training attention, SDPA decode, bfloat16 sampling copy
     .venv/bin/python benchmarks/mfu.py --steps 4 --autocast --compile   # the compiled training forward (step 1 compiles; SDPA: compile rejects eager attention)
     .venv/bin/python benchmarks/mfu.py --steps 3 --fast --ceiling       # + the update's ceiling: its matmuls replayed alone (4. below)
+    python benchmarks/mfu.py --device cuda --shape llama-1b --autocast --bf16-sampler --prompts 8 --new-tokens 256 --steps 3   # on a GPU (tools/gpu_check.sh)
 
-1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048), float32 and bfloat16, best of
-   ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's thread count.
+1. Peak: ``torch.matmul`` of two n x n matrices (n = 2048 on the CPU, 8192 on a GPU), float32 and
+   bfloat16, best of ``--repeats`` timed runs after a warm-up, 2 n^3 FLOPs each, at the step's
+   thread count (on a GPU each run is timed between two device synchronisations).
 2. FLOPs of one GRPO step, counted analytically from the step's shapes (B rows = prompts x G, P the
    left-padded prompt length, C completion tokens), with N_body the parameters of the decoder
    layers' linear maps, N_head = V x H the LM head, L layers, d = heads x head_dim, and attention
@@ -31,7 +33,8 @@
    Every computed position counts (padding included: it is work the hardware does). Random
    weights never emit EOS, so every row runs the full ``--new-tokens`` and C is fixed.
 3. The step: ``rlalign.train.grpo.grpo_step`` on a LlamaForCausalLM with SmolLM2-135M's shape and
-   random weights (``--shape tiny`` for the recipe's tiny Llama), the SmolLM2 tokenizer and chat
+   random weights (``--shape tiny`` for the recipe's tiny Llama, ``--shape llama-1b`` for
+   Llama-3.2-1B's decoder with SmolLM2's vocabulary, 1.07B parameters), the SmolLM2 tokenizer and chat
    prompts, 2 prompts x G = 8 x 32 new tokens, beta 0.04 (so a reference pass runs), float32
    (``--autocast``: the trainer's ``model.autocast=bfloat16``; ``--dtype bfloat16``: bfloat16 weights).
    The first step is warm-up; the median of the others is reported, with its phases
@@ -69,15 +72,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lm_bench as lb  # noqa: E402
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """Best GFLOP/s of ``a @ b`` (n x n) over ``repeats`` runs, after two warm-up runs."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; the CPU needs nothing)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10, device: str = "cpu") -> float:
+    """Best GFLOP/s of ``a @ b`` (n x n, random) over ``repeats`` runs, after two warm-up runs."""
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     for _ in range(2):
         torch.matmul(a, b)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         t0 = time.perf_counter()
         torch.matmul(a, b)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
 
@@ -147,19 +158,8 @@ def replay_matmuls(calls: list[tuple], repeats: int = 3) -> dict[str, float]:
 
 
 def random_checkpoint(shape: str) -> Path:
-    """A random-weight checkpoint (model + tokenizer) of SmolLM2-135M's shape, or the tiny recipe model."""
-    if shape == "tiny":
-        return lb.tiny_checkpoint()
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    path = Path(tempfile.gettempdir()) / "smollm2-shape-random"
-    if not (path / "config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(lb.smollm2_checkpoint()))
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**lb.SMOLLM2_SHAPE))
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return path
+    """A random-weight checkpoint (model + SmolLM2's tokenizer) of ``shape`` (``_lm_bench.RANDOM_SHAPES``), or the tiny recipe model."""
+    return lb.tiny_checkpoint() if shape == "tiny" else lb.random_checkpoint(shape)
 
 
 def model_dims(config) -> dict:
@@ -200,7 +200,8 @@ def run(args) -> dict:
     from rlalign.train.passes import share_prompts
     from rlalign.train.rollouts import prompt_batch
 
-    peaks = {"float32": matmul_peak(torch.float32, args.n, args.repeats), "bfloat16": matmul_peak(torch.bfloat16, args.n, args.repeats)}
+    n = args.n or (8192 if args.device.startswith("cuda") else 2048)
+    peaks = {"float32": matmul_peak(torch.float32, n, args.repeats, args.device), "bfloat16": matmul_peak(torch.bfloat16, n, args.repeats, args.device)}
     path = random_checkpoint(args.shape)
     if args.shape == "tiny":
         records, reward = TASKS["arithmetic"].prompt_records("train", 256, 0), lb.arithmetic_reward
@@ -210,9 +211,9 @@ def run(args) -> dict:
         dict(
             output_dir=tempfile.mkdtemp(prefix="bench_mfu_"), seed=0, num_threads=args.threads,
             model=dict(path=str(path), dtype=args.dtype, autocast="bfloat16" if args.autocast or args.fast else "none",
-                       attn_implementation="eager" if args.fast else None),
+                       attn_implementation="eager" if args.fast else None, device=args.device),
             sampling=dict(max_new_tokens=args.new_tokens, temperature=0.7,
-                          attn_implementation="sdpa" if args.fast else None, dtype="bfloat16" if args.fast else None),
+                          attn_implementation="sdpa" if args.fast else None, dtype="bfloat16" if args.fast or args.bf16_sampler else None),
             optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size, beta=args.beta, progress=False, plots=False,
             compile=args.compile,
@@ -238,8 +239,10 @@ def run(args) -> dict:
     steps = []
     for _ in range(args.steps):
         prompt_len = next_prompt_len()
+        synchronize(args.device)
         t0 = time.perf_counter()
         metrics = setup.step()
+        synchronize(args.device)
         dt = time.perf_counter() - t0
         flops, flops_full, completion_len = counted_flops(prompt_len, metrics)
         steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
@@ -259,7 +262,8 @@ def run(args) -> dict:
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "threads": args.threads, "dtype": args.dtype, "autocast_bf16": args.autocast or args.fast, "fast": args.fast, "compile": args.compile,
-        "shape": args.shape,
+        "shape": args.shape, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "matmul_n": n,
+        "bf16_sampler": args.fast or args.bf16_sampler,
         "peak_gflops": peaks, "dims": dims, "n_params": lb.count_parameters(setup.policy), "load": lb.machine_load(),
         "steps": steps, "median_step_s": med("time"), "median_generate_s": med("t_generate"), "median_ref_train_s": med("t_train"),
         "median_update_s": med("t_update"), "flops_update": flops_update,
@@ -289,30 +293,34 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--shape", choices=["smollm2", "llama-1b", "tiny"], default="smollm2")
+    parser.add_argument("--device", default="cpu", help="model.device of the step and the device of the peak matmuls: cpu or cuda")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype of policy and reference")
     parser.add_argument("--autocast", action="store_true", help="model.autocast=bfloat16: forwards in bfloat16 autocast, float32 master weights")
     parser.add_argument("--fast", action="store_true", help="--autocast with eager training attention, SDPA decode and a bfloat16 sampling copy")
     parser.add_argument("--compile", action="store_true", help="the trainer's compile option (the first, untimed step compiles; not with --fast)")
+    parser.add_argument("--bf16-sampler", action="store_true", help="sampling.dtype=bfloat16 alone: the decode loop on a bfloat16 copy, training attention left at its default")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--n", type=int, default=2048, help="matmul size of the peak measurement")
+    parser.add_argument("--n", type=int, default=None, help="matmul size of the peak measurement (default 2048 on the CPU, 8192 on a GPU)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--ceiling", action="store_true", help="one more step: replay its matmuls alone and time clipping + AdamW (see 4. above)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if args.ceiling and args.device != "cpu":
+        parser.error("--ceiling times the replayed matmuls with the host clock, CPU only")
     if args.ceiling and not args.fast:
         parser.error("--ceiling needs --fast: eager attention in training, whose products are bmm calls (SDPA's fused kernels are not replayed)")
     r = run(args)
     g = r["achieved_gflops"]
     print(f"\nMFU of one rlalign GRPO step, {r['shape']} shape ({r['n_params'] / 1e6:.1f}M parameters, {r['dtype']}"
           f"{', bf16 autocast' if r['autocast_bf16'] else ''}), {args.prompts} x {args.group_size} x {args.new_tokens} new tokens, "
-          f"{r['threads']} thread(s), load {r['load']}, rlalign {r['rlalign_commit']}\n")
-    print(f"matmul peak ({args.n}x{args.n}, best of {args.repeats}): float32 {r['peak_gflops']['float32']:.1f} GFLOP/s, "
+          f"on {r['device']}, {r['threads']} thread(s), load {r['load']}, rlalign {r['rlalign_commit']}\n")
+    print(f"matmul peak ({r['matmul_n']}x{r['matmul_n']}, best of {args.repeats}): float32 {r['peak_gflops']['float32']:.1f} GFLOP/s, "
           f"bfloat16 {r['peak_gflops']['bfloat16']:.1f} GFLOP/s\n")
     print("| phase | GFLOP | median s | GFLOP/s | MFU vs fp32 peak | MFU vs bf16 peak |")
     print("|---|---:|---:|---:|---:|---:|")

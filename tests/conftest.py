@@ -5,6 +5,24 @@ from __future__ import annotations
 import pytest
 
 from rlalign.lm import compiled
+from rlalign.train import distributed
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--model-device", default="cpu",
+        help="the device every trainer run of the tests uses where its config says model.device=cpu (the default): e.g. cuda, to run "
+        "the trainer tests on a GPU (tools/gpu_check.sh); tests that build models directly keep them where they build them",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _model_device(request, monkeypatch):
+    """With ``--model-device=cuda``, ``World.device`` (where a run resolves ``model.device``) maps cpu to cuda."""
+    device = request.config.getoption("--model-device")
+    if device != "cpu":
+        resolve = distributed.World.device
+        monkeypatch.setattr(distributed.World, "device", lambda world, requested: resolve(world, device if requested == "cpu" else requested))
 
 
 @pytest.fixture

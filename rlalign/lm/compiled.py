@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from rlalign.lm import private
 from rlalign.lm.decode import SamplingParams, _decode_step, _draw
 
 __all__ = ["RECOMPILE_LIMIT", "CompiledSteps", "release_compiler_caches", "releasing_compiler_caches", "skipping_guard_profiling"]
@@ -27,28 +28,32 @@ __all__ = ["RECOMPILE_LIMIT", "CompiledSteps", "release_compiler_caches", "relea
 RECOMPILE_LIMIT = 64  # compiled versions kept of the decode step and of the draw (torch's default is 8)
 
 
-# Inductor lowers a one-query-row attention matmul on the CPU to a multiply-and-sum that inlines its
-# inputs, and so recomputed the query's rotary embedding (a cos and a sin an element) for every key
-# position: a pointwise input of more than 4 ops is computed once into a buffer instead, which makes
-# that attention kernel several times faster.
-_DECODE_INDUCTOR_OPTIONS = {"realize_cpu_opcount_threshold": 4}
+def _decode_inductor_options() -> dict:
+    """Inductor lowers a one-query-row attention matmul on the CPU to a multiply-and-sum that inlines
+    its inputs, and so recomputed the query's rotary embedding (a cos and a sin an element) for every
+    key position: a pointwise input of more than 4 ops is computed once into a buffer instead, which
+    makes that attention kernel several times faster. A torch without that option (2.11) compiles
+    the step with inductor's defaults; the option does not apply to GPU kernels anyway."""
+    return {} if private.missing("cpu_decode_tuning") else {"realize_cpu_opcount_threshold": 4}
 
 
 class _CompiledOnFirstCall:
-    """``torch.compile(fn, **options)``, made at the first call. Calling ``torch.compile`` imports
-    dynamo's backends (AOT autograd, its partitioner, networkx: ~380 modules), which a process that
-    only samples eagerly never needs, and whose memory it would carry for nothing."""
+    """``torch.compile(fn, **options)``, made at the first call (``inductor_options()`` gives its
+    ``options``). Calling ``torch.compile`` imports dynamo's backends (AOT autograd, its partitioner,
+    networkx: ~380 modules), which a process that only samples eagerly never needs, and whose memory
+    it would carry for nothing."""
 
-    def __init__(self, fn: Callable, **options):
-        self.fn, self.options, self.compiled = fn, options, None
+    def __init__(self, fn: Callable, inductor_options: Callable[[], dict] | None = None, **options):
+        self.fn, self.inductor_options, self.options, self.compiled = fn, inductor_options, options, None
 
     def __call__(self, *args):
         if self.compiled is None:
-            self.compiled = torch.compile(self.fn, **self.options)
+            extra = {"options": self.inductor_options()} if self.inductor_options is not None else {}
+            self.compiled = torch.compile(self.fn, **self.options, **extra)
         return self.compiled(*args)
 
 
-_compiled_decode_step = _CompiledOnFirstCall(_decode_step, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT, options=_DECODE_INDUCTOR_OPTIONS)
+_compiled_decode_step = _CompiledOnFirstCall(_decode_step, _decode_inductor_options, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
 _compiled_draw = _CompiledOnFirstCall(_draw, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
 
 

@@ -29,7 +29,9 @@ PRIVATE_SYMBOLS: dict[str, tuple[str, ...]] = {
         "torch._dynamo.utils:counters",
         "torch._subclasses.fake_tensor:FakeTensorMode",
         "torch.compiler:set_stance",
-        "torch._inductor.config:realize_cpu_opcount_threshold",
+    ),
+    "cpu_decode_tuning": (  # rlalign.lm.compiled: an inductor option for the CPU decode step's attention; without it
+        "torch._inductor.config:realize_cpu_opcount_threshold",  # the step compiles with inductor's defaults (torch 2.11 lacks it)
     ),
     "static_cache": (  # rlalign.lm.sampling: a StaticCache whose sliding-window layers keep every key
         "transformers.cache_utils:StaticLayer",

