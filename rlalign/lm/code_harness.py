@@ -1,0 +1,299 @@
+"""The two processes of a code sandbox run for the check, stdio and call formats (rlalign.lm.code_formats).
+
+This file runs inside the sandbox, on the standard library only, started by the sandbox's boot.py:
+
+    python -I -S boot.py <report fd> harness.py checker            (the first process: the checker)
+    python -I -S boot.py <in fd>,<out fd> harness.py server <mode>  (started by the checker: the program)
+
+The checker reads its job from stdin (a Python literal written by the trainer), makes itself not
+dumpable (so the program, the same user, can neither ptrace it, read its memory, nor open its
+descriptors), starts the server, asks it for each case (a call, or one run of the program on one
+input) with a time limit per case (killing and restarting the server when it is passed), and writes
+one line per case on fd 3: ``<nonce>\\t<case>\\t<status>\\t<payload>``. In the check mode it runs
+the dataset's ``check`` function itself, the program's functions replaced by proxies that ask the
+server, and reports whether each case statement passed.
+
+The server runs the program: in the call and check modes it executes it once (``__name__`` is
+"solution", so a ``__main__`` block does not run) and answers calls with the ``repr`` of the value;
+in the stdio mode it forks a child per case that runs the program as ``__main__`` with the case's
+input on stdin, and answers with the exit code and what it wrote on stdout.
+
+:func:`literal` is also what the trainer parses reported values with.
+"""
+
+import _ast
+import builtins
+import os
+import sys
+
+PR_SET_DUMPABLE = 4
+MAX_LINE = 4 << 20  # longest answer line the checker reads from the server
+MAX_STDOUT = 1 << 20  # stdout kept of one stdio case
+
+
+def literal(text: str):
+    """The plain Python literal ``text`` (what ``ast.literal_eval`` accepts, plus ``inf`` and ``nan`` as
+    ``repr`` writes them), built without running any code. Raises ValueError, TypeError, SyntaxError,
+    RecursionError or MemoryError on anything else."""
+    return _literal(compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST).body, 0)
+
+
+def _literal(node, depth):
+    if depth > 200:
+        raise ValueError("literal nested too deep")
+    kind = type(node)
+    if kind is _ast.Constant and node.value is not Ellipsis:
+        return node.value
+    if kind in (_ast.List, _ast.Tuple, _ast.Set):
+        items = [_literal(item, depth + 1) for item in node.elts]
+        return list(items) if kind is _ast.List else tuple(items) if kind is _ast.Tuple else set(items)
+    if kind is _ast.Dict and None not in node.keys:
+        return {_literal(k, depth + 1): _literal(v, depth + 1) for k, v in zip(node.keys, node.values)}
+    if kind is _ast.Name and node.id in ("inf", "nan"):
+        return float(node.id)
+    if kind is _ast.UnaryOp and type(node.op) in (_ast.USub, _ast.UAdd):
+        value = _literal(node.operand, depth + 1)
+        if type(value) in (int, float, complex):
+            return -value if type(node.op) is _ast.USub else value
+    if kind is _ast.BinOp and type(node.op) in (_ast.Add, _ast.Sub):  # complex numbers: 1+2j
+        left, right = _literal(node.left, depth + 1), _literal(node.right, depth + 1)
+        if type(left) in (int, float) and type(right) is complex:
+            return left + right if type(node.op) is _ast.Add else left - right
+    if kind is _ast.Call and type(node.func) is _ast.Name and node.func.id in ("set", "frozenset") and not node.keywords and len(node.args) <= 1:
+        items = _literal(node.args[0], depth + 1) if node.args else ()
+        if type(items) in (list, tuple, set):
+            return set(items) if node.func.id == "set" else frozenset(items)
+    raise ValueError("not a plain literal: " + type(node).__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# The checker (trusted: the trainer's code, never the program's)
+# ----------------------------------------------------------------------------------------------
+
+
+class _Stop(BaseException):
+    """A case failed and the score is all or nothing: the remaining cases need not run."""
+
+
+class Server:
+    """The program's process, asked one request at a time; killed and restarted after a timeout."""
+
+    def __init__(self, mode, start_timeout):
+        self.mode, self.start_timeout, self.pid, self.loaded, self.timed_out = mode, start_timeout, None, "", False
+
+    def start(self):
+        request_read, self.requests = os.pipe()
+        self.answers, answer_write = os.pipe()
+        os.set_inheritable(request_read, True)
+        os.set_inheritable(answer_write, True)
+        argv = [sys.executable, "-I", "-S", "boot.py", "%d,%d" % (request_read, answer_write), "harness.py", "server", self.mode]
+        actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, 2, 1)]
+        self.pid = os.posix_spawn(sys.executable, argv, dict(os.environ), file_actions=actions, setpgroup=0)
+        os.close(request_read)
+        os.close(answer_write)
+        self.buffer = b""
+        line = self.read(self.start_timeout)
+        self.loaded = "ready" if line == "ready" else "timeout" if self.timed_out else (line or "its process ended").replace("\t", ": ")
+
+    def ask(self, request, timeout):
+        """(status, payload) of one request: ("ok", ...) or ("error", what went wrong)."""
+        if self.pid is None:
+            self.start()
+        if self.loaded != "ready":
+            return "error", "program: " + self.loaded
+        try:
+            write_all(self.requests, (request + "\n").encode())
+            line = self.read(timeout)
+        except OSError:  # it closed its end: it has ended
+            line = None
+        if line is None:
+            what = "timeout" if self.timed_out else "the program's process ended"
+            self.kill()
+            return "error", what
+        status, _, payload = line.partition("\t")
+        return ("ok", payload) if status == "ok" else ("error", payload or status)
+
+    def read(self, timeout):
+        """The next answer line, or None at the timeout (``timed_out`` set), at the end of the pipe or past MAX_LINE."""
+        import select  # noqa: PLC0415 - only where a server runs
+        import time  # noqa: PLC0415
+
+        deadline = time.monotonic() + timeout
+        self.timed_out = False
+        poller = select.poll()
+        poller.register(self.answers, select.POLLIN)
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                self.timed_out = True
+                return None
+            chunk = os.read(self.answers, 1 << 16)
+            if not chunk or len(self.buffer) > MAX_LINE:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode("utf-8", "replace")
+
+    def kill(self):
+        if self.pid is not None:
+            try:
+                os.killpg(self.pid, 9)
+            except OSError:
+                pass
+            os.waitpid(self.pid, 0)
+            os.close(self.requests)
+            os.close(self.answers)
+            self.pid = None
+
+
+def write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def checker():
+    os.set_inheritable(3, False)  # the report pipe never reaches the program
+    job = eval(sys.stdin.buffer.read().decode(), {"__builtins__": {}})  # noqa: S307 - a literal the trainer wrote
+    nonce, stop = job["nonce"], job["stop"]
+
+    def report(case, status, payload=""):
+        write_all(3, ("%s\t%s\t%s\t%s\n" % (nonce, case, status, payload.replace("\n", " "))).encode("utf-8", "replace"))
+
+    import ctypes  # noqa: PLC0415 - before the server starts: the program may never read this process
+
+    if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        report(-1, "fatal", "cannot make the checker's process unreadable (prctl)")
+        return
+    server = Server("call" if job["mode"] == "check" else job["mode"], job["start_timeout"])
+    try:
+        if job["mode"] == "check":
+            run_check(job, server, report)
+        else:
+            for case, request in enumerate(job["requests"]):
+                status, payload = server.ask(request, job["case_timeout"])
+                report(case, status, payload)
+                if status != "ok" and stop:
+                    break
+    finally:
+        server.kill()
+
+
+def run_check(job, server, report):
+    """Run the dataset's check function here, each name of ``job["proxied"]`` a proxy asking the server."""
+
+    def proxy(name):
+        def call(*args, **kwargs):
+            status, payload = server.ask(repr(("call", name, args, kwargs)), job["case_timeout"])
+            if status != "ok":
+                error = getattr(builtins, payload, None)
+                raise error() if isinstance(error, type) and issubclass(error, Exception) else RuntimeError(payload)
+            return literal(payload)
+
+        call.__name__ = name
+        return call
+
+    def case(index, error):
+        report(index, "fail" if error is not None else "pass", "" if error is None else type(error).__name__ + ": " + str(error)[:200])
+        if error is not None and job["stop"]:
+            raise _Stop
+
+    scope = {"__name__": "__check__", "__builtins__": builtins}
+    try:
+        exec(compile(job["helpers"], "prompt", "exec"), scope)
+        scope.update({name: proxy(name) for name in job["proxied"]})
+        scope["__rlalign_case"] = case
+        exec(compile(job["test"], "test", "exec"), scope)
+        scope["check"](scope[job["entry_point"]])
+    except _Stop:
+        pass
+    except BaseException as err:  # outside every case: the remaining cases are not reported, so they fail
+        report(-1, "error", type(err).__name__ + ": " + str(err)[:200])
+
+
+# ----------------------------------------------------------------------------------------------
+# The server (the program's process)
+# ----------------------------------------------------------------------------------------------
+
+
+def server(mode):
+    def answer(text):
+        write_all(4, (text.replace("\n", " ") + "\n").encode("utf-8", "replace"))
+
+    with open("program.py") as file:
+        source = file.read()
+    scope = {"__name__": "solution", "__builtins__": builtins}
+    try:
+        code = compile(source, "program.py", "exec")
+        if mode != "stdio":
+            exec(code, scope)
+    except BaseException as err:
+        answer("error\t" + type(err).__name__)
+        return
+    answer("ready")
+    names = {"__builtins__": {}, "inf": float("inf"), "nan": float("nan"), "set": set, "frozenset": frozenset}
+    with open(3, "rb") as requests:
+        for line in requests:
+            request = eval(line, names)  # noqa: S307 - the checker's request: a literal
+            if request[0] == "stdio":
+                answer(run_stdio(code, request[1]))
+                continue
+            try:
+                answer("ok\t" + repr(_function(scope, request[1])(*request[2], **request[3])))
+            except BaseException as err:
+                answer("error\t" + type(err).__name__)
+
+
+def _function(scope, name):
+    """The program's function ``name``: a top-level one, or a method of its class ``Solution`` (LeetCode)."""
+    function = scope.get(name)
+    if callable(function):
+        return function
+    if isinstance(scope.get("Solution"), type) and hasattr(scope["Solution"], name):
+        return getattr(scope["Solution"](), name)
+    raise NameError(name)
+
+
+def run_stdio(code, text):
+    """Run the program as __main__ in a forked child with ``text`` on stdin: "ok\\t<exit code>\\t<repr of stdout>"."""
+    stdin = os.memfd_create("stdin")
+    write_all(stdin, text.encode("utf-8", "replace"))
+    os.lseek(stdin, 0, 0)
+    out_read, out_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(stdin, 0)
+        os.dup2(out_write, 1)
+        os.closerange(3, 1 << 20)
+        sys.argv = ["program.py"]
+        status = 0
+        try:
+            exec(code, {"__name__": "__main__", "__builtins__": builtins})
+        except SystemExit as err:
+            status = err.code if isinstance(err.code, int) else 0 if err.code is None else 1
+        except BaseException as err:
+            os.write(2, ("%s: %s\n" % (type(err).__name__, err)).encode("utf-8", "replace"))
+            status = 1
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            status = status or 1
+        os._exit(status & 0xFF)
+    os.close(stdin)
+    os.close(out_write)
+    out = bytearray()
+    while True:
+        chunk = os.read(out_read, 1 << 16)
+        if not chunk:
+            break
+        if len(out) < MAX_STDOUT:
+            out += chunk[: MAX_STDOUT - len(out)]
+    os.close(out_read)
+    _, status = os.waitpid(pid, 0)
+    return "ok\t%d\t%r" % (os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace"))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["checker"]:
+        checker()
+    elif sys.argv[1:2] == ["server"]:
+        server(sys.argv[2])
