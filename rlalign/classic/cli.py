@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 def write_curves(out: Path, title: str, log: RunLog, metrics: tuple[str, ...], final_eval: tuple[int, float] | None, xlabel: str = "env step") -> Path:
     """curves.png of a run: the episodic return against env step (smoothed), the greedy evaluations
     and ``final_eval`` ((env step, mean return) of the final one), and the update ``metrics`` it logged."""
-    from rlalign.train.common import plot_curves  # matplotlib and the plotting code, loaded once the run is over
+    from rlalign.train.metrics import plot_curves  # matplotlib and the plotting code, loaded once the run is over
 
     series: dict[str, tuple[list[float], list[float]]] = {}
     if log.episodes:

@@ -7,6 +7,8 @@
   :mod:`~rlalign.train.passes` (reference and pi_old log-prob passes);
 - for all four: :mod:`~rlalign.train.updater` (model, AdamW, schedule, clipping), :mod:`~rlalign.train.loop`
   (start, ``--resume``, the step loop, ``final/``), :mod:`~rlalign.train.run_dir` (one run per output
-  directory), :mod:`~rlalign.train.checkpoints` (the checkpoint format), :mod:`~rlalign.train.common`
-  (configs, seeds, metrics), :mod:`~rlalign.train.distributed` (torchrun).
+  directory), :mod:`~rlalign.train.checkpoints` (the checkpoint format), :mod:`~rlalign.train.run_config`
+  (model, optimiser and run configs), :mod:`~rlalign.train.seeding` (seeds, RNG states, data order),
+  :mod:`~rlalign.train.metrics` (metrics.jsonl, trackers, curves), :mod:`~rlalign.train.common`
+  (autocast, AdamW schedule, the starting model, generation evaluation), :mod:`~rlalign.train.distributed` (torchrun).
 """

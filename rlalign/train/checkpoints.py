@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from rlalign.config import Config
 from rlalign.errors import RLAlignError
-from rlalign.train.common import rng_state
+from rlalign.train.seeding import rng_state
 
 __all__ = [
     "CheckpointError",

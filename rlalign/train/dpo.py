@@ -55,10 +55,11 @@ from rlalign.lm.model_modes import evaluating
 from rlalign.lm.models import reference_policy
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
-from rlalign.train.common import OptimConfig, forward_precision, generation_eval
+from rlalign.train.common import forward_precision, generation_eval
 from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command
 from rlalign.train.passes import share_prompts
 from rlalign.train.reward_model import RMDataConfig
+from rlalign.train.run_config import OptimConfig
 from rlalign.train.supervised import SupervisedConfig, supervised_loop
 
 __all__ = ["DPODataConfig", "DPOConfig", "Pair", "sequence_logps", "reference_logps", "pair_logps", "preference_loss", "train", "add_arguments", "run"]

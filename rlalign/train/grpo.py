@@ -76,13 +76,14 @@ from rlalign.lm.data import PromptExample
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.tools import ToolRegistry
 from rlalign.train import distributed
-from rlalign.train.common import batch_order, forward_precision
+from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import (
     RewardTerm, ScoredRollout, add_score_term, completion_stats, concat_scored, prompt_batch, scored_stats, sample_rows, sample_shard, score_shard, select_rows,
 )
+from rlalign.train.seeding import batch_order
 from rlalign.train.tool_rollout import ToolRollout, ToolsConfig, sample_tool_shard, tool_registry
 from rlalign.train.updater import Updater, minibatch_step
 

@@ -37,20 +37,14 @@ from rlalign.lm.data import PromptExample
 from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
 from rlalign.train import distributed
-from rlalign.train.common import (
-    MetricsLogger,
-    ModelConfig,
-    plot_metrics,
-    is_adapter_dir,
-    prepare_model_path,
-    read_metrics,
-    restore_rng_state,
-    set_seed,
-)
+from rlalign.train.common import is_adapter_dir, prepare_model_path
 from rlalign.train.checkpoints import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, replace_dir, save_checkpoint
+from rlalign.train.metrics import MetricsLogger, plot_metrics, read_metrics
 from rlalign.train.rl_eval import evaluate_policy, load_eval_prompts
 from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
+from rlalign.train.run_config import ModelConfig
 from rlalign.train.run_dir import claim_run_dir
+from rlalign.train.seeding import restore_rng_state, set_seed
 from rlalign.train.updater import NonFiniteError, Updater
 
 __all__ = [

@@ -96,7 +96,7 @@ def reference_logprobs(
 ) -> Tensor:
     """Completion log-probs under the frozen reference (or the LoRA base, adapters off), by the same
     forward as the updates (compiled when they are), in minibatches of ``batch_size`` rows, under
-    ``autocast`` (:attr:`rlalign.train.common.ModelConfig.autocast`). Shape: (B, C)."""
+    ``autocast`` (:attr:`rlalign.train.run_config.ModelConfig.autocast`). Shape: (B, C)."""
     with reference_policy(policy, reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref):
         return torch.cat([rollout_token_logprobs(ref, mb, temperature, compiled) for mb in rollout.minibatches(batch_size)])
 

@@ -50,8 +50,8 @@ from rlalign.lm.encoding import collate_preferences
 from rlalign.lm.heads import ScalarHeadModel, last_token_values, load_reward_model
 from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.tasks import TASKS
-from rlalign.train.common import ModelConfig, OptimConfig
 from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command
+from rlalign.train.run_config import ModelConfig, OptimConfig
 from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["RMDataConfig", "RMConfig", "pair_rewards", "evaluate_pairs", "train", "add_arguments", "run"]

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from rlalign.config import Config
 from rlalign.core.losses import AGGREGATION_MODES, Aggregation
 from rlalign.lm.sampling import SamplingParams
-from rlalign.train.common import ModelConfig, OptimConfig, RunConfig
+from rlalign.train.run_config import ModelConfig, OptimConfig, RunConfig
 
 __all__ = [
     "DataConfig",

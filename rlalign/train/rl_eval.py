@@ -32,9 +32,10 @@ from rlalign.lm.model_modes import evaluating
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
-from rlalign.train.common import ModelConfig, forward_precision
+from rlalign.train.common import forward_precision
 from rlalign.train.rl_config import DataConfig, EvalConfig
 from rlalign.train.rollouts import RewardTerm, reward_stats, sample_rows, score_shard
+from rlalign.train.run_config import ModelConfig
 
 __all__ = ["load_eval_prompts", "evaluate_policy"]
 

@@ -34,8 +34,10 @@ from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
-from rlalign.train.common import ModelConfig, batch_order, forward_precision
+from rlalign.train.common import forward_precision
 from rlalign.train.rl_config import DataConfig, RewardConfig, SamplingConfig
+from rlalign.train.run_config import ModelConfig
+from rlalign.train.seeding import batch_order
 
 __all__ = [
     "load_prompt_set",

@@ -37,8 +37,9 @@ from rlalign.lm.encoding import collate_sft, completion_text, pack_sft
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
-from rlalign.train.common import OptimConfig, generation_eval
+from rlalign.train.common import generation_eval
 from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command
+from rlalign.train.run_config import OptimConfig
 from rlalign.train.supervised import SupervisedConfig, SupervisedDataConfig, supervised_loop
 
 __all__ = ["SFTDataConfig", "SFTConfig", "train", "add_arguments", "run"]

@@ -25,8 +25,10 @@ from pydantic import Field, model_validator
 
 from rlalign.config import Config
 from rlalign.train import distributed
-from rlalign.train.common import OptimConfig, RunConfig, batch_order, forward_precision
+from rlalign.train.common import forward_precision
 from rlalign.train.loop import Run, SavedModels, TrainState, resume_state, run_steps
+from rlalign.train.run_config import OptimConfig, RunConfig
+from rlalign.train.seeding import batch_order
 from rlalign.train.updater import Updater
 
 __all__ = ["SupervisedDataConfig", "SupervisedConfig", "supervised_loop"]

@@ -23,7 +23,8 @@ from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
-from rlalign.train.common import OptimConfig, make_optimizer
+from rlalign.train.common import make_optimizer
+from rlalign.train.run_config import OptimConfig
 
 __all__ = ["Updater", "NonFiniteError", "minibatch_step"]
 

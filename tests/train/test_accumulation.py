@@ -17,9 +17,9 @@ from rlalign.lm.model_modes import enable_gradient_checkpointing, evaluating, is
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import distributed, grpo, ppo
-from rlalign.train.common import OptimConfig
 from rlalign.train.reward_model import RMConfig
 from rlalign.train.reward_model import train as train_rm
+from rlalign.train.run_config import OptimConfig
 from rlalign.train.sft import SFTConfig
 from rlalign.train.sft import train as train_sft
 from rlalign.train.updater import Updater
@@ -154,7 +154,7 @@ TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.inte
 
 
 def supervised_history(train, cfg_cls, out, extra: list[str]) -> list[dict]:
-    from rlalign.train.common import read_metrics
+    from rlalign.train.metrics import read_metrics
 
     train(load_config(cfg_cls, None, TINY + [f"output_dir={out}", *extra]))
     return read_metrics(out / "metrics.jsonl")

@@ -9,20 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlalign.train.common import (
-    MetricsLogger,
-    OptimConfig,
-    batch_order,
-    ema,
-    make_optimizer,
-    plot_metrics,
-    read_metrics,
-    restore_rng_state,
-    rng_state,
-    set_seed,
-    smoothing_weight,
-)
+from rlalign.train.common import make_optimizer
 from rlalign.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from rlalign.train.metrics import MetricsLogger, ema, plot_metrics, read_metrics, smoothing_weight
+from rlalign.train.run_config import OptimConfig
+from rlalign.train.seeding import batch_order, restore_rng_state, rng_state, set_seed
 
 
 class _Saveable(torch.nn.Module):
@@ -138,7 +129,8 @@ def test_resume_from_a_non_checkpoint_is_an_error(tmp_path):
 
 def test_forward_precision_runs_forwards_in_bfloat16_only_when_asked():
     from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
-    from rlalign.train.common import ModelConfig, forward_precision
+    from rlalign.train.common import forward_precision
+    from rlalign.train.run_config import ModelConfig
 
     model = build_tiny_llama(build_char_tokenizer(), TinyModelSpec(hidden_size=32, num_layers=1, intermediate_size=64))
     ids = torch.tensor([[1, 14, 15, 16]])
@@ -152,7 +144,7 @@ def test_forward_precision_runs_forwards_in_bfloat16_only_when_asked():
 _LOG_WITHOUT_A_BAR = """
 import sys, tempfile
 import rlalign.train.grpo, rlalign.train.ppo, rlalign.train.sft, rlalign.train.reward_model
-from rlalign.train.common import MetricsLogger
+from rlalign.train.metrics import MetricsLogger
 with MetricsLogger(tempfile.mkdtemp(), total_steps=2, progress=False) as log:
     log.log(0, {"loss": 1.0})
 print("without a bar, rich imported:", "rich" in sys.modules)
@@ -232,7 +224,7 @@ def test_curves_draw_a_long_metric_smoothed_over_its_raw_values_and_sparse_evals
 
 
 def test_rng_restore_leaves_cuda_alone_when_the_state_has_none(monkeypatch):
-    from rlalign.train.common import restore_rng_state, rng_state
+    from rlalign.train.seeding import restore_rng_state, rng_state
 
     state = rng_state()
     state.pop("cuda", None)  # saved on a machine without CUDA
@@ -242,7 +234,8 @@ def test_rng_restore_leaves_cuda_alone_when_the_state_has_none(monkeypatch):
 
 
 def test_schedule_with_one_step_after_warmup_reaches_its_floor():
-    from rlalign.train.common import OptimConfig, make_optimizer
+    from rlalign.train.common import make_optimizer
+    from rlalign.train.run_config import OptimConfig
 
     cfg = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
     optimizer, scheduler = make_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg, total_steps=3)

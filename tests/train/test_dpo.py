@@ -31,7 +31,7 @@ from rlalign.lm.encoding import collate_preference_completions, explicit_prompt
 from rlalign.lm.models import apply_lora, load_policy, load_reference, load_tokenizer
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import dpo
-from rlalign.train.common import read_metrics
+from rlalign.train.metrics import read_metrics
 
 torch.set_num_threads(1)
 

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from rlalign.cli import main
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train.common import read_metrics
 from rlalign.train.checkpoints import list_checkpoints
+from rlalign.train.metrics import read_metrics
 
 STEPS = 4
 # Runs the CLI in a child process that SIGKILLs itself at the n-th atomic rename of a checkpoint

@@ -23,8 +23,8 @@ from rlalign.lm.rewards import RewardFunctionError
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo, loop, rollouts
-from rlalign.train.common import set_seed
 from rlalign.train.checkpoints import CheckpointError
+from rlalign.train.seeding import set_seed
 
 torch.set_num_threads(1)
 

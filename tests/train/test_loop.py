@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from rlalign.cli import main
 from rlalign.lm.rollout import Rollout
 from rlalign.train import loop, passes
-from rlalign.train.common import autocast_context, read_metrics
+from rlalign.train.common import autocast_context
 from rlalign.train.checkpoints import CheckpointError, list_checkpoints, load_checkpoint
+from rlalign.train.metrics import read_metrics
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "progress=false"]
 RM = ["rm", *TINY, "data.num_train=32", "data.num_eval=4", "batch_size=4", "save_every=1", "keep_last=5"]

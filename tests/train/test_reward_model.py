@@ -11,7 +11,7 @@ from rlalign.lm.data import load_preferences
 from rlalign.lm.heads import load_reward_model
 from rlalign.lm.models import load_tokenizer
 from rlalign.tasks.preference import preference_records
-from rlalign.train.common import read_metrics
+from rlalign.train.metrics import read_metrics
 from rlalign.train.reward_model import RMConfig, evaluate_pairs, train
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128", "progress=false"]

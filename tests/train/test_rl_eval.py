@@ -17,7 +17,8 @@ from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.tasks import TASKS
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo, ppo
-from rlalign.train.common import generation_eval, read_metrics
+from rlalign.train.common import generation_eval
+from rlalign.train.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from rlalign.cli import main
 from rlalign.config import ConfigError, load_config
 from rlalign.lm.rewards import RewardFunctionError, score_completions
 from rlalign.train import run_dir
-from rlalign.train.common import read_metrics
 from rlalign.train.checkpoints import CheckpointError, list_checkpoints, load_checkpoint
+from rlalign.train.metrics import read_metrics
 from rlalign.train.reward_model import RMConfig, train
 from rlalign.train.updater import NonFiniteError
 

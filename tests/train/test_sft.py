@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from rlalign.cli import main
 from rlalign.config import ConfigError, load_config
 from rlalign.tasks.arithmetic import sft_records
-from rlalign.train.common import read_metrics
+from rlalign.train.metrics import read_metrics
 from rlalign.train.sft import SFTConfig, train
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128", "progress=false"]

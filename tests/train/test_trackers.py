@@ -14,7 +14,7 @@ import pytest
 
 from rlalign.cli import main
 from rlalign.config import ConfigError, load_config
-from rlalign.train.common import MetricsLogger, markdown_table, read_metrics
+from rlalign.train.metrics import MetricsLogger, markdown_table, read_metrics
 from rlalign.train.reward_model import RMConfig
 from rlalign.train.reward_model import train as train_rm
 from rlalign.train.run_dir import config_differences

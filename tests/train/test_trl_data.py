@@ -16,7 +16,7 @@ from datasets import Dataset, DatasetDict
 from rlalign.config import load_config
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo
-from rlalign.train.common import read_metrics
+from rlalign.train.metrics import read_metrics
 from rlalign.train.reward_model import RMConfig
 from rlalign.train.reward_model import train as train_rm
 from rlalign.train.sft import SFTConfig
