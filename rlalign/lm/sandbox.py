@@ -22,13 +22,15 @@ run gets, with bubblewrap (``bwrap``, from the distribution's packages):
   and stderr read up to ``max_output_kb`` each and a report pipe (fd 3) up to ``max_report_kb``, never
   buffered whole; no other descriptor of the trainer's reaches the program.
 
-How a run starts, cheaply (about 20 ms of CPU on the machine of benchmarks/RESULTS.md, most of it the
-interpreter's own start): the trainer never forks itself (a fork of a process holding torch copies
-its page tables); it spawns ``/bin/sh`` (vfork + exec), which joins the run's cgroup, sets the
-resource limits and execs bwrap, which starts ``python -I -S boot.py``. ``-S`` skips ``site`` (whose
-``.pth`` files may import anything on each start); :data:`_BOOT` puts the installation's
-site-packages on ``sys.path`` instead, defines ``exit`` / ``quit``, moves the report pipe to fd 3,
-closes every other inherited descriptor and runs the program as ``__main__``.
+How a run starts, cheaply (about 25 ms of CPU for a short program on the 2-vCPU machine of
+benchmarks/RESULTS.md, most of it bwrap's and the interpreter's own start): the trainer never forks
+itself (a fork of a process holding torch copies its page tables); it spawns ``/bin/sh`` (vfork +
+exec), which joins the run's cgroup, sets the resource limits and execs bwrap, which starts
+``python -I -S boot.py``. ``-S`` skips ``site`` (whose ``.pth`` files may import anything on each
+start); :data:`_BOOT` puts the installation's site-packages on ``sys.path`` instead, defines
+``exit`` / ``quit``, moves the report pipe to fd 3, closes every other inherited descriptor, marks
+the report as started (a run whose Python never started is an error, not a zero score, and no
+program can fake that) and runs the program as ``__main__``.
 
 Where bwrap cannot isolate (not installed, or namespaces refused), :class:`Sandbox` refuses to
 run unless ``allow_weak=True``, and then warns once naming what is missing: the weak mode is a
@@ -259,9 +261,11 @@ class Sandbox:
             code = proc.wait()
             if group:
                 group.kill()  # anything left in the tree (the PID namespace already took it with bwrap)
-            if self.missing is None and code != 0 and not outputs[2] and (outputs[1].startswith(b"bwrap:") or code == _SETUP_FAILED):
-                raise SandboxUnavailable(f"bubblewrap could not start the sandbox: {outputs[1][:300].decode(errors='replace').strip()}")
-            return SandboxResult(None if timed_out else code, *outputs, timed_out, time.monotonic() - started)
+            stdout, stderr, report = outputs
+            if not report.startswith(_STARTED) and not timed_out:  # boot.py never ran: nothing of the program's could
+                what = "bubblewrap could not start the sandbox" if self.missing is None else "the weak sandbox could not start Python"
+                raise SandboxUnavailable(f"{what}: {stderr[:300].decode(errors='replace').strip()}")
+            return SandboxResult(None if timed_out else code, stdout, stderr, report[len(_STARTED):], timed_out, time.monotonic() - started)
         finally:
             for fd in (report_read, report_write):
                 if fd >= 0:
@@ -278,7 +282,7 @@ class Sandbox:
             "/bin/sh", "-c", _SETUP, "sh", str(limits.memory_mb * 1024), str(max(limits.cpu_s, cpu_s or 0)), str(limits.max_file_mb * 2048),
             str(limits.max_open_files), *(procs + ["-", "-"])[:2],
         ]
-        python = [_python(), "-I", "-S", "boot.py", str(report_fd), *argv]
+        python = [_python(), "-I", "-S", "boot.py", f"+{report_fd}", *argv]
         if self.missing is not None:
             return [*setup, *python]
         size = str(limits.tmp_mb * 2**20)
@@ -297,8 +301,7 @@ class Sandbox:
 
 # The shell between the trainer and bwrap: $1-$4 the limits (address space in kB, CPU seconds, file
 # size in 512-byte blocks, open files), $5 $6 the cgroup.procs files to join ("-": none). It exits
-# with _SETUP_FAILED when it cannot, before anything of the program runs.
-_SETUP_FAILED = 125
+# when it cannot, before anything of the program runs.
 _SETUP = """join() { [ "$1" = - ] || echo $$ > "$1" || exit 125; }
 join "$5"; join "$6"
 ulimit -v "$1" && ulimit -t "$2" && ulimit -f "$3" && ulimit -n "$4" && ulimit -c 0 || exit 125
@@ -309,10 +312,13 @@ exec "$@"
 # The first Python the sandbox runs (``python -I -S boot.py <fds> <script> <args>``): the
 # installation's site-packages on sys.path (without running .pth files), ``exit`` / ``quit`` as site
 # would define them, the descriptors <fds> (comma-separated) moved to 3, 4, ... and every other
-# inherited one closed, then <script> run as __main__ with sys.argv = [<script>, <args>].
+# inherited one closed, then <script> run as __main__ with sys.argv = [<script>, <args>]. With <fds>
+# "+<fd>" (a run's report pipe) it first writes _STARTED there: a run whose report does not begin
+# with it never reached Python, which the program cannot fake (it runs later, and can only add).
+_STARTED = b"\x00"
 _BOOT = """import builtins, os, sys
 def _boot():
-    fds = [int(fd) for fd in sys.argv[1].split(",") if fd]
+    fds = [int(fd) for fd in sys.argv[1].lstrip("+").split(",") if fd]
     if len(fds) > 1:  # moved out of the way first, so that no move overwrites a descriptor still to move
         import fcntl
         fds = [fcntl.fcntl(fd, fcntl.F_DUPFD, 16) for fd in fds]
@@ -320,6 +326,8 @@ def _boot():
         if fd != target:
             os.dup2(fd, target)
     os.closerange(3 + len(fds), 1 << 20)
+    if sys.argv[1].startswith("+"):
+        os.write(3, b"\\x00")
     sys.path.extend(%r)
     def exit(code=None):
         raise SystemExit(code)

@@ -289,3 +289,11 @@ def test_forgeries_score_zero_on_humaneval_problems():
             prompts.append(row["prompt"]), tests.append(row["test"]), entry_points.append(entry)
     scores = code_execution(case_timeout_s=1.0)(prompts, programs, test=tests, entry_point=entry_points)
     assert len(scores) == 22 * 10 and scores == [0.0] * len(scores)
+
+
+@pytest.mark.parametrize("code", ["import sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n')\nsys.exit(1)", "import os\nos._exit(125)"],
+                         ids=["bwrap-message", "setup-exit-code"])
+def test_a_program_cannot_pass_itself_off_as_a_sandbox_that_failed_to_start(code):
+    # that would stop training with an error: a run is unavailable only when the sandbox's Python never started
+    assert code_execution({"add": "assert add(2, 3) == 5"})(["add"], [code]) == [0.0]
+    assert run(code).report == b""
