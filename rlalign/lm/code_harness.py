@@ -172,8 +172,8 @@ def checker():
             for case, request in enumerate(job["requests"]):
                 status, payload = server.ask(request, job["case_timeout"])
                 report(case, status, payload)
-                if status != "ok" and stop:
-                    break
+                if stop and (status != "ok" or (job["mode"] == "stdio" and not payload.startswith("0\t"))):
+                    break  # an error, a timeout or a run that did not exit 0 fails whatever the expected values
     finally:
         server.kill()
 
@@ -184,9 +184,13 @@ def run_check(job, server, report):
     def proxy(name):
         def call(*args, **kwargs):
             status, payload = server.ask(repr(("call", name, args, kwargs)), job["case_timeout"])
-            if status != "ok":
+            if status != "ok":  # the program's exception, by its builtin class where it names one (a check may expect it)
                 error = getattr(builtins, payload, None)
-                raise error() if isinstance(error, type) and issubclass(error, Exception) else RuntimeError(payload)
+                try:
+                    error = error() if isinstance(error, type) and issubclass(error, Exception) else RuntimeError(payload)
+                except Exception:  # a class that needs arguments
+                    error = RuntimeError(payload)
+                raise error
             return literal(payload)
 
         call.__name__ = name
@@ -253,6 +257,18 @@ def _function(scope, name):
     raise NameError(name)
 
 
+def _exit_status(run):
+    """0 when ``run()`` returns, the code of a SystemExit, 1 after any other exception (written to stderr)."""
+    try:
+        run()
+        return 0
+    except SystemExit as err:
+        return err.code if isinstance(err.code, int) else 0 if err.code is None else 1
+    except BaseException as err:
+        os.write(2, ("%s: %s\n" % (type(err).__name__, err)).encode("utf-8", "replace"))
+        return 1
+
+
 def run_stdio(code, text):
     """Run the program as __main__ in a forked child with ``text`` on stdin: "ok\\t<exit code>\\t<repr of stdout>"."""
     stdin = os.memfd_create("stdin")
@@ -265,14 +281,10 @@ def run_stdio(code, text):
         os.dup2(out_write, 1)
         os.closerange(3, 1 << 20)
         sys.argv = ["program.py"]
-        status = 0
-        try:
-            exec(code, {"__name__": "__main__", "__builtins__": builtins})
-        except SystemExit as err:
-            status = err.code if isinstance(err.code, int) else 0 if err.code is None else 1
-        except BaseException as err:
-            os.write(2, ("%s: %s\n" % (type(err).__name__, err)).encode("utf-8", "replace"))
-            status = 1
+        status = _exit_status(lambda: exec(code, {"__name__": "__main__", "__builtins__": builtins}))
+        for name, end in (("threading", "_shutdown"), ("atexit", "_run_exitfuncs")):  # as the interpreter's exit does
+            if name in sys.modules:
+                status = _exit_status(getattr(sys.modules[name], end)) or status
         try:
             sys.stdout.flush()
         except BaseException:

@@ -244,3 +244,11 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
     assert quick(prompts, [r["prompt"] + "    return None\n" for r in rows], **columns) == [0.0] * 164
     shifted = [rows[(i + 1) % 164] for i in range(164)]  # each problem given the next problem's solution
     assert quick(prompts, [r["prompt"] + r["canonical_solution"] for r in shifted], **columns) == [0.0] * 164
+
+
+@needs_isolation
+def test_stdio_programs_end_as_the_interpreter_would_threads_joined_atexit_run():
+    rows = {"p": {"input_output": {"inputs": ["3\n"], "outputs": ["6\n"]}}}
+    threaded = "import threading\ndef main():\n    print(2 * int(input()))\nthreading.Thread(target=main).start()\n"  # deep-recursion idiom
+    buffered = "import atexit, os\nout = []\natexit.register(lambda: os.write(1, ''.join(out).encode()))\nout.append(str(2 * int(input())) + '\\n')\n"
+    assert code_execution(rows)(["p", "p"], [threaded, buffered]) == [1.0, 1.0]
