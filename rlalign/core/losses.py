@@ -31,6 +31,8 @@ __all__ = [
     "policy_gradient_loss",
     "clipped_surrogate_loss",
     "truncated_is_weights",
+    "masked_is_weights",
+    "IS_WEIGHTS",
     "value_loss",
     "entropy_loss",
     "kl_penalty_loss",
@@ -240,6 +242,36 @@ def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float, mas
     counted = m > 0
     weight_min = weights[counted].min() if counted.any() else weights.new_ones(())
     return weights, TISStats(masked_mean(weights, m), weight_min, masked_mean((ratio > cap).to(m.dtype), m))
+
+
+def masked_is_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float, mask: Tensor | None = None) -> tuple[Tensor, TISStats]:
+    """Masked importance sampling: w_t = 1 where pi_old(a_t) / pi_sampler(a_t) <= C, else 0.
+
+    Instead of shrinking the weight of a token the behaviour policy found much less likely than
+    pi_old (truncation), leave it out of the loss: the ratio's tail carries the bias of an off-policy
+    token, and masking removes it rather than keep a capped share (Yao et al. 2025 and TRL's
+    ``vllm_importance_sampling_mode``, "mask"; used for asynchronous rollouts by the decoupled objective,
+    Fu et al. 2025, AReaL).
+
+    Args:
+        old_logp: log pi_old(a_t) by the trainer's forward (the proximal policy). Shape: (B, C).
+        sampler_logp: log-probs the behaviour policy drew a_t with. Shape: (B, C).
+        cap: C > 0.
+        mask: 1 on counted tokens (for the statistics).
+    Returns:
+        (weights in {0, 1}, detached, shape (B, C); stats, truncated_frac = the share masked).
+    """
+    if cap <= 0:
+        raise ValueError(f"the masking threshold must be > 0, got {cap}")
+    ratio = torch.exp(old_logp.detach() - sampler_logp.detach())  # (B, C)
+    weights = (ratio <= cap).to(ratio.dtype)
+    m = _mask_like(weights, mask)
+    counted = m > 0
+    weight_min = weights[counted].min() if counted.any() else weights.new_ones(())
+    return weights, TISStats(masked_mean(weights, m), weight_min, masked_mean(1.0 - weights, m))
+
+
+IS_WEIGHTS = {"truncate": truncated_is_weights, "mask": masked_is_weights}  # tis_mode -> weights of the sampler/behaviour correction
 
 
 class ValueStats(NamedTuple):

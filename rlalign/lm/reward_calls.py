@@ -55,6 +55,7 @@ __all__ = [
     "score_terms",
     "score_completions",
     "check_finite",
+    "reset_event_loop",
 ]
 
 OnError = Literal["raise", "skip"]
@@ -141,6 +142,11 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="rlalign-async-rewards", daemon=True).start()
     return loop
+
+
+def reset_event_loop() -> None:
+    """Forget the loop (a process forked from one that ran it has no thread behind it): the next async call starts a new one."""
+    _event_loop.cache_clear()
 
 
 async def _await_with_limit(coroutine, timeout_s: float | None):

@@ -69,22 +69,18 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.config import ConfigError, load_config
-from rlalign.core.advantages import group_advantages, overlong_penalty, rloo_advantages
+from rlalign.core.advantages import group_advantages, rloo_advantages
 from rlalign.core.kl import kl_k1, kl_k2, kl_k3
-from rlalign.core.losses import clipped_surrogate_loss, entropy_loss, kl_penalty_loss, truncated_is_weights
-from rlalign.lm.data import PromptExample
+from rlalign.core.losses import IS_WEIGHTS, clipped_surrogate_loss, entropy_loss, kl_penalty_loss
 from rlalign.lm.rollout import Rollout
-from rlalign.lm.tools import ToolRegistry
 from rlalign.train import distributed
+from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
-from rlalign.train.rollouts import (
-    RewardTerm, ScoredRollout, add_score_term, completion_stats, concat_scored, prompt_batch, scored_stats, sample_rows, sample_shard, score_shard, select_rows,
-)
-from rlalign.train.seeding import batch_order
-from rlalign.train.tool_rollout import ToolRollout, ToolsConfig, sample_tool_shard, tool_registry
+from rlalign.train.rollouts import RewardTerm, add_score_term, completion_stats, sample_rows, scored_stats
+from rlalign.train.sources import RolloutSource
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = ["GRPOConfig", "ADVANTAGE_ESTIMATORS", "grpo_loss", "grpo_step", "train", "add_arguments", "run"]
@@ -114,25 +110,11 @@ class GRPOConfig(RLConfig):
     )
     dual_clip: float | None = Field(None, gt=1, description="cap the loss of negative-advantage tokens at -c * A (dual clip, c > 1); null = off")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus: the loss gains -entropy_coef * aggregate(entropy)")
-    tis_cap: float | None = Field(
-        None, gt=0, description="truncated importance sampling: weight each token's loss by min(pi_old / pi_sampler, tis_cap) for the sampler/trainer "
-        "mismatch (bfloat16 sampling; e.g. 2.0); null = off"
-    )
     overlong_buffer: int | None = Field(
         None, ge=1, description="DAPO soft overlong punishment: a reward from 0 down to -overlong_penalty over the last this many tokens of max_new_tokens; null = off"
     )
     overlong_penalty: float = Field(1.0, ge=0, description="the overlong punishment's largest penalty (at max_new_tokens)")
     mask_truncated: bool = Field(False, description="leave completions that hit max_new_tokens without EOS out of the loss (DAPO overlong filtering)")
-    dynamic_sampling: bool = Field(
-        False, description="DAPO dynamic sampling: drop groups whose rewards all tie and draw more prompts until the step holds prompts_per_step "
-        "informative groups (one process only)"
-    )
-    max_sampling_rounds: int = Field(4, ge=1, description="dynamic sampling: at most this many draws of prompts_per_step prompts per step; then tied groups fill the step")
-    tools: ToolsConfig | None = Field(
-        None, description="multi-turn tool use (rlalign.train.tool_rollout): tool results appended between turns and left out of the loss; "
-        "rewards score the last turn; one process only; null = single-turn"
-    )
-
     @model_validator(mode="after")
     def _minibatches_divide(self) -> GRPOConfig:
         batch = self.prompts_per_step * self.group_size
@@ -140,8 +122,8 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"num_minibatches={self.num_minibatches} must divide prompts_per_step * group_size = {batch}")
         if self.overlong_buffer is not None and self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} exceeds sampling.max_new_tokens={self.sampling.max_new_tokens}")
-        if self.tools is not None and (self.dynamic_sampling or self.overlong_buffer is not None):
-            raise ValueError("tools: dynamic_sampling and overlong_buffer are not supported with multi-turn rollouts")
+        if self.tools is not None and self.overlong_buffer is not None:
+            raise ValueError("tools: overlong_buffer is not supported with multi-turn rollouts")
         return self
 
 
@@ -191,8 +173,8 @@ def grpo_loss(
     sampler = (rollout.logprobs if sampler_logp is None or on_policy else sampler_logp).to(device)  # (B, C)
     stats = {}
     weights = None
-    if cfg.tis_cap is not None:  # min(pi_old / pi_sampler, C) per token
-        weights, tis = truncated_is_weights(old_logp, sampler, cfg.tis_cap, mask)
+    if cfg.tis_cap is not None:  # min(pi_old / pi_sampler, C), or 1[pi_old / pi_sampler <= C], per token
+        weights, tis = IS_WEIGHTS[cfg.tis_mode](old_logp, sampler, cfg.tis_cap, mask)
         stats.update({"tis/weight_mean": tis.weight_mean, "tis/weight_min": tis.weight_min, "tis/truncated_frac": tis.truncated_frac})
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm (Dr.GRPO), not this batch's C
     pg_loss, clip = clipped_surrogate_loss(
@@ -224,57 +206,33 @@ def grpo_loss(
     return loss, stats
 
 
-def grpo_step(
-    updater: Updater, reference: nn.Module | None, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], state: TrainState, cfg: GRPOConfig,
-    tools: ToolRegistry | None = None,
-) -> tuple[dict[str, float], list[dict]]:
-    """One GRPO step (0-based ``state.step``): sample, score, advantages, mu x minibatch updates.
-
-    With ``cfg.tools`` the rollout is multi-turn (:func:`rlalign.train.tool_rollout.tool_rollout`, with
-    ``tools``, or the registry of ``cfg.tools``): the reward terms score each row's last assistant turn,
-    and the loss mask is also 0 on tool tokens (``ToolRollout.assistant_mask``).
+def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSource, state: TrainState, cfg: GRPOConfig) -> tuple[dict[str, float], list[dict]]:
+    """One GRPO step (0-based ``state.step``): the next scored rollout, reference and pi_old passes,
+    advantages, mu x minibatch updates, and the new weights published to the source.
 
     Returns:
         (metrics, a few samples with their rewards).
     """
     world, G = state.world, cfg.group_size  # one process, or this rank under torchrun: B below is this rank's share of the rows
-    # 1-2. sample G completions per prompt (no grad, KV cache; the sampling log-probs are log pi_old) and score them:
-    #      the weighted reward terms (+ DAPO's overlong punishment), gathered from every rank. Dynamic sampling
-    #      draws again until the step holds prompts_per_step groups whose rewards do not all tie.
+    # 1-2. the step's rollout from its source (sampled by the policy of version batch.version, scored by the reward terms),
+    #      G completions per prompt, groups adjacent; the sampling log-probs are log pi_old unless recomputed below
     t0 = time.perf_counter()
-    assistant_mask = None  # (B, C) with tools: 0 on tool tokens
-    if cfg.tools is not None:
-        examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)
-        registry = tools if tools is not None else tool_registry(cfg.tools)
-        records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples]
-        episodes = sample_tool_shard(updater, tokenizer, records, cfg.sampling, cfg.model, G, state, cfg.tools, registry)
-        rollout, assistant_mask = episodes.rollout, episodes.assistant_mask
-        t1 = time.perf_counter()
-        scored, sampling_metrics = score_groups(rewards, tokenizer, examples, rollout, state, cfg, episodes), tool_metrics(episodes)
-    elif cfg.dynamic_sampling:
-        examples, rollout, scored, sampling_metrics, sampling_seconds = informative_rollout(updater, tokenizer, rewards, prompts, state, cfg)
-        t1 = t0 + sampling_seconds  # time/generate: the draws' sampling; time/score: their scoring
-    else:
-        examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)  # the global batch, with each record's columns
-        rollout = sample_shard(updater, tokenizer, [ex.prompt for ex in examples], cfg.sampling, cfg.model, G, state)
-        t1 = time.perf_counter()
-        scored, sampling_metrics = score_groups(rewards, tokenizer, examples, rollout, state, cfg), {}
-    batch = [ex.prompt for ex in examples]
+    batch = source.next(state)
+    rollout, scored = batch.rollout, batch.scored
+    state.data_position = batch.data_position
     t2 = time.perf_counter()
 
-    # 3. reference log-probs, pi_old (recomputed when the sampler's numerics differ), optional KL in the reward
-    mask = loss_mask(rollout, cfg.mask_truncated)  # (B, C)
-    sampled_mask = rollout.completion_mask if assistant_mask is None else rollout.completion_mask * assistant_mask  # (B, C) tokens the sampler drew
-    if assistant_mask is not None:
-        mask = mask * assistant_mask  # tool tokens get no gradient
+    # 3. reference log-probs, pi_old (recomputed when the sampler's numerics or weights differ: the proximal policy), optional KL in the reward
+    sampled_mask = rollout.completion_mask * batch.token_mask  # (B, C) tokens the sampler drew (not tool tokens)
+    mask = loss_mask(rollout, cfg.mask_truncated) * batch.token_mask  # (B, C) tool tokens get no gradient
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
     ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, cfg.micro_batch_size or rollout.batch_size // m, autocast, cfg.compile) if cfg.beta > 0 else None
     t_ref = time.perf_counter()
-    on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated, no pass needed for it
-    mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's log-probs
-    if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics are not the training forward's
+    on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated (the proximal policy), no pass needed for it
+    mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's (behaviour policy's) log-probs
+    if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics, or an older policy, are not the training forward's
         update_rows = [rows for mb in minibatches for rows in micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)]
         old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile)  # (B, C), on the updates' row batches
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled_mask))
@@ -282,14 +240,14 @@ def grpo_step(
     t_old = time.perf_counter()
     kl_metrics = {}
     if ref_logp is not None and cfg.kl_in == "reward":  # R_i - beta * sum_t KL_t at pi_old; the loss then has no KL term
-        token_kl = KL_ESTIMATORS[cfg.kl_estimator](rollout.logprobs, ref_logp) * rollout.completion_mask  # (B, C)
+        token_kl = KL_ESTIMATORS[cfg.kl_estimator](rollout.logprobs, ref_logp) * sampled_mask  # (B, C)
         scored = add_score_term(scored, "kl_penalty", -cfg.beta * token_kl.sum(-1), world)
-        kl_metrics["kl"] = float(distributed.global_mean_var(token_kl, rollout.completion_mask, world)[0])
+        kl_metrics["kl"] = float(distributed.global_mean_var(token_kl, sampled_mask, world)[0])
         ref_logp = None
 
     # 4. group-relative advantages, one per completion (broadcast over its tokens by the loss)
     all_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scored.scores, G)  # (B global,)
-    shard = world.shard(len(batch))
+    shard = world.shard(len(batch.examples))
     advantages = all_advantages[shard.start * G : shard.stop * G]  # (B,) this rank's rows
 
     # 5. mu passes x minibatches of clipped-surrogate updates against log pi_old
@@ -304,11 +262,12 @@ def grpo_step(
             micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)
             stats, grad_norm = minibatch_step(updater, loss_of, micro_rows, mask, cfg.aggregation, world)
             updates.add({**stats, "grad_norm": grad_norm})
+    sync_s = source.publish(updater.module, state.step + 1)  # the weights after this step's updates
     t3 = time.perf_counter()
 
     metrics = updates.means()
     metrics.update(kl_metrics)
-    metrics.update(sampling_metrics)
+    metrics.update(batch.metrics)
     metrics.update(scored_stats(scored))
     metrics.update(completion_stats(rollout, world))
     metrics["frac_zero_std_groups"] = (scored.scores.view(-1, G).std(dim=1) <= 1e-6).float().mean().item()
@@ -317,81 +276,8 @@ def grpo_step(
     if mismatch is not None:
         metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["lr"] = updater.lr
-    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"], t_ref, t_old))
+    metrics.update(step_timings(batch.generate_s, batch.score_s, t0, t2, t3, metrics["tokens"], t_ref, t_old, sync_s))
     return metrics, sample_rows(state.step, scored, cfg.num_samples_logged)
-
-
-def score_groups(
-    rewards: Sequence[RewardTerm], tokenizer, examples: list[PromptExample], rollout: Rollout, state: TrainState, cfg: GRPOConfig, episodes: ToolRollout | None = None,
-) -> ScoredRollout:
-    """The weighted reward terms of every completion (``score_shard``), plus DAPO's overlong punishment when set.
-    Multi-turn ``episodes``: the terms score each row's last assistant turn, and the environment's
-    rewards, where it gave any, are the term "environment" (0 for rows without one)."""
-    if episodes is not None:
-        scored = score_shard(rewards, tokenizer, examples, rollout, episodes.final_texts, cfg.group_size, state.world, step=state.step)
-        if any(r is not None for r in episodes.env_rewards):
-            scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in episodes.env_rewards]), state.world)
-        return scored
-    scored = score_shard(rewards, tokenizer, examples, rollout, rollout.decode_completions(tokenizer), cfg.group_size, state.world, step=state.step)
-    if cfg.overlong_buffer is None:
-        return scored
-    penalty = cfg.overlong_penalty * overlong_penalty(rollout.completion_lengths(), cfg.sampling.max_new_tokens, cfg.overlong_buffer)  # (B,)
-    return add_score_term(scored, "overlong", penalty, state.world)
-
-
-def tool_metrics(episodes: ToolRollout) -> dict[str, float]:
-    """tools/turns (assistant turns per completion), tools/messages (tool results per completion), tools/tokens_frac (share of tool tokens)."""
-    tokens = episodes.rollout.completion_mask.sum().clamp(min=1)
-    return {
-        "tools/turns": episodes.turns.float().mean().item(),
-        "tools/messages": episodes.tool_messages.float().mean().item(),
-        "tools/tokens_frac": 1.0 - (episodes.assistant_mask.sum() / tokens).item(),
-    }
-
-
-def informative_rollout(
-    updater: Updater, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], state: TrainState, cfg: GRPOConfig
-) -> tuple[list[PromptExample], Rollout, ScoredRollout, dict[str, float], float]:
-    """DAPO dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards all tie has zero
-    advantages and carries no gradient, so it is dropped, and prompts_per_step more prompts are drawn
-    (the next data positions) until the step holds prompts_per_step informative groups, at most
-    ``max_sampling_rounds`` draws; past that, tied groups fill the step in draw order (they add
-    nothing to the gradient, and keep the step's shape). ``state.data_position`` counts the prompts drawn.
-
-    Returns:
-        (the kept groups' prompt records, rollout and scores, dynamic/* metrics, the seconds spent sampling).
-    """
-    n, G = cfg.prompts_per_step, cfg.group_size
-    position = state.step * n if state.data_position is None else state.data_position
-    draws: list[tuple[list[PromptExample], Rollout, ScoredRollout, Tensor]] = []  # (records, rollout, scores, informative (n,)) per draw
-    sampling_time = 0.0
-    while len(draws) < cfg.max_sampling_rounds and sum(int(d[3].sum()) for d in draws) < n:
-        start = time.perf_counter()
-        examples = [prompts[i] for i in batch_order(len(prompts), position, n, cfg.seed)]
-        position += n
-        rollout = sample_shard(updater, tokenizer, [ex.prompt for ex in examples], cfg.sampling, cfg.model, G, state)
-        sampling_time += time.perf_counter() - start
-        scored = score_groups(rewards, tokenizer, examples, rollout, state, cfg)
-        draws.append((examples, rollout, scored, scored.scores.view(-1, G).std(dim=1) > 1e-6))
-    state.data_position = position
-    # informative groups in draw order, then tied ones to fill: (draw, group) pairs
-    order = [(d, g) for want in (True, False) for d, draw in enumerate(draws) for g in range(n) if bool(draw[3][g]) == want][:n]
-    kept_examples, kept_rollouts, kept_scored = [], [], []
-    for d, (examples, rollout, scored, _) in enumerate(draws):
-        groups = [g for dd, g in order if dd == d]
-        if groups:
-            rows = torch.tensor([g * G + j for g in groups for j in range(G)])
-            kept_examples.extend(examples[g] for g in groups)
-            kept_rollouts.append(rollout.select(rows))
-            kept_scored.append(select_rows(scored, rows))
-    informative = sum(int(d[3].sum()) for d in draws)
-    metrics = {
-        "dynamic/draws": float(len(draws)),
-        "dynamic/prompts_drawn": float(len(draws) * n),
-        "dynamic/tied_groups": float(len(draws) * n - informative),  # dropped, bar those filling the step
-        "dynamic/filled_groups": float(max(n - informative, 0)),
-    }
-    return kept_examples, Rollout.concat(kept_rollouts, tokenizer.pad_token_id), concat_scored(kept_scored), metrics, sampling_time
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,21 +301,18 @@ def train(
         raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step * cfg.group_size, cfg.num_minibatches)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
-        if cfg.dynamic_sampling and run.world.distributed:
-            raise ConfigError("dynamic_sampling runs in one process: under torchrun the ranks would keep unequal numbers of groups")
-        if cfg.tools is not None and run.world.distributed:
-            raise ConfigError("tools run in one process: under torchrun the ranks would take different numbers of turns")
-        registry = tool_registry(cfg.tools, tools) if cfg.tools is not None else None
+        check_one_process(cfg, run.world)
         policy = run.load_policy(cfg.model)
         reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
         updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
         state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
+        source = open_source(cfg, run, updater, state, tools)
 
         def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
-            return grpo_step(updater, reference, run.tokenizer, run.rewards, run.prompts, state, cfg, registry)
+            return grpo_step(updater, reference, source, state, cfg)
 
         history, final_dir = run_steps(
-            step, cfg, run, state, SavedModels(policy), {"policy": updater},
+            step, cfg, run, state, SavedModels(policy), {"policy": updater}, checkpoint_extra=source.state_dict, source=source,
             evaluate=run.evaluator(cfg, updater.module), eval_every=cfg.eval.every,
             total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
             summary_keys=("reward/mean", "kl", "completion_len/mean"),

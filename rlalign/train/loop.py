@@ -325,6 +325,7 @@ def run_steps(
     first_record: dict[str, float] | None = None,
     evaluate: Callable[[int], tuple[dict[str, float], list[dict]]] | None = None,
     eval_every: int = 0,
+    source=None,
 ) -> tuple[list[dict[str, float]], Path]:
     """The outer loop of every trainer: ``step_fn`` until ``total_steps``, each step's metrics
     logged (``first_record`` before the first, as step ``state.step - 1``), the samples it returns
@@ -333,7 +334,19 @@ def run_steps(
     the checkpoint's data position. ``evaluate(step)`` -> (eval metrics, sample rows) runs before the
     first step of a fresh run (logged as step -1), after every ``eval_every``-th step (0: none between)
     and after the last; its rows go to ``eval_samples.jsonl`` and the trackers' table ``eval/samples``.
+    ``source``: the rollout source the steps read (:mod:`rlalign.train.sources`), closed when the
+    steps end, however they end (an asynchronous one stops its producer).
     Returns (this call's metrics, final dir)."""
+    try:
+        return _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_size, summary_keys, plot_keys, sample_every, checkpoint_extra,
+                          first_record, evaluate, eval_every)
+    finally:
+        if source is not None:
+            source.close()
+
+
+def _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_size, summary_keys, plot_keys, sample_every, checkpoint_extra,
+               first_record, evaluate, eval_every) -> tuple[list[dict[str, float]], Path]:
     history: list[dict[str, float]] = []
     is_main = state.world.is_main
 
@@ -437,17 +450,22 @@ class UpdateMeans:
         return {key: value / self.count for key, value in self.sums.items()}
 
 
-def step_timings(t0: float, t1: float, t2: float, t3: float, tokens: float, t_ref: float, t_old: float) -> dict[str, float]:
-    """time/generate (t0..t1), time/score (t1..t2), time/train (t2..t3: all of the rest), and inside it
-    time/reference (t2..t_ref: advantages and the reference pass), time/old_logp (t_ref..t_old: the
-    pi_old recompute, 0 when none) and time/update (t_old..t3); tokens_per_s is completion tokens over t0..t3."""
+def step_timings(generate_s: float, score_s: float, t0: float, t2: float, t3: float, tokens: float, t_ref: float, t_old: float, sync_s: float = 0.0) -> dict[str, float]:
+    """time/generate and time/score (the source's sampling and scoring of the batch: in a producer
+    process under asynchronous rollouts, overlapped with training), time/rollout (t0..t2: the learner's
+    wait for its batch; synchronous: the sampling and scoring themselves), time/train (t2..t3: all of the
+    rest), and inside it time/reference (t2..t_ref: the reference pass), time/old_logp (t_ref..t_old: the
+    pi_old recompute, 0 when none), time/update (t_old..t3) and time/weight_sync (``sync_s``: publishing
+    the new weights to a producer); tokens_per_s is completion tokens over t0..t3."""
     return {
-        "time/generate": t1 - t0,
-        "time/score": t2 - t1,
+        "time/generate": generate_s,
+        "time/score": score_s,
+        "time/rollout": t2 - t0,
         "time/train": t3 - t2,
         "time/reference": t_ref - t2,
         "time/old_logp": t_old - t_ref,
         "time/update": t3 - t_old,
+        "time/weight_sync": sync_s,
         "tokens_per_s": tokens / max(t3 - t0, 1e-9),
     }
 

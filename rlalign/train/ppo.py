@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -50,21 +50,22 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from rlalign.config import Config, load_config
+from rlalign.config import Config, ConfigError, load_config
 from rlalign.core.advantages import kl_shaped_rewards, token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k3
-from rlalign.core.losses import Aggregation, clipped_surrogate_loss, entropy_loss, truncated_is_weights, value_loss
+from rlalign.core.losses import IS_WEIGHTS, Aggregation, clipped_surrogate_loss, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
-from rlalign.lm.data import PromptExample
 from rlalign.lm.heads import load_critic
 from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
+from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
-from rlalign.train.rollouts import RewardTerm, completion_stats, prompt_batch, scored_stats, sample_rows, sample_shard, score_shard
+from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats
+from rlalign.train.sources import RolloutSource
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = [
@@ -107,16 +108,14 @@ class PPOConfig(RLConfig):
     missing_eos_penalty: float | None = Field(None, ge=0, description="subtract this from the score of completions without EOS; null = no penalty")
     entropy_coef: float = Field(0.0, ge=0, description="c2: weight of the entropy bonus")
     dual_clip: float | None = Field(None, gt=1, description="cap the loss of negative-advantage tokens at -c * A (dual clip, c > 1); null = off")
-    tis_cap: float | None = Field(
-        None, gt=0, description="truncated importance sampling: weight each token's policy loss by min(pi_old / pi_sampler, tis_cap) when pi_old is "
-        "recomputed (model.autocast or sampling.dtype); null = off"
-    )
     aggregation: Aggregation = Field("token-mean", description="token-loss reduction (as for GRPO)")
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> PPOConfig:
         if self.num_minibatches > self.prompts_per_step:
             raise ValueError(f"num_minibatches={self.num_minibatches} exceeds prompts_per_step={self.prompts_per_step}: a minibatch would be empty")
+        if self.dynamic_sampling:
+            raise ValueError("dynamic_sampling drops groups whose G rewards all tie; PPO samples one completion per prompt, so it has no groups (use GRPO)")
         return self
 
     def kl_controller(self) -> FixedKLController | AdaptiveKLController:
@@ -142,6 +141,7 @@ def ppo_advantages(
     lam: float,
     whiten: bool,
     world: distributed.World = distributed.World(),
+    sampled: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """KL-shaped per-token rewards, then token GAE, then optional whitening (over every rank's tokens).
 
@@ -150,16 +150,19 @@ def ppo_advantages(
         logp, ref_logp: log pi_old and log pi_ref of the completion tokens. Shape: (B, C).
         values: V_old(s_t) for each completion token's state. Shape: (B, C).
         mask: 1 on completion tokens. Shape: (B, C).
+        sampled: 1 on the tokens the policy chose (multi-turn: not the tool tokens, which are the
+            environment's move: no KL there, and no advantage to whiten); None: ``mask``. Shape: (B, C).
     Returns:
         (rewards, advantages, returns, kl), each (B, C) and 0 on padding; returns are the value
         targets (A + V, before whitening).
     """
-    kl = KL_ESTIMATORS[estimator](logp, ref_logp) * mask  # (B, C)
+    sampled = mask if sampled is None else sampled
+    kl = KL_ESTIMATORS[estimator](logp, ref_logp) * sampled  # (B, C)
     rewards = kl_shaped_rewards(scores, kl, mask, beta)  # (B, C)
-    advantages, returns = token_gae(rewards, values, mask, gamma, lam)  # (B, C)
+    advantages, returns = token_gae(rewards, values, mask, gamma, lam)  # (B, C) over the whole episode, tool tokens included
     if whiten:
-        mean, var = distributed.global_mean_var(advantages, mask, world)
-        advantages = whiten_with(advantages, mean, var, mask)
+        mean, var = distributed.global_mean_var(advantages, sampled, world)
+        advantages = whiten_with(advantages, mean, var, sampled)
     return rewards, advantages, returns, kl
 
 
@@ -186,7 +189,7 @@ def policy_loss(
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
     stats, weights = {}, None
     if cfg.tis_cap is not None:  # min(pi_old / pi_sampler, C) per token
-        weights, tis = truncated_is_weights(old_logp, old_logp if sampler_logp is None else sampler_logp.to(device), cfg.tis_cap, mask)
+        weights, tis = IS_WEIGHTS[cfg.tis_mode](old_logp, old_logp if sampler_logp is None else sampler_logp.to(device), cfg.tis_cap, mask)
         stats.update({"tis/weight_mean": tis.weight_mean, "tis/weight_min": tis.weight_min, "tis/truncated_frac": tis.truncated_frac})
     pg_loss, clip = clipped_surrogate_loss(
         logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, cfg.dual_clip, mode=cfg.aggregation, max_len=max_len, token_weights=weights
@@ -222,33 +225,30 @@ def ppo_step(
     critic: Updater,
     reference: nn.Module | None,
     kl_ctl: FixedKLController | AdaptiveKLController,
-    tokenizer,
-    rewards: Sequence[RewardTerm],
-    prompts: Sequence[PromptExample],
+    source: RolloutSource,
     state: TrainState,
     cfg: PPOConfig,
 ) -> tuple[dict[str, float], list[dict]]:
-    """One PPO step (0-based ``state.step``): sample, score, KL-shaped rewards + GAE, epochs x minibatches.
+    """One PPO step (0-based ``state.step``): the next scored rollout, KL-shaped rewards + GAE,
+    epochs x minibatches, and the new weights published to the source.
 
     Returns:
         (metrics, a few samples with their scores).
     """
     world = state.world  # one process, or this rank under torchrun: B below is this rank's share of the rows
-    # 1. sample one completion per prompt; the sampling log-probs are log pi_old
+    # 1-2. the step's rollout from its source: one completion per prompt (the sampling log-probs are log pi_old unless
+    #      recomputed below), scored by the reward terms minus a penalty when the completion never ended
     t0 = time.perf_counter()
-    examples = prompt_batch(prompts, state.step, cfg.prompts_per_step, cfg.seed)  # the global batch, with each record's columns
-    batch = [ex.prompt for ex in examples]
-    rollout = sample_shard(policy, tokenizer, batch, cfg.sampling, cfg.model, 1, state)
-    completions = rollout.decode_completions(tokenizer)
-    t1 = time.perf_counter()
-
-    # 2. score (reward model and/or rules), minus a penalty when the completion never ended
-    scored = score_shard(rewards, tokenizer, examples, rollout, completions, 1, world, cfg.missing_eos_penalty, step=state.step)  # local rows (B,), scores (B global,)
+    batch = source.next(state)
+    rollout, scored = batch.rollout, batch.scored  # local rows (B,), scores (B global,)
+    state.data_position = batch.data_position
     t2 = time.perf_counter()
 
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
-    mask = rollout.completion_mask.float()  # (B, C)
-    minibatch = -(-len(batch) // cfg.num_minibatches)  # global rows per minibatch
+    mask = rollout.completion_mask.float()  # (B, C) the episode's tokens
+    sampled = mask * batch.token_mask  # (B, C) the tokens the policy chose (not tool tokens): they alone are trained
+    n = len(batch.examples)  # global rows
+    minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
     pass_rows = cfg.micro_batch_size or minibatch  # rows per no-grad forward
     ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, pass_rows, autocast, cfg.compile)  # (B, C)
@@ -260,27 +260,27 @@ def ppo_step(
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + pass_rows) for s in range(0, rollout.batch_size, pass_rows)]
         old_logp = training_logprobs(policy.module, rollout, temperature, chunks, autocast, cfg.compile)  # (B, C)
-        mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, rollout.completion_mask))
+        mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()
     beta = kl_ctl.value
     _, advantages, returns, kl = ppo_advantages(
-        scored.local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world
+        scored.local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world, sampled
     )  # (B, C) each
 
     # 4. ppo_epochs x shuffled minibatches: one policy update and one critic update each. The
     #    permutation is of the global batch (the same on every rank); each rank trains on its rows
     #    of the minibatch, or on one row weighted 0 when it has none (DDP needs every rank's backward).
-    shard = world.shard(len(batch))  # this rank's rows
+    shard = world.shard(n)  # this rank's rows
     updates = UpdateMeans()
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(len(batch), generator=state.generator)  # (B global,)
-        for start in range(0, len(batch), minibatch):
+        order = torch.randperm(n, generator=state.generator)  # (B global,)
+        for start in range(0, n, minibatch):
             rows = distributed.rows_of(order[start : start + minibatch], shard)  # this rank's rows of the minibatch
             present = float(rows.numel() > 0)
             rows = rows if present else torch.zeros(1, dtype=torch.long)
             micro_rows = micro_batches(rows, cfg.micro_batch_size)  # each update accumulates its gradient over these
-            mb_mask = mask * present  # (B, C)
+            mb_mask = sampled * present  # (B, C)
 
             def actor_loss(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
                 return policy_loss(policy.model, rollout.select(micro), advantages[micro], mb_mask[micro], cfg, sampler_logp[micro])
@@ -293,16 +293,18 @@ def ppo_step(
             stats.update(value_stats)
             stats["grad_norm/policy"], stats["grad_norm/critic"] = grad_norm_pi, grad_norm_v
             updates.add(stats)
+    sync_s = source.publish(policy.module, state.step + 1)  # the weights after this step's updates
     t3 = time.perf_counter()
 
     # 5. the KL coefficient for the next step (adaptive: towards kl_target), from the global batch
     seq_kl = distributed.gather_rows(kl.sum(-1), world)  # (B global,)
-    kl_ctl.update(seq_kl.mean().item(), len(batch))
+    kl_ctl.update(seq_kl.mean().item(), n)
 
     metrics = updates.means()
+    metrics.update(batch.metrics)
     metrics.update(scored_stats(scored))
     metrics.update(completion_stats(rollout, world))
-    adv_mean, adv_var = distributed.global_mean_var(advantages, mask, world)
+    adv_mean, adv_var = distributed.global_mean_var(advantages, sampled, world)
     metrics["score"] = scored.scores.mean().item()
     metrics["kl"] = seq_kl.mean().item()
     metrics["non_score_reward"] = (-beta * seq_kl).mean().item()
@@ -316,7 +318,7 @@ def ppo_step(
     residual_var = distributed.global_mean_var(returns - old_values, mask, world)[1]  # 1 - Var[R - V_old] / Var[R] over the whole rollout
     metrics["explained_variance"] = (1.0 - residual_var / returns_var).item() if returns_var > 0 else 0.0
     metrics["lr"] = policy.lr
-    metrics.update(step_timings(t0, t1, t2, t3, metrics["tokens"], t_ref, t_old))
+    metrics.update(step_timings(batch.generate_s, batch.score_s, t0, t2, t3, metrics["tokens"], t_ref, t_old, sync_s))
     return metrics, sample_rows(state.step, scored, cfg.num_samples_logged)
 
 
@@ -332,16 +334,23 @@ def _critic_init(cfg: PPOConfig, base_path: Path) -> str | Path:
     return reward_models[0] if reward_models else base_path
 
 
-def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None) -> RLResult:
+def train(
+    cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None,
+    tools: Mapping[str, Callable[[str], object]] | None = None,
+) -> RLResult:
     """Run PPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
     Args:
         reward_functions: extra score terms from Python, added to ``cfg.rewards``: :class:`RewardTerm` objects or plain
             functions (TRL's ``reward_len(completions, **kwargs)``; named by the function, weight 1).
         prompts: prompt records to use instead of ``cfg.data``.
+        tools: Python functions of one string to register as tools, by name, next to ``cfg.tools.enabled``.
     """
+    if tools and cfg.tools is None:
+        raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step, 1)  # minibatches may hold any share of a rank's rows
     with run:  # the output_dir lock is let go of when the run ends, however it ends
+        check_one_process(cfg, run.world)
         m, ckpt = cfg.model, run.checkpoint
         policy = run.load_policy(m)
         reference = run.load_reference(m, cfg.reference)
@@ -358,14 +367,16 @@ def train(cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Se
         if ckpt is not None:
             kl_ctl.load_state_dict(ckpt.extra["kl_controller"])
 
+        source = open_source(cfg, run, updaters["policy"], state, tools)
+
         def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
-            return ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, run.tokenizer, run.rewards, run.prompts, state, cfg)
+            return ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, source, state, cfg)
 
         history, final_dir = run_steps(
             step, cfg, run, state, SavedModels(policy, critic=critic), updaters,
             evaluate=run.evaluator(cfg, updaters["policy"].module), eval_every=cfg.eval.every,
             total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
-            checkpoint_extra=lambda: {"kl_controller": kl_ctl.state_dict()},
+            checkpoint_extra=lambda: {"kl_controller": kl_ctl.state_dict(), **source.state_dict()}, source=source,
             summary_keys=("score", "kl", "beta"),
             plot_keys=("score", "eval/reward/mean", "kl", "beta", "entropy", "loss/value", "explained_variance", "clip_frac") if cfg.plots else (),
         )

@@ -16,6 +16,7 @@ from rlalign.config import Config
 from rlalign.core.losses import AGGREGATION_MODES, Aggregation
 from rlalign.lm.sampling import SamplingParams
 from rlalign.train.run_config import ModelConfig, OptimConfig, RunConfig
+from rlalign.train.tool_rollout import ToolsConfig
 
 __all__ = [
     "DataConfig",
@@ -28,6 +29,7 @@ __all__ = [
     "COMPILE_HELP",
     "check_compile",
     "EvalConfig",
+    "AsyncConfig",
     "RLConfig",
 ]
 
@@ -134,6 +136,11 @@ class RewardConfig(Config):
     timeout_s: float | None = Field(None, gt=0, description="time limit of one call of this term on a batch (null = none)")
     name: str | None = Field(None, description="metric name, reward/<name>/mean; defaults to the function name or 'rm'")
     partial_credit: bool = Field(False, description="function: code_execution: score the share of tests passed instead of 1 only when all pass")
+    code_format: Literal["auto", "asserts", "mbpp", "humaneval", "stdio", "call"] = Field(
+        "auto", description="function: code_execution: the format of each row's tests; auto = by its columns (test + entry_point: humaneval, "
+        "test_list: mbpp, input_output / verification_info / public_tests or JSON tests: stdio, or call with a fn_name, tests: asserts)",
+    )
+    case_timeout_s: float = Field(4.0, gt=0, description="function: code_execution: time limit of one test case (an assert, a call, a run on one input)")
     allow_weak_sandbox: bool = Field(
         False, description="function: code_execution: run where bubblewrap cannot isolate programs, in a weak sandbox a hostile program can escape"
     )
@@ -250,6 +257,19 @@ class EvalConfig(Config):
         return self
 
 
+class AsyncConfig(Config):
+    """Asynchronous rollouts (rlalign.train.async_source): a producer process samples and scores ahead
+    of the learner, which publishes its weights after each update."""
+
+    enabled: bool = Field(False, description="sample and score in a producer process while the learner learns (one process under torchrun is a config error)")
+    max_staleness: int = Field(
+        1, ge=0, description="k: the rollout of step s is sampled by the policy after exactly max(0, s - k) updates; 0 reproduces the synchronous run"
+    )
+    learner_threads: int = Field(1, ge=1, description="torch threads of the learner process")
+    producer_threads: int = Field(1, ge=1, description="torch threads of the producer process")
+    timeout_s: float = Field(600.0, gt=0, description="longest wait for one rollout before the run stops, naming what the producer was doing")
+
+
 class RLConfig(RunConfig):
     """The fields every RL run has; GRPO and PPO set their own defaults for some of them."""
 
@@ -271,14 +291,45 @@ class RLConfig(RunConfig):
     sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
     num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
     compile: bool = Field(False, description=COMPILE_HELP)
+    tis_cap: float | None = Field(
+        None, gt=0, description="importance weight of the sampling (behaviour) policy: weight each token's policy loss by pi_old / pi_sampler, "
+        "truncated at tis_cap or masked above it (tis_mode), when they differ: a low-precision sampler, or asynchronous rollouts (then pi_old is "
+        "the learner's proximal policy); e.g. 2.0; null = off"
+    )
+    tis_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: w = min(pi_old / pi_sampler, tis_cap) (Yao et al. 2025); mask: w = 1 where pi_old / pi_sampler <= tis_cap, else 0"
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards all tie and draw more prompts until the step holds prompts_per_step "
+        "informative groups (one process only; needs groups: GRPO)"
+    )
+    max_sampling_rounds: int = Field(4, ge=1, description="dynamic sampling: at most this many draws of prompts_per_step prompts per step; then tied groups fill the step")
+    tools: ToolsConfig | None = Field(
+        None, description="multi-turn tool use (rlalign.train.tool_rollout): tool results appended between turns and left out of the loss; "
+        "rewards score the last turn; one process only; null = single-turn"
+    )
+    async_rollouts: AsyncConfig = Field(default_factory=AsyncConfig, description="asynchronous rollout producer with bounded staleness")
 
     @model_validator(mode="after")
     def _compile_needs_sdpa(self) -> RLConfig:
         check_compile(self.compile, self.model, self.sampling)
+        if self.tools is not None and self.dynamic_sampling:
+            raise ValueError("tools: dynamic_sampling is not supported with multi-turn rollouts")
+        if self.async_rollouts.enabled and self.async_rollouts.max_staleness > 0 and self.tis_cap is None:
+            raise ValueError(
+                "async_rollouts with max_staleness > 0 trains on rollouts of an older policy: set tis_cap (e.g. 2.0) for the behaviour "
+                "policy's importance weight (the decoupled objective), or max_staleness: 0"
+            )
         return self
+
+    @property
+    def stale(self) -> bool:
+        """Whether rollouts may come from an older policy than the learner's (asynchronous, k > 0)."""
+        return self.async_rollouts.enabled and self.async_rollouts.max_staleness > 0
 
     @property
     def recompute_old_logprobs(self) -> bool:
         """Whether the sampler's log-probs may differ from the training forward's by more than float32
-        round-off (bfloat16 autocast, or a low-precision sampling copy): then log pi_old is recomputed."""
-        return self.model.autocast != "none" or self.sampling.dtype is not None
+        round-off (bfloat16 autocast, a low-precision sampling copy, or an older policy: asynchronous
+        rollouts with k > 0): then log pi_old is recomputed by the learner (the proximal policy)."""
+        return self.model.autocast != "none" or self.sampling.dtype is not None or self.stale

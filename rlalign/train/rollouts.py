@@ -4,7 +4,7 @@ sampling this rank's share of the batch, and scoring it.
     prompts = load_prompt_set(cfg.data)                              # validated PromptExamples
     examples = prompt_batch(prompts, step, n, seed)  # the step's global batch
     batch = [ex.prompt for ex in examples]
-    rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, state)
+    rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, generator, world)
     scored = score_shard(rewards, tokenizer, examples, rollout, rollout.decode_completions(tokenizer), G, world)
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rlalign.config import ConfigError
-from rlalign.lm.code_execution import TestsError, code_execution, parse_tests
+from rlalign.lm.code_execution import CODE_COLUMNS, TestsError, code_execution, code_tests
 from rlalign.lm.data import DataError, PromptExample, load_prompts
 from rlalign.lm.encoding import completion_text, encode_prompts, render_prompt
 from rlalign.lm.heads import load_reward_model
@@ -154,14 +154,30 @@ def _builtin_reward(spec: RewardConfig, prompts: Sequence[PromptExample], tokeni
     if name == "format":
         return format_check(spec.pattern)
     if name == "code_execution":
-        references = _references(prompts, tokenizer, name, "tests")
-        for i, ex in enumerate(prompts):
-            try:
-                parse_tests(str(ex.metadata["tests"]))
-            except TestsError as err:
-                raise DataError(f"prompt record {i}: {err}") from None
-        return code_execution(references, partial_credit=spec.partial_credit, allow_weak_sandbox=spec.allow_weak_sandbox)
+        return code_execution(
+            _code_rows(prompts, tokenizer, spec.code_format), partial_credit=spec.partial_credit, allow_weak_sandbox=spec.allow_weak_sandbox,
+            code_format=spec.code_format, case_timeout_s=spec.case_timeout_s,
+        )
     return None
+
+
+def _code_rows(prompts: Sequence[PromptExample], tokenizer, code_format: str) -> dict[str, dict | None]:
+    """Each prompt record's code-test columns (rlalign.lm.code_execution.CODE_COLUMNS), every row's
+    tests checked now, before training; {prompt text: columns} for calls without the rows' columns
+    (None where one prompt text has several)."""
+    if not any(ex.metadata.get(column) is not None for ex in prompts for column in CODE_COLUMNS):
+        raise ConfigError("reward function 'code_execution' needs a 'tests' column in the prompts (or test + entry_point, test_list, "
+                          "input_output, ...); prompt record 0 has none")
+    rows: dict[str, dict | None] = {}
+    for i, ex in enumerate(prompts):
+        row = {column: ex.metadata[column] for column in CODE_COLUMNS if ex.metadata.get(column) is not None}
+        try:
+            code_tests(row, code_format)
+        except TestsError as err:
+            raise DataError(f"prompt record {i}: {err}") from None
+        text = render_prompt(tokenizer, ex.prompt)
+        rows[text] = row if rows.get(text, row) == row else None
+    return rows
 
 
 def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer) -> Callable[[list[str], list[str]], Sequence[float]]:
@@ -278,14 +294,16 @@ def score_rollout(
 # ----------------------------------------------------------------------------------------------
 
 
-def sample_shard(updater, tokenizer, prompts: Sequence, sampling: SamplingConfig, model_cfg: ModelConfig, group_size: int, state) -> Rollout:
+def sample_shard(
+    updater, tokenizer, prompts: Sequence, sampling: SamplingConfig, model_cfg: ModelConfig, group_size: int, generator: torch.Generator,
+    world: distributed.World = distributed.World(),
+) -> Rollout:
     """This rank's rollout of the step's global prompt batch: its share of the prompts, G completions
-    each, with the uniforms drawn for the global batch (so the rows do not depend on the world size).
-    Drawn by ``updater``'s policy (under ``model_cfg.autocast`` if set), or by its copy in ``sampling.dtype``
-    (:meth:`rlalign.train.updater.Updater.sampler`); ``state``: the run's :class:`rlalign.train.loop.TrainState`."""
-    world = state.world
+    each, with the uniforms drawn from ``generator`` for the global batch (so the rows do not depend on
+    the world size). Drawn by ``updater``'s policy (under ``model_cfg.autocast`` if set), or by its copy
+    in ``sampling.dtype`` (:meth:`rlalign.train.updater.Updater.sampler`)."""
     shard = world.shard(len(prompts), "prompts_per_step")
-    noise = torch.rand((sampling.max_new_tokens, len(prompts) * group_size), generator=state.generator)  # (N, B global)
+    noise = torch.rand((sampling.max_new_tokens, len(prompts) * group_size), generator=generator)  # (N, B global)
     rows = slice(shard.start * group_size, shard.stop * group_size)
     ids = encode_prompts(tokenizer, list(prompts[shard]))
     policy, sampler = updater.module, updater.sampler()

@@ -191,8 +191,8 @@ def tool_rollout(
     return ToolRollout(rollout, right_pad(sampled, 0, torch.long), final, torch.tensor(turns), torch.tensor(messages_in), rewards)
 
 
-def sample_tool_shard(updater, tokenizer, records: Sequence[Mapping[str, Any]], sampling, model_cfg, group_size: int, state, cfg: ToolsConfig,
-                      registry: ToolRegistry) -> ToolRollout:
+def sample_tool_shard(updater, tokenizer, records: Sequence[Mapping[str, Any]], sampling, model_cfg, group_size: int, generator: torch.Generator,
+                      cfg: ToolsConfig, registry: ToolRegistry) -> ToolRollout:
     """:func:`tool_rollout` of a GRPO step's prompt records by ``updater``'s policy (or its sampling
     copy), in the contexts ``rlalign.train.rollouts.sample_shard`` samples in; one process only."""
     fmt = format_for(cfg.format, tokenizer)
@@ -201,5 +201,5 @@ def sample_tool_shard(updater, tokenizer, records: Sequence[Mapping[str, Any]], 
     with distributed.gathered(policy), precision, evaluating(sampler), attention_kernel(sampler, sampling.attn_implementation):
         return tool_rollout(
             sampler, tokenizer, records, lambda: ToolEnvironment(registry, fmt, cfg.max_turns, cfg.max_result_chars), fmt, sampling.params(),
-            group_size, cfg.max_turns, state.generator,
+            group_size, cfg.max_turns, generator,
         )

@@ -55,8 +55,9 @@ def tiny_path(tmp_path_factory):
 def command(trainer: str, tiny_path, out) -> list[str]:
     common = [f"model.path={tiny_path}", f"output_dir={out}", f"steps={STEPS}", "save_every=1", "keep_last=2", "progress=false", "plots=false",
               "data.task=arithmetic", "data.num_prompts=32", "sampling.max_new_tokens=4", "optim.lr=3e-3", "rewards=[{function: arithmetic}]"]
-    if trainer == "grpo":
-        return ["grpo", *common, "prompts_per_step=2", "group_size=4"]
+    if trainer.startswith("grpo"):
+        asynchronous = ["async_rollouts.enabled=true", "async_rollouts.max_staleness=1", "tis_cap=2.0"] if trainer == "grpo-async" else []
+        return ["grpo", *common, "prompts_per_step=2", "group_size=4", *asynchronous]
     return ["ppo", *common, "prompts_per_step=4", "ppo_epochs=1", "num_minibatches=2", "critic.optim.lr=3e-3"]
 
 
@@ -73,7 +74,7 @@ def child(mode: str, n: int, args: list[str], kill_after: float | None = None) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["grpo", "ppo"])
+@pytest.mark.parametrize("trainer", ["grpo", "ppo", "grpo-async"])  # grpo-async: its checkpoints hold the rollout in flight
 def test_killed_runs_resume_to_the_uninterrupted_runs_weights(trainer, tiny_path, tmp_path):
     assert main(command(trainer, tiny_path, tmp_path / "straight")) == 0
     out = tmp_path / "killed"
@@ -97,9 +98,10 @@ def test_killed_runs_resume_to_the_uninterrupted_runs_weights(trainer, tiny_path
 
 
 @pytest.mark.slow
-def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(tiny_path, tmp_path):
+@pytest.mark.parametrize("trainer", ["grpo", "grpo-async"])
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint(trainer, tiny_path, tmp_path):
     out = tmp_path / "run"
-    args = command("grpo", tiny_path, out)
+    args = command(trainer, tiny_path, out)
     args = [a for a in args if not a.startswith(("steps=", "save_every="))] + ["steps=200", "save_every=0"]
     proc = subprocess.Popen([sys.executable, "-m", "rlalign", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

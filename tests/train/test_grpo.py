@@ -15,7 +15,7 @@ import torch
 from rlalign.config import ConfigError, load_config
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.masks import masked_mean
-from rlalign.lm.data import DataError
+from rlalign.lm.data import DataError, PromptExample
 from rlalign.lm.encoding import encode_prompts
 from rlalign.lm.models import cast_copy, load_policy, load_tokenizer
 from rlalign.lm.packed import PackedLinear, can_pack_linear
@@ -25,6 +25,7 @@ from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo, loop, rollouts
 from rlalign.train.checkpoints import CheckpointError
 from rlalign.train.seeding import set_seed
+from rlalign.train.sources import make_source, sampling_generator
 
 torch.set_num_threads(1)
 
@@ -78,11 +79,10 @@ def test_gradient_is_reinforce_with_group_mean_baseline_over_group_std(tiny_path
     updater.scheduler = torch.optim.lr_scheduler.LambdaLR(updater.optimizer, lambda s: 1.0)
     prompts = rollouts.load_prompt_set(cfg.data)
     state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(7))
-    twin = torch.Generator()
-    twin.set_state(state.generator.get_state())
+    twin = sampling_generator(cfg.seed, 0)  # the generator the source draws step 0's uniforms from
     rewards = [grpo.RewardTerm("code", 1.0, char_code_reward)]
 
-    grpo.grpo_step(updater, None, tokenizer, rewards, prompts, state, cfg)  # leaves the gradient in .grad (lr = 0)
+    grpo.grpo_step(updater, None, make_source(cfg, updater, tokenizer, rewards, prompts), state, cfg)  # leaves the gradient in .grad (lr = 0)
     trainer_grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
 
     # the same rollout, drawn again with the twin generator
@@ -129,12 +129,12 @@ def test_mask_truncated_leaves_truncated_completions_out(tiny_path, tmp_path):
     # with 3 new tokens and this seed the random model emits no EOS (the first assertion checks
     # that premise; EOS has probability ~1/40 per token): every completion is truncated, so the
     # loss has no token left and the update is zero
-    cfg = make_cfg(tiny_path, tmp_path, steps=1, mask_truncated=True, beta=0.0, seed=2, **{"sampling.max_new_tokens": 3})
+    cfg = make_cfg(tiny_path, tmp_path, steps=1, mask_truncated=True, beta=0.0, seed=1, **{"sampling.max_new_tokens": 3})
     result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("code", 1.0, char_code_reward)])
     row = result.history[0]
     assert row["completion_len/clipped_frac"] == 1.0
     assert row["grad_norm"] == 0.0
-    cfg = make_cfg(tiny_path, tmp_path, steps=1, mask_truncated=False, beta=0.0, seed=2, **{"sampling.max_new_tokens": 3})
+    cfg = make_cfg(tiny_path, tmp_path, steps=1, mask_truncated=False, beta=0.0, seed=1, **{"sampling.max_new_tokens": 3})
     assert grpo.train(cfg, reward_functions=[grpo.RewardTerm("code", 1.0, char_code_reward)]).history[0]["grad_norm"] > 0
 
 
@@ -272,7 +272,7 @@ def test_builtin_reward_terms_from_the_config(tiny_path, tmp_path):
     expected = row["reward/exact_match/mean"] + 0.5 * row["reward/math_answer/mean"] + 0.25 * row["reward/format/mean"] + row["reward/imported/mean"]
     assert row["reward/mean"] == pytest.approx(expected, abs=1e-6)
     # the score functions themselves, on known answers
-    terms = rollouts.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {"answer": "5"})], load_tokenizer(tiny_path), cfg.model)
+    terms = rollouts.build_rewards(cfg.rewards, [PromptExample("2+3=", {"answer": "5"})], load_tokenizer(tiny_path), cfg.model)
     total, per_term, _ = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["5", "five"])
     assert {k: v.tolist() for k, v in per_term.items()} == {"exact_match": [1.0, 0.0], "math_answer": [1.0, 0.0], "format": [1.0, 0.0], "imported": [1.0, 0.0]}
     assert total.tolist() == [2.75, 0.0]
@@ -310,12 +310,12 @@ def test_code_execution_reward_from_the_config(tiny_path, tmp_path):
     from rlalign.lm.sandbox import isolation_available
 
     cfg = make_cfg(tiny_path, tmp_path, steps=1, beta=0.0, rewards=[{"function": "code_execution", "allow_weak_sandbox": isolation_available() is not None}])
-    prompts = [grpo.PromptExample("2+3=", {"tests": "assert f() == 5"})]
+    prompts = [PromptExample("2+3=", {"tests": "assert f() == 5"})]
     terms = rollouts.build_rewards(cfg.rewards, prompts, load_tokenizer(tiny_path), cfg.model)
     total, _, _ = rollouts.score_rollout(terms, ["2+3=", "2+3="], ["def f():\n    return 5", "def f():\n    return 6"])
     assert total.tolist() == [1.0, 0.0]
     with pytest.raises(ConfigError, match="'tests' column"):
-        rollouts.build_rewards(cfg.rewards, [grpo.PromptExample("2+3=", {})], load_tokenizer(tiny_path), cfg.model)
+        rollouts.build_rewards(cfg.rewards, [PromptExample("2+3=", {})], load_tokenizer(tiny_path), cfg.model)
 
 
 def test_bfloat16_autocast_recomputes_old_logprobs_and_learns(tiny_path, tmp_path):

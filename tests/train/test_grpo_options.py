@@ -162,7 +162,7 @@ def test_dynamic_sampling_keeps_only_informative_groups_and_resumes_exactly(tiny
     for row in straight.history:
         assert row["frac_zero_std_groups"] == 0.0 and row["dynamic/filled_groups"] == 0.0
         assert row["dynamic/prompts_drawn"] == 4 * row["dynamic/draws"]
-        assert row["dynamic/tied_groups"] >= 4 * (row["dynamic/draws"] - 1)  # a draw follows only when the earlier ones fell short
+        assert row["dynamic/tied_groups"] >= 4 * (row["dynamic/draws"] - 1) - 3  # a draw follows only when the earlier ones held < 4 informative groups
     assert sum(r["dynamic/draws"] for r in straight.history) > 3 and sum(r["dynamic/tied_groups"] for r in straight.history) > 0  # ties happen with G = 2
     # the data position (prompts drawn so far) is in the checkpoint: a resumed run draws the straight run's prompts
     resumed_dir = tmp_path / "resumed"

@@ -37,7 +37,8 @@ from rlalign.lm.heads import load_critic
 from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.rollout import Rollout
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train import grpo, ppo
+from rlalign.train import grpo, ppo, sources
+from rlalign.train.sources import make_source
 
 torch.set_num_threads(1)
 
@@ -351,7 +352,7 @@ SCORES = [2.0, 0.5, -1.0, 3.0]  # rows 0-1 are group 0, rows 2-3 group 1
 
 def fixed_sampler(monkeypatch, module, rollout: Rollout) -> None:
     """The step's sampler returns the fixed rollout (the rest of the step runs as in training)."""
-    monkeypatch.setattr(module, "sample_shard", lambda *args, **kwargs: rollout)
+    monkeypatch.setattr(sources, "sample_shard", lambda *args, **kwargs: rollout)
 
 
 def fixed_scores(scores: list[float]) -> grpo.RewardTerm:
@@ -396,7 +397,7 @@ def test_grpo_step_gradient_by_hand(tiny_path, ref_path, tmp_path, tokenizer, mo
     fixed_sampler(monkeypatch, grpo, rollout)
     updater = sgd_updater(policy, lr=0.0)
     state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    metrics, _ = grpo.grpo_step(updater, reference, tokenizer, [fixed_scores(scores)], prompt_examples(), state, cfg)
+    metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(scores)], prompt_examples()), state, cfg)
     trainer_grads = grads(policy)
 
     policy.zero_grad()
@@ -432,7 +433,7 @@ def test_grpo_step_with_several_updates_by_hand(tiny_path, ref_path, tmp_path, t
     updater = sgd_updater(policy, lr, grad_clip)
     updates = recording(updater)
     state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    metrics, _ = grpo.grpo_step(updater, reference, tokenizer, [fixed_scores(SCORES)], prompt_examples(), state, cfg)
+    metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(SCORES)], prompt_examples()), state, cfg)
 
     assert len(updates) == mu * minibatches
     ref = detached(hand_forward(reference, tokenizer))
@@ -611,7 +612,7 @@ def test_ppo_step_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch,
     assert isinstance(kl_ctl, AdaptiveKLController if cfg.kl_target else FixedKLController)
     state = ppo.TrainState(step=0, generator=torch.Generator().manual_seed(3))
     prompts = load_prompts([{"prompt": p} for p in PROMPTS])
-    metrics, _ = ppo.ppo_step(policy_updater, critic_updater, reference, kl_ctl, tokenizer, [fixed_scores(SCORES)], prompts, state, cfg)
+    metrics, _ = ppo.ppo_step(policy_updater, critic_updater, reference, kl_ctl, make_source(cfg, policy_updater, tokenizer, [fixed_scores(SCORES)], prompts), state, cfg)
 
     scores = [s - (cfg.missing_eos_penalty or 0.0) * (i == 2) for i, s in enumerate(SCORES)]  # row 2 has no EOS
     advantages, returns, kl = hand_ppo_advantages(scores, old, ref, old_values, 0.2, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages)
@@ -657,7 +658,8 @@ def test_ppo_next_step_uses_the_updated_beta(tiny_path, ref_path, tmp_path, toke
     kl_ctl = cfg.kl_controller()
     state = ppo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
     prompts = load_prompts([{"prompt": p} for p in PROMPTS])
-    args = (sgd_updater(policy, 0.0), sgd_updater(critic, 0.0), reference, kl_ctl, tokenizer, [fixed_scores(SCORES)], prompts, state, cfg)
+    policy_updater = sgd_updater(policy, 0.0)
+    args = (policy_updater, sgd_updater(critic, 0.0), reference, kl_ctl, make_source(cfg, policy_updater, tokenizer, [fixed_scores(SCORES)], prompts), state, cfg)
     first, _ = ppo.ppo_step(*args)
     beta_2 = kl_ctl.value
     state.step = 1
@@ -682,7 +684,7 @@ def test_grpo_step_scales_each_update_by_the_distributed_loss_scale(tiny_path, t
     monkeypatch.setattr(grpo.distributed, "loss_scale", lambda count, world: 0.25)
     updater = sgd_updater(policy, 0.0)
     updates = recording(updater)
-    grpo.grpo_step(updater, None, tokenizer, [fixed_scores(SCORES)], prompt_examples(), grpo.TrainState(0, torch.Generator().manual_seed(0)), cfg)
+    grpo.grpo_step(updater, None, make_source(cfg, updater, tokenizer, [fixed_scores(SCORES)], prompt_examples()), grpo.TrainState(0, torch.Generator().manual_seed(0)), cfg)
     advantages = hand_group_advantages(SCORES, 2, "group")
     for k, update in enumerate(updates):
         twin = at_params(copy.deepcopy(policy), update.params)
@@ -704,7 +706,7 @@ def test_ppo_step_scales_policy_and_critic_updates_by_the_distributed_loss_scale
     policy_updates, critic_updates = recording(policy_updater), recording(critic_updater)
     prompts = load_prompts([{"prompt": p} for p in PROMPTS])
     state = ppo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    ppo.ppo_step(policy_updater, critic_updater, reference, cfg.kl_controller(), tokenizer, [fixed_scores(SCORES)], prompts, state, cfg)
+    ppo.ppo_step(policy_updater, critic_updater, reference, cfg.kl_controller(), make_source(cfg, policy_updater, tokenizer, [fixed_scores(SCORES)], prompts), state, cfg)
     advantages, returns, _ = hand_ppo_advantages(SCORES, old, ref, old_values, 0.2, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages)
     twin = at_params(copy.deepcopy(policy), policy_updates[0].params)
     logp, entropy = hand_forward(twin, tokenizer, with_entropy=True)

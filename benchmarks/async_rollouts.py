@@ -1,0 +1,173 @@
+"""Asynchronous rollouts against synchronous ones: the learner's steady-state steps per second, and learning.
+
+    .venv/bin/python benchmarks/async_rollouts.py speed                  # the demo's GRPO task, rewards (a), (b), (c)
+    .venv/bin/python benchmarks/async_rollouts.py speed --smollm2        # and SmolLM2-135M-Instruct (make bench-deps)
+    .venv/bin/python benchmarks/async_rollouts.py learning --seeds 0 1 2 # k = 0, 1, 2 on the demo's GRPO task
+
+speed: each case runs GRPO twice from the same start, one after the other in one script run:
+synchronous with 2 torch threads (sampling, scoring and learning in turn), and asynchronous with
+``async_rollouts.max_staleness: 1``, one producer thread and one learner thread. Reported: the
+median seconds per step after the first ``--warmup`` steps, steps per second and their ratio, and
+for the asynchronous run the learner's median wait for a batch (``time/queue_wait``). The rewards:
+(a) the built-in exact-answer reward; (b) the same plus a term that waits 1 s per batch (a
+stand-in for a sandbox, a judge or a remote server); (c) the code-execution reward (every
+completion run in its own bubblewrap sandbox against a two-assert test). "hidden" is the share of
+(b)'s 1 s wait that the asynchronous run no longer pays: (sync - async step time) / 1 s.
+
+learning: the demo's arithmetic GRPO stage (SFT start, 64 prompts x 8, temperature 0.7) at k = 0
+(synchronous), 1 and 2 (decoupled objective, ``tis_cap: 2``), for each seed; reported: the held-out
+greedy accuracy before and after (the trainer's ``eval/reward/mean``), per k, mean and spread over
+seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlalign.config import load_config
+from rlalign.demo import DemoConfig
+from rlalign.tasks import TASKS
+from rlalign.train import grpo, sft
+
+
+def wait_one_second(completions, **kwargs):
+    """(b): a reward term that waits 1 s per batch and scores nothing."""
+    time.sleep(1.0)
+    return [0.0] * len(completions)
+
+
+def sft_start(out: Path, steps: int, seed: int) -> Path:
+    demo = DemoConfig()
+    tiny = {"model.tiny.hidden_size": demo.hidden_size, "model.tiny.num_layers": demo.num_layers, "model.tiny.intermediate_size": 2 * demo.hidden_size}
+    path = out / f"sft_{seed}"
+    if not (path / "final").is_dir():
+        sft.train(load_config(sft.SFTConfig, None, {
+            **tiny, "seed": seed, "progress": False, "overwrite": True, "output_dir": str(path), "data.task": "arithmetic", "max_steps": steps,
+            "eval_every": steps, "optim.lr": 3e-3, "optim.warmup_steps": 20,
+        }))
+    return path / "final"
+
+
+def demo_grpo(model: Path, out: Path, steps: int, seed: int, **overrides) -> dict:
+    """The demo's GRPO stage (rlalign.demo.run_demo), shortened to ``steps``."""
+    return {
+        "model.path": str(model), "output_dir": str(out), "data.task": "arithmetic", "data.num_prompts": 8192, "data.seed": seed, "seed": seed,
+        "rewards": [{"function": "arithmetic"}], "steps": steps, "prompts_per_step": 64, "group_size": 8,
+        "sampling.max_new_tokens": TASKS["arithmetic"].max_new_tokens, "sampling.temperature": 0.7, "optim.lr": 1e-4, "optim.warmup_steps": 5,
+        "beta": 0.02, "save_every": 0, "progress": False, "overwrite": True, "plots": False, "eval.every": 0, **overrides,
+    }
+
+
+def code_prompts(n: int) -> list[dict]:
+    """Arithmetic prompts with a two-assert test, for (c): the sandbox runs every completion."""
+    records = TASKS["arithmetic"].prompt_records("train", n, 0)
+    return [{**r, "tests": "assert f(2) == 4\nassert f(3) == 9"} for r in records]
+
+
+def timed_run(base: dict, asynchronous: bool, warmup: int, reward_functions=(), prompts=None) -> dict:
+    options = {"async_rollouts.enabled": True, "async_rollouts.max_staleness": 1, "tis_cap": 2.0} if asynchronous else {}
+    torch.set_num_threads(2)  # the synchronous run's threads; the asynchronous run sets its own (one and one)
+    cfg = load_config(grpo.GRPOConfig, None, {**base, **options})
+    history = grpo.train(cfg, reward_functions=list(reward_functions), prompts=prompts).history
+    steady = history[warmup:]
+    seconds = [row["time/rollout"] + row["time/train"] for row in steady]
+    wait = [row.get("time/queue_wait", 0.0) for row in steady]
+    return {"step_s": statistics.median(seconds), "queue_wait_s": statistics.median(wait), "generate_s": statistics.median(r["time/generate"] for r in steady)}
+
+
+def speed(args) -> None:
+    out = Path(args.out or tempfile.mkdtemp(prefix="async_rollouts_"))
+    steps = args.warmup + args.steps
+    cases = []
+    if not args.smollm2_only:
+        model = sft_start(out, args.sft_steps, 0)
+        base = demo_grpo(model, out / "run", steps, 0, **{"prompts_per_step": args.prompts, "group_size": 8})
+        cases += [
+            ("demo GRPO task, (a) built-in reward", base, (), None),
+            ("demo GRPO task, (b) + a reward that waits 1 s", base, (wait_one_second,), None),
+            ("demo GRPO task, (c) code-execution reward", {**base, "rewards": [{"function": "code_execution"}]},
+             (), code_prompts(512)),
+        ]
+    if args.smollm2 or args.smollm2_only:
+        from _lm_bench import smollm2_checkpoint  # benchmarks/ is on the path when this script runs
+
+        path = smollm2_checkpoint()
+        for tokens in (32, 128):
+            base = {
+                "model.path": str(path), "output_dir": str(out / "smol"), "data.task": "arithmetic", "data.num_prompts": 512,
+                "rewards": [{"function": "arithmetic"}], "steps": steps, "prompts_per_step": 2, "group_size": 8, "sampling.max_new_tokens": tokens,
+                "optim.lr": 1e-6, "beta": 0.0, "save_every": 0, "progress": False, "overwrite": True, "plots": False, "eval.every": 0,
+            }
+            cases.append((f"SmolLM2-135M-Instruct, 2 x 8 x {tokens}, (a) built-in reward", base, (), None))
+            cases.append((f"SmolLM2-135M-Instruct, 2 x 8 x {tokens}, (b) + a reward that waits 1 s", base, (wait_one_second,), None))
+    rows = []
+    for name, base, rewards, prompts in cases:
+        sync = timed_run(base, False, args.warmup, rewards, prompts)
+        asynchronous = timed_run(base, True, args.warmup, rewards, prompts)
+        row = {
+            "case": name, "sync_step_s": sync["step_s"], "async_step_s": asynchronous["step_s"], "speedup": sync["step_s"] / asynchronous["step_s"],
+            "async_queue_wait_s": asynchronous["queue_wait_s"], "sync_generate_s": sync["generate_s"],
+        }
+        if rewards:
+            row["hidden_of_1s"] = sync["step_s"] - asynchronous["step_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| case | sync s/step | async s/step | async/sync steps/s | learner's wait (async) |" + (" |" if False else ""))
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['case']} | {r['sync_step_s']:.3f} | {r['async_step_s']:.3f} | {r['speedup']:.2f}x | {r['async_queue_wait_s']:.3f} |")
+
+
+def learning(args) -> None:
+    out = Path(args.out or tempfile.mkdtemp(prefix="async_learning_"))
+    results: dict[int, list[tuple[float, float]]] = {}
+    for seed in args.seeds:
+        model = sft_start(out, args.sft_steps, seed)
+        for k in args.staleness:
+            options = {"async_rollouts.enabled": True, "async_rollouts.max_staleness": k, "tis_cap": 2.0} if k > 0 else {}
+            cfg = load_config(grpo.GRPOConfig, None, demo_grpo(model, out / f"grpo_{seed}_{k}", args.steps, seed, **{"eval.every": args.steps, **options}))
+            torch.set_num_threads(1)
+            history = grpo.train(cfg).history
+            records = [json.loads(line) for line in (out / f"grpo_{seed}_{k}" / "metrics.jsonl").read_text().splitlines()]
+            evals = [r["eval/reward/mean"] for r in records if "eval/reward/mean" in r]
+            results.setdefault(k, []).append((evals[0], evals[-1]))
+            print(json.dumps({"seed": seed, "k": k, "eval_before": evals[0], "eval_after": evals[-1], "train_reward_last5": statistics.mean(r["reward/mean"] for r in history[-5:])}), flush=True)
+    print("\n| k | held-out accuracy before | after, mean | after, per seed |")
+    print("|---:|---:|---:|---|")
+    for k, pairs in results.items():
+        after = [a for _, a in pairs]
+        print(f"| {k} | {statistics.mean(b for b, _ in pairs):.3f} | {statistics.mean(after):.3f} ± {statistics.pstdev(after):.3f} | {', '.join(f'{a:.3f}' for a in after)} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--steps", type=int, default=8, help="timed steps per run, after the warm-up")
+    s.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    s.add_argument("--prompts", type=int, default=64, help="prompts per step on the demo task (x 8 completions)")
+    s.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the demo model's start")
+    s.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (needs make bench-deps)")
+    s.add_argument("--smollm2-only", action="store_true", help="only SmolLM2-135M-Instruct")
+    s.add_argument("--out", default=None)
+    s.set_defaults(run=speed)
+    le = sub.add_parser("learning")
+    le.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    le.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    le.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
+    le.add_argument("--sft-steps", type=int, default=1000, help="SFT steps of each seed's start (the demo: 1000)")
+    le.add_argument("--out", default=None)
+    le.set_defaults(run=learning)
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Rollout sources: the one seam between making rollouts and learning on them.
+
+A source hands the trainer one scored batch a step, for step ``state.step``:
+
+    source = make_source(cfg, updater, tokenizer, rewards, prompts, world, tools)
+    batch = source.next(state)          # ScoredBatch: records, Rollout, scores per term, metrics, policy version
+    ... reference / pi_old passes, advantages, updates ...
+    source.publish(updater.module, state.step + 1)   # the weights after the update (a no-op in process)
+
+Every way of making a rollout is a source, and GRPO and PPO take any of them:
+
+- :class:`SampledSource`: the step's prompts, ``group_size`` completions each, sampled by the policy and scored;
+- :class:`DynamicSource`: DAPO's dynamic sampling (draws until the step holds ``prompts_per_step`` groups
+  whose rewards do not all tie);
+- :class:`ToolSource`: multi-turn tool use (tool results between turns, left out of the loss);
+- :class:`rlalign.train.async_source.AsyncSource`: any of these run in a producer process, ahead of the
+  learner by at most ``async.max_staleness`` updates.
+
+Rewards are scored inside the source (:class:`Scorer`: the weighted reward terms, then the shaping a
+trainer asks for: DAPO's overlong punishment, PPO's missing-EOS penalty), so that a producer process
+scores while the learner learns.
+
+The sampling uniforms of step s come from a generator of their own, seeded by the run's seed and s
+(:func:`sampling_generator`): whichever process samples step s, and whenever, it draws the same tokens
+from the same weights, so an asynchronous run, its resumed twin and its synchronous twin agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from rlalign.core.advantages import overlong_penalty
+from rlalign.lm.data import PromptExample
+from rlalign.lm.rollout import Rollout
+from rlalign.lm.tools import ToolRegistry
+from rlalign.train import distributed
+from rlalign.train.rollouts import RewardTerm, ScoredRollout, add_score_term, concat_scored, prompt_batch, sample_shard, score_shard, select_rows
+from rlalign.train.seeding import batch_order
+from rlalign.train.tool_rollout import ToolRollout, sample_tool_shard, tool_registry
+
+__all__ = [
+    "ScoredBatch", "RolloutSource", "Scorer", "SampledSource", "DynamicSource", "ToolSource", "sampling_generator", "make_source", "make_scorer",
+]
+
+
+def sampling_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step ``step``'s sampling uniforms: a function of (seed, step) alone."""
+    digest = hashlib.sha256(f"rlalign sampling {seed} {step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+@dataclass
+class ScoredBatch:
+    """One step's scored rollout, as a source hands it to the trainer."""
+
+    examples: list[PromptExample]  # the step's global prompt records (their columns go to the rewards)
+    rollout: Rollout  # this rank's rows, groups adjacent; logprobs: the sampler's
+    scored: ScoredRollout  # total and per-term rewards (this rank's rows and every rank's)
+    token_mask: Tensor  # (B, C) 1 on tokens the policy sampled (0 on tool tokens and padding)
+    metrics: dict[str, float] = field(default_factory=dict)  # the source's own: dynamic/*, tools/*, staleness, time/queue_wait, ...
+    version: int = 0  # the policy version that sampled it: the number of learner steps behind those weights
+    generate_s: float = 0.0  # seconds spent sampling
+    score_s: float = 0.0  # seconds spent scoring
+    data_position: int | None = None  # prompts drawn so far after this batch (dynamic sampling); None: step * prompts_per_step
+
+
+class RolloutSource(Protocol):
+    """What a trainer reads rollouts from (see the module docstring)."""
+
+    def next(self, state) -> ScoredBatch: ...
+
+    def publish(self, policy: nn.Module, version: int) -> float:
+        """Hand over the learner's weights after ``version`` steps; returns the seconds it took."""
+        ...
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold to resume the source exactly (rollouts in flight)."""
+        ...
+
+    def close(self) -> None:
+        """Stop whatever the source runs (a producer process)."""
+        ...
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring: the reward terms, then the trainer's shaping
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scorer:
+    """Scores a sampled batch: the weighted reward terms (``score_shard``), then DAPO's overlong
+    punishment (``overlong``: (buffer, penalty, max_new_tokens)) and PPO's ``missing_eos_penalty``."""
+
+    rewards: Sequence[RewardTerm]
+    tokenizer: object
+    group_size: int
+    world: distributed.World = field(default_factory=distributed.World)
+    missing_eos_penalty: float | None = None
+    overlong: tuple[int, float, int] | None = None
+
+    def __call__(self, examples: list[PromptExample], rollout: Rollout, completions: list[str], step: int, env_rewards: Sequence[float | None] | None = None) -> ScoredRollout:
+        scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step)
+        if env_rewards is not None and any(r is not None for r in env_rewards):  # a tool environment's own reward: the term "environment"
+            scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in env_rewards]), self.world)
+        if self.overlong is not None:
+            buffer, penalty, max_new_tokens = self.overlong
+            scored = add_score_term(scored, "overlong", penalty * overlong_penalty(rollout.completion_lengths(), max_new_tokens, buffer), self.world)
+        return scored
+
+
+def make_scorer(cfg, tokenizer, rewards: Sequence[RewardTerm], world: distributed.World) -> Scorer:
+    """The scorer of a GRPO or PPO config (``group_size`` 1 for PPO)."""
+    overlong_buffer = getattr(cfg, "overlong_buffer", None)
+    overlong = (overlong_buffer, cfg.overlong_penalty, cfg.sampling.max_new_tokens) if overlong_buffer is not None else None
+    return Scorer(rewards, tokenizer, getattr(cfg, "group_size", 1), world, getattr(cfg, "missing_eos_penalty", None), overlong)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sources
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SampledSource:
+    """The step's ``n`` prompts (a per-epoch permutation of the data), ``group_size`` completions each,
+    sampled by ``sampler``'s policy (an :class:`rlalign.train.updater.Updater`, or a producer's copy) and scored."""
+
+    sampler: object
+    scorer: Scorer
+    prompts: Sequence[PromptExample]
+    n: int
+    seed: int
+    sampling: object  # SamplingConfig
+    model_cfg: object  # ModelConfig
+
+    def next(self, state) -> ScoredBatch:
+        t0 = time.perf_counter()
+        examples = prompt_batch(self.prompts, state.step, self.n, self.seed)
+        rollout = sample_shard(
+            self.sampler, self.scorer.tokenizer, [ex.prompt for ex in examples], self.sampling, self.model_cfg, self.scorer.group_size,
+            sampling_generator(self.seed, state.step), self.scorer.world,
+        )
+        t1 = time.perf_counter()
+        scored = self.scorer(examples, rollout, rollout.decode_completions(self.scorer.tokenizer), state.step)
+        return ScoredBatch(examples, rollout, scored, rollout.completion_mask.clone(), version=state.step, generate_s=t1 - t0, score_s=time.perf_counter() - t1)
+
+    def publish(self, policy: nn.Module, version: int) -> float:
+        return 0.0  # it samples from the live policy
+
+    def state_dict(self) -> dict:
+        return {}  # nothing in flight
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class DynamicSource(SampledSource):
+    """DAPO dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards all tie has zero
+    advantages and carries no gradient, so it is dropped, and ``n`` more prompts are drawn (the next
+    data positions) until the step holds ``n`` informative groups, at most ``max_rounds`` draws; past
+    that, tied groups fill the step in draw order (they add nothing to the gradient, and keep the
+    step's shape). ``position``: prompts drawn so far (the checkpoint's data position on resume)."""
+
+    max_rounds: int = 4
+    position: int | None = None
+
+    def next(self, state) -> ScoredBatch:
+        n, G = self.n, self.scorer.group_size
+        position = state.step * n if self.position is None else self.position
+        generator = sampling_generator(self.seed, state.step)  # every draw of the step from one stream
+        draws: list[tuple[list[PromptExample], Rollout, ScoredRollout, Tensor]] = []  # (records, rollout, scores, informative (n,)) per draw
+        generate_s = score_s = 0.0
+        while len(draws) < self.max_rounds and sum(int(d[3].sum()) for d in draws) < n:
+            t0 = time.perf_counter()
+            examples = [self.prompts[i] for i in batch_order(len(self.prompts), position, n, self.seed)]
+            position += n
+            rollout = sample_shard(self.sampler, self.scorer.tokenizer, [ex.prompt for ex in examples], self.sampling, self.model_cfg, G, generator, self.scorer.world)
+            t1 = time.perf_counter()
+            scored = self.scorer(examples, rollout, rollout.decode_completions(self.scorer.tokenizer), state.step)
+            generate_s, score_s = generate_s + t1 - t0, score_s + time.perf_counter() - t1
+            draws.append((examples, rollout, scored, scored.scores.view(-1, G).std(dim=1) > 1e-6))
+        self.position = position
+        # informative groups in draw order, then tied ones to fill: (draw, group) pairs
+        order = [(d, g) for want in (True, False) for d, draw in enumerate(draws) for g in range(n) if bool(draw[3][g]) == want][:n]
+        kept_examples, kept_rollouts, kept_scored = [], [], []
+        for d, (examples, rollout, scored, _) in enumerate(draws):
+            groups = [g for dd, g in order if dd == d]
+            if groups:
+                rows = torch.tensor([g * G + j for g in groups for j in range(G)])
+                kept_examples.extend(examples[g] for g in groups)
+                kept_rollouts.append(rollout.select(rows))
+                kept_scored.append(select_rows(scored, rows))
+        informative = sum(int(d[3].sum()) for d in draws)
+        metrics = {
+            "dynamic/draws": float(len(draws)),
+            "dynamic/prompts_drawn": float(len(draws) * n),
+            "dynamic/tied_groups": float(len(draws) * n - informative),  # dropped, bar those filling the step
+            "dynamic/filled_groups": float(max(n - informative, 0)),
+        }
+        rollout = Rollout.concat(kept_rollouts, self.scorer.tokenizer.pad_token_id)
+        return ScoredBatch(
+            kept_examples, rollout, concat_scored(kept_scored), rollout.completion_mask.clone(), metrics, state.step, generate_s, score_s, position,
+        )
+
+
+@dataclass
+class ToolSource(SampledSource):
+    """Multi-turn tool use (:func:`rlalign.train.tool_rollout.tool_rollout`): the reward terms score
+    each row's last assistant turn, the environment's rewards (where it gave any) are the term
+    "environment", and the token mask is 0 on tool tokens (they get no gradient)."""
+
+    tools: object = None  # ToolsConfig
+    registry: ToolRegistry | None = None
+
+    def next(self, state) -> ScoredBatch:
+        t0 = time.perf_counter()
+        examples = prompt_batch(self.prompts, state.step, self.n, self.seed)
+        records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples]
+        episodes = sample_tool_shard(
+            self.sampler, self.scorer.tokenizer, records, self.sampling, self.model_cfg, self.scorer.group_size, sampling_generator(self.seed, state.step),
+            self.tools, self.registry,
+        )
+        t1 = time.perf_counter()
+        scored = self.scorer(examples, episodes.rollout, episodes.final_texts, state.step, episodes.env_rewards)
+        return ScoredBatch(
+            examples, episodes.rollout, scored, episodes.assistant_mask.clone(), tool_metrics(episodes), state.step, t1 - t0, time.perf_counter() - t1,
+        )
+
+
+def tool_metrics(episodes: ToolRollout) -> dict[str, float]:
+    """tools/turns (assistant turns per completion), tools/messages (tool results per completion), tools/tokens_frac (share of tool tokens)."""
+    tokens = episodes.rollout.completion_mask.sum().clamp(min=1)
+    return {
+        "tools/turns": episodes.turns.float().mean().item(),
+        "tools/messages": episodes.tool_messages.float().mean().item(),
+        "tools/tokens_frac": 1.0 - (episodes.assistant_mask.sum() / tokens).item(),
+    }
+
+
+def make_source(
+    cfg, sampler, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], world: distributed.World = distributed.World(),
+    tools: dict[str, Callable] | None = None, data_position: int | None = None,
+) -> RolloutSource:
+    """The in-process source a GRPO or PPO config asks for: tools, dynamic sampling, or plain sampling.
+    ``data_position``: the checkpoint's (dynamic sampling resumes from it)."""
+    scorer = make_scorer(cfg, tokenizer, rewards, world)
+    base = (sampler, scorer, prompts, cfg.prompts_per_step, cfg.seed, cfg.sampling, cfg.model)
+    if cfg.tools is not None:
+        return ToolSource(*base, tools=cfg.tools, registry=tool_registry(cfg.tools, tools))
+    if cfg.dynamic_sampling:
+        return DynamicSource(*base, max_rounds=cfg.max_sampling_rounds, position=data_position)
+    return SampledSource(*base)

@@ -1,0 +1,155 @@
+"""Asynchronous rollouts: a producer process samples ahead of the learner by at most k updates.
+
+Pinned: k = 0 is the synchronous run (same weights, same metrics); for k = 1 and 2 the rollout of
+step s was sampled by exactly the weights after max(0, s - k) updates (its sampler log-probs are
+those weights' log-probs of its tokens, not the learner's); a resumed asynchronous run ends with
+the uninterrupted run's weights; a producer that raises or dies stops the run naming what it was
+doing; torchrun is a config error. The decoupled objective's value and gradient are pinned in
+tests/train/test_rl_composed.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from rlalign.config import ConfigError, load_config
+from rlalign.lm.models import load_policy, load_tokenizer
+from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+from rlalign.train import async_source, distributed, grpo, ppo
+from rlalign.train.async_source import RolloutProducerError, check_one_process
+from rlalign.train.passes import training_logprobs
+
+VOLATILE = ("time/", "tokens_per_s", "staleness/")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), seed=0)
+
+
+def make_cfg(trainer, tiny_path, out, **overrides):
+    base = {
+        "model.path": str(tiny_path), "output_dir": str(out), "data.task": "arithmetic", "data.num_prompts": 32, "steps": 4, "prompts_per_step": 2,
+        "sampling.max_new_tokens": 4, "optim.lr": 1e-2, "progress": False, "overwrite": True, "plots": False, "rewards": [],
+        "eval.every": 0, "save_every": 0,
+    }
+    base.update({"group_size": 4} if trainer is grpo else {"ppo_epochs": 1, "num_minibatches": 2, "prompts_per_step": 4, "critic.optim.lr": 1e-2})
+    base.update(overrides)
+    return load_config(grpo.GRPOConfig if trainer is grpo else ppo.PPOConfig, None, base)
+
+
+def char_code(completions, **kwargs):
+    """A deterministic, varied score of the text (so groups rarely tie and every step learns)."""
+    return [float(sum(ord(ch) for ch in c) % 11) for c in completions]
+
+
+def final_weights(result) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in result.policy.state_dict().items()}
+
+
+def stable(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in history]
+
+
+@pytest.mark.parametrize("trainer", [grpo, ppo], ids=["grpo", "ppo"])
+def test_k0_is_the_synchronous_run(trainer, tiny_path, tmp_path):
+    torch.set_num_threads(1)
+    sync = trainer.train(make_cfg(trainer, tiny_path, tmp_path / "sync"), reward_functions=[char_code])
+    options = {"async_rollouts.enabled": True, "async_rollouts.max_staleness": 0}
+    asynchronous = trainer.train(make_cfg(trainer, tiny_path, tmp_path / "async", **options), reward_functions=[char_code])
+    assert stable(asynchronous.history) == stable(sync.history)
+    assert all(row["staleness/max"] == 0.0 for row in asynchronous.history)
+    a, b = final_weights(sync), final_weights(asynchronous)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], load_policy(tiny_path).state_dict()[k]) for k in a)  # it learnt something: the equality means something
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_rollout_of_step_s_is_sampled_by_the_weights_of_version_s_minus_k(k, tiny_path, tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    versions: dict[int, dict[str, torch.Tensor]] = {0: {n: p.clone() for n, p in load_policy(tiny_path).state_dict().items()}}
+    batches = {}
+    publish, next_batch = async_source.AsyncSource.publish, async_source.AsyncSource.next
+
+    def recording_publish(self, policy, version):
+        versions[version] = {n: p.detach().clone() for n, p in policy.state_dict().items()}
+        return publish(self, policy, version)
+
+    def recording_next(self, state):
+        batches[state.step] = batch = next_batch(self, state)
+        return batch
+
+    monkeypatch.setattr(async_source.AsyncSource, "publish", recording_publish)
+    monkeypatch.setattr(async_source.AsyncSource, "next", recording_next)
+    cfg = make_cfg(grpo, tiny_path, tmp_path / "run", steps=5, tis_cap=2.0, **{"async_rollouts.enabled": True, "async_rollouts.max_staleness": k})
+    history = grpo.train(cfg, reward_functions=[char_code]).history
+    assert [row["staleness/mean"] for row in history] == [float(min(s, k)) for s in range(5)]
+    policy = load_policy(tiny_path)
+    for step, batch in batches.items():
+        assert batch.version == max(0, step - k)
+        rollout, rows = batch.rollout, [torch.arange(batch.rollout.batch_size)]
+        mask = rollout.completion_mask.bool()
+        policy.load_state_dict(versions[batch.version])
+        behaviour = training_logprobs(policy, rollout, cfg.sampling.temperature, rows)  # (B, C) the version that sampled it
+        torch.testing.assert_close(rollout.logprobs[mask], behaviour[mask], rtol=0, atol=2e-5)
+        if step >= k + 1:  # the learner's own weights of that step give other log-probs: the rollout really is stale
+            policy.load_state_dict(versions[step])
+            assert (training_logprobs(policy, rollout, cfg.sampling.temperature, rows)[mask] - rollout.logprobs[mask]).abs().max() > 1e-3
+
+
+def test_a_resumed_asynchronous_run_ends_with_the_uninterrupted_runs_weights(tiny_path, tmp_path):
+    torch.set_num_threads(1)
+    options = {"steps": 4, "save_every": 2, "keep_last": 3, "tis_cap": 2.0, "async_rollouts.enabled": True, "async_rollouts.max_staleness": 2}
+    straight = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **options), reward_functions=[char_code])
+    # the same run stopped after its checkpoint at step 2: rollouts 2 and 3 were in flight (sampled by versions 0 and 1)
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "final")
+    for ckpt in (tmp_path / "resumed" / "checkpoints").iterdir():
+        if not ckpt.name.endswith("2"):
+            shutil.rmtree(ckpt)
+    resumed = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "resumed", **{**options, "overwrite": False}), resume=tmp_path / "resumed", reward_functions=[char_code])
+    assert [row["staleness/mean"] for row in resumed.history] == [2.0, 2.0]
+    assert stable(resumed.history) == stable(straight.history[2:])
+    a, b = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def raises_at_step_2(completions, trainer_state, **kwargs):
+    if trainer_state.global_step == 2:
+        raise ValueError("the grader's database is gone")
+    return [0.0] * len(completions)
+
+
+def dies_at_step_2(completions, trainer_state, **kwargs):
+    if trainer_state.global_step == 2:
+        os._exit(7)
+    return [float(len(c)) for c in completions]
+
+
+def test_a_producer_that_raises_stops_the_run_naming_the_step_and_the_error(tiny_path, tmp_path):
+    cfg = make_cfg(grpo, tiny_path, tmp_path / "run", rewards=[], save_every=1, tis_cap=2.0, **{"async_rollouts.enabled": True})
+    with pytest.raises(RolloutProducerError, match=r"(?s)failed at step 2.*raises_at_step_2 raised ValueError: the grader's database is gone"):
+        grpo.train(cfg, reward_functions=[raises_at_step_2])
+
+
+def test_a_producer_that_dies_stops_the_run_and_the_last_checkpoint_stays_whole(tiny_path, tmp_path):
+    cfg = make_cfg(grpo, tiny_path, tmp_path / "run", rewards=[], save_every=1, tis_cap=2.0, **{"async_rollouts.enabled": True})
+    with pytest.raises(RolloutProducerError, match=r"died with exit code 7 while sampling and scoring step 2 with the weights of version 1"):
+        grpo.train(cfg, reward_functions=[dies_at_step_2])
+    # the producer died one step ahead: the learner finished step 1 but could not checkpoint it without rollout 2 (in flight),
+    # so the last checkpoint is the one after step 0, whole, holding rollout 1; the run resumes from there
+    cfg = make_cfg(grpo, tiny_path, tmp_path / "run", rewards=[], save_every=1, tis_cap=2.0, overwrite=False, **{"async_rollouts.enabled": True})
+    resumed = grpo.train(cfg, resume=tmp_path / "run", reward_functions=[grpo.RewardTerm("len", 1.0, lambda prompts, completions: [0.0] * len(completions))])
+    assert resumed.history[0]["step"] == 1
+
+
+def test_stale_rollouts_need_an_importance_weight_and_one_process(tiny_path, tmp_path):
+    with pytest.raises(ConfigError, match="set tis_cap"):
+        make_cfg(grpo, tiny_path, tmp_path, **{"async_rollouts.enabled": True, "async_rollouts.max_staleness": 1})
+    cfg = make_cfg(grpo, tiny_path, tmp_path, tis_cap=2.0, **{"async_rollouts.enabled": True})
+    with pytest.raises(ConfigError, match="async_rollouts runs in one process"):
+        check_one_process(cfg, distributed.World(rank=0, size=2))
+    check_one_process(cfg, distributed.World())
