@@ -22,6 +22,7 @@ the machine left out), and the rate that cost allows on the CPUs given: CPUs / (
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import statistics
 import subprocess
@@ -57,6 +58,15 @@ class CpuClock:
             self.read = lambda: int((self.group / "cpu.stat").read_text().split()[1]) / 1e6  # usage_usec
         self.group.mkdir()
         (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Back to the cgroup it came from, and this one removed."""
+        try:
+            (self.group.parent / "cgroup.procs").write_text(str(os.getpid()))
+            self.group.rmdir()
+        except OSError:
+            pass
 
 
 def clock() -> CpuClock | None:
