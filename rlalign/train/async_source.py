@@ -42,13 +42,15 @@ uninterrupted one would have.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -109,18 +111,41 @@ class _Producer:
     status: object  # shared bytes: what the producer is doing now
     k: int
     threads: int
+    activity: str = "starting"
+    scoring: set = field(default_factory=set)  # steps being scored on worker threads
 
-    def say(self, text: str) -> None:
-        data = text.encode()[: _STATUS_BYTES - 1]
+    def say(self, text: str | None = None) -> None:
+        """Write what the producer is doing (``text``: the main thread's activity) and the steps being scored."""
+        self.activity = self.activity if text is None else text
+        scoring = sorted(self.scoring)
+        line = self.activity + (f"; scoring step {', '.join(map(str, scoring))} on a worker thread" if scoring else "")
+        data = line.encode()[: _STATUS_BYTES - 1]
         self.status[: len(data) + 1] = data + b"\0"
 
+    def score(self, sampled):
+        """The inner source's scoring of one step, on a worker thread, named in the status while it runs."""
+        self.scoring.add(sampled.step)
+        self.say()
+        try:
+            return self.inner.score(sampled)
+        finally:
+            self.scoring.discard(sampled.step)
+            self.say()
+
     def run(self, first_step: int, total_steps: int, version: int) -> None:
+        """Sample the steps from ``first_step`` on, each with the weights of version max(0, step - k); a
+        sender thread hands each over as soon as it is scored (scoring runs on worker threads, so one
+        step's rewards are computed while the next step samples)."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle: it stops at a safe point and closes us
         _die_with_parent()
         torch.set_num_threads(self.threads)
         from rlalign.lm import reward_calls
 
         reward_calls.reset_event_loop()  # the learner's loop thread did not come with the fork
+        scoring = concurrent.futures.ThreadPoolExecutor(self.k + 1, thread_name_prefix="rlalign-scoring")
+        pending: queue.Queue = queue.Queue()  # (step, version, future of the scored batch), in step order; None: no more
+        sender = threading.Thread(target=self.send, args=(pending,), name="rlalign-sender", daemon=True)
+        sender.start()
         step = first_step
         try:
             for step in range(first_step, total_steps):
@@ -133,13 +158,32 @@ class _Producer:
                     if published == need:
                         self.load(published)
                     version = published
-                self.say(f"sampling and scoring step {step} with the weights of version {version}")
-                batch = self.inner.next(_StepState(step))
-                batch.version = version
-                self.say(f"handing over step {step}")
-                self.out.put(("batch", step, _to_bytes(batch_state(batch))))
+                self.say(f"sampling step {step} with the weights of version {version}")
+                if getattr(self.inner, "pipelined", False):  # scored on a worker thread while the next step samples
+                    future = scoring.submit(self.score, self.inner.sample(_StepState(step)))
+                else:
+                    future = concurrent.futures.Future()
+                    future.set_result(self.inner.next(_StepState(step)))
+                pending.put((step, version, future))
+            self.say("done sampling")
+            pending.put(None)
+            sender.join()
         except BaseException:  # noqa: BLE001 - every failure goes to the learner, named
             self.out.put(("error", step, traceback.format_exc(limit=8)))
+        finally:
+            scoring.shutdown(wait=False, cancel_futures=True)
+
+    def send(self, pending: queue.Queue) -> None:
+        """The sender thread: each scored batch to the learner's queue, in step order."""
+        while (item := pending.get()) is not None:
+            step, version, future = item
+            try:
+                batch = future.result()
+            except BaseException:  # noqa: BLE001 - the scoring's failure goes to the learner, named
+                self.out.put(("error", step, traceback.format_exc(limit=8)))
+                return
+            batch.version = version
+            self.out.put(("batch", step, _to_bytes(batch_state(batch))))
 
     def load(self, version: int) -> None:
         with torch.no_grad():

@@ -157,8 +157,10 @@ class RewardConfig(Config):
             raise ValueError("'pattern' goes with function: format, and format needs a pattern")
         if self.reward_model is None and self.input_format != "auto":
             raise ValueError("input_format goes with reward_model")
-        if self.function != "code_execution" and (self.partial_credit or self.allow_weak_sandbox):
-            raise ValueError("partial_credit and allow_weak_sandbox go with function: code_execution")
+        code_fields = {"partial_credit": self.partial_credit, "allow_weak_sandbox": self.allow_weak_sandbox, "code_format": self.code_format != "auto",
+                       "case_timeout_s": self.case_timeout_s != 4.0}
+        if self.function != "code_execution" and any(code_fields.values()):
+            raise ValueError(f"{', '.join(k for k, v in code_fields.items() if v)}: only for function: code_execution")
         return self
 
     @property

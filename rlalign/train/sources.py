@@ -46,7 +46,7 @@ from rlalign.train.seeding import batch_order
 from rlalign.train.tool_rollout import ToolRollout, sample_tool_shard, tool_registry
 
 __all__ = [
-    "ScoredBatch", "RolloutSource", "Scorer", "SampledSource", "DynamicSource", "ToolSource", "sampling_generator", "make_source", "make_scorer",
+    "ScoredBatch", "Sampled", "RolloutSource", "Scorer", "SampledSource", "DynamicSource", "ToolSource", "sampling_generator", "make_source", "make_scorer",
 ]
 
 
@@ -141,16 +141,28 @@ class SampledSource:
     sampling: object  # SamplingConfig
     model_cfg: object  # ModelConfig
 
+    pipelined = True  # sample() and score() may run apart: a producer scores one step while it samples the next
+
     def next(self, state) -> ScoredBatch:
+        return self.score(self.sample(state))
+
+    def sample(self, state) -> Sampled:
+        """The step's prompt records and their completions, not yet scored."""
         t0 = time.perf_counter()
         examples = prompt_batch(self.prompts, state.step, self.n, self.seed)
         rollout = sample_shard(
             self.sampler, self.scorer.tokenizer, [ex.prompt for ex in examples], self.sampling, self.model_cfg, self.scorer.group_size,
             sampling_generator(self.seed, state.step), self.scorer.world,
         )
-        t1 = time.perf_counter()
-        scored = self.scorer(examples, rollout, rollout.decode_completions(self.scorer.tokenizer), state.step)
-        return ScoredBatch(examples, rollout, scored, rollout.completion_mask.clone(), version=state.step, generate_s=t1 - t0, score_s=time.perf_counter() - t1)
+        return Sampled(state.step, examples, rollout, rollout.decode_completions(self.scorer.tokenizer), rollout.completion_mask.clone(), time.perf_counter() - t0)
+
+    def score(self, sampled: Sampled) -> ScoredBatch:
+        """The sampled step, scored by the reward terms (and the trainer's shaping)."""
+        t0 = time.perf_counter()
+        scored = self.scorer(sampled.examples, sampled.rollout, sampled.completions, sampled.step, sampled.env_rewards)
+        return ScoredBatch(
+            sampled.examples, sampled.rollout, scored, sampled.token_mask, dict(sampled.metrics), sampled.step, sampled.generate_s, time.perf_counter() - t0,
+        )
 
     def publish(self, policy: nn.Module, version: int) -> float:
         return 0.0  # it samples from the live policy
@@ -163,6 +175,20 @@ class SampledSource:
 
 
 @dataclass
+class Sampled:
+    """A sampled step before scoring (what :meth:`SampledSource.sample` returns)."""
+
+    step: int
+    examples: list[PromptExample]
+    rollout: Rollout
+    completions: list[str]  # the texts the reward terms score (multi-turn: each row's last assistant turn)
+    token_mask: Tensor  # (B, C)
+    generate_s: float
+    env_rewards: Sequence[float | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class DynamicSource(SampledSource):
     """DAPO dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards all tie has zero
     advantages and carries no gradient, so it is dropped, and ``n`` more prompts are drawn (the next
@@ -172,6 +198,7 @@ class DynamicSource(SampledSource):
 
     max_rounds: int = 4
     position: int | None = None
+    pipelined = False  # whether to draw again depends on the scores
 
     def next(self, state) -> ScoredBatch:
         n, G = self.n, self.scorer.group_size
@@ -221,7 +248,7 @@ class ToolSource(SampledSource):
     tools: object = None  # ToolsConfig
     registry: ToolRegistry | None = None
 
-    def next(self, state) -> ScoredBatch:
+    def sample(self, state) -> Sampled:
         t0 = time.perf_counter()
         examples = prompt_batch(self.prompts, state.step, self.n, self.seed)
         records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples]
@@ -229,10 +256,9 @@ class ToolSource(SampledSource):
             self.sampler, self.scorer.tokenizer, records, self.sampling, self.model_cfg, self.scorer.group_size, sampling_generator(self.seed, state.step),
             self.tools, self.registry,
         )
-        t1 = time.perf_counter()
-        scored = self.scorer(examples, episodes.rollout, episodes.final_texts, state.step, episodes.env_rewards)
-        return ScoredBatch(
-            examples, episodes.rollout, scored, episodes.assistant_mask.clone(), tool_metrics(episodes), state.step, t1 - t0, time.perf_counter() - t1,
+        return Sampled(
+            state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
+            tool_metrics(episodes),
         )
 
 

@@ -137,7 +137,7 @@ def test_a_producer_that_raises_stops_the_run_naming_the_step_and_the_error(tiny
 
 def test_a_producer_that_dies_stops_the_run_and_the_last_checkpoint_stays_whole(tiny_path, tmp_path):
     cfg = make_cfg(grpo, tiny_path, tmp_path / "run", rewards=[], save_every=1, tis_cap=2.0, **{"async_rollouts.enabled": True})
-    with pytest.raises(RolloutProducerError, match=r"died with exit code 7 while sampling and scoring step 2 with the weights of version 1"):
+    with pytest.raises(RolloutProducerError, match=r"died with exit code 7 while .*scoring step 2"):
         grpo.train(cfg, reward_functions=[dies_at_step_2])
     # the producer died one step ahead: the learner finished step 1 but could not checkpoint it without rollout 2 (in flight),
     # so the last checkpoint is the one after step 0, whole, holding rollout 1; the run resumes from there

@@ -165,11 +165,15 @@ def k3(logp, ref_logp: float):
     return torch.exp(x) - x - 1.0
 
 
-def hand_grpo_loss(logp, old_logp, ref_logp, advantages, counted, eps_low, eps_high, beta, mode, rows=None, max_len=C):
-    """aggregate(-min(r A, clip(r) A)) + beta * aggregate(k3) over the counted tokens (``counted``: a
-    bool per token) of the minibatch's ``rows`` (default: every row)."""
+def hand_grpo_loss(logp, old_logp, ref_logp, advantages, counted, eps_low, eps_high, beta, mode, rows=None, max_len=C, weights=None):
+    """aggregate(-min(r A, clip(r) A) * w) + beta * aggregate(k3) over the counted tokens (``counted``: a
+    bool per token) of the minibatch's ``rows`` (default: every row); ``weights`` w per token (default 1)."""
     rows = range(len(logp)) if rows is None else rows
-    surrogate = [[clipped_term(torch.exp(lp - old_logp[i][t]), advantages[i], eps_low, eps_high) for t, lp in enumerate(logp[i]) if counted[i][t]] for i in rows]
+    w = weights or [[1.0] * len(row) for row in logp]
+    surrogate = [
+        [clipped_term(torch.exp(lp - old_logp[i][t]), advantages[i], eps_low, eps_high) * w[i][t] for t, lp in enumerate(logp[i]) if counted[i][t]]
+        for i in rows
+    ]
     loss = hand_aggregate(surrogate, mode, max_len)
     if beta > 0:
         kl = [[k3(lp, ref_logp[i][t]) for t, lp in enumerate(logp[i]) if counted[i][t]] for i in rows]
@@ -454,6 +458,46 @@ def test_grpo_step_with_several_updates_by_hand(tiny_path, ref_path, tmp_path, t
     else:
         first_rows = RATIOS[::minibatches]  # the first minibatch: rows 0, m, 2m, ...
         assert metrics["ratio_dev/first"] == pytest.approx(max(abs(r - 1) for row in first_rows for r in row), rel=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("tis_mode", ["truncate", "mask"])
+def test_grpo_step_on_a_stale_rollout_is_the_decoupled_objective_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, k, tis_mode):
+    # asynchronous rollouts, max_staleness k: the rollout was sampled by the policy of k updates ago, here
+    # one whose log-probs are log pi - k log RATIOS (the drift compounds). The learner recomputes pi_old
+    # as its own policy before the update (the proximal policy, log pi at the start), clips r = pi / pi_prox,
+    # and weights each token by w = pi_prox / pi_behaviour = RATIOS^k, truncated at C (min(w, C)) or
+    # masked above it (1[w <= C]); two updates (mu = 2), each against the same pi_prox.
+    cap = 1.4
+    cfg = grpo_cfg(
+        tiny_path, tmp_path, mu=2, beta=0.1, tis_cap=cap, tis_mode=tis_mode, aggregation="token-mean",
+        **{"async_rollouts.enabled": True, "async_rollouts.max_staleness": k},
+    )
+    assert cfg.recompute_old_logprobs  # a stale rollout: pi_old is the learner's, not the sampler's
+    policy, reference = load_policy(tiny_path), load_policy(ref_path)
+    logp0 = detached(hand_forward(policy, tokenizer))
+    behaviour = [[lp - k * math.log(RATIOS[i][t]) for t, lp in enumerate(row)] for i, row in enumerate(logp0)]
+    fixed_sampler(monkeypatch, grpo, build_rollout(tokenizer, behaviour, PROMPTS, 2))
+    lr = 0.5
+    updater = sgd_updater(policy, lr)
+    updates = recording(updater)
+    state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
+    metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(SCORES)], prompt_examples()), state, cfg)
+
+    ratios = [[r**k for r in row] for row in RATIOS]  # pi_prox / pi_behaviour per token
+    weights = [[min(r, cap) if tis_mode == "truncate" else float(r <= cap) for r in row] for row in ratios]
+    assert any(r > cap for row in ratios for r in row) and any(r <= cap for row in ratios for r in row)  # both sides of C occur
+    ref = detached(hand_forward(reference, tokenizer))
+    advantages = hand_group_advantages(SCORES, 2, "group")
+    assert len(updates) == 2
+    for n, update in enumerate(updates):
+        twin = at_params(copy.deepcopy(policy), update.params)
+        logp = hand_forward(twin, tokenizer)
+        loss = hand_grpo_loss(logp, logp0, ref, advantages, all_counted(logp), cfg.eps_low, cfg.eps_high, cfg.beta, cfg.aggregation, weights=weights)
+        assert_update(update, twin, loss, lr, None, updates[n + 1].params if n + 1 < len(updates) else final_params(policy))
+    tokens = [w for row in weights for w in row]
+    assert metrics["tis/weight_mean"] == pytest.approx(sum(tokens) / len(tokens), rel=1e-4)
+    assert metrics["ratio_dev/first"] < 1e-5  # the first update's ratio is against the learner's own pi_prox: 1
 
 
 # ----------------------------------------------------------------------------------------------
