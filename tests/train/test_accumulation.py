@@ -146,8 +146,10 @@ def test_ppo_with_micro_batches_or_checkpointing_is_the_same_run(tiny_path, tmp_
     plain = ppo.train(rl_cfg(ppo.PPOConfig, tiny_path, tmp_path / "plain"), reward_functions=rewards)
     other = ppo.train(rl_cfg(ppo.PPOConfig, tiny_path, tmp_path / "other", **overrides), reward_functions=rewards)
     assert plain.history[-1]["loss/value"] > 0
-    assert_same_run(plain.history, other.history, plain.final_dir, other.final_dir)
-    assert_same_run([], [], plain.final_dir / "critic", other.final_dir / "critic")
+    # AdamW turns the micro-batches' float32 sum-order round-off into up to ~5e-5 on a weight whose gradient is
+    # near 0 after 2 steps x 2 epochs x 2 minibatches (the update is ~lr * sign there), hence 1e-4
+    assert_same_run(plain.history, other.history, plain.final_dir, other.final_dir, atol=1e-4)
+    assert_same_run([], [], plain.final_dir / "critic", other.final_dir / "critic", atol=1e-4)
 
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128", "progress=false", "batch_size=8", "eval_every=2"]

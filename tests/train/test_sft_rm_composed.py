@@ -362,8 +362,8 @@ def test_pair_rewards_and_reward_function_read_each_sequence_at_its_eos(arch):
         torch.testing.assert_close(r_c, torch.stack([c for c, _ in expected]), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r_r, torch.stack([r for _, r in expected]), rtol=1e-5, atol=1e-6)
         assert margin.tolist() == [1.5, 0.0, 0.5, 2.0]  # a missing margin is 0
-        # the reward function PPO and GRPO call scores prompt + completion the same way
-        scored = RewardModelReward(model, TOK, batch_size=3)([p.prompt for p in RM_PAIRS], [p.rejected for p in RM_PAIRS])
+        # the reward function PPO and GRPO call scores prompt + completion the same way, in the format rlalign rm trains (eos)
+        scored = RewardModelReward(model, TOK, "eos", batch_size=3)([p.prompt for p in RM_PAIRS], [p.rejected for p in RM_PAIRS])
         assert scored == pytest.approx([r.item() for _, r in expected], rel=1e-5, abs=1e-6)
 
 
