@@ -33,10 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import inspect
-import os
-import socket
 import sys
 import threading
 import time
@@ -44,9 +41,10 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
+from rlalign.listen import base_url, bound_socket
 from rlalign.lm.remote_reward import check_rewards
+from rlalign.lm.reward_calls import import_reward_function
 from rlalign.lm.rewards import RewardFunctionError, call_reward, reward_fn_name
 
 __all__ = ["LOOPBACK", "RequestError", "parse_request", "score_rows", "load_function", "load_model_reward", "create_app", "running", "add_arguments", "run"]
@@ -151,18 +149,7 @@ def score_rows(fn: Callable, prompts: list, completions: list, columns: dict[str
 
 def load_function(spec: str) -> Callable:
     """``package.module:function`` imported (the current directory importable, as the trainers do)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"--function {spec!r}: expected package.module:function")
-    if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
-        sys.path.insert(0, os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"reward function {spec!r} cannot be imported: {err}") from None
-    if not callable(fn):
-        raise ConfigError(f"reward function {spec!r} is not callable")
-    return fn
+    return import_reward_function(spec)
 
 
 def load_model_reward(
@@ -221,27 +208,12 @@ def create_app(fn: Callable, name: str | None = None, label_column: str | None =
     return Starlette(routes=routes, exception_handlers={Exception: internal_error})
 
 
-def _bound_socket(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise RLAlignError(f"cannot listen on {host}:{port}: {err.strerror}") from err
-    return sock
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def _server(app, host: str, port: int):
     try:
         import uvicorn
     except ImportError as err:
         raise RLAlignError(f"rlalign serve-reward needs starlette and uvicorn ({err.name} is missing): pip install 'rlalign[explore]'") from err
-    sock = _bound_socket(host, port)
+    sock = bound_socket(host, port)
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)), sock
 
 
@@ -257,7 +229,7 @@ def running(app, host: str = LOOPBACK, port: int = 0) -> Iterator[str]:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the reward server did not start")
             time.sleep(0.01)
-        yield _url(host, sock.getsockname()[1])
+        yield base_url(host, sock.getsockname()[1])
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -294,6 +266,6 @@ def run(args: argparse.Namespace) -> int:
     server, sock = _server(create_app(fn, name, args.label_column), args.host, args.port)
     if args.host not in (LOOPBACK, "localhost", "::1"):
         print(f"rlalign serve-reward: listening on {args.host}, reachable from other machines, without authentication", file=sys.stderr)
-    print(f"rlalign serve-reward: {name} at {_url(args.host, sock.getsockname()[1])}/score (Ctrl-C to stop)", flush=True)
+    print(f"rlalign serve-reward: {name} at {base_url(args.host, sock.getsockname()[1])}/score (Ctrl-C to stop)", flush=True)
     server.run(sockets=[sock])
     return 0

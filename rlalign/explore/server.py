@@ -34,6 +34,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from rlalign.errors import RLAlignError
+from rlalign.listen import base_url, bound_socket
 from rlalign.explore._common import to_jsonable
 from rlalign.explore.params import ParamError, keywords, parse_params
 from rlalign.explore.registry import EXPLORERS, Explorer
@@ -286,24 +287,8 @@ def allowed_hosts(host: str, extra: list[str] | tuple[str, ...] = ()) -> list[st
     return sorted(names)
 
 
-def _bound_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise RLAlignError(f"cannot listen on {host}:{port}: {err.strerror}") from err
-    return sock
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def _server(host: str, port: int, warm: bool, allow_hosts: tuple[str, ...] = ()) -> tuple[uvicorn.Server, socket.socket]:
-    sock = _bound_socket(host, port)
+    sock = bound_socket(host, port)
     if warm:
         threading.Thread(target=warm_up, daemon=True).start()
     app = create_app(allowed_hosts(host, allow_hosts))
@@ -315,7 +300,7 @@ def serve(host: str = LOOPBACK, port: int = 8050, on_ready: Callable[[str], None
     """Serve until interrupted; ``on_ready(url)`` runs once the socket is bound; ``allow_hosts``: more Host names to answer."""
     server, sock = _server(host, port, warm, allow_hosts)
     if on_ready is not None:
-        on_ready(_url(host, sock.getsockname()[1]))
+        on_ready(base_url(host, sock.getsockname()[1]))
     server.run(sockets=[sock])
 
 
@@ -335,4 +320,4 @@ def start_in_thread(host: str = LOOPBACK, port: int = 0, warm: bool = False) -> 
         thread.join(timeout=10)
         sock.close()
 
-    return _url(host, sock.getsockname()[1]), stop
+    return base_url(host, sock.getsockname()[1]), stop

@@ -32,8 +32,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import importlib
 import inspect
 import math
+import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +54,7 @@ __all__ = [
     "reward_fn_name",
     "is_async_reward",
     "async_entry",
+    "import_reward_function",
     "call_reward",
     "score_terms",
     "score_completions",
@@ -118,6 +122,28 @@ def _keyword_names(fn: Callable) -> set[str] | None:
         return None
     named = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
     return named if "completions" in named else set()
+
+
+def import_reward_function(spec: str) -> Callable:
+    """``package.module:function`` imported, the current directory importable (as ``python -m`` makes it).
+
+    Raises:
+        ConfigError: naming ``spec`` when it is malformed, cannot be imported, or is not callable.
+    """
+    from rlalign.config import ConfigError
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"reward function {spec!r}: expected package.module:function")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"reward function {spec!r} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"reward function {spec!r} is not callable")
+    return fn
 
 
 def call_reward(fn: Callable, prompts: list, completions: list, columns: Mapping[str, Sequence], context: Mapping[str, object]):

@@ -11,9 +11,6 @@ sampling this rank's share of the batch, and scoring it.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -28,7 +25,7 @@ from rlalign.lm.encoding import completion_text, encode_prompts, render_prompt
 from rlalign.lm.heads import load_reward_model
 from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.lm.models import load_tokenizer
-from rlalign.lm.reward_calls import CallPolicy, score_terms
+from rlalign.lm.reward_calls import CallPolicy, import_reward_function, score_terms
 from rlalign.lm.rewards import REWARD_INPUT_TEXT, RewardModelReward, call_reward, check_finite, exact_match, format_check, math_answer, reward_fn_name, reward_input_of
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
@@ -184,17 +181,7 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
     builtin = _builtin_reward(spec, prompts, tokenizer)
     if builtin is not None:
         return _on_text(builtin, tokenizer)
-    name = spec.function
-    module_name, attr = name.split(":", 1)
-    if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
-        sys.path.insert(0, os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"reward function {name!r} cannot be imported: {err}") from None
-    if not callable(fn):
-        raise ConfigError(f"reward function {name!r} is not callable")
-    return fn
+    return import_reward_function(spec.function)
 
 
 def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer, world: distributed.World) -> RewardModelReward:
