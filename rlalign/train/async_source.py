@@ -143,13 +143,14 @@ class _Producer:
 
         reward_calls.reset_event_loop()  # the learner's loop thread did not come with the fork
         scoring = concurrent.futures.ThreadPoolExecutor(self.k + 1, thread_name_prefix="rlalign-scoring")
-        pending: queue.Queue = queue.Queue()  # (step, version, future of the scored batch), in step order; None: no more
+        pending: queue.Queue = queue.Queue()  # (step, version, seconds idle before it, future of the scored batch), in step order; None: no more
         sender = threading.Thread(target=self.send, args=(pending,), name="rlalign-sender", daemon=True)
         sender.start()
         step = first_step
         try:
             for step in range(first_step, total_steps):
                 need = max(0, step - self.k)
+                idle_from = time.perf_counter()
                 while version < need:
                     self.say(f"waiting for the weights of version {need} (has {version}) to sample step {step}")
                     published = self.versions.get()
@@ -158,13 +159,14 @@ class _Producer:
                     if published == need:
                         self.load(published)
                     version = published
+                idle = time.perf_counter() - idle_from  # waiting for the learner's weights
                 self.say(f"sampling step {step} with the weights of version {version}")
                 if getattr(self.inner, "pipelined", False):  # scored on a worker thread while the next step samples
                     future = scoring.submit(self.score, self.inner.sample(_StepState(step)))
                 else:
                     future = concurrent.futures.Future()
                     future.set_result(self.inner.next(_StepState(step)))
-                pending.put((step, version, future))
+                pending.put((step, version, idle, future))
             self.say("done sampling")
             pending.put(None)
             sender.join()
@@ -176,13 +178,14 @@ class _Producer:
     def send(self, pending: queue.Queue) -> None:
         """The sender thread: each scored batch to the learner's queue, in step order."""
         while (item := pending.get()) is not None:
-            step, version, future = item
+            step, version, idle, future = item
             try:
                 batch = future.result()
             except BaseException:  # noqa: BLE001 - the scoring's failure goes to the learner, named
                 self.out.put(("error", step, traceback.format_exc(limit=8)))
                 return
             batch.version = version
+            batch.metrics["time/producer_idle"] = idle
             self.out.put(("batch", step, _to_bytes(batch_state(batch))))
 
     def load(self, version: int) -> None:
