@@ -53,12 +53,11 @@ import functools
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rlalign.lm.code_formats import IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, check_tests, io_tests
+from rlalign.lm.code_formats import IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, check_tests, extract_code, io_tests
 from rlalign.lm.sandbox import Sandbox, SandboxLimits
 
 __all__ = [
@@ -69,7 +68,6 @@ __all__ = [
 CODE_FORMATS = ("auto", "asserts", "mbpp", "humaneval", "stdio", "call")
 CODE_COLUMNS = ("tests", "test", "entry_point", "test_list", "test_setup_code", "test_imports", *IO_COLUMNS, "private_tests", "generated_tests", "fn_name")
 
-_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 # Runs inside the sandbox: the program, the setup, then each case's expression(s), each case under
 # its time limit; one report line per case on fd 3: "<index>\t<kind>\t<repr of the list of the
@@ -110,12 +108,6 @@ def _main():
         os.write(3, line.encode())
 _main()
 """
-
-
-def extract_code(completion: str) -> str:
-    """The last fenced code block of ``completion``, or the whole text when there is none."""
-    blocks = _FENCE.findall(completion)
-    return blocks[-1] if blocks else completion
 
 
 # Functions the check outside the sandbox may call on reported values: pure, on plain literals.

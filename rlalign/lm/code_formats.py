@@ -46,6 +46,7 @@ import ast
 import builtins
 import functools
 import json
+import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,15 @@ from rlalign.errors import RLAlignError
 from rlalign.lm.code_harness import literal
 from rlalign.lm.sandbox import Sandbox
 
-__all__ = ["Job", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS"]
+__all__ = ["Job", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS", "extract_code"]
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    """The last fenced code block of ``completion``, or the whole text when there is none."""
+    blocks = _FENCE.findall(completion)
+    return blocks[-1] if blocks else completion
 
 HARNESS = Path(__file__).with_name("code_harness.py").read_text()
 IO_COLUMNS = ("input_output", "verification_info", "public_tests")  # a row with one of these has stdio or call cases
@@ -199,7 +208,6 @@ def _calls_check(statement: ast.stmt) -> bool:
 def prompt_helpers(prompt: str, entry_point: str) -> tuple[str, frozenset[str]]:
     """(source, names) of what the prompt's code defines besides ``entry_point`` (imports, functions,
     classes, assignments), when the prompt (or its last fenced code block) parses as Python; else ("", {})."""
-    from rlalign.lm.code_execution import extract_code  # noqa: PLC0415 - that module imports this one
 
     for text in (prompt, extract_code(prompt)):
         try:

@@ -134,7 +134,7 @@ class RewardModelReward:
       The text is tokenized with ``add_special_tokens=False``, right-padded, positions 0..T-1, and
       the score is read at the last token whose id is not the pad id (the tokenizer's pad token, its
       EOS when it has none, as TRL sets it): transformers' ``*ForSequenceClassification`` rule.
-    - ``"eos"``: how ``rlalign rm`` trains (:func:`rlalign.lm.data.collate_preferences`): the prompt
+    - ``"eos"``: how ``rlalign rm`` trains (:func:`rlalign.lm.encoding.collate_preferences`): the prompt
       encoded as the policy reads it, the completion's tokens closed by EOS, the score read at that
       EOS; sequences longer than ``max_length`` keep their last tokens.
 

@@ -210,7 +210,7 @@ class SamplingConfig(Config):
 
 
 class RLOptimConfig(OptimConfig):
-    """:class:`rlalign.train.common.OptimConfig` with RL defaults: a small, constant learning rate."""
+    """:class:`rlalign.train.run_config.OptimConfig` with RL defaults: a small, constant learning rate."""
 
     lr: float = Field(1e-5, gt=0, description="peak learning rate")
     min_lr_ratio: float = Field(1.0, ge=0, le=1, description="final learning rate as a fraction of lr (cosine decay); 1 = constant")
