@@ -16,9 +16,10 @@ stand-in for a sandbox, a judge or a remote server); (c) the code-execution rewa
 completion run in its own bubblewrap sandbox against a two-assert test). "hidden" is the share of
 (b)'s wait that the asynchronous run no longer pays: 1 - (async (b) - async (a)) / (sync (b) - sync (a)).
 
-learning: the demo's arithmetic GRPO stage (SFT start, 64 prompts x 8, temperature 0.7) at k = 0
-(synchronous), 1 and 2 (decoupled objective, ``tis_cap: 2``), for each seed; reported: the held-out
-greedy accuracy before and after (the trainer's ``eval/reward/mean``), per k, mean and spread over
+learning: the demo's arithmetic GRPO stage (one SFT start, 64 prompts x 8, temperature 0.7) at k = 0
+(synchronous), 1 and 2 (decoupled objective, ``tis_cap: 2``), for each GRPO seed; reported: the held-out
+reward before and after (the trainer's ``eval/reward/mean``: greedy exact answers, or with ``--reward
+length`` TRL's quick-start reward -|20 - len| over up to 24 new tokens), per k, mean and spread over
 seeds.
 """
 
@@ -37,6 +38,11 @@ from rlalign.config import load_config
 from rlalign.demo import DemoConfig
 from rlalign.tasks import TASKS
 from rlalign.train import grpo, sft
+
+
+def length_reward(completions, **kwargs):
+    """TRL's quick-start reward, -|20 - len(completion)|: dense, so a few steps show learning."""
+    return [-abs(20 - len(c)) for c in completions]
 
 
 def wait_one_second(completions, **kwargs):
@@ -140,18 +146,21 @@ def speed(args) -> None:
 def learning(args) -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="async_learning_"))
     results: dict[int, list[tuple[float, float]]] = {}
+    model = sft_start(out, args.sft_steps, 0)  # one SFT start; the seeds vary the GRPO runs (prompts, sampling)
     for seed in args.seeds:
-        model = sft_start(out, args.sft_steps, seed)
         for k in args.staleness:
             options = {"async_rollouts.enabled": True, "async_rollouts.max_staleness": k, "tis_cap": 2.0} if k > 0 else {}
-            cfg = load_config(grpo.GRPOConfig, None, demo_grpo(model, out / f"grpo_{seed}_{k}", args.steps, seed, **{"eval.every": args.steps, **options}))
+            overrides = {"eval.every": args.steps, "optim.lr": args.lr, **options}
+            if args.reward == "length":
+                overrides.update({"rewards": [], "sampling.max_new_tokens": 24})
+            cfg = load_config(grpo.GRPOConfig, None, demo_grpo(model, out / f"grpo_{seed}_{k}", args.steps, seed, **overrides))
             torch.set_num_threads(1)
-            history = grpo.train(cfg).history
+            history = grpo.train(cfg, reward_functions=[length_reward] if args.reward == "length" else []).history
             records = [json.loads(line) for line in (out / f"grpo_{seed}_{k}" / "metrics.jsonl").read_text().splitlines()]
             evals = [r["eval/reward/mean"] for r in records if "eval/reward/mean" in r]
             results.setdefault(k, []).append((evals[0], evals[-1]))
             print(json.dumps({"seed": seed, "k": k, "eval_before": evals[0], "eval_after": evals[-1], "train_reward_last5": statistics.mean(r["reward/mean"] for r in history[-5:])}), flush=True)
-    print("\n| k | held-out accuracy before | after, mean | after, per seed |")
+    print("\n| k | held-out reward before | after, mean ± spread | after, per seed |")
     print("|---:|---:|---:|---|")
     for k, pairs in results.items():
         after = [a for _, a in pairs]
@@ -175,8 +184,10 @@ def main() -> None:
     le = sub.add_parser("learning")
     le.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     le.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
-    le.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
-    le.add_argument("--sft-steps", type=int, default=1000, help="SFT steps of each seed's start (the demo: 1000)")
+    le.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
+    le.add_argument("--reward", choices=["arithmetic", "length"], default="arithmetic", help="the demo's exact-answer reward, or TRL's quick-start length reward")
+    le.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (the demo: 1e-4)")
+    le.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the start (the demo: 1000)")
     le.add_argument("--out", default=None)
     le.set_defaults(run=learning)
     args = parser.parse_args()
