@@ -111,11 +111,11 @@ def speed(args) -> None:
         from _lm_bench import smollm2_checkpoint  # benchmarks/ is on the path when this script runs
 
         path = smollm2_checkpoint()
-        for tokens in (32, 128):
+        for tokens in args.smollm2_tokens:
             base = {
                 "model.path": str(path), "output_dir": str(out / "smol"), "data.task": "arithmetic", "data.num_prompts": 512,
                 "rewards": [{"function": "arithmetic"}], "steps": steps, "prompts_per_step": 2, "group_size": 8, "sampling.max_new_tokens": tokens,
-                "optim.lr": 1e-6, "beta": 0.0, "save_every": 0, "progress": False, "overwrite": True, "plots": False, "eval.every": 0,
+                "optim.lr": 1e-6, "beta": 0.0, "save_every": 0, "progress": False, "overwrite": True, "plots": False, "eval.enabled": False,
             }
             cases.append((f"SmolLM2-135M-Instruct, 2 x 8 x {tokens}, (a) built-in reward", base, (), None))
             cases.append((f"SmolLM2-135M-Instruct, 2 x 8 x {tokens}, (b) + a reward that waits 1 s", base, (wait_one_second,), None))
@@ -179,6 +179,7 @@ def main() -> None:
     s.add_argument("--sync-threads", type=int, default=2, help="torch threads of the synchronous run (the asynchronous: 1 + 1)")
     s.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (needs make bench-deps)")
     s.add_argument("--smollm2-only", action="store_true", help="only SmolLM2-135M-Instruct")
+    s.add_argument("--smollm2-tokens", type=int, nargs="+", default=[32, 128], help="SmolLM2's new tokens per completion, one case each")
     s.add_argument("--out", default=None)
     s.set_defaults(run=speed)
     le = sub.add_parser("learning")

@@ -263,9 +263,9 @@ class AsyncConfig(Config):
     """Asynchronous rollouts (rlalign.train.async_source): a producer process samples and scores ahead
     of the learner, which publishes its weights after each update."""
 
-    enabled: bool = Field(False, description="sample and score in a producer process while the learner learns (one process under torchrun is a config error)")
+    enabled: bool = Field(False, description="sample and score in a producer process while the learner learns (one process and CPU only: under torchrun, a config error)")
     max_staleness: int = Field(
-        1, ge=0, description="k: the rollout of step s is sampled by the policy after exactly max(0, s - k) updates; 0 reproduces the synchronous run"
+        1, ge=0, description="k: the rollout of step s is sampled by the policy after exactly max(0, s - k) learner steps; 0 reproduces the synchronous run"
     )
     learner_threads: int = Field(1, ge=1, description="torch threads of the learner process")
     producer_threads: int = Field(1, ge=1, description="torch threads of the producer process")
