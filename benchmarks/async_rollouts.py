@@ -119,6 +119,7 @@ def speed(args) -> None:
             }
             cases.append((f"SmolLM2-135M-Instruct, 2 x 8 x {tokens}, (a) built-in reward", base, (), None))
             cases.append((f"SmolLM2-135M-Instruct, 2 x 8 x {tokens}, (b) + a reward that waits 1 s", base, (wait_one_second,), None))
+    cases = [case for case in cases if any(f"({letter})" in case[0] for letter in args.rewards)]
     rows = []
     for name, base, rewards, prompts in cases:
         sync = timed_run(base, None, args.warmup, rewards, prompts, args.sync_threads)
@@ -180,6 +181,7 @@ def main() -> None:
     s.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (needs make bench-deps)")
     s.add_argument("--smollm2-only", action="store_true", help="only SmolLM2-135M-Instruct")
     s.add_argument("--smollm2-tokens", type=int, nargs="+", default=[32, 128], help="SmolLM2's new tokens per completion, one case each")
+    s.add_argument("--rewards", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"], help="which of the reward cases to run")
     s.add_argument("--out", default=None)
     s.set_defaults(run=speed)
     le = sub.add_parser("learning")
