@@ -14,6 +14,7 @@ from rlalign.core.advantages import (
     total_returns,
 )
 from rlalign.core.evaluation import pass_at_k
+from rlalign.core.information import cross_entropy_bits, entropy_bits, kl_bits, surprisal_bits
 from rlalign.core.kl import (
     AdaptiveKLController,
     FixedKLController,
