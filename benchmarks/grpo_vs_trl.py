@@ -44,7 +44,8 @@ forwards and ``sampling.attn_implementation: sdpa`` for the decode loop), ``rlal
 ``rlalign-bf16-copy`` (the GPU's fast settings: rlalign-bf16 with the bfloat16 sampling copy,
 ``sampling.dtype: bfloat16``, attention left at its default, SDPA, in training and decoding),
 ``-compiled`` on a side adds ``sampling.compile: true`` (the decode step and the draw through
-torch.compile; compiled during the first step, which no statistic counts), ``-compiled-all`` also
+torch.compile; compiled during the first step, which no statistic counts), ``-graphs`` that and
+``sampling.cuda_graphs: true`` (on a GPU the compiled decode step replays as a CUDA graph), ``-compiled-all`` also
 ``compile: true`` (the training forward and backward compiled with dynamic shapes), ``-compiled-train``
 only ``compile: true`` (the decode loop eager),
 ``trl`` (``bf16=False``, float32 throughout) and ``trl-bf16`` (``bf16=True``: float32 weights,
@@ -116,7 +117,7 @@ CONFIGS = {
     "llama-1b-shape": dict(prompts_per_step=8, group_size=8, max_new_tokens=256, temperature=0.7, beta=0.04, lr=1e-6, num_prompts=256),
 }
 SIDES = ("rlalign", "rlalign-compiled", "rlalign-compiled-train", "rlalign-compiled-all", "rlalign-bf16", "rlalign-bf16-eager", "rlalign-bf16-fast", "rlalign-bf16-fast-unpacked", "rlalign-bf16-fast-compiled",
-         "rlalign-bf16-copy", "rlalign-bf16-copy-compiled", "trl", "trl-bf16")
+         "rlalign-bf16-copy", "rlalign-bf16-copy-compiled", "rlalign-bf16-copy-graphs", "trl", "trl-bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             model=dict(path=str(path), dtype="float32", device=spec["device"], autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
             sampling=dict(max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"], top_k=0, top_p=1.0,
                           attn_implementation="sdpa" if spec["attn"] else None, dtype="bfloat16" if spec["copy"] else None, pack_weights=spec["pack"],
-                          compile=spec["compile_sampling"]),
+                          compile=spec["compile_sampling"], cuda_graphs=spec["cuda_graphs"]),
             optim=dict(lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=spec["steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"], mu=1, num_minibatches=1,
             advantage="group", eps_low=0.2, eps_high=0.2, beta=spec["beta"], aggregation="seq-mean-token-mean",
@@ -375,7 +376,8 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
 def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
     fast = "-fast" in side
-    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast or "-copy" in side, "compile_sampling": "-compiled" in side and not side.endswith("-compiled-train"),
+    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast or "-copy" in side, "compile_sampling": ("-compiled" in side and not side.endswith("-compiled-train")) or side.endswith("-graphs"),
+            "cuda_graphs": side.endswith("-graphs"),
             "compile_train": side.endswith(("-compiled-all", "-compiled-train")), "pack": not side.endswith("-unpacked")}
     if side.startswith("rlalign"):
         rlalign_worker(spec, chan)

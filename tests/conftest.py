@@ -29,7 +29,7 @@ def _model_device(request, monkeypatch):
 def compiled_sampling_calls(monkeypatch) -> dict[str, int]:
     """Counts of the calls that reach the compiled decode step and draw of ``sample(compile=True)``,
     so a test sees it if compiling was silently off (the counts stay 0)."""
-    calls = {"decode": 0, "draw": 0}
+    calls = {"decode": 0, "draw": 0, "graphed": 0}
 
     def counting(name, fn):
         def call(*args):
@@ -40,4 +40,5 @@ def compiled_sampling_calls(monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(compiled, "_compiled_decode_step", counting("decode", compiled._compiled_decode_step))
     monkeypatch.setattr(compiled, "_compiled_draw", counting("draw", compiled._compiled_draw))
+    monkeypatch.setattr(compiled, "_graphed_decode_step", counting("graphed", compiled._graphed_decode_step))
     return calls

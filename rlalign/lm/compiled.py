@@ -54,17 +54,25 @@ class _CompiledOnFirstCall:
 
 
 _compiled_decode_step = _CompiledOnFirstCall(_decode_step, _decode_inductor_options, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
+_graphed_decode_step = _CompiledOnFirstCall(  # the same step, replayed as a CUDA graph (torch.compile's "reduce-overhead")
+    _decode_step, lambda: {**_decode_inductor_options(), "triton.cudagraphs": True}, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT
+)
 _compiled_draw = _CompiledOnFirstCall(_draw, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)
 
 
 class CompiledSteps:
     """The decode step and the draw of one ``sample(compile=True)`` call, compiled. When torch has
     compiled RECOMPILE_LIMIT versions of one of them in this process it warns and the call goes on
-    eager (no half-finished step: the limit is checked before a compiled version runs)."""
+    eager (no half-finished step: the limit is checked before a compiled version runs).
 
-    def __init__(self, cache_keyword: str):
+    With ``cuda_graphs`` the decode step is compiled with inductor's CUDA graphs: each step marks a
+    new cudagraph-trees step first, since the loop reads a step's outputs (token, log-prob) before
+    the next replay overwrites them and keeps none of them past it."""
+
+    def __init__(self, cache_keyword: str, cuda_graphs: bool = False):
         self.compiled = True
         self.cache_keyword = cache_keyword  # cache_argument(model): inspect has no place in a compiled step
+        self.cuda_graphs = cuda_graphs
 
     def _call(self, compiled_fn, eager_fn, *args):
         if self.compiled:
@@ -86,7 +94,10 @@ class CompiledSteps:
     def decode(
         self, model: nn.Module, token: Tensor, step_mask: Tensor | dict[str, Tensor], position_ids: Tensor, cache, params: SamplingParams, uniform: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        return self._call(_compiled_decode_step, _decode_step, model, token, step_mask, position_ids, cache, self.cache_keyword, params, uniform)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        compiled_fn = _graphed_decode_step if self.cuda_graphs else _compiled_decode_step
+        return self._call(compiled_fn, _decode_step, model, token, step_mask, position_ids, cache, self.cache_keyword, params, uniform)
 
 
 

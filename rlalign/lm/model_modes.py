@@ -52,7 +52,10 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     backbone = model.backbone if isinstance(model, ScalarHeadModel) else unwrap_causal_lm(model)
     if not getattr(backbone, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model.gradient_checkpointing: {type(backbone).__name__} does not support activation checkpointing")
-    backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(backbone, "activation_checkpointing_enable"):
+        backbone.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # transformers before its rename (5.17 has only the older name)
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -201,9 +201,10 @@ def _uniforms(params: SamplingParams, noise: Tensor | None, generator: torch.Gen
     return noise.to(device)
 
 
-def _decode_steps(model: nn.Module, compile: bool) -> tuple[_EagerSteps, contextlib.AbstractContextManager]:
+def _decode_steps(model: nn.Module, compile: bool, cuda_graphs: bool = False) -> tuple[_EagerSteps, contextlib.AbstractContextManager]:
     """The step functions of one call and the context they run in: compiled (the model's eager
-    attention, which inductor fuses; the compiler's caches released after a compile), or eager when
+    attention, which inductor fuses; the compiler's caches released after a compile; on a CUDA
+    device with ``cuda_graphs``, the decode step replayed as a CUDA graph), or eager when
     ``compile`` is off or this torch lacks what the compiled step needs (:mod:`rlalign.lm.private`)."""
     if not (compile and private.ready("compiled")):
         return _EagerSteps(cache_argument(model)), contextlib.nullcontext()
@@ -212,7 +213,8 @@ def _decode_steps(model: nn.Module, compile: bool) -> tuple[_EagerSteps, context
     context = contextlib.ExitStack()
     context.enter_context(releasing_compiler_caches())
     context.enter_context(attention_kernel(model, "eager"))
-    return CompiledSteps(cache_argument(model)), context
+    graphs = cuda_graphs and next(model.parameters()).device.type == "cuda"
+    return CompiledSteps(cache_argument(model), graphs), context
 
 
 @torch.no_grad()
@@ -226,6 +228,7 @@ def sample(
     generator: torch.Generator | None = None,
     noise: Tensor | None = None,
     compile: bool = False,
+    cuda_graphs: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` completions per prompt. Returns a :class:`Rollout` of B = prompts x G rows.
 
@@ -241,6 +244,9 @@ def sample(
         noise: those uniforms given instead (then ``generator`` is unused). Shape: (max_new_tokens, B).
         compile: run the decode step and the draw compiled (see the module docstring); the first
             call per batch size and cache bucket pays the compile.
+        cuda_graphs: with ``compile`` on a CUDA device, replay the compiled decode step as a CUDA
+            graph (inductor's cudagraph trees; the StaticCache's tensors have fixed addresses); the
+            first steps of each batch size and bucket record it. Ignored on a CPU.
     """
     if not eos_token_ids:
         raise ValueError("eos_token_ids is empty: every completion would run to max_new_tokens")
@@ -272,7 +278,7 @@ def sample(
     next_position = prompt_mask.sum(-1, keepdim=True)  # (B, 1): position of the first completion token
     rows = _prompt_rows(causal_lm, prompt_mask[::group_size])  # prompts side by side in fewer rows, or None
     logits = _prefill(model, prompt_ids, prompt_mask, group_size, cache, slots, dtype, window, by_layer_type, rows)  # (B, V)
-    fns, context = _decode_steps(causal_lm, compile)
+    fns, context = _decode_steps(causal_lm, compile, cuda_graphs)
     with context, contextlib.ExitStack() as stance:
         token, token_logp = fns.draw(logits, params, None if noise is None else noise[0])  # (B,), (B,): the first token, from the prefill's logits
         for t in range(steps):

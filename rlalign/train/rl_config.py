@@ -194,6 +194,11 @@ class SamplingConfig(Config):
         "paid in the first steps; at most 64 versions per process, then eager with a warning); speed in benchmarks/RESULTS.md. "
         "Not under model.autocast without sampling.dtype, nor with model.sharding fsdp",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="with sampling.compile on a CUDA device, capture the compiled decode step in CUDA graphs (inductor's cudagraph trees): "
+        "one graph replay a step instead of a launch per kernel; no effect on a CPU",
+    )
     pack_weights: bool = Field(
         True,
         description="with sampling.dtype on a CPU, hold the copy's linear weights in oneDNN's blocked layout (the same values, "
@@ -231,6 +236,8 @@ def check_compile(compile: bool, model: ModelConfig, sampling: SamplingConfig) -
         raise ValueError("compile=true needs model.attn_implementation sdpa (or null): the eager attention does not compile with dynamic shapes")
     if sampling.compile and model.autocast != "none" and sampling.dtype is None:
         raise ValueError("sampling.compile=true does not work under model.autocast: also set sampling.dtype (e.g. bfloat16) to sample from a low-precision copy")
+    if sampling.cuda_graphs and not sampling.compile:
+        raise ValueError("sampling.cuda_graphs=true captures the compiled decode step: also set sampling.compile=true")
     if sampling.compile and model.sharding == "fsdp":
         raise ValueError("sampling.compile=true needs whole weights on every rank; with model.sharding=fsdp leave it false")
 

@@ -296,7 +296,8 @@ def sample_shard(
     policy, sampler = updater.module, updater.sampler()
     precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()  # a copy is already low-precision
     with distributed.gathered(policy), precision, evaluating(sampler), attention_kernel(sampler, sampling.attn_implementation):
-        rollout = sample(sampler, ids, sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows], compile=sampling.compile)
+        rollout = sample(sampler, ids, sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows], compile=sampling.compile,
+                         cuda_graphs=sampling.cuda_graphs)
     return rollout.to("cpu")
 
 

@@ -79,6 +79,25 @@ def test_compiled_decode_step_on_cuda_draws_what_the_eager_one_draws(tiny_path, 
     assert compiled_sampling_calls["decode"] > 0 and compiled_sampling_calls["draw"] > 0
 
 
+def test_cuda_graphs_decode_step_draws_what_the_eager_one_draws(tiny_path, compiled_sampling_calls):
+    # sampling.cuda_graphs: the compiled step replayed as a CUDA graph draws the eager loop's tokens,
+    # over two calls (the second replays what the first recorded), and inductor skipped no graph
+    from torch._dynamo.utils import counters
+
+    tok = load_tokenizer(tiny_path)
+    model = load_policy(tiny_path, "float32", DEVICE).eval()
+    ids = [tok.encode("12+7=", add_special_tokens=False), tok.encode("3+40=", add_special_tokens=False)]
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    skips = counters["inductor"]["cudagraph_skips"]
+    for seed in (3, 4):
+        runs = [sample(model, ids, params, tok.pad_token_id, [tok.eos_token_id], group_size=2, generator=torch.Generator().manual_seed(seed),
+                       compile=c, cuda_graphs=c) for c in (False, True)]
+        assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+        torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, rtol=0, atol=1e-4)
+    assert compiled_sampling_calls["graphed"] > 0 and compiled_sampling_calls["decode"] == 0
+    assert counters["inductor"]["cudagraph_skips"] == skips, "inductor ran the decode step without CUDA graphs"
+
+
 def test_sampled_evaluation_on_cuda_draws_what_the_cpu_one_draws(tiny_path):
     # generation_eval (DPO's and SFT's evaluation) seeds a private generator; the sampler draws its
     # uniforms on the CPU, so that generator must be a CPU one on a GPU too (it was the model's device)

@@ -265,6 +265,21 @@ def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight
     assert torch.equal(sample(tiny_model, PROMPTS, greedy, 0, [EOS], compile=True).completion_ids, _greedy(tiny_model, PROMPTS).completion_ids)
 
 
+def test_cuda_graphs_on_a_cpu_model_run_the_plain_compiled_step(tiny_model, compiled_sampling_calls):
+    # cuda_graphs only changes a CUDA device's step (tests/gpu checks that one); on a CPU the call is
+    # sample(compile=True) exactly, and the config refuses cuda_graphs without compile
+    from rlalign.train.rl_config import SamplingConfig, check_compile
+    from rlalign.train.run_config import ModelConfig
+
+    noise = torch.rand((8, 2 * len(PROMPTS)), generator=torch.Generator().manual_seed(5))
+    params = SamplingParams(max_new_tokens=8)
+    plain, graphed = (sample(tiny_model, PROMPTS, params, 0, [EOS], group_size=2, noise=noise, compile=True, cuda_graphs=g) for g in (False, True))
+    assert torch.equal(plain.completion_ids, graphed.completion_ids)
+    assert compiled_sampling_calls["graphed"] == 0 and compiled_sampling_calls["decode"] > 0
+    with pytest.raises(ValueError, match="sampling.cuda_graphs=true"):
+        check_compile(False, ModelConfig(path="m"), SamplingConfig(cuda_graphs=True))
+
+
 def test_the_compiled_decode_step_runs_eager_attention_and_the_model_gets_its_own_back(tiny_llama, monkeypatch):
     # inside the compiled decode loop the model runs its "eager" attention (inductor fuses it; SDPA's
     # CPU kernel is slow for one query row); the prefill and everything after keep the model's own

@@ -180,8 +180,17 @@ def test_sft_and_reward_model_with_micro_batches_or_checkpointing_are_the_same_r
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("older_transformers", [False, True], ids=["now", "before-rename"])
 @pytest.mark.parametrize("make", [make_llama, make_gpt2], ids=["llama", "gpt2"])
-def test_checkpointed_training_forward_has_the_same_logits_and_gradients(make):
+def test_checkpointed_training_forward_has_the_same_logits_and_gradients(make, older_transformers, monkeypatch):
+    # before-rename: a transformers without activation_checkpointing_enable (5.17), whose
+    # gradient_checkpointing_enable takes gradient_checkpointing_kwargs
+    if older_transformers:
+        from transformers import PreTrainedModel
+
+        enable = PreTrainedModel.activation_checkpointing_enable
+        monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
+        monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", lambda self, gradient_checkpointing_kwargs: enable(self, gradient_checkpointing_kwargs))
     # rows 0-1 and 2-3 share a prompt (a GRPO group): the plain model runs each prompt once through
     # the KV cache; the checkpointed one cannot keep that cache and runs every row whole
     prompt_ids = torch.tensor([[5, 6, 7], [5, 6, 7], [0, 8, 9], [0, 8, 9]])
