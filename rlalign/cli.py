@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dpo": ("rlalign.train.dpo", "direct preference optimisation (DPO, IPO, cDPO, SimPO)"),
     "grpo": ("rlalign.train.grpo", "GRPO on a causal LM"),
     "ppo": ("rlalign.train.ppo", "RLHF PPO on a causal LM (policy, reference, reward model, critic)"),
+    "distill": ("rlalign.train.distill", "on-policy distillation from a teacher (reverse KL on the student's samples, GKD)"),
     "serve-reward": ("rlalign.serve_reward", "serve a reward model or a Python reward function over HTTP (for remote rewards)"),
     "config": ("rlalign.config_command", "print a command's full default config as YAML, each field with its description"),
 }

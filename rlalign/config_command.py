@@ -15,6 +15,7 @@ CONFIG_CLASSES = {
     "dpo": "rlalign.train.dpo:DPOConfig",
     "grpo": "rlalign.train.grpo:GRPOConfig",
     "ppo": "rlalign.train.ppo:PPOConfig",
+    "distill": "rlalign.train.distill:DistillConfig",
     "demo": "rlalign.demo:DemoConfig",
     "classic-q_learning": "rlalign.classic.q_learning:QLearningConfig",
     "classic-dqn": "rlalign.classic.dqn:DQNConfig",

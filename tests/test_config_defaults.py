@@ -27,6 +27,7 @@ from rlalign.classic.value_iteration import ValueIterationConfig
 from rlalign.classic.vpg import VPGConfig
 from rlalign.config import ConfigError, load_config
 from rlalign.demo import DemoConfig
+from rlalign.train.distill import DistillConfig
 from rlalign.train.dpo import DPOConfig
 from rlalign.train.grpo import GRPOConfig
 from rlalign.train.ppo import PPOConfig
@@ -35,7 +36,7 @@ from rlalign.train.sft import SFTConfig
 
 SNAPSHOT = Path(__file__).parent / "data" / "config_defaults.json"
 COMMANDS = {
-    "grpo": GRPOConfig, "ppo": PPOConfig, "sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "demo": DemoConfig,
+    "grpo": GRPOConfig, "ppo": PPOConfig, "distill": DistillConfig, "sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "demo": DemoConfig,
     "classic q_learning": QLearningConfig, "classic dqn": DQNConfig, "classic vpg": VPGConfig, "classic trpo": TRPOConfig,
     "classic ppo": ClassicPPOConfig, "classic value_iteration": ValueIterationConfig,
 }

@@ -87,10 +87,10 @@ def check_one_process(cfg, world: distributed.World) -> None:
             raise ConfigError(f"{what} runs in one process: under torchrun {why}")
 
 
-def open_source(cfg, run, updater, state, tools=None) -> RolloutSource:
-    """The run's rollout source: the in-process one of the config (:func:`rlalign.train.sources.make_source`),
+def open_source(cfg, run, updater, state, tools=None, inner: RolloutSource | None = None) -> RolloutSource:
+    """The run's rollout source: ``inner``, by default the in-process one of the config (:func:`rlalign.train.sources.make_source`),
     run by a producer process when ``cfg.async_rollouts.enabled``."""
-    inner = make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world, tools, state.data_position)
+    inner = inner or make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world, tools, state.data_position)
     if not cfg.async_rollouts.enabled:
         return inner
     if run.device != "cpu":

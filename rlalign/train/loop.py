@@ -174,8 +174,10 @@ class RLRun(Run):
         )
 
 
-def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None, reward_functions: Sequence[RewardTerm], rows_per_step: int, minibatches: int) -> RLRun:
-    """:func:`start_run`, then the prompts and the reward terms. Shared by GRPO and PPO (``cfg``: an :class:`rlalign.train.rl_config.RLConfig`)."""
+def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None, reward_functions: Sequence[RewardTerm], rows_per_step: int, minibatches: int,
+                 rewards_required: bool = True) -> RLRun:
+    """:func:`start_run`, then the prompts and the reward terms. Shared by GRPO, PPO and distillation (``cfg``: an
+    :class:`rlalign.train.rl_config.RLConfig`); ``rewards_required`` False: a run without reward terms has none (distillation logs them only)."""
     check_world(distributed.init(cfg.model.device), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
     run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step", resume)
     with contextlib.ExitStack() as on_error:
@@ -185,7 +187,8 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
         context = context_length(run.base_path, cfg.model.gguf_file)
         check_prompt_lengths(prompt_set, run.tokenizer, context, cfg.sampling.max_new_tokens)
         check_prompt_lengths(eval_prompts, run.tokenizer, context, cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens)
-        rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world)
+        wanted = rewards_required or cfg.rewards or reward_functions
+        rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world) if wanted else []
         on_error.pop_all()
     return RLRun(**vars(run), prompts=prompt_set, rewards=rewards, eval_prompts=eval_prompts)
 

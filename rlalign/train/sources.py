@@ -13,6 +13,9 @@ Every way of making a rollout is a source, and GRPO and PPO take any of them:
 - :class:`DynamicSource`: DAPO's dynamic sampling (draws until the step holds ``prompts_per_step`` groups
   whose rewards do not all tie);
 - :class:`ToolSource`: multi-turn tool use (tool results between turns, left out of the loss);
+- :class:`OfflineSource`: the data's own completions, no sampling (GKD's off-policy share);
+- :class:`MixedSource`: the steps :func:`on_policy_step` picks from one source, the others from another
+  (GKD's lambda: the student's samples on a share of the steps, the data's completions on the rest);
 - :class:`rlalign.train.async_source.AsyncSource`: any of these run in a producer process, ahead of the
   learner by at most ``async.max_staleness`` updates.
 
@@ -37,7 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.core.advantages import overlong_penalty
-from rlalign.lm.data import PromptExample
+from rlalign.lm.data import DataError, PromptExample
+from rlalign.lm.encoding import example_tokens
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.tools import ToolRegistry
 from rlalign.train import distributed
@@ -46,7 +50,8 @@ from rlalign.train.seeding import batch_order
 from rlalign.train.tool_rollout import ToolRollout, sample_tool_shard, tool_registry
 
 __all__ = [
-    "ScoredBatch", "Sampled", "RolloutSource", "Scorer", "SampledSource", "DynamicSource", "ToolSource", "sampling_generator", "make_source", "make_scorer",
+    "ScoredBatch", "Sampled", "RolloutSource", "Scorer", "SampledSource", "DynamicSource", "ToolSource", "OfflineSource", "MixedSource",
+    "sampling_generator", "on_policy_step", "data_completions", "tokenized_rollout", "make_source", "make_scorer",
 ]
 
 
@@ -270,6 +275,116 @@ def tool_metrics(episodes: ToolRollout) -> dict[str, float]:
         "tools/messages": episodes.tool_messages.float().mean().item(),
         "tools/tokens_frac": 1.0 - (episodes.assistant_mask.sum() / tokens).item(),
     }
+
+
+def data_completions(examples: Sequence[PromptExample], where: str) -> list:
+    """Each record's own completion: its ``completion`` column, else ``chosen`` (a preference pair's
+    preferred response), text or messages.
+
+    Raises:
+        DataError: naming the first record with neither.
+    """
+    out = []
+    for i, ex in enumerate(examples):
+        completion = ex.metadata.get("completion", ex.metadata.get("chosen"))
+        if not completion:
+            raise DataError(f"{where}: record {i} has no 'completion' (or 'chosen') column to train on off-policy; columns: {sorted(ex.metadata)}")
+        out.append(completion)
+    return out
+
+
+def tokenized_rollout(tokenizer, prompts: Sequence, completions: Sequence, max_new_tokens: int) -> Rollout:
+    """Prompt + completion pairs as a Rollout, tokenised as SFT tokenises them (the completion closed
+    by EOS) and the completion cut at ``max_new_tokens`` (then ``truncated``); log-probs 0, one row per
+    group."""
+    rows = []
+    for prompt, completion in zip(prompts, completions):
+        ids, is_target = example_tokens(tokenizer, prompt, completion)
+        start = is_target.index(1)
+        rows.append((ids[:start], ids[start:][:max_new_tokens], len(ids) - start > max_new_tokens))
+    pad, width_p, width_c = tokenizer.pad_token_id, max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    return Rollout(
+        torch.tensor([[pad] * (width_p - len(p)) + p for p, _, _ in rows]),  # (B, P) left-padded
+        torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p, _, _ in rows]),
+        torch.tensor([c + [pad] * (width_c - len(c)) for _, c, _ in rows]),  # (B, C) right-padded
+        torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for _, c, _ in rows]),
+        torch.zeros(len(rows), width_c),
+        torch.arange(len(rows)),
+        torch.tensor([cut for _, _, cut in rows]),
+    )
+
+
+@dataclass
+class OfflineSource:
+    """The data's own completions (:func:`data_completions`), no sampling: the step's ``n`` records,
+    drawn as :class:`SampledSource` draws its prompts, tokenised by :func:`tokenized_rollout`. Not
+    scored: the reward terms judge the policy's samples, and these are not its samples."""
+
+    examples: Sequence[PromptExample]
+    tokenizer: object
+    n: int
+    seed: int
+    max_new_tokens: int
+    world: distributed.World = field(default_factory=distributed.World)
+    pipelined = False
+
+    def __post_init__(self) -> None:
+        self.completions = data_completions(self.examples, "off-policy data")
+
+    def next(self, state) -> ScoredBatch:
+        t0 = time.perf_counter()
+        index = batch_order(len(self.examples), state.step * self.n, self.n, self.seed)
+        examples = [self.examples[i] for i in index]
+        local = index[self.world.shard(self.n, "prompts_per_step")]
+        rollout = tokenized_rollout(self.tokenizer, [self.examples[i].prompt for i in local], [self.completions[i] for i in local], self.max_new_tokens)
+        scored = score_shard((), self.tokenizer, examples, rollout, rollout.decode_completions(self.tokenizer), 1, self.world)  # no terms: scores 0
+        return ScoredBatch(examples, rollout, scored, rollout.completion_mask.clone(), {}, state.step, 0.0, time.perf_counter() - t0)
+
+    def publish(self, policy: nn.Module, version: int) -> float:
+        return 0.0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def on_policy_step(seed: int, step: int, fraction: float) -> bool:
+    """Whether step ``step`` takes the policy's own samples: u < ``fraction`` for a uniform u drawn from
+    (seed, step) alone, so every process, a resumed run and a producer process agree on the schedule."""
+    if fraction >= 1.0:
+        return True
+    digest = hashlib.sha256(f"rlalign on-policy {seed} {step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64 < fraction
+
+
+@dataclass
+class MixedSource:
+    """GKD's mixture (Agarwal et al. 2024, algorithm 1): step s reads ``on_policy`` when
+    :func:`on_policy_step` (``fraction`` = lambda), else ``offline``; the batch's metric ``on_policy``
+    says which (1 or 0). The weights go to ``on_policy``, whose sampler they move."""
+
+    on_policy: RolloutSource
+    offline: RolloutSource
+    fraction: float
+    seed: int
+    pipelined = False
+
+    def next(self, state) -> ScoredBatch:
+        on = on_policy_step(self.seed, state.step, self.fraction)
+        batch = (self.on_policy if on else self.offline).next(state)
+        batch.metrics["on_policy"] = float(on)
+        return batch
+
+    def publish(self, policy: nn.Module, version: int) -> float:
+        return self.on_policy.publish(policy, version)
+
+    def state_dict(self) -> dict:
+        return self.on_policy.state_dict()
+
+    def close(self) -> None:
+        self.on_policy.close()
 
 
 def make_source(
