@@ -171,6 +171,22 @@ def test_selector_changes_the_figure(page, server_url):
     assert page.problems == [], page.problems
 
 
+def test_maze_policy_selector_recomputes_the_values_of_pi(page, server_url):
+    page.goto(f"{server_url}/explorer/maze-values")
+    page.wait_for_selector(READY, timeout=60_000)
+    page.evaluate("() => { delete document.getElementById('explorer').dataset.latencyMs; }")
+    page.select_option("select[name=policy]", "greedy")
+    page.wait_for_selector("#explorer[data-state=ready][data-latency-ms]", timeout=60_000)
+    query = page.locator("#explorer").get_attribute("data-query")
+    assert dict(parse_qsl(query))["policy"] == "greedy"
+    assert page.locator("#status").text_content().startswith("computed in")  # a compute-stage control: a new result
+    shown = plotted(page)
+    assert_same_figure(shown, expected("maze-values", query))
+    v_pi = next(t for t in shown["data"] if t["name"] == "V^π")["z"]
+    np.testing.assert_allclose(v_pi, [[8.1, 9.0, 0.0], [9.0, 10.0, 0.0]], atol=1e-12)  # V^{pi*} = V*
+    assert page.problems == [], page.problems
+
+
 def test_index_links_to_every_explorer(page, server_url):
     page.goto(server_url)
     links = page.locator("#explorers a").evaluate_all("links => links.map(a => a.getAttribute('href'))")

@@ -1,4 +1,5 @@
-"""MazeValueIteration: the 2x3 maze's V*, Q*, greedy policy and value-iteration sweeps against hand-derived numbers.
+"""MazeValueIteration: the 2x3 maze's V*, Q*, greedy policy and value-iteration sweeps against hand-derived numbers,
+and V^pi, Q^pi, A^pi of the policy the page selects (exact, and by Monte Carlo).
 
 The maze (rlalign/classic/maze.py), states s = 3*row + col, actions 0 up, 1 down, 2 left, 3 right:
 
@@ -125,3 +126,77 @@ def test_run_explorer_writes_figure_and_json(tmp_path):
     assert len(numbers["values"]) == 31 and numbers["values"][0] == [0.0] * 6
     assert np.asarray(numbers["q_star"]).shape == (6, 4)
     assert numbers["policy"] == [RIGHT, DOWN, 0, RIGHT, RIGHT, 0]
+    assert numbers["pi_name"] == "uniform" and np.asarray(numbers["a_pi"]).shape == (6, 4)
+    np.testing.assert_allclose(numbers["v_pi"], np.array([-900, -1300, 0, 900, 1300, 0]) / 439, atol=1e-12)
+    assert numbers["mc_v"][-1][2] is None  # the trap is never visited: nan is written as null
+
+
+# ---------------------------------------------------------------- the values of a chosen policy pi
+
+LIVE = [0, 1, 3, 4]
+V_UNIFORM = np.array([-900, -1300, 0, 900, 1300, 0]) / 439  # by hand in tests/classic/test_policy_evaluation.py
+
+
+def test_default_policy_is_uniform_with_its_hand_derived_values(res):
+    assert res.pi_name == "uniform" and res.pi.shape == (6, 4)
+    np.testing.assert_array_equal(res.pi, np.full((6, 4), 0.25))
+    np.testing.assert_allclose(res.v_pi, V_UNIFORM, rtol=0, atol=1e-12)
+    # Q^pi(4, right) = 10 (the goal), Q^pi(1, right) = -10 (the trap), Q^pi(1, down) = 0.9 V^pi(4) = 1170/439
+    assert res.q_pi[4, RIGHT] == pytest.approx(10.0) and res.q_pi[1, RIGHT] == pytest.approx(-10.0)
+    assert res.q_pi[1, DOWN] == pytest.approx(1170 / 439, abs=1e-12)
+    np.testing.assert_allclose(res.a_pi, res.q_pi - res.v_pi[:, None], atol=0)
+    np.testing.assert_allclose((res.pi * res.a_pi).sum(axis=1), 0.0, atol=1e-12)  # sum_a pi(a|s) A^pi(s, a) = 0
+
+
+@pytest.mark.parametrize("policy, extra", [("uniform", {}), ("greedy", {}), ("epsilon-greedy", {"epsilon": 0.35}),
+                                           ("arrows", {"arrow_0": "down", "arrow_1": "left", "arrow_4": "up"})])
+def test_advantage_averages_to_zero_under_every_policy(policy, extra):
+    r = maze_values.compute(policy=policy, episodes=200, **extra)
+    np.testing.assert_allclose(r.pi.sum(axis=1), 1.0, atol=1e-12)
+    np.testing.assert_allclose((r.pi * r.a_pi).sum(axis=1), 0.0, atol=1e-12)
+    assert (r.v_pi <= r.v_star + 1e-12).all()  # no policy beats V*
+
+
+def test_greedy_policy_has_the_optimal_values():
+    r = maze_values.compute(policy="greedy", episodes=300)
+    np.testing.assert_allclose(r.v_pi, r.v_star, atol=1e-12)  # V^{pi*} = V*
+    np.testing.assert_allclose(r.q_pi, r.q_star, atol=1e-12)  # Q^{pi*} = Q*
+    assert (r.a_pi <= 1e-12).all()
+    np.testing.assert_allclose(r.mc_v[-1, LIVE], r.v_star[LIVE], atol=1e-12)  # deterministic returns: Monte Carlo is exact
+    np.testing.assert_allclose(r.mc_error, 0.0, atol=1e-12)
+    np.testing.assert_array_equal(maze_values.maze_policy("greedy", r.q_star), maze_values.maze_policy("epsilon-greedy", r.q_star, 0.0))
+
+
+def test_epsilon_greedy_and_arrows_policies_by_hand():
+    q_star = maze_values.compute(episodes=100).q_star
+    # eps = 0.2 around Q*: 0.05 on each action plus 0.8 on the greedy one (right at the start)
+    np.testing.assert_allclose(maze_values.maze_policy("epsilon-greedy", q_star, 0.2)[0], [0.05, 0.05, 0.05, 0.85], atol=1e-15)
+    np.testing.assert_allclose(maze_values.maze_policy("epsilon-greedy", q_star, 1.0), np.full((6, 4), 0.25), atol=1e-15)
+    # right at 0 and right at 1 walks into the trap: V^pi(1) = -10, V^pi(0) = -9; the bottom row keeps its greedy arrows
+    r = maze_values.compute(policy="arrows", arrow_0="right", arrow_1="right", episodes=100)
+    np.testing.assert_allclose(r.v_pi, [-9.0, -10.0, 0.0, 9.0, 10.0, 0.0], atol=1e-12)
+    assert r.a_pi[1, DOWN] == pytest.approx(0.9 * 10.0 + 10.0)  # down to 4 (then right into the goal) instead of the trap
+    with pytest.raises(ValueError, match="policy must be one of"):
+        maze_values.maze_policy("softmax", q_star)
+
+
+def test_monte_carlo_estimate_converges_to_v_pi(res):
+    n = res.mc_episodes
+    assert n[0] == 10 and n[-1] == 2000 and np.all(np.diff(n) > 0)
+    se = res.mc_v_se[:, LIVE]
+    # 2000 first-visit episodes: each live cell within 4.5 standard errors of V^pi, and the error bar about 1/sqrt(n)
+    assert (np.abs(res.mc_v[-1, LIVE] - res.v_pi[LIVE]) <= 4.5 * se[-1]).all()
+    i200 = int(np.argmin(np.abs(n - 200)))
+    np.testing.assert_allclose(se[-1] / se[i200], np.sqrt(n[i200] / n[-1]), rtol=0.25)
+    assert res.mc_error[-1] < 0.5 and res.mc_error[-1] < res.mc_error[0] / 4
+    np.testing.assert_allclose(res.mc_error, np.abs(res.mc_v[:, LIVE] - res.v_pi[LIVE]).max(axis=1), atol=0)
+    # exploring starts give a Monte-Carlo Q^pi for every live pair; the pairs into the goal and the trap are exact
+    assert np.abs(res.mc_q[LIVE] - res.q_pi[LIVE]).max() < 1.0
+    assert res.mc_q[4, RIGHT] == 10.0 and res.mc_q[1, RIGHT] == -10.0
+
+
+def test_more_episodes_shrink_the_error():
+    small, large = (maze_values.compute(episodes=e, seed=5) for e in (200, 20_000))
+    assert large.mc_episodes[-1] == 20_000
+    assert np.nanmax(large.mc_v_se[-1, LIVE]) < np.nanmax(small.mc_v_se[-1, LIVE]) / 8  # 1/sqrt(100) = 1/10
+    assert large.mc_error[-1] < 0.15

@@ -204,8 +204,27 @@ def test_maze_figure_follows_the_sweep_slider():
     _, fig3 = live_figure("maze-values", sweep=3)
     assert fig3["data"][0]["z"] == [[8.1, 9.0, 0.0], [9.0, 10.0, 0.0]]  # V* by hand (gamma 0.9), exact at sweep 3
     assert trace_named(fig3, "Q*")["z"][0][3] == pytest.approx(8.1)  # start cell, right
-    arrows = [a for a in fig3["layout"]["annotations"] if a.get("showarrow")]
+    arrows = [a for a in fig3["layout"]["annotations"] if a.get("showarrow") and a["xref"] == "x"]
     assert len(arrows) == 4  # one greedy arrow per non-terminal cell
+
+
+def test_maze_figure_follows_the_policy_selector():
+    # uniform random pi, gamma 0.9: V^pi = (-900, -1300, 0, 900, 1300, 0) / 439 (tests/classic/test_policy_evaluation.py)
+    res, fig = live_figure("maze-values", policy="uniform")
+    _close(trace_named(fig, "V^π")["z"], (np.array([-900, -1300, 0, 900, 1300, 0]) / 439).reshape(2, 3))
+    _close(trace_named(fig, "A^π = Q^π − V^π")["z"], res.a_pi[[0, 1, 3, 4]])
+    assert trace_named(fig, "A^π = Q^π − V^π")["z"][3][3] == pytest.approx(3090 / 439)  # s4, right: 10 - 1300/439
+    pi_arrows = [a for a in fig["layout"]["annotations"] if a.get("showarrow") and a["xref"] == "x3"]
+    assert len(pi_arrows) == 16  # four equally long arrows per live cell
+    # the greedy policy of Q* has V^pi = V* and one arrow per cell
+    _, greedy = live_figure("maze-values", policy="greedy")
+    _close(trace_named(greedy, "V^π")["z"], [[8.1, 9.0, 0.0], [9.0, 10.0, 0.0]])
+    assert len([a for a in greedy["layout"]["annotations"] if a.get("showarrow") and a["xref"] == "x3"]) == 4
+    # arrows: right at the start and right again at 1 walks into the trap: V^pi(1) = -10, V^pi(0) = 0.9 * -10
+    res, arrows = live_figure("maze-values", policy="arrows", arrow_0="right", arrow_1="right")
+    assert trace_named(arrows, "V^π")["z"][0][:2] == [pytest.approx(-9.0), pytest.approx(-10.0)]
+    _close(trace_named(arrows, "s0 (start): V^π estimate")["y"], res.mc_v[:, 0])
+    assert res.mc_v[-1, 0] == pytest.approx(-9.0)  # deterministic returns: Monte Carlo is exact
 
 
 # ---------------------------------------------------------------- the app's routes
@@ -248,7 +267,8 @@ def test_a_shared_link_opens_at_its_values(client):
     page = client.get("/explorer/maze-values", params={"sweep": "2", "gamma": "0.8"})
     assert "name='sweep' data-param min='0' max='30' step='1' value='2'>" in page.text
     assert "name='gamma' data-param min='0.5' max='0.99' step='0.01' value='0.8'>" in page.text
-    assert "href='/api/maze-values/download.png?sweep=2&amp;gamma=0.8'" in page.text
+    assert ("href='/api/maze-values/download.png?sweep=2&amp;gamma=0.8&amp;policy=uniform&amp;epsilon=0.2&amp;arrow_0=right&amp;"
+            "arrow_1=down&amp;arrow_3=right&amp;arrow_4=right&amp;episodes=2000'") in page.text
 
 
 def test_figure_stage_controls_recompute_nothing(client):
@@ -269,7 +289,8 @@ def test_downloads_are_the_figure_and_numbers_of_the_current_values(client):
     image = np.asarray(Image.open(io.BytesIO(png.content)).convert("L"))
     assert image.shape[0] > 300 and (image < 250).mean() > 0.05  # not blank
     data = client.get("/api/maze-values/download.json", params={"gamma": "0.5"}).json()
-    assert data["params"] == {"sweep": 1, "gamma": 0.5}
+    assert data["params"] == {"sweep": 1, "gamma": 0.5, "policy": "uniform", "epsilon": 0.2, "arrow_0": "right", "arrow_1": "down",
+                              "arrow_3": "right", "arrow_4": "right", "episodes": 2000}
     np.testing.assert_allclose(data["result"]["v_star"], maze_values.compute(gamma=0.5).v_star)
 
 
