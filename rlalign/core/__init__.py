@@ -7,6 +7,7 @@ from rlalign.core.advantages import (
     kl_shaped_rewards,
     overlong_penalty,
     last_token_index,
+    reinforce_plus_plus_advantages,
     reward_to_go,
     rloo_advantages,
     td_residuals,
@@ -14,6 +15,7 @@ from rlalign.core.advantages import (
     total_returns,
 )
 from rlalign.core.evaluation import pass_at_k
+from rlalign.core.importance import importance_weights
 from rlalign.core.information import cross_entropy_bits, entropy_bits, kl_bits, surprisal_bits
 from rlalign.core.kl import (
     AdaptiveKLController,
@@ -39,6 +41,7 @@ from rlalign.core.losses import (
     truncated_is_weights,
     value_loss,
 )
+from rlalign.core.policy_losses import cispo_loss, sapo_loss
 from rlalign.core.preference import PreferenceStats, dpo_loss, ipo_loss, simpo_loss
 from rlalign.core.masks import masked_mean, masked_sum, masked_var, masked_whiten, whiten
 

@@ -29,6 +29,7 @@ __all__ = [
     "last_token_index",
     "group_advantages",
     "rloo_advantages",
+    "reinforce_plus_plus_advantages",
 ]
 
 
@@ -255,3 +256,39 @@ def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
     advantages = grouped - others_mean
     tied = grouped.std(dim=1, keepdim=True) == 0
     return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1)
+
+
+def reinforce_plus_plus_advantages(scores: Tensor, group_size: int, baseline: bool = False, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++", global advantage normalisation): no critic and no per-group
+    scale; the rewards are normalised over the whole batch.
+
+        REINFORCE++             A_i = (R_i - mean_batch R) / std_batch R
+        REINFORCE++-baseline    R'_i = R_i - mean_{group(i)} R,   A_i = R'_i / std_batch R'
+
+    (the batch mean of R' is 0, every group being centred). OpenRLHF's ``reinforce`` /
+    ``reinforce_baseline`` and verl's ``reinforce_plus_plus`` / ``reinforce_plus_plus_baseline`` whiten
+    the same quantity over the batch's *tokens* (each completion weighted by its length) and verl's
+    ``reinforce_plus_plus`` also discounts per-token rewards; here each completion counts once (the
+    paper's per-sample form) and std is the unbiased one, as in :func:`group_advantages`. Unlike
+    GRPO's z-score, a group whose rewards all tie keeps a non-zero advantage without the baseline.
+    A batch whose values all tie (std <= eps) gets 0.
+
+    Args:
+        scores: one reward per completion, groups contiguous (for the baseline). Shape: (B,).
+        group_size: G, the completions per prompt (used by the baseline only).
+        baseline: subtract each group's mean first (REINFORCE++-baseline).
+    Returns:
+        Shape: (B,).
+    """
+    if baseline:
+        grouped = _grouped(scores, group_size)  # (B/G, G)
+        centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (B,)
+    else:
+        if scores.dim() != 1:
+            raise ValueError(f"scores must be 1-D, got {tuple(scores.shape)}")
+        scores = scores if scores.is_floating_point() else scores.to(torch.float32)
+        centred = scores - scores.mean()  # (B,)
+    std = centred.std() if centred.numel() > 1 else centred.new_zeros(())
+    if std <= eps:
+        return torch.zeros_like(centred)
+    return centred / std

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlalign.core.importance import TISStats, masked_is_weights, truncated_is_weights  # re-exported: they live in rlalign.core.importance
 from rlalign.core.kl import kl_k1, kl_k2, kl_k3
 from rlalign.core.masks import masked_mean, masked_sum, masked_var
 
@@ -32,7 +33,6 @@ __all__ = [
     "clipped_surrogate_loss",
     "truncated_is_weights",
     "masked_is_weights",
-    "IS_WEIGHTS",
     "value_loss",
     "entropy_loss",
     "kl_penalty_loss",
@@ -159,8 +159,8 @@ def clipped_surrogate_loss(
     the sequence level; every token of sequence i carries l_i = -min(s_i A_i, clip(s_i) A_i), so the
     seq-mean-token-mean aggregation gives GSPO's 1/G sum_i l_i.
 
-    ``token_weights`` w_t (detached) multiply each token's loss before aggregation: truncated
-    importance sampling's min(pi_old / pi_sampler, C) (:func:`truncated_is_weights`).
+    ``token_weights`` w_t (detached) multiply each token's loss before aggregation: the sampler's
+    importance weights (:func:`rlalign.core.importance.importance_weights`).
 
     Args:
         logp: log pi_theta(a_t), with grad. Shape: (B, C) or (N,).
@@ -209,69 +209,6 @@ def clipped_surrogate_loss(
             ratio_mean=masked_mean(ratio, m),
         )
     return loss, stats
-
-
-class TISStats(NamedTuple):
-    weight_mean: Tensor  # mean truncated weight over counted tokens
-    weight_min: Tensor
-    truncated_frac: Tensor  # share of counted tokens whose ratio exceeded the cap
-
-
-def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float, mask: Tensor | None = None) -> tuple[Tensor, TISStats]:
-    """Truncated importance sampling for the sampler/trainer mismatch: w_t = min(pi_old(a_t) / pi_sampler(a_t), C).
-
-    The tokens were drawn by the sampler (another precision or inference engine), whose
-    probabilities differ from the trainer's pi_old; weighting each token's loss by their ratio,
-    truncated at C to bound the variance, corrects the gradient towards the on-policy one (Yao et al.
-    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; Ionides 2008 for
-    truncated IS).
-
-    Args:
-        old_logp: log pi_old(a_t) by the trainer's forward. Shape: (B, C).
-        sampler_logp: log-probs the sampler drew a_t with. Shape: (B, C).
-        cap: C > 0.
-        mask: 1 on counted tokens (for the statistics).
-    Returns:
-        (weights, detached, shape (B, C); stats).
-    """
-    if cap <= 0:
-        raise ValueError(f"the truncation cap must be > 0, got {cap}")
-    ratio = torch.exp(old_logp.detach() - sampler_logp.detach())  # (B, C)
-    weights = ratio.clamp(max=cap)
-    m = _mask_like(weights, mask)
-    counted = m > 0
-    weight_min = weights[counted].min() if counted.any() else weights.new_ones(())
-    return weights, TISStats(masked_mean(weights, m), weight_min, masked_mean((ratio > cap).to(m.dtype), m))
-
-
-def masked_is_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float, mask: Tensor | None = None) -> tuple[Tensor, TISStats]:
-    """Masked importance sampling: w_t = 1 where pi_old(a_t) / pi_sampler(a_t) <= C, else 0.
-
-    Instead of shrinking the weight of a token the behaviour policy found much less likely than
-    pi_old (truncation), leave it out of the loss: the ratio's tail carries the bias of an off-policy
-    token, and masking removes it rather than keep a capped share (Yao et al. 2025 and TRL's
-    ``vllm_importance_sampling_mode``, "mask"; used for asynchronous rollouts by the decoupled objective,
-    Fu et al. 2025, AReaL).
-
-    Args:
-        old_logp: log pi_old(a_t) by the trainer's forward (the proximal policy). Shape: (B, C).
-        sampler_logp: log-probs the behaviour policy drew a_t with. Shape: (B, C).
-        cap: C > 0.
-        mask: 1 on counted tokens (for the statistics).
-    Returns:
-        (weights in {0, 1}, detached, shape (B, C); stats, truncated_frac = the share masked).
-    """
-    if cap <= 0:
-        raise ValueError(f"the masking threshold must be > 0, got {cap}")
-    ratio = torch.exp(old_logp.detach() - sampler_logp.detach())  # (B, C)
-    weights = (ratio <= cap).to(ratio.dtype)
-    m = _mask_like(weights, mask)
-    counted = m > 0
-    weight_min = weights[counted].min() if counted.any() else weights.new_ones(())
-    return weights, TISStats(masked_mean(weights, m), weight_min, masked_mean(1.0 - weights, m))
-
-
-IS_WEIGHTS = {"truncate": truncated_is_weights, "mask": masked_is_weights}  # tis_mode -> weights of the sampler/behaviour correction
 
 
 class ValueStats(NamedTuple):

@@ -9,11 +9,12 @@ Shao et al. 2024 (DeepSeekMath), eq. 3-4; seeds 003 (section 8) and 004. The mat
 
     prompts --sample G each (policy, KV cache, no grad)--> Rollout (+ sampling log-probs = log pi_old)
     Rollout --weighted reward functions / reward models--> scores (B,)
-    scores  --group z-score | batch std | mean only (Dr.GRPO) | RLOO--> A (B,), broadcast to tokens
+    scores  --group z-score | batch std | mean only (Dr.GRPO) | RLOO | REINFORCE++(-baseline)--> A (B,), broadcast to tokens
     ref_logp = frozen reference, or the LoRA base with adapters off; none when beta = 0
     mu passes x minibatches: logp = policy(prompt + completion) at completion positions only
         (each group's prompt run once, its KV cache shared by the group's G rows);
-        loss = aggregate(clipped surrogate) + beta * aggregate(k3); backward, clip, step
+        loss = aggregate(clipped surrogate | CISPO | SAPO, times the sampler's importance weight when tis_* is set)
+               + beta * aggregate(k3); backward, clip, step  (the policy term: rlalign.train.objectives)
 
 Deliberate simplifications, stated:
 - pi_old is the sampling policy for all mu passes. With one update per rollout (mu = 1, one
@@ -33,7 +34,8 @@ Deliberate simplifications, stated:
 Metrics (one metrics.jsonl line per step; minibatch statistics are means over the step's updates):
     reward/mean, reward/std, reward/<term>/mean|std   total and per-term (unweighted) rewards
     kl                    mean per-token k3 to the reference (absent when beta = 0)
-    clip_frac, clip_frac/low, clip_frac/high, approx_kl, ratio_mean   clipped-surrogate diagnostics
+    clip_frac, clip_frac/low, clip_frac/high, approx_kl, ratio_mean   clipped-surrogate (or CISPO) diagnostics; SAPO: sapo/gate_mean
+    tis/weight_mean|weight_min|truncated_frac|masked_frac|low_frac|high_frac   the sampler's importance weights (tis_cap / tis_min)
     logprob_mismatch      max |sampler log-prob - training log-prob| (one update per rollout, or model.autocast)
     ratio_dev, ratio_dev/first   max |r - 1|: over each update / on the first minibatch only (~0)
     entropy               mean per-token entropy of softmax(logits / temperature)
@@ -69,14 +71,15 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.config import ConfigError, load_config
-from rlalign.core.advantages import group_advantages, rloo_advantages
+from rlalign.core.advantages import group_advantages, reinforce_plus_plus_advantages, rloo_advantages
 from rlalign.core.kl import kl_k1, kl_k2, kl_k3
-from rlalign.core.losses import IS_WEIGHTS, clipped_surrogate_loss, entropy_loss, kl_penalty_loss
+from rlalign.core.losses import entropy_loss, kl_penalty_loss
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.objectives import policy_objective, sampler_weights
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import RewardTerm, add_score_term, completion_stats, sample_rows, scored_stats
@@ -95,8 +98,9 @@ class GRPOConfig(RLConfig):
     group_size: int = Field(8, ge=2, description="G completions per prompt; at least 2, a group's mean and std need two samples")
     mu: int = Field(1, ge=1, description="policy passes over each rollout (GRPO's mu); pi_old is the sampling policy for all of them")
     num_minibatches: int = Field(1, ge=1, description="optimiser steps per pass; the rollout is cut into this many row slices")
-    advantage: Literal["group", "batch", "none", "rloo"] = Field(
-        "group", description="group: (R - mean_g) / std_g (DeepSeekMath); batch: / std of the batch; none: R - mean_g (Dr.GRPO); rloo: leave-one-out"
+    advantage: Literal["group", "batch", "none", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        "group", description="group: (R - mean_g) / std_g (DeepSeekMath); batch: / std of the batch; none: R - mean_g (Dr.GRPO); rloo: leave-one-out; "
+        "reinforce_plus_plus: (R - mean_batch) / std_batch (REINFORCE++); reinforce_plus_plus_baseline: R - mean_g, then / its std over the batch"
     )
     eps_low: float = Field(0.2, gt=0, lt=1, description="clip the ratio below at 1 - eps_low")
     eps_high: float = Field(0.2, gt=0, description="clip the ratio above at 1 + eps_high (DAPO's clip-higher: 0.28)")
@@ -108,7 +112,6 @@ class GRPOConfig(RLConfig):
     importance_sampling: Literal["token", "sequence"] = Field(
         "token", description="token: one ratio per token (GRPO); sequence: one per completion, exp of its mean token log-ratio, clipped as a whole (GSPO)"
     )
-    dual_clip: float | None = Field(None, gt=1, description="cap the loss of negative-advantage tokens at -c * A (dual clip, c > 1); null = off")
     entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus: the loss gains -entropy_coef * aggregate(entropy)")
     overlong_buffer: int | None = Field(
         None, ge=1, description="DAPO soft overlong punishment: a reward from 0 down to -overlong_penalty over the last this many tokens of max_new_tokens; null = off"
@@ -124,6 +127,8 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"overlong_buffer={self.overlong_buffer} exceeds sampling.max_new_tokens={self.sampling.max_new_tokens}")
         if self.tools is not None and self.overlong_buffer is not None:
             raise ValueError("tools: overlong_buffer is not supported with multi-turn rollouts")
+        if self.importance_sampling == "sequence" and self.loss_type != "clip":
+            raise ValueError(f"importance_sampling: sequence (GSPO) clips the sequence ratio; loss_type={self.loss_type} works on token ratios")
         return self
 
 
@@ -138,6 +143,8 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, int], Tensor]] = {
     "batch": partial(group_advantages, scale="batch"),
     "none": partial(group_advantages, scale="none"),
     "rloo": rloo_advantages,
+    "reinforce_plus_plus": partial(reinforce_plus_plus_advantages, baseline=False),
+    "reinforce_plus_plus_baseline": partial(reinforce_plus_plus_advantages, baseline=True),
 }
 
 
@@ -145,7 +152,8 @@ def grpo_loss(
     policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, ref_logp: Tensor | None, cfg: GRPOConfig, on_policy: bool = False,
     sampler_logp: Tensor | None = None, sampled_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """L = aggregate(clipped surrogate) + beta * aggregate(KL(logp, ref_logp)) - entropy_coef * aggregate(H) on one minibatch.
+    """L = aggregate(w * l) + beta * aggregate(KL(logp, ref_logp)) - entropy_coef * aggregate(H) on one minibatch, l the
+    ``loss_type`` objective (clipped surrogate, CISPO or SAPO) and w the sampler's importance weight (``tis_*``; else 1).
 
     Args:
         rollout: the minibatch; ``rollout.logprobs`` is log pi_old, or the sampler's log-probs when
@@ -157,7 +165,7 @@ def grpo_loss(
             log pi_old = logp.detach() (r = 1 exactly, as TRL does with num_iterations = 1), and
             ``logprob_mismatch`` reports how far the sampler's log-probs were from it.
         sampler_logp: the sampler's log-probs when ``rollout.logprobs`` holds a recomputed pi_old
-            (for truncated importance sampling); None: they are ``rollout.logprobs``. Shape: (B, C).
+            (for the sampler's importance weights); None: they are ``rollout.logprobs``. Shape: (B, C).
         sampled_mask: 1 on the tokens the sampler drew, for ``logprob_mismatch`` (multi-turn rollouts:
             not the tool tokens, whose sampler log-probs are 0); None: ``rollout.completion_mask``. Shape: (B, C).
     Returns:
@@ -171,27 +179,12 @@ def grpo_loss(
     mask = mask.to(device)
     old_logp = logp.detach() if on_policy else rollout.logprobs.to(device)  # (B, C)
     sampler = (rollout.logprobs if sampler_logp is None or on_policy else sampler_logp).to(device)  # (B, C)
-    stats = {}
-    weights = None
-    if cfg.tis_cap is not None:  # min(pi_old / pi_sampler, C), or 1[pi_old / pi_sampler <= C], per token
-        weights, tis = IS_WEIGHTS[cfg.tis_mode](old_logp, sampler, cfg.tis_cap, mask)
-        stats.update({"tis/weight_mean": tis.weight_mean, "tis/weight_min": tis.weight_min, "tis/truncated_frac": tis.truncated_frac})
+    weights, stats = sampler_weights(cfg, old_logp, sampler, mask)  # (B, C) pi_old / pi_sampler truncated or masked, or None
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm (Dr.GRPO), not this batch's C
-    pg_loss, clip = clipped_surrogate_loss(
-        logp, old_logp, advantages.to(device), mask, cfg.eps_low, cfg.eps_high, cfg.dual_clip, cfg.aggregation, max_len, cfg.importance_sampling, weights
-    )
+    pg_loss, pg_stats = policy_objective(cfg, logp, old_logp, advantages.to(device), mask, cfg.eps_low, cfg.eps_high, max_len, weights, cfg.importance_sampling)
     loss = pg_loss
-    stats.update({
-        "loss/policy": pg_loss.detach(),
-        "clip_frac": clip.clip_frac,
-        "clip_frac/low": clip.clip_frac_low,
-        "clip_frac/high": clip.clip_frac_high,
-        "approx_kl": clip.approx_kl,
-        "ratio_mean": clip.ratio_mean,
-        "ratio_dev": ratio_deviation(logp, old_logp, mask),
-    })
-    if cfg.dual_clip is not None:
-        stats["clip_frac/dual"] = clip.dual_clip_frac
+    stats.update(pg_stats)
+    stats["ratio_dev"] = ratio_deviation(logp, old_logp, mask)
     if on_policy:
         sampled = rollout.completion_mask if sampled_mask is None else sampled_mask
         stats["logprob_mismatch"] = logprob_mismatch(logp, sampler, sampled.to(device))  # every sampled token, as the recompute path

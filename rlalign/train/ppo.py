@@ -5,7 +5,8 @@ Per-token reward with the KL penalty inside it (Ziegler et al. 2019; InstructGPT
 
     r_t = -beta * KL_t  (+ score(q, o) at the last completion token),  KL_t = k1 or k3 of (pi_old, pi_ref)
     A_t = GAE(gamma, lambda) over completion tokens with V from the critic   (Schulman et al. 2016)
-    L_pi = aggregate(-min(r A, clip(r, 1-eps, 1+eps) A)) - c2 * aggregate(H)       (Schulman et al. 2017)
+    L_pi = aggregate(-min(r A, clip(r, 1-eps, 1+eps) A)) - c2 * aggregate(H)       (Schulman et al. 2017;
+           loss_type: cispo | sapo swaps the per-token objective, rlalign.train.objectives)
     L_V  = 1/2 aggregate(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))
 
 One step, top to bottom (:func:`ppo_step`):
@@ -53,7 +54,7 @@ from torch import Tensor, nn
 from rlalign.config import Config, ConfigError, load_config
 from rlalign.core.advantages import kl_shaped_rewards, token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k3
-from rlalign.core.losses import IS_WEIGHTS, Aggregation, clipped_surrogate_loss, entropy_loss, value_loss
+from rlalign.core.losses import Aggregation, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.heads import load_critic
 from rlalign.lm.model_modes import enable_gradient_checkpointing
@@ -62,6 +63,7 @@ from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.objectives import policy_objective, sampler_weights
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats
@@ -107,7 +109,6 @@ class PPOConfig(RLConfig):
     kl_horizon: float = Field(10000.0, gt=0, description="adaptive controller horizon, in sequences")
     missing_eos_penalty: float | None = Field(None, ge=0, description="subtract this from the score of completions without EOS; null = no penalty")
     entropy_coef: float = Field(0.0, ge=0, description="c2: weight of the entropy bonus")
-    dual_clip: float | None = Field(None, gt=1, description="cap the loss of negative-advantage tokens at -c * A (dual clip, c > 1); null = off")
     aggregation: Aggregation = Field("token-mean", description="token-loss reduction (as for GRPO)")
 
     @model_validator(mode="after")
@@ -178,8 +179,9 @@ def critic_values(critic: nn.Module, rollout: Rollout) -> Tensor:
 def policy_loss(
     policy: nn.Module, rollout: Rollout, advantages: Tensor, mask: Tensor, cfg: PPOConfig, sampler_logp: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """L_pi = aggregate(clipped surrogate) + c2 * L_H on one minibatch (``rollout.logprobs`` = log pi_old;
-    ``sampler_logp``: the sampler's log-probs, for truncated importance sampling when they are not pi_old's)."""
+    """L_pi = aggregate(w * l) + c2 * L_H on one minibatch, l the ``loss_type`` objective (clipped surrogate, CISPO or
+    SAPO) and w the sampler's importance weight (``tis_*``; else 1); ``rollout.logprobs`` = log pi_old, ``sampler_logp``:
+    the sampler's log-probs when they are not pi_old's."""
     with forward_precision(cfg.model, policy):
         logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
     device = logits.device
@@ -187,26 +189,11 @@ def policy_loss(
     logp, entropy = logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature, cfg.entropy_coef > 0)  # (B, C) each, float32
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
-    stats, weights = {}, None
-    if cfg.tis_cap is not None:  # min(pi_old / pi_sampler, C) per token
-        weights, tis = IS_WEIGHTS[cfg.tis_mode](old_logp, old_logp if sampler_logp is None else sampler_logp.to(device), cfg.tis_cap, mask)
-        stats.update({"tis/weight_mean": tis.weight_mean, "tis/weight_min": tis.weight_min, "tis/truncated_frac": tis.truncated_frac})
-    pg_loss, clip = clipped_surrogate_loss(
-        logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, cfg.dual_clip, mode=cfg.aggregation, max_len=max_len, token_weights=weights
-    )
+    weights, stats = sampler_weights(cfg, old_logp, old_logp if sampler_logp is None else sampler_logp.to(device), mask)  # (B, C) or None
+    pg_loss, pg_stats = policy_objective(cfg, logp, old_logp, advantages.to(device), mask, cfg.eps, cfg.eps, max_len, weights)
     ent_loss, ent = entropy_loss(entropy, mask, mode=cfg.aggregation, max_len=max_len)
     loss = pg_loss + cfg.entropy_coef * ent_loss if cfg.entropy_coef > 0 else pg_loss
-    if cfg.dual_clip is not None:
-        stats["clip_frac/dual"] = clip.dual_clip_frac
-    return loss, {
-        **stats,
-        "loss/policy": pg_loss.detach(),
-        "clip_frac": clip.clip_frac,
-        "approx_kl": clip.approx_kl,
-        "ratio_mean": clip.ratio_mean,
-        "ratio_dev": ratio_deviation(logp, old_logp, mask),
-        "entropy": ent.entropy,
-    }
+    return loss, {**stats, **pg_stats, "ratio_dev": ratio_deviation(logp, old_logp, mask), "entropy": ent.entropy}
 
 
 def critic_loss(critic: nn.Module, rollout: Rollout, returns: Tensor, old_values: Tensor, mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:

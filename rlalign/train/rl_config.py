@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlalign.config import Config
 from rlalign.core.losses import AGGREGATION_MODES, Aggregation
@@ -279,6 +279,9 @@ class AsyncConfig(Config):
     timeout_s: float = Field(600.0, gt=0, description="longest wait for one rollout before the run stops, naming what the producer was doing")
 
 
+TRL_AGGREGATIONS = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}  # TRL loss_type -> rlalign aggregation
+
+
 class RLConfig(RunConfig):
     """The fields every RL run has; GRPO and PPO set their own defaults for some of them."""
 
@@ -300,13 +303,34 @@ class RLConfig(RunConfig):
     sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
     num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
     compile: bool = Field(False, description=COMPILE_HELP)
+    loss_type: Literal["clip", "cispo", "sapo"] = Field(
+        "clip", description="the per-token policy objective: clip = PPO's clipped surrogate (GRPO, DAPO, GSPO); cispo = -sg(clip(r, "
+        "1 - cispo_eps_low, 1 + cispo_eps_high)) A log pi (MiniMax-M1: clipped tokens keep their gradient); sapo = -(4 / tau) sigmoid(tau (r - 1)) A, "
+        "a smooth gate in place of the clip (Gao et al. 2025)"
+    )
+    dual_clip: float | None = Field(None, gt=1, description="cap the loss of negative-advantage tokens at -c * A (dual clip, c > 1; loss_type clip); null = off")
+    cispo_eps_low: float | None = Field(None, gt=0, lt=1, description="CISPO: clip the importance weight below at 1 - this; null = no lower bound (MiniMax-M1)")
+    cispo_eps_high: float = Field(
+        4.0, gt=0, description="CISPO: clip the importance weight above at 1 + this (4: a cap of 5, TRL's recommended epsilon_high for cispo)"
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="SAPO: gate temperature tau of tokens with A > 0 (larger: the gate closes faster off r = 1)")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="SAPO: gate temperature tau of tokens with A <= 0")
     tis_cap: float | None = Field(
         None, gt=0, description="importance weight of the sampling (behaviour) policy: weight each token's policy loss by pi_old / pi_sampler, "
         "truncated at tis_cap or masked above it (tis_mode), when they differ: a low-precision sampler, or asynchronous rollouts (then pi_old is "
-        "the learner's proximal policy); e.g. 2.0; null = off"
+        "the learner's proximal policy); e.g. 2.0; null = off (unless tis_min is set)"
+    )
+    tis_min: float | None = Field(
+        None, gt=0, description="lower bound of that weight: truncate raises it to tis_min, mask drops tokens below it; with tis_cap and "
+        "tis_mode mask, the band [tis_min, tis_cap] outside which tokens leave the loss (IcePop, e.g. 0.5 and 5.0); null = none"
     )
     tis_mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="truncate: w = min(pi_old / pi_sampler, tis_cap) (Yao et al. 2025); mask: w = 1 where pi_old / pi_sampler <= tis_cap, else 0"
+        "truncate", description="truncate: w = clip(pi_old / pi_sampler, tis_min, tis_cap) (Yao et al. 2025); "
+        "mask: w = pi_old / pi_sampler inside [tis_min, tis_cap], else 0 (the token leaves the loss)"
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="token: one weight per token; sequence: one per completion, the product of its token ratios "
+        "exp(sum_t (log pi_old - log pi_sampler)), truncated or masked as a whole (TRL's sequence_truncate / sequence_mask)"
     )
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards all tie and draw more prompts until the step holds prompts_per_step "
@@ -319,6 +343,31 @@ class RLConfig(RunConfig):
     )
     async_rollouts: AsyncConfig = Field(default_factory=AsyncConfig, description="asynchronous rollout producer with bounded staleness")
 
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _trl_loss_names(cls, value: object) -> object:
+        if value in TRL_AGGREGATIONS:
+            raise ValueError(
+                f"loss_type={value!r} is TRL's name for the clipped surrogate with its aggregation: set loss_type: clip and "
+                f"aggregation: {TRL_AGGREGATIONS[value]}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _objective_options(self) -> RLConfig:
+        if self.loss_type != "clip" and self.dual_clip is not None:
+            raise ValueError(f"dual_clip caps the clipped surrogate's loss; loss_type={self.loss_type} has none: set dual_clip: null or loss_type: clip")
+        own = {"cispo": ("cispo_eps_low", "cispo_eps_high"), "sapo": ("sapo_temperature_pos", "sapo_temperature_neg")}
+        for loss_type, names in own.items():
+            changed = [n for n in names if getattr(self, n) != type(self).model_fields[n].default]
+            if changed and self.loss_type != loss_type:
+                raise ValueError(f"{', '.join(changed)}: only for loss_type: {loss_type} (got loss_type: {self.loss_type})")
+        if not self.sampler_correction and (self.tis_mode != "truncate" or self.tis_level != "token"):
+            raise ValueError("tis_mode and tis_level shape the sampler's importance weight: set tis_cap (and/or tis_min) to turn it on")
+        if self.tis_cap is not None and self.tis_min is not None and self.tis_min >= self.tis_cap:
+            raise ValueError(f"tis_min={self.tis_min} must be below tis_cap={self.tis_cap}")
+        return self
+
     @model_validator(mode="after")
     def _compile_needs_sdpa(self) -> RLConfig:
         check_compile(self.compile, self.model, self.sampling)
@@ -330,6 +379,11 @@ class RLConfig(RunConfig):
                 "policy's importance weight (the decoupled objective), or max_staleness: 0"
             )
         return self
+
+    @property
+    def sampler_correction(self) -> bool:
+        """Whether each token's policy loss is weighted by the sampler's importance weight (tis_cap or tis_min set)."""
+        return self.tis_cap is not None or self.tis_min is not None
 
     @property
     def stale(self) -> bool:

@@ -10,6 +10,7 @@ from rlalign.core.advantages import (
     group_advantages,
     kl_shaped_rewards,
     last_token_index,
+    reinforce_plus_plus_advantages,
     reward_to_go,
     rloo_advantages,
     td_residuals,
@@ -208,3 +209,42 @@ def test_rloo_gives_a_tied_group_exactly_zero():
     advantages = rloo_advantages(scores, group_size=3)
     assert (advantages[:3] == 0).all()
     torch.testing.assert_close(advantages[3:], torch.tensor([-1.5, 0.0, 1.5]))  # 0 - 1.5, 1 - 1, 2 - 0.5
+
+
+def test_reinforce_plus_plus_normalises_over_the_batch_without_a_group_baseline():
+    # R = [3, 1, 0, 0]: batch mean 1, centred [2, 0, -1, -1], unbiased var (4 + 0 + 1 + 1) / 3 = 2
+    # -> A = [2, 0, -1, -1] / sqrt(2); the tied group (0, 0) keeps a negative advantage (no group baseline)
+    scores = torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    root2 = math.sqrt(2.0)
+    expected = torch.tensor([2 / root2, 0.0, -1 / root2, -1 / root2], dtype=torch.float64)
+    torch.testing.assert_close(reinforce_plus_plus_advantages(scores, 2), expected)
+
+
+def test_reinforce_plus_plus_baseline_centres_each_group_then_divides_by_the_batch_std():
+    # group means [2, 0]: centred [1, -1, 0, 0], unbiased std sqrt(2 / 3) -> A = [1, -1, 0, 0] * sqrt(3 / 2)
+    # GRPO's "batch" scale divides the same centred rewards by std of the raw R (sqrt 2), not of the centred ones
+    scores = torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    s = math.sqrt(1.5)
+    torch.testing.assert_close(reinforce_plus_plus_advantages(scores, 2, baseline=True), torch.tensor([s, -s, 0.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(group_advantages(scores, 2, "batch"), torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=torch.float64) / math.sqrt(2.0))
+
+
+def test_reinforce_plus_plus_on_a_tied_batch_is_zero_and_shapes_are_checked():
+    assert (reinforce_plus_plus_advantages(torch.full((4,), 0.7), 2) == 0).all()
+    assert (reinforce_plus_plus_advantages(torch.tensor([1.0, 1.0, 3.0, 3.0]), 2, baseline=True) == 0).all()  # every group tied
+    torch.testing.assert_close(reinforce_plus_plus_advantages(torch.tensor([0, 2]), 2), torch.tensor([-1.0, 1.0]) / math.sqrt(2.0))  # ints
+    with pytest.raises(ValueError, match="1-D"):
+        reinforce_plus_plus_advantages(torch.ones(2, 2), 2)
+    with pytest.raises(ValueError, match="divisible"):
+        reinforce_plus_plus_advantages(torch.ones(5), 2, baseline=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 5), st.booleans(), st.integers(0, 2**31 - 1))
+def test_reinforce_plus_plus_has_batch_mean_zero_and_std_one(group_size, n_groups, baseline, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (group_size * n_groups,), generator=g).to(torch.float64)
+    adv = reinforce_plus_plus_advantages(scores, group_size, baseline=baseline)
+    if (adv == 0).all():
+        return  # a tied batch (or, with the baseline, every group tied)
+    assert abs(adv.mean().item()) < 1e-12 and abs(adv.std().item() - 1.0) < 1e-12

@@ -467,7 +467,7 @@ def test_grpo_step_on_a_stale_rollout_is_the_decoupled_objective_by_hand(tiny_pa
     # one whose log-probs are log pi - k log RATIOS (the drift compounds). The learner recomputes pi_old
     # as its own policy before the update (the proximal policy, log pi at the start), clips r = pi / pi_prox,
     # and weights each token by w = pi_prox / pi_behaviour = RATIOS^k, truncated at C (min(w, C)) or
-    # masked above it (1[w <= C]); two updates (mu = 2), each against the same pi_prox.
+    # masked above it (w 1[w <= C]); two updates (mu = 2), each against the same pi_prox.
     cap = 1.4
     cfg = grpo_cfg(
         tiny_path, tmp_path, mu=2, beta=0.1, tis_cap=cap, tis_mode=tis_mode, aggregation="token-mean",
@@ -485,7 +485,7 @@ def test_grpo_step_on_a_stale_rollout_is_the_decoupled_objective_by_hand(tiny_pa
     metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(SCORES)], prompt_examples()), state, cfg)
 
     ratios = [[r**k for r in row] for row in RATIOS]  # pi_prox / pi_behaviour per token
-    weights = [[min(r, cap) if tis_mode == "truncate" else float(r <= cap) for r in row] for row in ratios]
+    weights = [[min(r, cap) if tis_mode == "truncate" else r * (r <= cap) for r in row] for row in ratios]  # mask: rho inside, 0 above C
     assert any(r > cap for row in ratios for r in row) and any(r <= cap for row in ratios for r in row)  # both sides of C occur
     ref = detached(hand_forward(reference, tokenizer))
     advantages = hand_group_advantages(SCORES, 2, "group")
