@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -124,11 +125,14 @@ def hand_aggregate(token_values: list[list[torch.Tensor]], mode: str, max_len: i
     return sum(sum(row) for row in rows) / (len(token_values) * max_len)
 
 
-def hand_reverse_kl(student: list[list[torch.Tensor]], teacher: list[list[float]], mode: str, max_len: int = C, weights=None, rows=None) -> torch.Tensor:
-    """aggregate((log pi_s.detach() - log pi_t) * w * log pi_s): -A_t log pi_s with A_t = -(log pi_s - log pi_t), w the IS weight."""
+def hand_reverse_kl(student: list[list[torch.Tensor]], teacher: list[list[float]], mode: str, max_len: int = C, weights=None, rows=None,
+                    counted=None) -> torch.Tensor:
+    """aggregate((log pi_s.detach() - log pi_t) * w * log pi_s) over the ``counted`` tokens (default: all):
+    -A_t log pi_s with A_t = -(log pi_s - log pi_t), w the IS weight."""
     rows = range(len(student)) if rows is None else rows
     w = weights or [[1.0] * len(row) for row in student]
-    return hand_aggregate([[(float(s) - teacher[i][t]) * w[i][t] * s for t, s in enumerate(student[i])] for i in rows], mode, max_len)
+    counted = counted or [[True] * len(row) for row in student]
+    return hand_aggregate([[(float(s.detach()) - teacher[i][t]) * w[i][t] * s for t, s in enumerate(student[i]) if counted[i][t]] for i in rows], mode, max_len)
 
 
 def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -197,7 +201,7 @@ def test_reverse_kl_loss_by_hand(tiny_path, teacher_path, tmp_path, tokenizer, m
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     assert_same_grads(trainer_grads, grads(policy))
-    diffs = [float(s) - teacher_logp[i][t] for i, row in enumerate(student) for t, s in enumerate(row)]
+    diffs = [float(s.detach()) - teacher_logp[i][t] for i, row in enumerate(student) for t, s in enumerate(row)]
     assert float(stats["kl/reverse"]) == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
     assert float(stats["adv/min"]) == pytest.approx(-max(diffs), rel=1e-5) and float(stats["adv/max"]) == pytest.approx(-min(diffs), rel=1e-5)
     if tis_mode is not None:
@@ -224,6 +228,28 @@ def test_gkd_loss_by_hand(tiny_path, teacher_path, tmp_path, tokenizer, mode, be
     assert_same_grads(trainer_grads, grads(policy))
     exact = [float(kl(s.detach(), teacher_rows[i][t])) for i, row in enumerate(student) for t, s in enumerate(row)]
     assert float(stats["kl/reverse"]) == pytest.approx(sum(exact) / len(exact), rel=1e-5)
+
+
+def test_gkd_with_a_teacher_whose_output_layer_pads_the_vocabulary(tiny_path, teacher_path, tmp_path, tokenizer):
+    # a teacher of the same tokenizer with 8 more output rows (as model families pad their vocabulary):
+    # the divergence is taken over the first V_student outputs, each side renormalised over them
+    padded_teacher = load_policy(teacher_path)
+    padded_teacher.resize_token_embeddings(padded_teacher.config.vocab_size + 8)
+    padded_teacher.save_pretrained(tmp_path / "padded")
+    load_tokenizer(teacher_path).save_pretrained(tmp_path / "padded")
+    cfg = make_cfg(tiny_path, tmp_path / "padded", tmp_path, objective="gkd", beta=0.5)
+    policy, teacher = load_policy(tiny_path), load_policy(tmp_path / "padded")
+    vocab = policy.config.vocab_size
+    rollout = fixed_rollout(tokenizer)
+    loss, _ = distill.distill_loss(policy, teacher, rollout, rollout.completion_mask.float(), None, cfg)
+    with torch.no_grad():
+        prompts, completions = real_tokens(tokenizer)
+        teacher_rows = []
+        for prompt, completion in zip(prompts, completions):
+            z = teacher(input_ids=torch.tensor([prompt + completion])).logits[0, :, :vocab].float() / TEMPERATURE  # the first V_s outputs
+            teacher_rows.append([torch.log_softmax(z[len(prompt) - 1 + t], -1) for t in range(len(completion))])
+    expected = hand_gkd(hand_forward(policy, tokenizer), teacher_rows, 0.5, cfg.aggregation)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,6 +289,40 @@ def test_distill_step_gradient_by_hand(tiny_path, teacher_path, tmp_path, tokeni
     assert_same_grads(trainer_grads, grads(policy))
     assert metrics["on_policy"] == 1.0 and metrics["completion_len/mean"] == pytest.approx(3.0)
     assert "reward/mean" in metrics and len(samples) == 3  # no reward terms: the scores are 0
+
+
+@dataclass
+class ToolTokens:
+    """A source whose batches mark some tokens as a tool's (token mask 0), as a multi-turn source does."""
+
+    inner: object
+    tool: torch.Tensor  # (B, C) 1 on the tool's tokens
+
+    def next(self, state):
+        batch = self.inner.next(state)
+        batch.token_mask = batch.token_mask * (1 - self.tool)
+        return batch
+
+    def publish(self, policy, version: int) -> float:
+        return 0.0
+
+
+def test_tool_tokens_get_no_gradient(tiny_path, teacher_path, tmp_path, tokenizer, monkeypatch):
+    # row 0's "4" and row 1's "b", "c" came from a tool: left out of the loss, and out of the token count of token-mean
+    cfg = make_cfg(tiny_path, teacher_path, tmp_path, aggregation="token-mean")
+    policy, teacher = load_policy(tiny_path), load_policy(teacher_path)
+    monkeypatch.setattr(sources, "sample_shard", lambda *args, **kwargs: fixed_rollout(tokenizer))
+    tool = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]])
+    updater = sgd_updater(policy)
+    source = ToolTokens(make_source(cfg, updater, tokenizer, [], load_prompts([{"prompt": p} for p in PROMPTS])), tool)
+    distill.distill_step(updater, teacher, source, TrainState(step=0, generator=torch.Generator().manual_seed(0)), cfg)
+    trainer_grads = grads(policy)
+    policy.zero_grad()
+    with torch.no_grad():
+        teacher_logp = [[float(x) for x in row] for row in chosen(hand_forward(teacher, tokenizer), tokenizer)]
+    counted = [[not bool(tool[i, t]) for t in range(len(row))] for i, row in enumerate(COMPLETIONS)]
+    hand_reverse_kl(chosen(hand_forward(policy, tokenizer), tokenizer), teacher_logp, "token-mean", counted=counted).backward()
+    assert_same_grads(trainer_grads, grads(policy))
 
 
 def test_an_offline_step_trains_on_the_datas_completions(tiny_path, teacher_path, tmp_path, tokenizer, monkeypatch):
