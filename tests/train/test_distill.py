@@ -500,8 +500,8 @@ LEARNING = {"data.task": "preference", "data.num_prompts": 64, "sampling.max_new
 @pytest.mark.parametrize("objective", [{"objective": "reverse_kl"}, {"objective": "gkd", "lmbda": 0.5}], ids=["reverse_kl", "gkd"])
 def test_a_fresh_student_closes_most_of_the_gap_to_a_trained_teacher(trained_teacher, tmp_path, objective):
     # the student is a tiny model of other random weights (the teacher's tokenizer); 30 steps of 16 samples.
-    # Measured (eval hidden score, 32 held-out prompts, seeds 0/1/2): teacher 0.98-1.0; reverse_kl 0.20 -> 0.95-0.98,
-    # gkd (lmbda 0.5) 0.20 -> 0.98-0.99
+    # Measured (eval hidden score, 32 held-out prompts, seeds 0/1/2): teacher 0.98-1.0; reverse_kl 0.20-0.25 -> 0.95-0.98,
+    # gkd (lmbda 0.5) 0.20-0.25 -> 0.98-0.99 (seed 0 here)
     teacher, teacher_score = trained_teacher
     student = build_tiny_checkpoint(tmp_path / "student", TinyModelSpec(hidden_size=64, num_layers=2, intermediate_size=128), seed=100)
     cfg = load_config(distill.DistillConfig, None, {**LEARNING, **objective, "model.path": str(student), "teacher": str(teacher),
