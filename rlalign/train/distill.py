@@ -23,9 +23,9 @@ Deliberate simplifications, stated:
 - rewards are optional and never trained on: when set (or when the task has one), they score the student's
   samples and its held-out completions, so reward/* and eval/* show the task score the teacher passes on.
 - one pass over each batch: with num_minibatches > 1 the later minibatches are slightly off-policy. tis_cap
-  (required by asynchronous rollouts with max_staleness > 0) weights each reverse-KL token by
-  min(pi_s / pi_sampler, tis_cap) (or masks it, tis_mode); gkd's divergence is exact at every position
-  whoever wrote the prefix, so it takes no weight.
+  (required by asynchronous rollouts with max_staleness > 0; with tis_min, tis_mode, tis_level as in GRPO)
+  weights each reverse-KL token by the sampler's importance weight pi_s / pi_sampler, truncated or masked;
+  gkd's divergence is exact at every position whoever wrote the prefix, so it takes no weight.
 - discount 0: each token's advantage is its own reverse-KL term, not the sum of those after it.
 
 Metrics (one metrics.jsonl line per step):
@@ -58,7 +58,6 @@ from torch import Tensor, nn
 
 from rlalign.config import ConfigError, load_config
 from rlalign.core.distillation import generalized_jsd_loss, reverse_kl_loss
-from rlalign.core.losses import masked_is_weights, truncated_is_weights
 from rlalign.lm.data import load_prompts
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.models import load_tokenizer, resolve_model_path
@@ -67,6 +66,7 @@ from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import autocast_context, forward_precision
+from rlalign.train.objectives import sampler_weights
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, logprobs_and_entropy, micro_batches, reference_logprobs
 from rlalign.train.rl_config import RewardConfig, RLConfig
@@ -75,8 +75,6 @@ from rlalign.train.sources import MixedSource, OfflineSource, RolloutSource, mak
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = ["DistillConfig", "check_teacher_tokenizer", "distill_loss", "distill_step", "train", "add_arguments", "run"]
-
-IS_WEIGHTS = {"truncate": truncated_is_weights, "mask": masked_is_weights}  # tis_mode -> the sampler's importance weights
 
 # RLConfig fields distillation has no use for (no reference, no reward-driven sampling, no clipped policy objective):
 # they must keep their defaults, so that a setting is never silently ignored
@@ -111,7 +109,7 @@ class DistillConfig(RLConfig):
                              "does not hold: set objective: gkd, or lmbda: 1")
         if self.objective == "reverse_kl" and self.beta != 0.5:
             raise ValueError("beta is gkd's JSD interpolation: set objective: gkd (objective reverse_kl has no beta)")
-        unused = [name for name in UNUSED_FIELDS if name in type(self).model_fields and getattr(self, name) != type(self).model_fields[name].default]
+        unused = [name for name in UNUSED_FIELDS if getattr(self, name) != type(self).model_fields[name].default]
         if unused:
             raise ValueError(f"{', '.join(unused)}: not used by distillation (the teacher replaces the reference and the rewards); leave at the default")
         if self.prompts_per_step % self.num_minibatches:
@@ -173,9 +171,9 @@ def distill_loss(
     stats: dict[str, Tensor] = {}
     if cfg.objective == "reverse_kl":
         weights = None
-        if cfg.tis_cap is not None and on_policy:  # the samples' policy (older, or lower-precision) against the student's own
-            weights, tis = IS_WEIGHTS[cfg.tis_mode](logp.detach(), rollout.logprobs.to(device), cfg.tis_cap, mask)
-            stats.update({"tis/weight_mean": tis.weight_mean, "tis/weight_min": tis.weight_min, "tis/truncated_frac": tis.truncated_frac})
+        if on_policy:  # tis_*: the samples' policy (older, or lower-precision) against the student's own, pi_s / pi_sampler
+            weights, tis = sampler_weights(cfg, logp.detach(), rollout.logprobs.to(device), mask)
+            stats.update(tis)
         loss, rk = reverse_kl_loss(logp, teacher_logp.to(device), mask, cfg.aggregation, max_len, weights)
         stats.update({"kl/reverse": rk.reverse_kl, "adv/min": rk.advantage_min, "adv/max": rk.advantage_max})
     else:

@@ -175,12 +175,13 @@ def padded(rows: list[list[float]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tis_mode", [None, "truncate"])
+@pytest.mark.parametrize("tis_mode", [None, "truncate", "mask", "sequence"])
 def test_reverse_kl_loss_by_hand(tiny_path, teacher_path, tmp_path, tokenizer, mode, tis_mode):
     # L = aggregate((log pi_s - log pi_t) w log pi_s), A_t = -(log pi_s - log pi_t) treated as a constant;
     # with tis_cap C = 1.5 the samples came from a sampler whose log-probs are log pi_s - SAMPLER_SHIFTS:
-    # w = min(e^shift, C): shifts 0.9 and 0.8 exceed ln 1.5 = 0.405
-    tis = {} if tis_mode is None else {"tis_cap": 1.5, "tis_mode": tis_mode}
+    # w = min(e^shift, C) (truncate) or e^shift 1[e^shift <= C] (mask): shifts 0.9 and 0.8 exceed ln 1.5 = 0.405;
+    # tis_level sequence (truncate): one weight a row, min(e^(sum of its shifts), C): e^-0.2, e^-0.1, and row 2's e^0.85 cut to C
+    tis = {} if tis_mode is None else {"tis_cap": 1.5, "tis_mode": "truncate", "tis_level": "sequence"} if tis_mode == "sequence" else {"tis_cap": 1.5, "tis_mode": tis_mode}
     cfg = make_cfg(tiny_path, teacher_path, tmp_path, aggregation=mode, **{"sampling.max_new_tokens": BUDGET}, **tis)
     policy, teacher = load_policy(tiny_path), load_policy(teacher_path)
     with torch.no_grad():
@@ -196,7 +197,9 @@ def test_reverse_kl_loss_by_hand(tiny_path, teacher_path, tmp_path, tokenizer, m
     student = chosen(hand_forward(policy, tokenizer), tokenizer)
     weights = None
     if tis_mode is not None:
-        weights = [[min(math.exp(s), 1.5) for s in row] for row in SAMPLER_SHIFTS]
+        weights = [[min(math.exp(s), 1.5) if tis_mode == "truncate" else math.exp(s) * (math.exp(s) <= 1.5) for s in row] for row in SAMPLER_SHIFTS]
+        if tis_mode == "sequence":
+            weights = [[min(math.exp(sum(row)), 1.5)] * len(row) for row in SAMPLER_SHIFTS]
     expected = hand_reverse_kl(student, teacher_logp, mode, BUDGET, weights)
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
@@ -205,7 +208,7 @@ def test_reverse_kl_loss_by_hand(tiny_path, teacher_path, tmp_path, tokenizer, m
     assert float(stats["kl/reverse"]) == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
     assert float(stats["adv/min"]) == pytest.approx(-max(diffs), rel=1e-5) and float(stats["adv/max"]) == pytest.approx(-min(diffs), rel=1e-5)
     if tis_mode is not None:
-        assert float(stats["tis/truncated_frac"]) == pytest.approx(2 / 9, abs=1e-6)
+        assert float(stats["tis/truncated_frac"]) == pytest.approx(2 / 9, abs=1e-6)  # tokens 0.9 and 0.8, or row 2's two
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
@@ -409,6 +412,7 @@ def test_config_round_trip_and_validation(tiny_path, teacher_path, tmp_path):
         ({"beta": 0.2}, "beta is gkd's"),
         ({"reference": str(teacher_path)}, "reference: not used by distillation"),
         ({"dynamic_sampling": True}, "dynamic_sampling"),
+        ({"loss_type": "cispo"}, "loss_type: not used by distillation"),
         ({"num_minibatches": 2}, "must divide prompts_per_step=3"),
     ]:
         with pytest.raises(ConfigError, match=message):
