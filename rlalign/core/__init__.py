@@ -14,6 +14,7 @@ from rlalign.core.advantages import (
     token_gae,
     total_returns,
 )
+from rlalign.core.distillation import full_reverse_kl, generalized_jsd, generalized_jsd_loss, reverse_kl_advantages, reverse_kl_loss
 from rlalign.core.evaluation import pass_at_k
 from rlalign.core.importance import importance_weights
 from rlalign.core.information import cross_entropy_bits, entropy_bits, kl_bits, surprisal_bits
