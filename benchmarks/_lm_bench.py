@@ -316,6 +316,7 @@ class GRPOSetup:
 
     def __init__(self, cfg, records: list[dict], reward_fn):
         from rlalign.train import grpo
+        from rlalign.train.async_source import open_source
         from rlalign.train.loop import resume_state, start_rl_run
         from rlalign.train.rollouts import RewardTerm
         from rlalign.train.updater import Updater
@@ -327,11 +328,12 @@ class GRPOSetup:
         self.reference = self.run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None
         self.updater = Updater.create(self.policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, self.run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
         self.state = resume_state(None, cfg.seed, {"policy": self.updater}, self.run.world)
+        self.source = open_source(cfg, self.run, self.updater, self.state)  # as grpo.train: the config's rollout source
         self._grpo = grpo
 
     def step(self) -> dict[str, float]:
         """One ``grpo_step`` (state.step advanced); its metrics."""
-        metrics, _ = self._grpo.grpo_step(self.updater, self.reference, self.run.tokenizer, self.run.rewards, self.run.prompts, self.state, self.cfg)
+        metrics, _ = self._grpo.grpo_step(self.updater, self.reference, self.source, self.state, self.cfg)
         self.state.step += 1
         return metrics
 
@@ -344,6 +346,7 @@ class PPOSetup:
         from rlalign.lm.heads import load_critic
         from rlalign.lm.model_modes import enable_gradient_checkpointing
         from rlalign.train import ppo
+        from rlalign.train.async_source import open_source
         from rlalign.train.loop import resume_state, start_rl_run
         from rlalign.train.rollouts import RewardTerm
         from rlalign.train.updater import Updater
@@ -359,17 +362,17 @@ class PPOSetup:
             enable_gradient_checkpointing(self.critic)
         updates = cfg.steps * cfg.ppo_epochs * cfg.num_minibatches
         self.updaters = {
-            "policy": Updater.create(self.policy, cfg.optim, updates, self.run.world, m.sharding),
+            "policy": Updater.create(self.policy, cfg.optim, updates, self.run.world, m.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy),
             "critic": Updater.create(self.critic, cfg.critic.optim, updates, self.run.world, m.sharding),
         }
         self.state = resume_state(None, cfg.seed, self.updaters, self.run.world)
         self.kl_ctl = cfg.kl_controller()
+        self.source = open_source(cfg, self.run, self.updaters["policy"], self.state)  # as ppo.train
         self._ppo = ppo
 
     def step(self) -> dict[str, float]:
         u = self.updaters
-        metrics, _ = self._ppo.ppo_step(u["policy"], u["critic"], self.reference, self.kl_ctl, self.run.tokenizer, self.run.rewards, self.run.prompts,
-                                        self.state, self.cfg)
+        metrics, _ = self._ppo.ppo_step(u["policy"], u["critic"], self.reference, self.kl_ctl, self.source, self.state, self.cfg)
         self.state.step += 1
         return metrics
 

@@ -13,6 +13,7 @@ plain eager loop.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,16 +42,33 @@ class _CompiledOnFirstCall:
     """``torch.compile(fn, **options)``, made at the first call (``inductor_options()`` gives its
     ``options``). Calling ``torch.compile`` imports dynamo's backends (AOT autograd, its partitioner,
     networkx: ~380 modules), which a process that only samples eagerly never needs, and whose memory
-    it would carry for nothing."""
+    it would carry for nothing.
+
+    A torch whose ``torch.compile`` takes no ``recompile_limit`` (2.11) gets the limit as dynamo's
+    global settings around each call instead (``recompile_limit``, ``fail_on_recompile_limit_hit``),
+    so past it the call raises ``FailOnRecompileLimitHit`` there too."""
 
     def __init__(self, fn: Callable, inductor_options: Callable[[], dict] | None = None, **options):
         self.fn, self.inductor_options, self.options, self.compiled = fn, inductor_options, options, None
+        self.limits: dict = {}  # dynamo settings patched around each call (a torch without the per-function limit)
 
     def __call__(self, *args):
         if self.compiled is None:
+            options = dict(self.options)
+            if "recompile_limit" in options and not compile_takes_recompile_limit():
+                limits = {"recompile_limit": options.pop("recompile_limit"), "fail_on_recompile_limit_hit": True}
+                self.limits = {k: v for k, v in limits.items() if hasattr(torch._dynamo.config, k)}  # settings this torch has
             extra = {"options": self.inductor_options()} if self.inductor_options is not None else {}
-            self.compiled = torch.compile(self.fn, **self.options, **extra)
+            self.compiled = torch.compile(self.fn, **options, **extra)
+        if self.limits:
+            with torch._dynamo.config.patch(**self.limits):
+                return self.compiled(*args)
         return self.compiled(*args)
+
+
+def compile_takes_recompile_limit() -> bool:
+    """Whether this torch's ``torch.compile`` takes a per-function ``recompile_limit`` (2.13 does, 2.11 not)."""
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 _compiled_decode_step = _CompiledOnFirstCall(_decode_step, _decode_inductor_options, fullgraph=True, dynamic=False, recompile_limit=RECOMPILE_LIMIT)

@@ -335,6 +335,24 @@ def test_a_process_that_samples_eagerly_never_imports_the_compile_backends():
     assert proc.stdout.splitlines() == ["[False, False]"]
 
 
+@pytest.mark.parametrize("per_function", [True, False], ids=["torch.compile-limit", "dynamo-settings"])
+def test_past_its_recompile_limit_a_compiled_function_raises_on_either_torch(monkeypatch, per_function):
+    # torch 2.11's torch.compile takes no recompile_limit: the limit then comes from dynamo's settings
+    # around each call; either way the call past the limit raises FailOnRecompileLimitHit (the sampler
+    # then warns and runs eager)
+    monkeypatch.setattr(compiled_steps, "compile_takes_recompile_limit", lambda: per_function)
+
+    def triple(x):
+        return x * 3
+
+    compiled = compiled_steps._CompiledOnFirstCall(triple, fullgraph=True, dynamic=False, recompile_limit=2)
+    for n in (1, 2):
+        assert torch.equal(compiled(torch.ones(n)), torch.full((n,), 3.0))
+    assert bool(compiled.limits) is not per_function
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # fullgraph: past the limit dynamo fails hard
+        compiled(torch.ones(3))
+
+
 def test_compiled_on_first_call_compiles_at_the_first_call_and_only_then():
     def double(x):
         return x * 2

@@ -13,6 +13,9 @@ import httpx
 import pytest
 import torch
 
+pytest.importorskip("starlette", reason="rlalign serve-reward needs the explore extra (starlette, uvicorn)")
+pytest.importorskip("uvicorn", reason="rlalign serve-reward needs the explore extra (starlette, uvicorn)")
+
 from rlalign.lm.heads import load_reward_model
 from rlalign.lm.models import load_tokenizer
 from rlalign.lm.remote_reward import RemoteReward

@@ -22,6 +22,13 @@ from rlalign.train import async_source, distributed, grpo, ppo
 from rlalign.train.async_source import RolloutProducerError, check_one_process
 from rlalign.train.passes import training_logprobs
 
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu(request):
+    """The producer process runs on the CPU only (with model.device cuda the config is refused), so under --model-device=cuda these skip."""
+    if request.config.getoption("--model-device") != "cpu":
+        pytest.skip("asynchronous rollouts run on the CPU")
+
 VOLATILE = ("time/", "tokens_per_s", "staleness/")
 
 

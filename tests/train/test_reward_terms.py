@@ -152,6 +152,7 @@ def word_count(completions, **kwargs):
 
 
 def test_a_reward_server_in_the_config_scores_as_the_function_does_locally(tiny_path, tmp_path):
+    pytest.importorskip("uvicorn", reason="the reward server needs the explore extra (starlette, uvicorn)")
     from rlalign.serve_reward import create_app, running
 
     with running(create_app(word_count)) as url:
@@ -161,6 +162,7 @@ def test_a_reward_server_in_the_config_scores_as_the_function_does_locally(tiny_
 
 
 def test_an_unreachable_reward_server_stops_the_run_naming_it(tiny_path, tmp_path):
+    pytest.importorskip("uvicorn", reason="the reward server needs the explore extra (starlette, uvicorn)")
     from rlalign.serve_reward import create_app, running
 
     with running(create_app(word_count)) as url:
