@@ -19,6 +19,8 @@ PROMPTS = [[1, 5, 6, 76, 7, 9, 84], [1, 5, 76, 5, 84], [1, 20]]
 @pytest.mark.canary
 @pytest.mark.parametrize("feature", sorted(private.PRIVATE_SYMBOLS))
 def test_every_private_symbol_is_there_on_the_tested_versions(feature):
+    if feature == "cpu_decode_tuning" and torch.__version__ < "2.13":
+        pytest.skip("an optional CPU tuning that torch 2.11 lacks: the decode step then compiles with inductor's defaults")
     assert private.missing(feature) == []
 
 
@@ -56,7 +58,7 @@ def test_a_missing_symbol_turns_the_feature_off_with_one_warning_and_the_plain_p
         warnings.simplefilter("error")  # one warning per process, not one per call
         second = _tokens(tiny_llama, **kwargs)
     assert torch.equal(first, expected) and torch.equal(second, expected)
-    assert compiled_sampling_calls == {"decode": 0, "draw": 0}  # nothing compiled ran
+    assert compiled_sampling_calls == {"decode": 0, "draw": 0, "graphed": 0}  # nothing compiled ran
 
 
 def test_without_the_onednn_symbols_nothing_is_packed(without):
@@ -70,7 +72,8 @@ def test_without_the_cpu_tuning_option_the_decode_step_still_compiles(without):
     # step's attention): the compiled path stays on and compiles with inductor's defaults
     from rlalign.lm import compiled
 
-    assert compiled._decode_inductor_options() == {"realize_cpu_opcount_threshold": 4}
+    tuned = {} if private.missing("cpu_decode_tuning") else {"realize_cpu_opcount_threshold": 4}
+    assert compiled._decode_inductor_options() == tuned
     without("cpu_decode_tuning")
     assert compiled._decode_inductor_options() == {}
     assert private.ready("compiled")

@@ -188,6 +188,8 @@ def test_checkpointed_training_forward_has_the_same_logits_and_gradients(make, o
     if older_transformers:
         from transformers import PreTrainedModel
 
+        if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+            pytest.skip("this transformers is from before the rename: the 'now' case runs the older name already")
         enable = PreTrainedModel.activation_checkpointing_enable
         monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
         monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", lambda self, gradient_checkpointing_kwargs: enable(self, gradient_checkpointing_kwargs))

@@ -456,7 +456,9 @@ def test_cli_runs_and_a_resumed_run_ends_with_the_straight_runs_weights(tiny_pat
     assert "eval/reward/mean" in rows[0]  # the task's reward scores the student, though nothing trains on it
 
 
-def test_asynchronous_rollouts_at_staleness_zero_reproduce_the_synchronous_run(tiny_path, teacher_path, tmp_path):
+def test_asynchronous_rollouts_at_staleness_zero_reproduce_the_synchronous_run(tiny_path, teacher_path, tmp_path, request):
+    if request.config.getoption("--model-device") != "cpu":
+        pytest.skip("asynchronous rollouts run on the CPU")
     # the mixed source (student samples and data completions) runs in the producer process
     options = {"objective": "gkd", "lmbda": 0.5, "steps": 3, "optim.lr": 1e-2}
     sync = distill.train(make_cfg(tiny_path, teacher_path, tmp_path / "sync", **options))
@@ -467,7 +469,9 @@ def test_asynchronous_rollouts_at_staleness_zero_reproduce_the_synchronous_run(t
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_stale_asynchronous_rollouts_weight_the_reverse_kl_tokens(tiny_path, teacher_path, tmp_path):
+def test_stale_asynchronous_rollouts_weight_the_reverse_kl_tokens(tiny_path, teacher_path, tmp_path, request):
+    if request.config.getoption("--model-device") != "cpu":
+        pytest.skip("asynchronous rollouts run on the CPU")
     # max_staleness 1: step s >= 1 trains on samples of the student one update old, each token weighted by min(pi_s / pi_sampler, tis_cap)
     cfg = make_cfg(tiny_path, teacher_path, tmp_path, steps=3, tis_cap=2.0, **{"optim.lr": 1e-2, "async_rollouts.enabled": True, "async_rollouts.max_staleness": 1})
     history = distill.train(cfg).history
