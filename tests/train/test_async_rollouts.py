@@ -160,3 +160,33 @@ def test_stale_rollouts_need_an_importance_weight_and_one_process(tiny_path, tmp
     with pytest.raises(ConfigError, match="async_rollouts runs in one process"):
         check_one_process(cfg, distributed.World(rank=0, size=2))
     check_one_process(cfg, distributed.World())
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_multi_turn_tool_rollouts_run_in_the_producer(k, tiny_path, tmp_path, monkeypatch):
+    # the tool source (a call, its result fed back, then the answer) made in the producer process:
+    # at k = 0 the run equals the synchronous one; at k = 1 it runs with its tool metrics and staleness
+    from rlalign.train import tool_rollout as tr
+
+    from .test_tool_use import scripted_sampler
+
+    tokenizer = load_tokenizer(tiny_path)
+
+    def script(model, prompts, params, pad, stop, group_size, generator):  # a call first, then the result's answer
+        texts = ["42<eos>" if "<result>" in tokenizer.decode(p) else "<tool>calculator: 6*7</tool>" for p in prompts]
+        return scripted_sampler(tokenizer, [texts])(model, prompts, params, pad, stop, group_size, generator)
+
+    monkeypatch.setattr(tr, "sample", script)  # the forked producer inherits the patched module
+    tools = {"tools.max_turns": 3, "tools.format": "tag", "sampling.max_new_tokens": 32}
+    prompts = [{"prompt": f"6*7= ({i})"} for i in range(8)]
+    runs = {}
+    for name, options in (("sync", {}), ("async", {"async_rollouts.enabled": True, "async_rollouts.max_staleness": k, "tis_cap": 2.0 if k else None})):
+        cfg = make_cfg(grpo, tiny_path, tmp_path / name, **tools, **options)
+        runs[name] = grpo.train(cfg, reward_functions=[char_code], prompts=prompts)
+    rows = runs["async"].history
+    assert all(row["tools/turns"] == 2.0 and row["tools/messages"] == 1.0 for row in rows)
+    assert [row["staleness/max"] for row in rows] == [0.0] + [float(k)] * (len(rows) - 1)
+    if k == 0:
+        assert stable(rows) == stable(runs["sync"].history)
+        a, b = final_weights(runs["sync"]), final_weights(runs["async"])
+        assert all(torch.equal(a[key], b[key]) for key in a)
