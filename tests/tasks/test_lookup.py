@@ -1,0 +1,38 @@
+"""The look-up task: answers decided by the catalogue, disjoint splits, demonstrations that look up both items."""
+
+from rlalign.tasks import lookup as L
+
+
+def test_answers_follow_the_catalogue():
+    for record in L.prompt_records("train", 50):
+        a, b = record["items"]
+        attribute, larger = L.KINDS[record["kind"]]
+        values = {a: L.CATALOGUE[a][attribute], b: L.CATALOGUE[b][attribute]}
+        want = max(values, key=values.get) if larger else min(values, key=values.get)
+        assert record["answer"] == want and record["prompt"][0]["content"] == L.question(record["kind"], a, b)
+
+
+def test_lookup_tool_and_its_schema():
+    w, p = L.CATALOGUE["brom"]["weight"], L.CATALOGUE["brom"]["price"]
+    assert L.lookup(" Brom ") == f"weight={w} price={p}"
+    assert L.lookup("nope").startswith("error: no item named")
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(L.lookup)["function"]
+    assert schema["name"] == "lookup" and schema["parameters"]["required"] == ["name"]
+
+
+def test_splits_are_disjoint_and_demonstrations_look_up_both_items():
+    train = {frozenset(r["items"]) for r in L.prompt_records("train", 400)}
+    evals = {frozenset(r["items"]) for r in L.prompt_records("eval", 100)}
+    assert train and evals and not train & evals
+    records = L.sft_records("train", 200, tool_share=0.5)
+    with_tools = [r["messages"] for r in records if len(r["messages"]) == 6]
+    assert 60 < len(with_tools) < 140 and all(len(r["messages"]) in (2, 6) for r in records)
+    for m in with_tools:
+        a = m[1]["content"]
+        assert a.startswith("<tool>lookup: ") and m[2]["role"] == "tool" and m[2]["content"] == L.lookup(a[14:-7])
+    env = L.LookupEnvironment()
+    record = L.prompt_records("eval", 1)[0]
+    assert env.reset(record) == record["prompt"] and env.reward(" " + record["answer"].upper()) == 1.0 and env.reward("x") == 0.0
+    assert L.reward(["q"], [record["answer"]], answer=[record["answer"]]) == [1.0]
