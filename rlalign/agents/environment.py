@@ -1,0 +1,176 @@
+"""Python environments: the protocol an episode is run against, and the runner that drives one.
+
+An environment is any object with these members (each method may be ``async def``):
+
+    class Lookup:
+        tools = ["lookup"]                        # names of methods that are tools (typed, with docstrings)
+
+        def reset(self, record) -> str | list[dict]:
+            '''A new episode for the row's record; returns the prompt: text or chat messages.'''
+
+        def lookup(self, name: str) -> str:      # a tool: JSON arguments as keywords, the result as text
+            '''Look up an item.
+
+            Args:
+                name: The item's name.
+            '''
+
+        def reward(self, answer: str) -> float | None:   # optional: the episode's reward, from the final answer
+        done: bool                                         # optional: True ends the episode after this turn
+
+Instead of tool methods an environment may define ``step(calls: list[ToolCall]) -> list[dict] | str``
+(the tool messages of a turn's calls, or one text message) and ``tool_schemas`` (the JSON schemas
+the chat template shows). One object serves one episode: the trainer makes one per row (a class is
+instantiated with no arguments; :func:`environment_factory` takes ``module:Class``, a class or a
+zero-argument callable).
+
+Tool errors never reach the trainer: an unknown tool, arguments that do not fit the signature, an
+exception in the tool become the text of the tool message ("error: ..."), which the policy reads.
+
+:class:`EnvRunner` runs the methods of one environment on an event loop shared by a batch of
+episodes: ``async`` methods as coroutines, plain ones in the loop's thread pool, so the episodes of a
+batch wait for their tools together. A time limit is the caller's (:mod:`.episodes`); a plain method
+that runs past it keeps running in its thread (Python cannot stop a thread) while its episode ends.
+
+Tools as plain functions (no environment object): :class:`FunctionTools` (``reset`` returns the
+record's ``prompt``; the episode ends at the final answer; rewards come from the reward functions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from rlalign.agents.tool_calls import ToolCall, call_id, tool_message, tool_schemas
+
+__all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object"]
+
+Message = dict[str, Any]
+
+
+def load_object(spec: str) -> Any:
+    """The object ``module:attribute`` names.
+
+    Raises:
+        ValueError: a spec without ":", or one that cannot be imported (the cause in the message).
+    """
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"expected module:attribute, got {spec!r}")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{spec!r} cannot be imported: {err}") from None
+    return obj
+
+
+def environment_factory(env: str | type | Callable[[], Any]) -> Callable[[], Any]:
+    """A maker of fresh environments from ``module:Class``, a class, or a zero-argument callable."""
+    obj = load_object(env) if isinstance(env, str) else env
+    if not callable(obj):
+        raise ValueError(f"environment {env!r} is not a class or a callable")
+    return obj
+
+
+class FunctionTools:
+    """An environment of plain tool functions (typed, with docstrings): ``reset`` gives the record's
+    ``prompt``; no reward of its own."""
+
+    def __init__(self, functions: Sequence[Callable]):
+        self.functions = {f.__name__: f for f in functions}
+        self.tools = list(self.functions)
+
+    def reset(self, record: Mapping[str, Any]) -> str | list[Message]:
+        return record["prompt"]
+
+    def __getattr__(self, name: str):
+        functions = self.__dict__.get("functions", {})
+        if name in functions:
+            return functions[name]
+        raise AttributeError(name)
+
+
+async def _call(fn: Callable, *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)``: awaited when it is a coroutine function, else run in the loop's thread pool."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+    return await result if inspect.isawaitable(result) else result
+
+
+class EnvRunner:
+    """Drives one environment object through an episode (all methods are coroutines)."""
+
+    def __init__(self, env: Any, max_result_chars: int = 1000):
+        self.env, self.max_result_chars = env, max_result_chars
+        names = list(getattr(env, "tools", []) or [])
+        self.tools: dict[str, Callable] = {}
+        for name in names:
+            fn = getattr(env, name, None)
+            if not callable(fn):
+                raise ValueError(f"environment {type(env).__name__}: tool {name!r} is not a method")
+            self.tools[name] = fn
+        self.has_step = callable(getattr(env, "step", None))
+        if not self.tools and not self.has_step:
+            raise ValueError(f"environment {type(env).__name__} has neither tools (a 'tools' list of method names) nor a step(calls) method")
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The JSON schemas of the tools (the environment's ``tool_schemas`` when it has a step function)."""
+        given = getattr(self.env, "tool_schemas", None)
+        if given is not None:
+            return list(given() if callable(given) else given)
+        return tool_schemas(list(self.tools.values()))
+
+    async def reset(self, record: Mapping[str, Any]) -> str | list[Message]:
+        prompt = await _call(self.env.reset, record)
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise ValueError(f"environment {type(self.env).__name__}.reset returned {prompt!r:.80}; expected a non-empty text or list of messages")
+        return prompt
+
+    async def respond(self, calls: Sequence[ToolCall], row: int = 0, turn: int = 0) -> list[Message]:
+        """The tool messages answering ``calls`` (ids given to calls without one), in order."""
+        calls = [c if c.id else replace(c, id=call_id(row, turn, i)) for i, c in enumerate(calls)]
+        if self.has_step and not self.tools:
+            out = await _call(self.env.step, list(calls))
+            return [{"role": "tool", "content": out}] if isinstance(out, str) else list(out)
+        return [tool_message(c, await self._run(c)) for c in calls]
+
+    async def _run(self, call: ToolCall) -> str:
+        if call.error is not None:
+            return f"error: {call.error}"
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return f"error: unknown tool {call.name!r}; available: {', '.join(sorted(self.tools))}"
+        arguments = call.arguments
+        if isinstance(arguments, str):  # tag format: a plain string for the tool's only parameter
+            params = list(inspect.signature(fn).parameters)
+            if len(params) != 1:
+                return f"error: {call.name} takes {len(params)} arguments; write them as a JSON object"
+            arguments = {params[0]: arguments}
+        try:
+            inspect.signature(fn).bind(**arguments)
+        except TypeError as err:
+            return f"error: bad arguments for {call.name}: {err}"
+        try:
+            result = await _call(fn, **arguments)
+        except Exception as err:  # a tool failing is the policy's observation, not the trainer's crash
+            return f"error: {type(err).__name__}: {err}"
+        text = result if isinstance(result, str) else str(result)
+        return text[: self.max_result_chars]
+
+    async def reward(self, answer: str) -> float | None:
+        fn = getattr(self.env, "reward", None)
+        if not callable(fn):
+            return None
+        value = await _call(fn, answer)
+        return None if value is None else float(value)
+
+    @property
+    def done(self) -> bool:
+        return bool(getattr(self.env, "done", False))
