@@ -1,0 +1,493 @@
+"""The policy behind an OpenAI-compatible endpoint, recording every call token-exactly.
+
+    server = PolicyServer(tokenizer, model_generate(model, tokenizer), max_new_tokens=64)
+    with server:                                   # uvicorn on a background thread, 127.0.0.1, a free port
+        server.open_episode("e0")
+        client = openai.OpenAI(base_url=server.url("e0"), api_key="unused")
+        reply = client.chat.completions.create(model="policy", messages=[...], tools=[...])
+        calls = server.close_episode("e0")         # [CallRecord]: prompt ids, completion ids, log-probs, per choice
+
+Routes: ``POST {base}/chat/completions`` and ``GET {base}/models``, where ``{base}`` is ``/v1`` (calls
+served, not recorded) or ``/episodes/{id}/v1`` (calls recorded under episode ``id``: the agent needs
+no change beyond the base URL it is given).
+
+A request takes ``messages`` (system / user / assistant, with ``tool_calls``, / tool; content as text
+or text parts), ``tools`` (function JSON schemas), ``n``, ``temperature``, ``top_p``, ``max_tokens``
+(or ``max_completion_tokens``) and ``stop``; ``model`` is any name. Other fields the ``openai``
+client may send (``seed``, ``user``, ...) are ignored; ``stream: true`` is refused. Its prompt is the
+chat template's rendering of the messages with the tools (``add_generation_prompt``), tokenised
+once; its completion is sampled by :func:`rlalign.lm.sampling.sample`. A request without
+``temperature`` / ``top_p`` / ``max_tokens`` gets the server's defaults; ``max_tokens`` is capped
+at ``max_new_tokens`` (the run's ``sampling.max_new_tokens``).
+
+The reply is OpenAI's ``chat.completion`` object: a choice per sample with its message (content, and
+``tool_calls`` parsed from the text when the request gave tools), ``finish_reason`` (``tool_calls``
+when calls were parsed, ``stop`` at EOS or a stop string, ``length`` at ``max_tokens``) and
+``usage``. A malformed request gets HTTP 400 with OpenAI's error object, ``{"error": {"message",
+"type": "invalid_request_error", "param", "code"}}``, the message naming the field; an episode that
+is not open gets 404, one past its ``max_calls`` 400 (param ``max_calls``).
+
+Recording: each choice of each call is a :class:`CallRecord` of the episode: the prompt ids as
+rendered, the completion ids exactly as sampled (never decoded and encoded again; cut after the token
+that completes a stop string, EOS kept), the sampler's log-probs of those ids, and whether it hit
+``max_tokens``. A call's uniforms come from a generator seeded by (seed, episode, call index):
+which requests a batch happens to hold does not change a call's draws.
+
+Batching: handlers put requests on a queue; one worker thread (the only one to run the policy) takes
+the first, waits up to ``batch_wait_s`` for more (at most ``max_batch_rows`` rows), and samples each
+set of requests with equal sampling parameters as one batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlalign.lm.decode import SamplingParams
+from rlalign.lm.rollout import Rollout
+
+__all__ = [
+    "RequestError", "ChatRequest", "CallRecord", "parse_chat_request", "parse_calls", "calls_as_text", "render_chat", "model_generate", "PolicyServer",
+]
+
+Generate = Callable[[list[list[int]], SamplingParams, Tensor | None], Rollout]  # (prompts, params, noise (N, B) or None) -> Rollout
+
+
+class RequestError(ValueError):
+    """A request the endpoint cannot serve; ``param`` names the field, ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def body(self) -> dict:
+        kind = "not_found_error" if self.status == 404 else "invalid_request_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A parsed ``/chat/completions`` body."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    n: int
+    temperature: float | None
+    top_p: float | None
+    max_tokens: int | None
+    stop: list[str]
+    model: str
+
+
+@dataclass
+class CallRecord:
+    """One sampled choice of one call, as trained on (lists of ints and floats, no padding)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]  # as sampled: EOS kept, cut after the token completing a stop string
+    logprobs: list[float]  # the sampler's log pi(y_t), one per completion id
+    truncated: bool  # hit max_tokens without EOS or a stop string
+    text: str  # the returned content (tool calls and the stop string removed)
+    finish_reason: str
+
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content as text: a string, text parts joined, or "" for null."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise RequestError(f"{where}: expected text or a list of text parts, got {str(value)[:80]!r}", where)
+
+
+def _message(m: Any, i: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in _ROLES:
+        raise RequestError(f"{where}: expected an object with a role in {', '.join(_ROLES)}, got {str(m)[:80]!r}", f"{where}.role")
+    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": _content(m.get("content"), f"{where}.content")}
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        calls = []
+        for j, call in enumerate(m["tool_calls"]):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise RequestError(f"{where}.tool_calls[{j}]: expected {{type: function, function: {{name, arguments}}}}", f"{where}.tool_calls")
+            arguments = fn.get("arguments", "{}")
+            try:  # templates render the arguments as an object
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                pass
+            calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
+
+
+def _number(body: dict, key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(f"{key}: expected a number in [{low}, {high}], got {value!r}", key)
+    return float(value)
+
+
+def _integer(body: dict, key: str, low: int, high: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(f"{key}: expected an integer in [{low}, {high}], got {value!r}", key)
+    return value
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """The fields of a chat-completions body, checked.
+
+    Raises:
+        RequestError: naming the field that is missing or malformed.
+    """
+    if not isinstance(body, dict):
+        raise RequestError("request body: expected a JSON object with 'model' and 'messages'")
+    if body.get("stream"):
+        raise RequestError("stream: streaming is not supported by this endpoint; leave stream unset", "stream")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: missing, or not a non-empty list", "messages")
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"] for t in tools):
+            raise RequestError("tools: expected a list of {type: function, function: {name, description, parameters}}", "tools")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop: expected a string or a list of up to 4 non-empty strings, got {body.get('stop')!r}", "stop")
+    max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
+    return ChatRequest(
+        [_message(m, i) for i, m in enumerate(messages)], tools or None, _integer(body, "n", 1, 128) or 1,
+        _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0), max_tokens, stop, str(body.get("model") or "policy"),
+    )
+
+
+def parse_calls(fmt, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a reply: ``fmt.parse`` (a :class:`rlalign.agents.tool_calls.CallFormat`) gives
+    the calls; well-formed ones become ``{name, arguments (JSON text)}`` and the content is the text
+    before the first call (None when empty); a reply whose calls are all malformed is plain content.
+    A tag-format argument that is a plain string goes to the tool's only parameter."""
+    calls = [c for c in fmt.parse(text) if c.error is None]
+    if not calls:
+        return text, []
+    out = []
+    for call in calls:
+        arguments = call.arguments
+        if isinstance(arguments, str):
+            schema = next((t["function"] for t in tools if t["function"].get("name") == call.name), {})
+            names = list((schema.get("parameters") or {}).get("properties") or {})
+            arguments = {names[0] if len(names) == 1 else "input": arguments}
+        out.append({"name": call.name, "arguments": json.dumps(arguments)})
+    content = text[: text.find(fmt.open)].strip() if fmt.open and fmt.open in text else ""
+    return content or None, out
+
+
+def calls_as_text(fmt, message: dict) -> dict:
+    """An assistant message's ``tool_calls`` written into its content in ``fmt``'s syntax (the tag format:
+    ``<tool>NAME: ARGUMENT</tool>``), for chat templates that cannot render tool calls."""
+    parts = []
+    for call in message.pop("tool_calls"):
+        arguments = call["function"]["arguments"]
+        only = list(arguments.values())[0] if isinstance(arguments, dict) and len(arguments) == 1 else None
+        parts.append(f"{fmt.open}{call['function']['name']}: {only if isinstance(only, str) else json.dumps(arguments)}{fmt.close}")
+    message["content"] = (message["content"] + "".join(parts)) if message["content"] else "".join(parts)
+    return message
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, fmt=None) -> list[int]:
+    """The prompt ids of ``messages``: the chat template with ``tools`` and the generation prompt, tokenised
+    once (the template writes its own special tokens); "role: content" lines without a template. With the
+    tag format ``fmt`` (a template without tool calls), assistants' calls are written into their content."""
+    if fmt is not None and fmt.name == "tags":
+        messages = [calls_as_text(fmt, dict(m)) if m.get("tool_calls") else m for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tools:
+        raise RequestError("tools: the model has no chat template to describe tools with", "tools")
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return tokenizer(text)["input_ids"]
+
+
+def model_generate(model, tokenizer) -> Generate:
+    """A :data:`Generate` sampling ``model`` as it is (eval mode is the caller's), EOS = the tokenizer's."""
+    from rlalign.lm.sampling import sample
+
+    def generate(prompts: list[list[int]], params: SamplingParams, noise: Tensor | None) -> Rollout:
+        return sample(model, prompts, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], noise=noise).to("cpu")
+
+    return generate
+
+
+def _stop_cut(tokenizer, ids: list[int], text: str, stop: Sequence[str]) -> tuple[int, int] | None:
+    """(tokens to keep, characters of content) when a stop string occurs in ``text``: the shortest prefix of
+    ``ids`` whose text contains the earliest stop string, and the text before it; None when none occurs."""
+    found = [(text.find(s), s) for s in stop if s in text]
+    if not found:
+        return None
+    at, s = min(found)
+    low, high = 1, len(ids)  # containment grows with the prefix: bisect for the first prefix that holds it
+    while low < high:
+        mid = (low + high) // 2
+        if s in tokenizer.decode(ids[:mid], skip_special_tokens=True):
+            high = mid
+        else:
+            low = mid + 1
+    return low, at
+
+
+@dataclass
+class _Job:
+    prompt: list[int]
+    params: SamplingParams
+    noise: Tensor | None  # (N, n)
+    n: int
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Episode:
+    calls: list[CallRecord] = field(default_factory=list)
+    requests: int = 0
+
+
+class PolicyServer:
+    """The endpoint (module docstring): serves ``generate`` on ``host`` while open, records episodes' calls.
+
+    Args:
+        tokenizer: renders the messages and decodes the replies.
+        generate: samples a batch (:data:`Generate`); called on the worker thread only.
+        max_new_tokens: the cap (and default) of ``max_tokens``.
+        temperature, top_p, top_k: the defaults of requests that leave them out (top_k: always).
+        call_format: the tool-call syntax of the model's replies (:mod:`rlalign.agents.tool_calls`); None: the
+            one its chat template writes (tags without one).
+        max_calls: requests one episode may make; past that, 400.
+        max_context: prompt + max_tokens limit (None: unchecked).
+    """
+
+    def __init__(
+        self, tokenizer, generate: Generate, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+        call_format=None, max_calls: int = 16, max_context: int | None = None,
+        batch_wait_s: float = 0.005, max_batch_rows: int = 256, seed: int = 0, host: str = "127.0.0.1", model_name: str = "policy",
+    ):
+        from rlalign.agents.tool_calls import call_format as format_named
+
+        self.tokenizer, self.generate = tokenizer, generate
+        self.call_format = call_format or format_named("auto", tokenizer)
+        self.max_new_tokens, self.defaults, self.top_k = max_new_tokens, (temperature, top_p), top_k
+        self.max_calls, self.max_context, self.batch_wait_s, self.max_batch_rows = max_calls, max_context, batch_wait_s, max_batch_rows
+        self.seed, self.host, self.model_name = seed, host, model_name
+        self.base = ""
+        self.batches = 0  # sampling batches run (requests gathered together count once)
+        self._episodes: dict[str, _Episode] = {}
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._stack = None
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def __enter__(self) -> PolicyServer:
+        import contextlib
+
+        from rlalign.serve_reward import running
+
+        self._stack = contextlib.ExitStack()
+        worker = threading.Thread(target=self._work, daemon=True, name="rlalign-policy-server")
+        worker.start()
+        self._stack.callback(lambda: (self._jobs.put(None), worker.join(timeout=30)))
+        self.base = self._stack.enter_context(running(self.app(), self.host))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def url(self, episode: str | None = None) -> str:
+        """The base URL an ``openai`` client takes: the episode's, or the unrecorded ``/v1``."""
+        return f"{self.base}/v1" if episode is None else f"{self.base}/episodes/{episode}/v1"
+
+    def open_episode(self, episode: str) -> None:
+        with self._lock:
+            self._episodes[episode] = _Episode()
+
+    def close_episode(self, episode: str) -> list[CallRecord]:
+        """The episode's recorded calls, in the order they were answered; later calls of it get 404."""
+        with self._lock:
+            record = self._episodes.pop(episode, None)
+        return [] if record is None else record.calls
+
+    # -- the worker: gather, batch by parameters, sample ----------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            first = self._jobs.get()
+            if first is None:
+                return
+            jobs, rows, deadline = [first], first.n, time.monotonic() + self.batch_wait_s
+            while rows < self.max_batch_rows:
+                try:
+                    job = self._jobs.get(timeout=max(deadline - time.monotonic(), 0.0))
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._jobs.put(None)
+                    break
+                jobs.append(job)
+                rows += job.n
+            by_params: dict[SamplingParams, list[_Job]] = {}
+            for job in jobs:
+                by_params.setdefault(job.params, []).append(job)
+            for params, group in by_params.items():
+                self._run(params, group)
+
+    def _run(self, params: SamplingParams, group: list[_Job]) -> None:
+        try:
+            prompts = [job.prompt for job in group for _ in range(job.n)]
+            noise = None if params.greedy else torch.cat([job.noise for job in group], dim=1)  # (N, B)
+            rollout = self.generate(prompts, params, noise)
+            self.batches += 1
+        except Exception as err:  # the handlers answer 500 with it
+            for job in group:
+                job.future.set_exception(err)
+            return
+        row = 0
+        for job in group:
+            out = []
+            for _ in range(job.n):
+                keep = rollout.completion_mask[row].bool()
+                out.append((rollout.completion_ids[row][keep].tolist(), rollout.logprobs[row][keep].tolist(), bool(rollout.truncated[row])))
+                row += 1
+            job.future.set_result(out)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _reserve(self, episode: str | None) -> int:
+        """The call's index in its episode (its uniforms' seed), counting it against ``max_calls``."""
+        if episode is None:
+            return -1
+        with self._lock:
+            record = self._episodes.get(episode)
+            if record is None:
+                raise RequestError(f"episode {episode!r} is not open (finished, timed out, or never started)", None, 404)
+            if record.requests >= self.max_calls:
+                raise RequestError(f"episode {episode!r}: more than max_calls={self.max_calls} calls", "max_calls")
+            record.requests += 1
+            return record.requests - 1
+
+    def _noise(self, episode: str | None, index: int, steps: int, n: int) -> Tensor:
+        key = f"rlalign agent call {self.seed} {episode} {index}" if episode is not None else f"rlalign call {uuid.uuid4()}"
+        digest = hashlib.sha256(key.encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        return torch.rand((steps, n), generator=generator)  # (N, n)
+
+    def prepare(self, body: Any, episode: str | None) -> tuple[ChatRequest, _Job]:
+        """The request parsed, rendered and reserved against its episode, as a job for the worker.
+
+        Raises:
+            RequestError: naming the field.
+        """
+        request = parse_chat_request(body)
+        try:
+            prompt = render_chat(self.tokenizer, request.messages, request.tools, self.call_format)
+        except RequestError:
+            raise
+        except Exception as err:  # the template's own checks (roles out of order, a missing field)
+            raise RequestError(f"messages: the chat template cannot render them: {type(err).__name__}: {str(err)[:200]}", "messages") from err
+        steps = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens)
+        if self.max_context is not None and len(prompt) + steps > self.max_context:
+            raise RequestError(f"messages: the prompt has {len(prompt)} tokens, which with max_tokens={steps} exceeds the context of {self.max_context}", "messages")
+        temperature = self.defaults[0] if request.temperature is None else request.temperature
+        top_p = self.defaults[1] if request.top_p is None or request.top_p == 0 else request.top_p
+        params = SamplingParams(steps, temperature, self.top_k if temperature > 0 else 0, top_p)
+        index = self._reserve(episode)
+        noise = None if params.greedy else self._noise(episode, index, steps, request.n)
+        return request, _Job(prompt, params, noise, request.n)
+
+    def finish(self, request: ChatRequest, job: _Job, samples: list[tuple[list[int], list[float], bool]], episode: str | None) -> dict:
+        """The OpenAI reply of a sampled job; its choices recorded under ``episode``."""
+        choices, records = [], []
+        for index, (ids, logps, truncated) in enumerate(samples):
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            cut = _stop_cut(self.tokenizer, ids, text, request.stop)
+            if cut is not None:
+                ids, logps, truncated, text = ids[: cut[0]], logps[: cut[0]], False, text[: cut[1]]
+            content, calls = parse_calls(self.call_format, text, request.tools) if request.tools else (text, [])
+            reason = "tool_calls" if calls else "length" if truncated else "stop"
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [
+                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for c in calls
+                ]
+            choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
+            records.append(CallRecord(job.prompt, ids, logps, truncated, content or "", reason))
+        if episode is not None:
+            with self._lock:
+                if episode in self._episodes:
+                    self._episodes[episode].calls.extend(records)
+        completion_tokens = sum(len(r.completion_ids) for r in records)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": request.model,
+            "choices": choices, "usage": {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens, "total_tokens": len(job.prompt) + completion_tokens},
+        }
+
+    def app(self):
+        """The Starlette app of the routes (module docstring)."""
+        import asyncio
+
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def completions(request: Request) -> JSONResponse:
+            episode = request.path_params.get("episode")
+            try:
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise RequestError("request body: not JSON") from None
+                chat, job = self.prepare(body, episode)
+            except RequestError as err:
+                return JSONResponse(err.body(), status_code=err.status)
+            self._jobs.put(job)
+            try:
+                samples = await asyncio.wrap_future(job.future)
+            except Exception as err:
+                return JSONResponse({"error": {"message": f"sampling failed: {type(err).__name__}: {str(err)[:300]}", "type": "server_error", "param": None, "code": None}}, status_code=500)
+            return JSONResponse(self.finish(chat, job, samples, episode))
+
+        async def models(request: Request) -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlalign"}]})
+
+        routes = []
+        for base in ("/v1", "/episodes/{episode}/v1"):
+            routes += [Route(f"{base}/chat/completions", completions, methods=["POST"]), Route(f"{base}/models", models, methods=["GET"])]
+        return Starlette(routes=routes)
+

@@ -1,0 +1,212 @@
+"""The policy behind an OpenAI-compatible endpoint, asked by the ``openai`` client on the loopback
+address: messages, n, greedy decoding equal to rlalign's sampler, max_tokens, stop, tool calls, the
+token-exact record, batching of concurrent requests, and OpenAI-style errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from rlalign.agents.openai_server import PolicyServer, model_generate, render_chat  # noqa: E402
+from rlalign.agents.tool_calls import TAGS, tool_schemas  # noqa: E402
+from rlalign.lm.models import load_tokenizer  # noqa: E402
+from rlalign.lm.rollout import Rollout  # noqa: E402
+from rlalign.lm.sampling import SamplingParams, sample  # noqa: E402
+from rlalign.tasks import lookup as lk  # noqa: E402
+from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint  # noqa: E402
+
+torch.set_num_threads(1)
+USER = [{"role": "user", "content": "Which is heavier, the brom or the tiva?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyModelSpec(hidden_size=64, num_layers=2, intermediate_size=128), seed=0)
+    return AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(path)
+
+
+def scripted(tokenizer, replies: list[list[int]]):
+    """A Generate that answers every prompt of batch k with ``replies[k % len]`` (ids), log-prob -0.25 a token."""
+    count = iter(range(1 << 20))
+
+    def generate(prompts, params, noise):
+        ids = replies[next(count) % len(replies)][: params.max_new_tokens]
+        B, C = len(prompts), len(ids)
+        completion = torch.tensor([ids] * B)
+        ended = ids[-1] == tokenizer.eos_token_id
+        return Rollout(torch.ones((B, 1), dtype=torch.long), torch.ones((B, 1), dtype=torch.long), completion, torch.ones_like(completion),
+                       torch.full((B, C), -0.25), torch.arange(B), torch.full((B,), not ended))
+
+    return generate
+
+
+def chars(tokenizer, text: str, eos: bool = True) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+
+
+def client(server, episode=None):
+    return openai.OpenAI(base_url=server.url(episode), api_key="unused", max_retries=0)
+
+
+def test_n_choices_usage_and_the_record_of_each(tiny):
+    model, tok = tiny
+    with PolicyServer(tok, model_generate(model, tok), max_new_tokens=8) as server:
+        server.open_episode("e")
+        reply = client(server, "e").chat.completions.create(model="policy", messages=USER, n=3, max_tokens=6)
+        calls = server.close_episode("e")
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len(calls) == 3
+    prompt = render_chat(tok, USER, None)
+    assert all(c.prompt_ids == prompt for c in calls)
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == sum(len(c.completion_ids) for c in calls)
+    for choice, call in zip(reply.choices, calls):
+        assert choice.message.content == tok.decode(call.completion_ids, skip_special_tokens=True)
+        assert len(call.logprobs) == len(call.completion_ids) <= 6
+        assert choice.finish_reason == ("length" if call.truncated else "stop")
+
+
+def test_temperature_zero_equals_rlalign_greedy_sample_and_logprobs(tiny):
+    model, tok = tiny
+    prompt = render_chat(tok, USER, None)
+    greedy = sample(model, [prompt], SamplingParams(8, 0.0), tok.pad_token_id, [tok.eos_token_id])
+    expected = greedy.completion_ids[0][greedy.completion_mask[0].bool()].tolist()
+    with PolicyServer(tok, model_generate(model, tok), max_new_tokens=8) as server:
+        server.open_episode("e")
+        reply = client(server, "e").chat.completions.create(model="policy", messages=USER, temperature=0)
+        (call,) = server.close_episode("e")
+    assert call.completion_ids == expected
+    torch.testing.assert_close(torch.tensor(call.logprobs), greedy.logprobs[0][: len(expected)], rtol=0, atol=1e-6)
+    assert reply.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_a_call_draws_the_same_tokens_whatever_else_is_in_its_batch(tiny):
+    """Uniforms seeded by (seed, episode, call index): the same episode's first call, alone or among
+    seven concurrent requests, samples the same tokens at temperature 1."""
+    model, tok = tiny
+    with PolicyServer(tok, model_generate(model, tok), max_new_tokens=8, batch_wait_s=0.2) as server:
+        server.open_episode("x")
+        alone = client(server, "x").chat.completions.create(model="policy", messages=USER, temperature=1.0)
+        server.close_episode("x")
+        batches = server.batches
+        replies: dict[str, object] = {}
+
+        def ask(name: str, messages):
+            server.open_episode(name)
+            replies[name] = client(server, name).chat.completions.create(model="policy", messages=messages, temperature=1.0)
+
+        threads = [threading.Thread(target=ask, args=("x", USER))] + [
+            threading.Thread(target=ask, args=(f"o{i}", [{"role": "user", "content": "q" * (i + 1)}])) for i in range(7)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        gathered = server.batches - batches
+    assert replies["x"].choices[0].message.content == alone.choices[0].message.content
+    assert gathered < 8  # eight concurrent requests, sampled in fewer batches
+
+
+def test_max_tokens_is_capped_and_ends_with_length(tiny):
+    model, tok = tiny
+    with PolicyServer(tok, scripted(tok, [chars(tok, "abcdefghij", eos=False)]), max_new_tokens=6) as server:
+        server.open_episode("e")
+        c = client(server, "e")
+        short = c.chat.completions.create(model="policy", messages=USER, max_tokens=3)
+        capped = c.chat.completions.create(model="policy", messages=USER, max_tokens=1000)
+        calls = server.close_episode("e")
+    assert (short.choices[0].message.content, short.choices[0].finish_reason) == ("abc", "length")
+    assert capped.choices[0].message.content == "abcdef"  # max_tokens is capped at the run's max_new_tokens
+    assert [len(c.completion_ids) for c in calls] == [3, 6] and all(c.truncated for c in calls)
+
+
+def test_stop_strings_cut_the_content_and_the_record_keeps_the_tokens_up_to_the_stop(tiny):
+    _, tok = tiny
+    ids = chars(tok, "Answer: brom\nmore")
+    with PolicyServer(tok, scripted(tok, [ids]), max_new_tokens=32) as server:
+        server.open_episode("e")
+        reply = client(server, "e").chat.completions.create(model="policy", messages=USER, stop=["\n", "zz"])
+        (call,) = server.close_episode("e")
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("Answer: brom", "stop")
+    assert call.completion_ids == ids[: len("Answer: brom\n")]  # through the token that completes the stop string
+    assert call.logprobs == [-0.25] * len(call.completion_ids) and not call.truncated
+
+
+def test_tools_rendered_calls_parsed_and_sent_back_through_the_template(tiny):
+    """The tiny template has no tool syntax, so calls are the tag format: the reply's call becomes
+    OpenAI tool_calls (the plain argument given to lookup's only parameter), and the agent's assistant
+    message with tool_calls is written back as the tag call in the next prompt."""
+    _, tok = tiny
+    tools = tool_schemas([lk.lookup])
+    with PolicyServer(tok, scripted(tok, [chars(tok, "<tool>lookup: brom</tool>"), chars(tok, "brom")]), max_new_tokens=32) as server:
+        server.open_episode("e")
+        c = client(server, "e")
+        first = c.chat.completions.create(model="policy", messages=USER, tools=tools)
+        message = first.choices[0].message
+        call = message.tool_calls[0]
+        history = USER + [message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": lk.lookup(**json.loads(call.function.arguments))}]
+        second = c.chat.completions.create(model="policy", messages=history, tools=tools)
+        calls = server.close_episode("e")
+    assert first.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "lookup", {"name": "brom"})
+    assert second.choices[0].message.content == "brom" and second.choices[0].finish_reason == "stop"
+    rendered = tok.decode(calls[1].prompt_ids)
+    assert rendered.endswith(f"assistant: <tool>lookup: brom</tool>\ntool: {lk.lookup('brom')}\nassistant: ")
+    assert TAGS.parse(tok.decode(calls[0].completion_ids, skip_special_tokens=True))[0].name == "lookup"
+
+
+def test_the_record_is_the_sampled_ids_where_decoding_and_encoding_again_would_differ(tiny):
+    """The character model spells "<eos>" with five ordinary tokens; the text re-encoded is the one EOS
+    token. The row trained on is the five sampled tokens (then the real EOS), not the re-encoding."""
+    _, tok = tiny
+    sampled = tok.convert_tokens_to_ids(list("ok <eos> done")) + [tok.eos_token_id]  # one token per character
+    with PolicyServer(tok, scripted(tok, [sampled]), max_new_tokens=32) as server:
+        server.open_episode("e")
+        reply = client(server, "e").chat.completions.create(model="policy", messages=USER)
+        (call,) = server.close_episode("e")
+    text = reply.choices[0].message.content
+    assert text == "ok <eos> done"
+    assert call.completion_ids == sampled
+    again = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert again != sampled and len(again) < len(sampled)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"temperature": 5}, "temperature"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
+        ({"stream": True}, "stream"), ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"tools": [{"type": "function"}]}, "tools"), ({"top_p": 2}, "top_p"),
+    ],
+)
+def test_malformed_requests_get_400_naming_the_field(tiny, body, field):
+    _, tok = tiny
+    with PolicyServer(tok, scripted(tok, [chars(tok, "x")]), max_new_tokens=4) as server:
+        with pytest.raises(openai.BadRequestError) as err:
+            client(server).chat.completions.create(**{"model": "policy", "messages": USER, **body})
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == field and err.value.body["message"].startswith(field.split("[")[0])
+
+
+def test_closed_episodes_get_404_and_max_calls_400(tiny):
+    _, tok = tiny
+    with PolicyServer(tok, scripted(tok, [chars(tok, "x")]), max_new_tokens=4, max_calls=2) as server:
+        with pytest.raises(openai.NotFoundError, match="not open"):
+            client(server, "never").chat.completions.create(model="policy", messages=USER)
+        server.open_episode("e")
+        c = client(server, "e")
+        for _ in range(2):
+            c.chat.completions.create(model="policy", messages=USER)
+        with pytest.raises(openai.BadRequestError, match="max_calls=2"):
+            c.chat.completions.create(model="policy", messages=USER)
+        assert len(server.close_episode("e")) == 2
+        assert [m.id for m in client(server).models.list().data] == ["policy"]
