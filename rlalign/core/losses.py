@@ -10,6 +10,12 @@ Per-token losses are reduced by :func:`aggregate`, whose modes are the ones the 
     seq-mean-token-sum-norm   1/(G * L) sum_i sum_t l_{i,t}, L fixed        (Dr.GRPO, Liu et al. 2025)
 
 Advantages of shape (B,) are broadcast to every token of (B, C) inputs.
+
+Row weights: a mask may carry a weight w_i in (0, 1] on every counted token of row i instead of 1
+(w_i = max_t m_{i,t}; 0/1 masks give the modes above unchanged). Row i then counts w_i times: the
+sequence modes divide by sum_i w_i instead of G (token-sum-norm: rows without tokens count 1), a
+row's own token mean is unchanged, and token-mean weighs each of its tokens by w_i. The agent source
+uses it to count an episode of k calls (k rows) once: w = 1/k on each of its rows.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ __all__ = [
     "AGGREGATION_MODES",
     "Aggregation",
     "aggregate",
+    "row_weights",
     "explained_variance",
     "policy_gradient_loss",
     "clipped_surrogate_loss",
@@ -61,6 +68,17 @@ def _broadcast(advantages: Tensor, like: Tensor) -> Tensor:
     return advantages.unsqueeze(-1) if advantages.dim() < like.dim() else advantages
 
 
+def row_weights(mask: Tensor) -> Tensor:
+    """Each row's weight in the sequence modes: max_t mask (0 for a row without tokens). Shape: (B,)."""
+    return mask.amax(-1) if mask.shape[-1] else mask.new_zeros(mask.shape[0])
+
+
+def norm_rows(mask: Tensor) -> Tensor:
+    """The rows seq-mean-token-sum-norm divides by: sum_i w_i, a row without tokens counting 1."""
+    weight = row_weights(mask)
+    return torch.where(weight > 0, weight, torch.ones_like(weight)).sum()
+
+
 def aggregate(token_values: Tensor, mask: Tensor | None = None, mode: Aggregation = "token-mean", max_len: int | None = None) -> Tensor:
     """Reduce per-token values to a scalar with one of :data:`AGGREGATION_MODES` (module docstring).
 
@@ -75,18 +93,19 @@ def aggregate(token_values: Tensor, mask: Tensor | None = None, mode: Aggregatio
         return masked_mean(token_values, mask)
     values_2d = token_values if token_values.dim() > 1 else token_values.unsqueeze(-1)  # (B, C)
     mask_2d = mask if mask.dim() > 1 else mask.unsqueeze(-1)
-    seq_sum = masked_sum(values_2d, mask_2d, dim=-1)  # (B,)
+    seq_sum = masked_sum(values_2d, mask_2d, dim=-1)  # (B,) weighted by the row's weight
     seq_len = mask_2d.sum(-1)  # (B,)
-    has_tokens = (seq_len > 0).to(values_2d.dtype)
-    n_seqs = has_tokens.sum().clamp(min=1.0)
+    row_weight = row_weights(mask_2d).to(values_2d.dtype)  # (B,) 1 for a 0/1 row with tokens, 0 without
+    n_seqs = row_weight.sum()
+    n_seqs = torch.where(n_seqs > 0, n_seqs, torch.ones_like(n_seqs))
     if mode == "seq-mean-token-mean":
         safe_len = torch.where(seq_len > 0, seq_len, torch.ones_like(seq_len))
-        return (seq_sum / safe_len * has_tokens).sum() / n_seqs
+        return (seq_sum / safe_len * row_weight).sum() / n_seqs
     if mode == "seq-mean-token-sum":
         return seq_sum.sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":
         length = values_2d.shape[-1] if max_len is None else max_len
-        return seq_sum.sum() / (values_2d.shape[0] * length)
+        return seq_sum.sum() / (norm_rows(mask_2d) * length)
     raise ValueError(f"aggregation mode must be one of {AGGREGATION_MODES}, got {mode!r}")
 
 

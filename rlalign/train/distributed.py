@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from rlalign.core.losses import norm_rows, row_weights
 from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
@@ -235,7 +236,8 @@ def all_sum(x: Tensor, world: World) -> Tensor:
 
 def aggregation_count(mask: Tensor, mode: str) -> Tensor:
     """What ``rlalign.core.losses.aggregate`` divides by for this minibatch: tokens (token-mean),
-    sequences with at least one token (seq-mean-token-mean / -sum), rows (seq-mean-token-sum-norm).
+    sequences with at least one token (seq-mean-token-mean / -sum), rows (seq-mean-token-sum-norm);
+    a weighted mask's rows count their weight.
 
     Args:
         mask: 1 on counted tokens. Shape: (B, C).
@@ -243,8 +245,8 @@ def aggregation_count(mask: Tensor, mode: str) -> Tensor:
     if mode == "token-mean":
         return mask.sum()
     if mode == "seq-mean-token-sum-norm":
-        return torch.tensor(float(mask.shape[0]))
-    return (mask.sum(-1) > 0).sum()
+        return norm_rows(mask).float()
+    return row_weights(mask).sum()  # weighted rows count their weight (rlalign.core.losses, row weights)
 
 
 def all_max(value: float, world: World) -> float:

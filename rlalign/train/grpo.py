@@ -217,7 +217,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
 
     # 3. reference log-probs, pi_old (recomputed when the sampler's numerics or weights differ: the proximal policy), optional KL in the reward
     sampled_mask = rollout.completion_mask * batch.token_mask  # (B, C) tokens the sampler drew (not tool tokens)
-    mask = loss_mask(rollout, cfg.mask_truncated) * batch.token_mask  # (B, C) tool tokens get no gradient
+    mask = batch.weighted(loss_mask(rollout, cfg.mask_truncated) * batch.token_mask)  # (B, C) tool tokens get no gradient; an agent's k calls weigh 1/k each
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
@@ -241,7 +241,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     # 4. group-relative advantages, one per completion (broadcast over its tokens by the loss)
     all_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scored.scores, G)  # (B global,)
     shard = world.shard(len(batch.examples))
-    advantages = all_advantages[shard.start * G : shard.stop * G]  # (B,) this rank's rows
+    advantages = batch.row_values(all_advantages[shard.start * G : shard.stop * G])  # (B,) this rank's rows (an agent's calls: their episode's)
 
     # 5. mu passes x minibatches of clipped-surrogate updates against log pi_old
     #    (each one's gradient accumulated over micro-batches of cfg.micro_batch_size rows: the same update, less memory)

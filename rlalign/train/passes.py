@@ -132,7 +132,7 @@ def loss_mask(rollout: Rollout, mask_truncated: bool) -> Tensor:
 def logprob_mismatch(logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> Tensor:
     """max |training log-prob - sampler log-prob| over counted tokens (detached); 0 for no tokens."""
     with torch.no_grad():
-        gap = (logp - sampler_logp).abs() * mask  # (B, C)
+        gap = (logp - sampler_logp).abs() * (mask > 0)  # (B, C); a weighted row counts as any other
         return gap.max() if gap.numel() else gap.new_zeros(())
 
 
@@ -140,5 +140,5 @@ def ratio_deviation(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """max |pi / pi_old - 1| over counted tokens (detached). On the first minibatch, before any
     update, it is the mismatch between the sampler's log-probs and the training pass's."""
     with torch.no_grad():
-        deviation = (torch.exp(logp - old_logp) - 1.0).abs() * mask  # (B, C)
+        deviation = (torch.exp(logp - old_logp) - 1.0).abs() * (mask > 0)  # (B, C)
         return deviation.max() if deviation.numel() else deviation.new_zeros(())

@@ -234,7 +234,7 @@ def ppo_step(
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
     mask = rollout.completion_mask.float()  # (B, C) the episode's tokens
     sampled = mask * batch.token_mask  # (B, C) the tokens the policy chose (not tool tokens): they alone are trained
-    n = len(batch.examples)  # global rows
+    n = len(batch.examples) if batch.row_episode is None else rollout.batch_size  # global rows (an agent's calls: one process)
     minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
     pass_rows = cfg.micro_batch_size or minibatch  # rows per no-grad forward
@@ -252,7 +252,7 @@ def ppo_step(
     t_old = time.perf_counter()
     beta = kl_ctl.value
     _, advantages, returns, kl = ppo_advantages(
-        scored.local_scores, rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world, sampled
+        batch.row_values(scored.local_scores), rollout.logprobs, ref_logp, old_values, mask, beta, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages, world, sampled
     )  # (B, C) each
 
     # 4. ppo_epochs x shuffled minibatches: one policy update and one critic update each. The
@@ -267,7 +267,7 @@ def ppo_step(
             present = float(rows.numel() > 0)
             rows = rows if present else torch.zeros(1, dtype=torch.long)
             micro_rows = micro_batches(rows, cfg.micro_batch_size)  # each update accumulates its gradient over these
-            mb_mask = sampled * present  # (B, C)
+            mb_mask = batch.weighted(sampled) * present  # (B, C); an agent's k calls weigh 1/k each
 
             def actor_loss(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
                 return policy_loss(policy.model, rollout.select(micro), advantages[micro], mb_mask[micro], cfg, sampler_logp[micro])

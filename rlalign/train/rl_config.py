@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rlalign.agents.agent_config import AgentConfig
 from rlalign.config import Config
 from rlalign.core.losses import AGGREGATION_MODES, Aggregation
 from rlalign.lm.sampling import SamplingParams
@@ -341,6 +342,10 @@ class RLConfig(RunConfig):
         None, description="multi-turn tool use (rlalign.train.tool_rollout): tool results appended between turns and left out of the loss; "
         "rewards score the last turn; one process only; null = single-turn"
     )
+    agent: AgentConfig | None = Field(
+        None, description="rollouts by agent code written against the openai client, served the policy at a local OpenAI-compatible endpoint "
+        "(rlalign.agents.agent_source): each call is a row, an episode's rows share its advantage and count once; one process only; null = off"
+    )
     async_rollouts: AsyncConfig = Field(default_factory=AsyncConfig, description="asynchronous rollout producer with bounded staleness")
 
     @field_validator("loss_type", mode="before")
@@ -373,6 +378,11 @@ class RLConfig(RunConfig):
         check_compile(self.compile, self.model, self.sampling)
         if self.tools is not None and self.dynamic_sampling:
             raise ValueError("tools: dynamic_sampling is not supported with multi-turn rollouts")
+        if self.agent is not None:
+            clash = [name for name, on in (("tools", self.tools is not None), ("dynamic_sampling", self.dynamic_sampling),
+                                           ("kl_in: reward", getattr(self, "kl_in", "loss") == "reward")) if on]
+            if clash:
+                raise ValueError(f"agent: {', '.join(clash)} cannot be combined with agent rollouts (the agent's calls are the rollout)")
         if self.async_rollouts.enabled and self.async_rollouts.max_staleness > 0 and self.tis_cap is None:
             raise ValueError(
                 "async_rollouts with max_staleness > 0 trains on rollouts of an older policy: set tis_cap (e.g. 2.0) for the behaviour "

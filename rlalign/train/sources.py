@@ -74,6 +74,16 @@ class ScoredBatch:
     generate_s: float = 0.0  # seconds spent sampling
     score_s: float = 0.0  # seconds spent scoring
     data_position: int | None = None  # prompts drawn so far after this batch (dynamic sampling); None: step * prompts_per_step
+    row_episode: Tensor | None = None  # (B,) the scored row (episode) each rollout row belongs to, when an episode is several rows (agent calls); None: the same
+    row_weight: Tensor | None = None  # (B,) each row's weight in the loss (rlalign.core.losses, row weights); None: 1
+
+    def row_values(self, values: Tensor) -> Tensor:
+        """Values of the scored rows (episodes), shape (E,), spread to the rollout's rows, shape (B,)."""
+        return values if self.row_episode is None else values[self.row_episode]
+
+    def weighted(self, mask: Tensor) -> Tensor:
+        """``mask`` (B, C) times each row's weight."""
+        return mask if self.row_weight is None else mask * self.row_weight[:, None].to(mask.dtype)
 
 
 class RolloutSource(Protocol):
@@ -393,6 +403,8 @@ def make_source(
 ) -> RolloutSource:
     """The in-process source a GRPO or PPO config asks for: tools, dynamic sampling, or plain sampling.
     ``data_position``: the checkpoint's (dynamic sampling resumes from it)."""
+    if getattr(cfg, "agent", None) is not None:
+        raise ValueError("an agent: config's source is rlalign.agents.agent_source.make_agent_source (open_source builds it)")
     scorer = make_scorer(cfg, tokenizer, rewards, world)
     base = (sampler, scorer, prompts, cfg.prompts_per_step, cfg.seed, cfg.sampling, cfg.model)
     if cfg.tools is not None:
