@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, model_validator
 
 from rlalign.config import Config
 
@@ -13,8 +13,8 @@ __all__ = ["AgentConfig"]
 class AgentConfig(Config):
     """Rollouts made by an agent function written against the ``openai`` client."""
 
-    function: str = Field(
-        description="the agent, 'package.module:function' (sync or async), called as f(base_url, record) for each episode: base_url is the "
+    function: str | None = Field(
+        None, description="the agent, 'package.module:function' (sync or async), called as f(base_url, record) for each episode: base_url is the "
         "policy's OpenAI-compatible endpoint for this episode, record the prompt row (its 'prompt' and other columns); it returns the "
         "final answer (text), or a dict with 'answer' and/or 'reward', or None (the last reply's content is the answer)"
     )
@@ -23,10 +23,9 @@ class AgentConfig(Config):
     max_concurrency: int = Field(64, ge=1, description="episodes run at once (threads for synchronous agents)")
     batch_wait_ms: float = Field(5.0, ge=0, description="how long the endpoint waits for more requests to sample together after the first")
 
-    @field_validator("function")
-    @classmethod
-    def _module_function(cls, value: str) -> str:
-        module, sep, attr = value.partition(":")
+    @model_validator(mode="after")
+    def _module_function(self) -> AgentConfig:
+        module, sep, attr = (self.function or "").partition(":")
         if not (module and sep and attr):
-            raise ValueError(f"agent.function {value!r}: expected 'package.module:function'")
-        return value
+            raise ValueError(f"agent.function {self.function!r}: expected 'package.module:function' (the agent to run)")
+        return self
