@@ -128,8 +128,10 @@ def correct(record: Mapping[str, Any], answer: str) -> float:
 
 
 def reward(prompts: list, completions: list[str], answer: list[str], **columns: Any) -> list[float]:
-    """Exact-answer reward in the reward-function protocol of :mod:`rlalign.lm.rewards` (the ``answer`` column)."""
-    return [1.0 if c.strip().lower() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+    """Exact-answer reward in the reward-function protocol of :mod:`rlalign.lm.rewards` (the ``answer``
+    column); a completion is text or messages (TRL's conversational form: the last message's content)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [1.0 if t.strip().lower() == a else 0.0 for t, a in zip(texts, answer, strict=True)]
 
 
 class LookupEnvironment:

@@ -87,13 +87,17 @@ def check_one_process(cfg, world: distributed.World) -> None:
             raise ConfigError(f"{what} runs in one process: under torchrun {why}")
 
 
-def open_source(cfg, run, updater, state, tools=None, inner: RolloutSource | None = None) -> RolloutSource:
+def open_source(cfg, run, updater, state, tools=None, inner: RolloutSource | None = None, environment=None) -> RolloutSource:
     """The run's rollout source: ``inner``, by default the in-process one of the config (:func:`rlalign.train.sources.make_source`),
     run by a producer process when ``cfg.async_rollouts.enabled``."""
     if inner is None and getattr(cfg, "agent", None) is not None:  # agent code behind the OpenAI-compatible endpoint
         from rlalign.agents.agent_source import make_agent_source
 
         inner = make_agent_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world)
+    if inner is None and getattr(cfg, "environment", None) is not None:  # episodes against a Python environment
+        from rlalign.train.env_source import make_environment_source
+
+        inner = make_environment_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world, environment)
     inner = inner or make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world, tools, state.data_position)
     if not cfg.async_rollouts.enabled:
         return inner

@@ -280,7 +280,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
 
 def train(
     cfg: GRPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None,
-    tools: Mapping[str, Callable[[str], object]] | None = None,
+    tools: Mapping[str, Callable[[str], object]] | None = None, environment: object | None = None,
 ) -> RLResult:
     """Run GRPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
@@ -289,6 +289,7 @@ def train(
             functions (TRL's ``reward_len(completions, **kwargs)``; named by the function, weight 1).
         prompts: prompt records (``{"prompt": ..., "answer"?: ...}``) to use instead of ``cfg.data``.
         tools: Python functions of one string to register as tools, by name, next to ``cfg.tools.enabled``.
+        environment: a Python environment (a class or zero-argument maker, rlalign.agents.environment) for ``cfg.environment``.
     """
     if tools and cfg.tools is None:
         raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
@@ -299,7 +300,7 @@ def train(
         reference = run.load_reference(cfg.model, cfg.reference) if cfg.beta > 0 else None  # beta = 0: no KL term, no reference
         updater = Updater.create(policy, cfg.optim, cfg.steps * cfg.mu * cfg.num_minibatches, run.world, cfg.model.sharding, cfg.sampling.dtype, cfg.sampling.packed_copy)
         state = resume_state(run.checkpoint, cfg.seed, {"policy": updater}, run.world)
-        source = open_source(cfg, run, updater, state, tools)
+        source = open_source(cfg, run, updater, state, tools, environment=environment)
 
         def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
             return grpo_step(updater, reference, source, state, cfg)

@@ -323,7 +323,7 @@ def _critic_init(cfg: PPOConfig, base_path: Path) -> str | Path:
 
 def train(
     cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None,
-    tools: Mapping[str, Callable[[str], object]] | None = None,
+    tools: Mapping[str, Callable[[str], object]] | None = None, environment: object | None = None,
 ) -> RLResult:
     """Run PPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
@@ -332,6 +332,7 @@ def train(
             functions (TRL's ``reward_len(completions, **kwargs)``; named by the function, weight 1).
         prompts: prompt records to use instead of ``cfg.data``.
         tools: Python functions of one string to register as tools, by name, next to ``cfg.tools.enabled``.
+        environment: a Python environment (a class or zero-argument maker, rlalign.agents.environment) for ``cfg.environment``.
     """
     if tools and cfg.tools is None:
         raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
@@ -354,7 +355,7 @@ def train(
         if ckpt is not None:
             kl_ctl.load_state_dict(ckpt.extra["kl_controller"])
 
-        source = open_source(cfg, run, updaters["policy"], state, tools)
+        source = open_source(cfg, run, updaters["policy"], state, tools, environment=environment)
 
         def step(state: TrainState) -> tuple[dict[str, float], list[dict]]:
             return ppo_step(updaters["policy"], updaters["critic"], reference, kl_ctl, source, state, cfg)

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlalign.agents.agent_config import AgentConfig
+from rlalign.agents.env_config import EnvironmentConfig
 from rlalign.config import Config
 from rlalign.core.losses import AGGREGATION_MODES, Aggregation
 from rlalign.lm.sampling import SamplingParams
@@ -342,6 +343,10 @@ class RLConfig(RunConfig):
         None, description="multi-turn tool use (rlalign.train.tool_rollout): tool results appended between turns and left out of the loss; "
         "rewards score the last turn; one process only; null = single-turn"
     )
+    environment: EnvironmentConfig | None = Field(
+        None, description="multi-turn episodes against a Python environment (rlalign.train.env_source): chat-template tool calls, token-exact, "
+        "batched; rewards from the environment and/or the reward terms; null = off"
+    )
     agent: AgentConfig | None = Field(
         None, description="rollouts by agent code written against the openai client, served the policy at a local OpenAI-compatible endpoint "
         "(rlalign.agents.agent_source): each call is a row, an episode's rows share its advantage and count once; one process only; null = off"
@@ -378,6 +383,8 @@ class RLConfig(RunConfig):
         check_compile(self.compile, self.model, self.sampling)
         if self.tools is not None and self.dynamic_sampling:
             raise ValueError("tools: dynamic_sampling is not supported with multi-turn rollouts")
+        if self.environment is not None and (self.tools is not None or self.dynamic_sampling):
+            raise ValueError("environment: cannot be combined with tools or dynamic_sampling")
         if self.agent is not None:
             clash = [name for name, on in (("tools", self.tools is not None), ("dynamic_sampling", self.dynamic_sampling),
                                            ("kl_in: reward", getattr(self, "kl_in", "loss") == "reward")) if on]

@@ -1,0 +1,132 @@
+"""Episodes against a Python environment as a rollout source (the ``environment:`` config section).
+
+    source = EnvironmentSource(updater, scorer, prompts, n, seed, sampling, model_cfg, env=LookupEnvironment, env_cfg=cfg.environment)
+    batch = source.next(state)   # ScoredBatch: token mask 0 on the environment's tokens; metrics agents/*
+
+Each step's ``n`` prompt records each get ``group_size`` episodes (:func:`rlalign.agents.episodes.run_episodes`),
+sampled by the policy (or its sampling copy). Rewards: the reward terms score each episode's final
+answer (the last assistant turn), and the environment's own reward, where it gives one, is the term
+"environment" (:class:`rlalign.train.sources.Scorer`); either or both. GRPO and PPO take it like any
+source, and :class:`rlalign.train.async_source.AsyncSource` runs it in a producer process (the
+environment must then be importable: a class or ``module:Class``, not a lambda).
+
+:func:`evaluate_episodes` is the multi-turn evaluation: success rate (total reward >=
+``pass_threshold``), pass@k over ``num_samples`` episodes a prompt, turns and calls, and a samples
+table of whole episodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlalign.agents.env_config import EnvironmentConfig
+from rlalign.agents.environment import environment_factory
+from rlalign.agents.episodes import Episodes, episode_metrics, run_episodes
+from rlalign.core.evaluation import pass_at_k
+from rlalign.lm.data import PromptExample
+from rlalign.lm.decode import SamplingParams
+from rlalign.lm.model_modes import attention_kernel, evaluating
+from rlalign.train import distributed
+from rlalign.train.common import forward_precision
+from rlalign.train.rollouts import RewardTerm, prompt_batch, score_shard
+from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_generator
+
+__all__ = ["EnvironmentSource", "make_environment_source", "sample_episodes", "evaluate_episodes"]
+
+
+def _records(examples: Sequence[PromptExample]) -> list[dict[str, Any]]:
+    return [{**ex.metadata, "prompt": ex.prompt} for ex in examples]
+
+
+def sample_episodes(updater, tokenizer, records, env: Callable[[], Any], env_cfg: EnvironmentConfig, params: SamplingParams, model_cfg,
+                    attn_implementation, group_size: int, generator: torch.Generator) -> Episodes:
+    """:func:`run_episodes` by ``updater``'s policy (or its sampling copy), in eval mode, one process."""
+    policy, sampler = updater.module, updater.sampler()
+    precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()
+    with distributed.gathered(policy), precision, evaluating(sampler), attention_kernel(sampler, attn_implementation):
+        return run_episodes(
+            sampler, tokenizer, records, env, params, group_size=group_size, max_turns=env_cfg.max_turns, fmt=env_cfg.tool_format, generator=generator,
+            timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
+        )
+
+
+def _turn_params(sampling, env_cfg: EnvironmentConfig) -> SamplingParams:
+    params = sampling.params()
+    if env_cfg.max_new_tokens is None:
+        return params
+    return SamplingParams(env_cfg.max_new_tokens, params.temperature, params.top_k, params.top_p)
+
+
+@dataclass
+class EnvironmentSource(SampledSource):
+    """Multi-turn episodes against ``env`` (a class or zero-argument maker; ``env_cfg.cls`` when None)."""
+
+    env: Any = None
+    env_cfg: EnvironmentConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.env_cfg = self.env_cfg or EnvironmentConfig()
+        if self.env is None:
+            if self.env_cfg.cls is None:
+                raise ValueError("environment: set environment.class (module:Class) or pass the environment to train(environment=...)")
+            self.env = self.env_cfg.cls  # resolved when sampling (a producer process imports it itself)
+
+    def sample(self, state) -> Sampled:
+        t0 = time.perf_counter()
+        examples = prompt_batch(self.prompts, state.step, self.n, self.seed)
+        episodes = sample_episodes(
+            self.sampler, self.scorer.tokenizer, _records(examples), environment_factory(self.env), self.env_cfg, _turn_params(self.sampling, self.env_cfg),
+            self.model_cfg, self.sampling.attn_implementation, self.scorer.group_size, sampling_generator(self.seed, state.step),
+        )
+        return Sampled(
+            state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
+            episode_metrics(episodes),
+        )
+
+
+@torch.no_grad()
+def evaluate_episodes(
+    updater, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm], env: Any, env_cfg: EnvironmentConfig, params: SamplingParams,
+    model_cfg, num_samples: int = 1, pass_threshold: float = 1.0, seed: int = 0, batch_size: int = 32, rows_logged: int = 8,
+) -> tuple[dict[str, float], list[dict]]:
+    """Episodes of every prompt (``num_samples`` each) by the policy: ``eval/success`` (the share whose
+    total reward, environment's included, reaches ``pass_threshold``), ``eval/pass@k`` (k = 1, 2, 4, ...
+    <= num_samples, unbiased), ``eval/reward/mean``, ``eval/turns``, ``eval/tool_calls``,
+    ``eval/malformed_calls``, ``eval/timed_out``; and a table of the first episodes (conversation, final answer, reward)."""
+    make_env = environment_factory(env if env is not None else env_cfg.cls)
+    generator = torch.Generator().manual_seed(seed)
+    totals, parts, table = [], [], []
+    for start in range(0, len(prompts), batch_size):
+        batch = list(prompts[start : start + batch_size])
+        episodes = sample_episodes(updater, tokenizer, _records(batch), make_env, env_cfg, params, model_cfg, None, num_samples, generator)
+        scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World())
+        total = scored.scores + torch.tensor([r or 0.0 for r in episodes.env_rewards])  # (B,)
+        totals.append(total)
+        parts.append(episodes)
+        for r in range(min(rows_logged - len(table), len(total))):
+            table.append({"conversation": episodes.conversations[r], "final": episodes.final_texts[r], "reward": float(total[r])})
+    total = torch.cat(totals)  # (prompts x n,)
+    passed = (total >= pass_threshold).view(-1, num_samples)  # (prompts, n)
+    metrics = {"eval/success": passed.float().mean().item(), "eval/reward/mean": total.mean().item()}
+    k = 1
+    while k <= num_samples:
+        metrics[f"eval/pass@{k}"] = float(pass_at_k(passed, k))
+        k *= 2
+    for key in ("turns", "tool_calls", "malformed_calls", "timed_out"):
+        metrics[f"eval/{key}"] = sum(episode_metrics(e)[f"agents/{key}"] * e.turns.numel() for e in parts) / total.numel()
+    return metrics, table
+
+
+def make_environment_source(cfg, sampler, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], world: distributed.World,
+                            environment: Any = None) -> EnvironmentSource:
+    """The source of a GRPO or PPO config with an ``environment:`` section; ``environment``: the object given to ``train`` (else the config's class)."""
+    if world.size > 1:
+        raise ValueError("environment: episodes run in one process (world size 1)")
+    scorer = make_scorer(cfg, tokenizer, rewards, world)
+    return EnvironmentSource(sampler, scorer, prompts, cfg.prompts_per_step, cfg.seed, cfg.sampling, cfg.model, env=environment, env_cfg=cfg.environment)
