@@ -169,6 +169,10 @@ class RLRun(Run):
             if self.world.is_main:
                 print("eval: evaluation during RL does not run tool calls yet; no eval/* metrics for this run with tools")
             return None
+        if getattr(cfg, "agent", None) is not None:  # the evaluation samples one turn, not the agent's episodes
+            if self.world.is_main:
+                print("eval: evaluation during RL does not run the agent yet; no eval/* metrics for this run with an agent")
+            return None
         return lambda step: evaluate_policy(
             policy, self.tokenizer, self.eval_prompts, self.rewards, cfg.eval, cfg.sampling.max_new_tokens, cfg.model, cfg.seed, self.world, step
         )
