@@ -71,7 +71,7 @@ def _examples(records):
 def grpo_cfg(path, out, **overrides) -> grpo.GRPOConfig:
     return load_config(grpo.GRPOConfig, None, {
         "model.path": str(path), "output_dir": str(out), "data.task": "arithmetic", "rewards": [], "steps": 12, "prompts_per_step": 8, "group_size": 8,
-        "sampling.max_new_tokens": 32, "optim.lr": 5e-4, "beta": 0.0, "progress": False, "plots": False, "overwrite": True,
+        "sampling.max_new_tokens": 32, "optim.lr": 1e-3, "beta": 0.0, "progress": False, "plots": False, "overwrite": True,
         "environment.class": "rlalign.tasks.lookup:LookupEnvironment", "environment.max_turns": 3, **overrides,
     })
 
@@ -120,6 +120,16 @@ def test_trainers_take_the_environment_source(trainer, tiny_path, tmp_path, monk
     assert history["agents/turns"] == seen[0].turns.float().mean().item()
     env = torch.tensor([r or 0.0 for r in seen[0].env_rewards])
     assert history["reward/environment/mean"] == pytest.approx(env.mean().item())
+
+
+def test_the_environment_source_runs_in_an_async_producer(tiny_path, tmp_path):
+    cfg = load_config(grpo.GRPOConfig, None, {
+        "model.path": str(tiny_path), "output_dir": str(tmp_path / "async"), "data.task": "arithmetic", "rewards": [], "steps": 2, "prompts_per_step": 2,
+        "group_size": 2, "sampling.max_new_tokens": 8, "beta": 0.0, "progress": False, "plots": False, "overwrite": True, "environment.max_turns": 2,
+        "environment.class": "tests.agents.test_env_learning:Scripted", "async_rollouts.enabled": True, "async_rollouts.max_staleness": 0,
+    })
+    result = grpo.train(cfg, reward_functions=[CORRECT], prompts=L.prompt_records("train", 8))
+    assert len(result.history) == 2 and all("agents/turns" in h and "reward/environment/mean" in h for h in result.history)
 
 
 def test_environment_config_checks():
