@@ -27,7 +27,7 @@ from rlalign.train import grpo, ppo  # noqa: E402
 from rlalign.train.passes import rollout_token_logprobs  # noqa: E402
 from rlalign.train.rollouts import ScoredRollout  # noqa: E402
 from rlalign.train.sources import ScoredBatch  # noqa: E402
-from tests.train.test_rl_composed import PROMPTS, build_rollout, detached, grads, grpo_cfg, hand_forward, sgd_updater, shifted_rollout  # noqa: E402
+from tests.train.test_rl_composed import PROMPTS, build_rollout, detached, grads, grpo_cfg, hand_forward, sgd_updater  # noqa: E402
 
 torch.set_num_threads(1)
 HERE = "tests.train.test_agent_source"
@@ -185,7 +185,6 @@ def test_grpo_step_counts_each_episode_once_by_hand(tiny_path, tmp_path):
     value 1/3 (-A_0 - A_2 - A_3) = -0.2357; the gradient is that of the expression."""
     cfg = grpo_cfg(tiny_path, tmp_path, beta=0.0)
     tokenizer, policy = load_tokenizer(tiny_path), load_policy(tiny_path)
-    rollout, _, _, _ = shifted_rollout(policy, tokenizer, PROMPTS, 2)
     rollout = build_rollout(tokenizer, detached(hand_forward(policy, tokenizer)), PROMPTS, 2)  # the sampler's log-probs: the policy's own
     scores = torch.tensor([2.0, 0.5, -1.0, 3.0])
     scored = ScoredRollout(["p0", "p0", "p1", "p1"], [""] * 4, scores, {"r": scores}, scores, {"r": scores})
