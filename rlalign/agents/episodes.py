@@ -17,8 +17,9 @@ round trip may give other ids) plus, between turns, the environment's tokens: th
 rendered by the chat template with and without the turn's tool messages (``add_generation_prompt``
 after them), both renderings are tokenised, the one without must be a prefix of the one with
 (:class:`TemplateError` otherwise), and the environment's tokens are the suffix, starting right after
-the sampled turn's end (the template's end-of-turn token counts as sampled when the policy drew it;
-a template's text after it, such as a newline, is the environment's). A text prompt (``reset``
+the sampled turn's end: what the template writes after the turn's content (an end-of-turn token, a
+newline) is the environment's, except the part the policy drew itself (matched token by token
+against the whitespace and special tokens that end the sampled turn). A text prompt (``reset``
 returns a string) has no template: a tool reply is written in the format's result tags.
 
 Batching and the cache. One DynamicCache holds the batch; every forward appends the same number of
@@ -124,8 +125,13 @@ def environment_tokens(tokenizer, conversation: Sequence[Message], replies: Sequ
     if before_ids[: len(head)] != head:
         raise TemplateError(f"the end of the assistant's turn is not a token boundary of the rendered conversation: {before[-80:]!r}")
     k = len(head)
-    if turn_ids and k < len(before_ids) and before_ids[k] == turn_ids[-1]:
-        k += 1  # the end-of-turn token the policy drew is the template's
+    special = set(tokenizer.all_special_ids)
+    extra = 0  # the sampled turn's trailing whitespace and special tokens: what the policy drew after the content
+    while extra < len(turn_ids) and (turn_ids[-1 - extra] in special or not tokenizer.decode([turn_ids[-1 - extra]]).strip()):
+        extra += 1
+    for token in turn_ids[len(turn_ids) - extra:]:  # those the template writes after the content too are already there
+        if k < len(before_ids) and before_ids[k] == token:
+            k += 1
     return after_ids[k:]
 
 
@@ -280,7 +286,7 @@ def run_episodes(
                 body = new[r][:-1] if new[r] and new[r][-1] in stop_ids else new[r]
                 text = tokenizer.decode(body, skip_special_tokens=False)
                 final[r] = tokenizer.decode(body, skip_special_tokens=True)
-                conversations[r].append({"role": "assistant", "content": text})
+                conversations[r].append({"role": "assistant", "content": text.rstrip()})  # trailing whitespace: the template's (matched below)
                 calls = fmt.parse(text)
                 n_calls[r] += len(calls)
                 n_bad[r] += sum(c.error is not None for c in calls)

@@ -171,7 +171,7 @@ def test_tools_errors_time_limit_and_rewards_of_a_text_prompt(monkeypatch):
     script(monkeypatch, [sum((ids_of(tokenizer, t) for t in row), []) for row in turns])
     model = build_tiny_llama(tokenizer, SPEC).eval()
     out = ep.run_episodes(model, tokenizer, [{"prompt": f"q{i}"} for i in range(4)], Slow, SamplingParams(max_new_tokens=40, temperature=1.0),
-                          max_turns=3, fmt=TAGS, timeout_s=1.0)
+                          max_turns=3, fmt=TAGS, timeout_s=5.0)
     text = [tokenizer.decode(out.rollout.completion_ids[r][out.rollout.completion_mask[r].bool()]) for r in range(4)]
     assert text[0] == "<tool>wait: 0.01</tool><result>waited</result><tool>add: {\"a\": 2, \"b\": 3}</tool><result>5</result>done<|im_end|>"
     assert text[1] == ("<tool>fail: q</tool><result>error: KeyError: 'q'</result><tool>nope: 1</tool><result>error: unknown tool 'nope'; available: add, fail, wait</result>"
@@ -218,3 +218,29 @@ def test_greedy_rows_batched_equal_rows_alone():
         n = int(alone.rollout.completion_mask[0].sum())
         assert batched.rollout.completion_ids[r, :n].tolist() == alone.rollout.completion_ids[0, :n].tolist()
         torch.testing.assert_close(batched.rollout.logprobs[r, :n], alone.rollout.logprobs[0, :n], rtol=0, atol=2e-5)
+
+
+def test_an_episode_is_the_sft_tokens_of_its_conversation(monkeypatch):
+    # the tiny template writes "\n" after each turn and no end-of-turn token: SFT trains "<tool>...</tool>\n<eos>" then
+    # "tool: ...", so an episode whose policy drew "\n<eos>" must continue with "tool: ...", not a second "\n"
+    from rlalign.lm.encoding import example_tokens
+    from rlalign.tasks.lookup import sft_records
+    from rlalign.tasks.tiny_model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    record = sft_records("train", 1, tool_share=1.0)[0]["messages"]
+    ids, target = example_tokens(tokenizer, None, record)
+    prompt_len = target.index(1)
+    turns = []  # the SFT targets of each assistant turn, as the policy would draw them
+    for i in range(prompt_len, len(ids)):
+        if target[i] and (i == prompt_len or not target[i - 1]):
+            turns.append([])
+        if target[i]:
+            turns[-1].append(ids[i])
+    script(monkeypatch, [sum(turns, [])])
+    model = build_tiny_llama(tokenizer, SPEC).eval()
+    rec = {"prompt": record[:1], "answer": record[-1]["content"], "items": [], "kind": "heavier"}
+    out = ep.run_episodes(model, tokenizer, [rec], LookupEnvironment, SamplingParams(max_new_tokens=40, temperature=1.0), max_turns=3)
+    n = int(out.rollout.completion_mask[0].sum())
+    assert out.rollout.prompt_ids[0].tolist() == ids[:prompt_len] and out.rollout.completion_ids[0, :n].tolist() == ids[prompt_len:]
+    assert out.assistant_mask[0, :n].tolist() == target[prompt_len:] and out.env_rewards == [1.0]
