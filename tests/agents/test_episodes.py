@@ -244,3 +244,24 @@ def test_an_episode_is_the_sft_tokens_of_its_conversation(monkeypatch):
     n = int(out.rollout.completion_mask[0].sum())
     assert out.rollout.prompt_ids[0].tolist() == ids[:prompt_len] and out.rollout.completion_ids[0, :n].tolist() == ids[prompt_len:]
     assert out.assistant_mask[0, :n].tolist() == target[prompt_len:] and out.env_rewards == [1.0]
+
+
+def test_function_tools_and_environment_factory():
+    from rlalign.agents.environment import EnvRunner, FunctionTools, environment_factory
+    from rlalign.agents.tool_calls import ToolCall
+
+    runner = EnvRunner(FunctionTools([lookup]))
+    assert [s["function"]["name"] for s in runner.schemas()] == ["lookup"]
+    loop = asyncio.new_event_loop()
+    try:
+        replies = loop.run_until_complete(runner.respond([ToolCall("lookup", {"name": "brom"}), ToolCall("lookup", {"nam": "x"}), ToolCall("lookup", "tiva")], 3, 1))
+        assert loop.run_until_complete(runner.reset({"prompt": "q"})) == "q" and loop.run_until_complete(runner.reward("x")) is None
+    finally:
+        loop.close()
+    assert [m["content"] for m in replies] == [lookup("brom"), "error: bad arguments for lookup: missing a required argument: 'name'", lookup("tiva")]
+    assert [m["tool_call_id"] for m in replies] == ["c00030100", "c00030101", "c00030102"]  # 9 characters (Mistral's templates check)
+    assert environment_factory("rlalign.tasks.lookup:LookupEnvironment") is LookupEnvironment
+    with pytest.raises(ValueError, match="cannot be imported"):
+        environment_factory("rlalign.tasks.lookup:Nothing")
+    with pytest.raises(ValueError, match="neither tools"):
+        EnvRunner(object())
