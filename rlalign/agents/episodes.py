@@ -320,8 +320,7 @@ def run_episodes(
             rewards[r] = value
             timed_out[r] = timed_out[r] or timed
     finally:
-        loop.run_until_complete(loop.shutdown_default_executor()) if not loop.is_closed() else None
-        loop.close()
+        loop.close()  # its thread pool is shut down without waiting: a tool past the time limit finishes on its own
     return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, rewards, turns, n_calls, n_bad, finished, timed_out)
 
 

@@ -18,6 +18,7 @@ table of whole episodes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,9 +59,7 @@ def sample_episodes(updater, tokenizer, records, env: Callable[[], Any], env_cfg
 
 def _turn_params(sampling, env_cfg: EnvironmentConfig) -> SamplingParams:
     params = sampling.params()
-    if env_cfg.max_new_tokens is None:
-        return params
-    return SamplingParams(env_cfg.max_new_tokens, params.temperature, params.top_k, params.top_p)
+    return params if env_cfg.max_new_tokens is None else dataclasses.replace(params, max_new_tokens=env_cfg.max_new_tokens)
 
 
 @dataclass
