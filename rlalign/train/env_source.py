@@ -38,7 +38,7 @@ from rlalign.train.common import forward_precision
 from rlalign.train.rollouts import RewardTerm, prompt_batch, score_shard
 from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_generator
 
-__all__ = ["EnvironmentSource", "make_environment_source", "sample_episodes", "evaluate_episodes"]
+__all__ = ["EnvironmentSource", "make_environment_source", "sample_episodes", "evaluate_episodes", "episode_evaluator"]
 
 
 def _records(examples: Sequence[PromptExample]) -> list[dict[str, Any]]:
@@ -91,25 +91,31 @@ class EnvironmentSource(SampledSource):
 
 @torch.no_grad()
 def evaluate_episodes(
-    updater, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm], env: Any, env_cfg: EnvironmentConfig, params: SamplingParams,
-    model_cfg, num_samples: int = 1, pass_threshold: float = 1.0, seed: int = 0, batch_size: int = 32, rows_logged: int = 8,
+    policy, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm], env: Any, env_cfg: EnvironmentConfig, params: SamplingParams,
+    model_cfg, num_samples: int = 1, pass_threshold: float = 1.0, seed: int = 0, batch_size: int = 32, rows_logged: int = 8, step: int = 0,
 ) -> tuple[dict[str, float], list[dict]]:
-    """Episodes of every prompt (``num_samples`` each) by the policy: ``eval/success`` (the share whose
-    total reward, environment's included, reaches ``pass_threshold``), ``eval/pass@k`` (k = 1, 2, 4, ...
-    <= num_samples, unbiased), ``eval/reward/mean``, ``eval/turns``, ``eval/tool_calls``,
-    ``eval/malformed_calls``, ``eval/timed_out``; and a table of the first episodes (conversation, final answer, reward)."""
+    """Episodes of every prompt (``num_samples`` each) by ``policy`` (unwrapped): ``eval/success`` (the
+    share whose total reward, the environment's included, reaches ``pass_threshold``), ``eval/pass@k``
+    (k = 1, 2, 4, ... <= num_samples, unbiased), ``eval/reward/mean``, ``eval/turns``, ``eval/tool_calls``,
+    ``eval/malformed_calls``, ``eval/timed_out``; and a table of the first episodes (the conversation
+    as "role: content" lines, the final answer, the reward). One process; uniforms from a generator seeded by ``seed``."""
     make_env = environment_factory(env if env is not None else env_cfg.cls)
     generator = torch.Generator().manual_seed(seed)
     totals, parts, table = [], [], []
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start : start + batch_size])
-        episodes = sample_episodes(updater, tokenizer, _records(batch), make_env, env_cfg, params, model_cfg, None, num_samples, generator)
-        scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World())
+        with distributed.gathered(policy), forward_precision(model_cfg, policy), evaluating(policy):
+            episodes = run_episodes(
+                policy, tokenizer, _records(batch), make_env, params, group_size=num_samples, max_turns=env_cfg.max_turns, fmt=env_cfg.tool_format,
+                generator=generator, timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
+            )
+        scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=max(step, 0))
         total = scored.scores + torch.tensor([r or 0.0 for r in episodes.env_rewards])  # (B,)
         totals.append(total)
         parts.append(episodes)
         for r in range(min(rows_logged - len(table), len(total))):
-            table.append({"conversation": episodes.conversations[r], "final": episodes.final_texts[r], "reward": float(total[r])})
+            episode = "\n".join(f"{m['role']}: {m['content']}" for m in episodes.conversations[r])
+            table.append({"step": step, "episode": episode, "final": episodes.final_texts[r], "reward": float(total[r])})
     total = torch.cat(totals)  # (prompts x n,)
     passed = (total >= pass_threshold).view(-1, num_samples)  # (prompts, n)
     metrics = {"eval/success": passed.float().mean().item(), "eval/reward/mean": total.mean().item()}
@@ -121,6 +127,15 @@ def evaluate_episodes(
         metrics[f"eval/{key}"] = sum(episode_metrics(e)[f"agents/{key}"] * e.turns.numel() for e in parts) / total.numel()
     return metrics, table
 
+
+def episode_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm]) -> Callable[[int], tuple[dict, list]]:
+    """``evaluate(step)`` of a run with an ``environment:`` section (:func:`evaluate_episodes` with the run's eval settings)."""
+    env_cfg, eval_cfg = cfg.environment, cfg.eval
+    params = SamplingParams(eval_cfg.max_new_tokens or env_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature)
+    return lambda step: evaluate_episodes(
+        policy, tokenizer, prompts, rewards, None, env_cfg, params, cfg.model, eval_cfg.num_samples, eval_cfg.pass_threshold, cfg.seed,
+        eval_cfg.batch_size, eval_cfg.num_samples_logged, step,
+    )
 
 def make_environment_source(cfg, sampler, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], world: distributed.World,
                             environment: Any = None) -> EnvironmentSource:

@@ -169,6 +169,14 @@ class RLRun(Run):
             if self.world.is_main:
                 print("eval: evaluation during RL does not run tool calls yet; no eval/* metrics for this run with tools")
             return None
+        if getattr(cfg, "environment", None) is not None:  # episodes against the environment: success, pass@k, a table of episodes
+            if cfg.environment.cls is None:
+                if self.world.is_main:
+                    print("eval: the environment was given as a Python object, not environment.class; no eval/* metrics for this run")
+                return None
+            from rlalign.train.env_source import episode_evaluator
+
+            return episode_evaluator(cfg, policy, self.tokenizer, self.eval_prompts, self.rewards)
         if getattr(cfg, "agent", None) is not None:  # the evaluation samples one turn, not the agent's episodes
             if self.world.is_main:
                 print("eval: evaluation during RL does not run the agent yet; no eval/* metrics for this run with an agent")

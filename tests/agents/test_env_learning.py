@@ -53,7 +53,7 @@ class _Holder:
 
 
 def success(model, tokenizer, records, samples: int = 2, seed: int = 1) -> dict[str, float]:
-    metrics, table = evaluate_episodes(_Holder(model), tokenizer, _examples(records), [], L.LookupEnvironment, EnvironmentConfig(max_turns=3),
+    metrics, table = evaluate_episodes(model, tokenizer, _examples(records), [], L.LookupEnvironment, EnvironmentConfig(max_turns=3),
                                        SamplingParams(32, temperature=1.0), _ModelCfg(), num_samples=samples, seed=seed)
     return metrics
 
@@ -113,8 +113,15 @@ def test_trainers_take_the_environment_source(trainer, tiny_path, tmp_path, monk
         result = grpo.train(load_config(grpo.GRPOConfig, None, {**common, "group_size": 2, "beta": 0.0}), reward_functions=[CORRECT], prompts=records,
                             environment=Scripted)
     else:
-        result = ppo.train(load_config(ppo.PPOConfig, None, {**common, "environment.class": "tests.agents.test_env_learning:Scripted"}),
+        eval_cfg = {"eval.data.task": "lookup", "eval.num_prompts": 3, "eval.num_samples": 2, "eval.temperature": 1.0, "eval.num_samples_logged": 2}
+        result = ppo.train(load_config(ppo.PPOConfig, None, {**common, "environment.class": "tests.agents.test_env_learning:Scripted", **eval_cfg}),
                            reward_functions=[CORRECT], prompts=records)
+        evals = [h for h in result.history if "eval/success" in h]  # after the last step
+        assert len(evals) == 1 and {"eval/pass@1", "eval/pass@2", "eval/turns", "eval/tool_calls", "eval/reward/mean"} <= set(evals[0])
+        import json
+
+        rows = [json.loads(line) for line in (tmp_path / trainer / "eval_samples.jsonl").read_text().splitlines()]
+        assert len(rows) == 4 and rows[0]["episode"].startswith("user: Which is") and set(rows[0]) == {"step", "episode", "final", "reward"}
     history = result.history[0]
     assert {"agents/turns", "agents/tool_calls", "agents/malformed_calls", "agents/timed_out", "agents/env_tokens_frac"} <= set(history)
     assert history["agents/turns"] == seen[0].turns.float().mean().item()
