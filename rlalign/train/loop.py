@@ -199,6 +199,7 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
         context = context_length(run.base_path, cfg.model.gguf_file)
         check_prompt_lengths(prompt_set, run.tokenizer, context, cfg.sampling.max_new_tokens)
         check_prompt_lengths(eval_prompts, run.tokenizer, context, cfg.eval.max_new_tokens or cfg.sampling.max_new_tokens)
+        rewards_required = rewards_required and getattr(cfg, "environment", None) is None  # an environment may give the only reward
         wanted = rewards_required or cfg.rewards or reward_functions
         rewards = build_rewards(cfg.rewards, prompt_set, run.tokenizer, cfg.model, reward_functions, run.world) if wanted else []
         on_error.pop_all()

@@ -109,9 +109,8 @@ def test_trainers_take_the_environment_source(trainer, tiny_path, tmp_path, monk
     records = L.prompt_records("train", 8)
     common = {"model.path": str(tiny_path), "output_dir": str(tmp_path / trainer), "data.task": "arithmetic", "rewards": [], "steps": 1,
               "prompts_per_step": 2, "sampling.max_new_tokens": 8, "progress": False, "plots": False, "overwrite": True, "environment.max_turns": 2}
-    if trainer == "grpo":
-        result = grpo.train(load_config(grpo.GRPOConfig, None, {**common, "group_size": 2, "beta": 0.0}), reward_functions=[CORRECT], prompts=records,
-                            environment=Scripted)
+    if trainer == "grpo":  # the environment's reward alone
+        result = grpo.train(load_config(grpo.GRPOConfig, None, {**common, "group_size": 2, "beta": 0.0}), prompts=records, environment=Scripted)
     else:
         eval_cfg = {"eval.data.task": "lookup", "eval.num_prompts": 3, "eval.num_samples": 2, "eval.temperature": 1.0, "eval.num_samples_logged": 2}
         result = ppo.train(load_config(ppo.PPOConfig, None, {**common, "environment.class": "tests.agents.test_env_learning:Scripted", **eval_cfg}),
@@ -127,6 +126,7 @@ def test_trainers_take_the_environment_source(trainer, tiny_path, tmp_path, monk
     assert history["agents/turns"] == seen[0].turns.float().mean().item()
     env = torch.tensor([r or 0.0 for r in seen[0].env_rewards])
     assert history["reward/environment/mean"] == pytest.approx(env.mean().item())
+    assert ("reward/correct/mean" in history) == (trainer == "ppo")
 
 
 def test_the_environment_source_runs_in_an_async_producer(tiny_path, tmp_path):
