@@ -79,7 +79,7 @@ __all__ = ["DistillConfig", "check_teacher_tokenizer", "distill_loss", "distill_
 # RLConfig fields distillation has no use for (no reference, no reward-driven sampling, no clipped policy objective):
 # they must keep their defaults, so that a setting is never silently ignored
 UNUSED_FIELDS = ("reference", "dynamic_sampling", "max_sampling_rounds", "loss_type", "dual_clip", "cispo_eps_low", "cispo_eps_high",
-                 "sapo_temperature_pos", "sapo_temperature_neg")
+                 "sapo_temperature_pos", "sapo_temperature_neg", "agent")  # agent: its rows' episode weights are GRPO's and PPO's
 
 
 class DistillConfig(RLConfig):

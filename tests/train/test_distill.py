@@ -413,6 +413,7 @@ def test_config_round_trip_and_validation(tiny_path, teacher_path, tmp_path):
         ({"reference": str(teacher_path)}, "reference: not used by distillation"),
         ({"dynamic_sampling": True}, "dynamic_sampling"),
         ({"loss_type": "cispo"}, "loss_type: not used by distillation"),
+        ({"agent": {"function": "builtins:print"}}, "agent: not used by distillation"),
         ({"num_minibatches": 2}, "must divide prompts_per_step=3"),
     ]:
         with pytest.raises(ConfigError, match=message):
