@@ -1,79 +1,17 @@
-"""GRPO and PPO through the environment source: the config wiring, the token mask, the evaluation,
-and a learning test on the look-up task from an SFT start."""
+"""GRPO and PPO through the environment source: the config wiring, the environment's reward, the
+episode evaluation, and an asynchronous producer. (Learning on the look-up task: benchmarks/agent_learning.py.)"""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
 
-from rlalign.agents.env_config import EnvironmentConfig
 from rlalign.config import ConfigError, load_config
-from rlalign.lm.decode import SamplingParams
-from rlalign.lm.encoding import example_tokens
 from rlalign.tasks import lookup as L
-from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
+from rlalign.tasks.tiny_model import TinyModelSpec
 from rlalign.train import grpo, ppo
-from rlalign.train.env_source import evaluate_episodes
 
 torch.set_num_threads(1)
-
-
-def sft_on_conversations(tokenizer, records: list[dict], steps: int, seed: int = 0, lr: float = 3e-3) -> torch.nn.Module:
-    """A fresh tiny Llama trained on whole conversations, the loss on the assistant turns (each closed by EOS)."""
-    model = build_tiny_llama(tokenizer, TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), seed=seed)
-    rows = []
-    for r in records:
-        ids, target = example_tokens(tokenizer, None, r["messages"])
-        rows.append((ids, [i if t else -100 for i, t in zip(ids, target)]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    for _ in range(steps):
-        batch = rng.sample(rows, 32)
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # (32, T)
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])  # (32, T)
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    return model.eval()
-
-
-class _Holder:
-    """An updater stand-in for :func:`evaluate_episodes` on a bare model."""
-
-    def __init__(self, model):
-        self.module = model
-
-    def sampler(self):
-        return self.module
-
-
-def success(model, tokenizer, records, samples: int = 2, seed: int = 1) -> dict[str, float]:
-    metrics, table = evaluate_episodes(model, tokenizer, _examples(records), [], L.LookupEnvironment, EnvironmentConfig(max_turns=3),
-                                       SamplingParams(32, temperature=1.0), _ModelCfg(), num_samples=samples, seed=seed)
-    return metrics
-
-
-class _ModelCfg:
-    autocast = "none"
-
-
-def _examples(records):
-    from rlalign.lm.data import load_prompts
-
-    return load_prompts(records)
-
-
-def grpo_cfg(path, out, **overrides) -> grpo.GRPOConfig:
-    return load_config(grpo.GRPOConfig, None, {
-        "model.path": str(path), "output_dir": str(out), "data.task": "arithmetic", "rewards": [], "steps": 12, "prompts_per_step": 8, "group_size": 8,
-        "sampling.max_new_tokens": 32, "optim.lr": 1e-3, "beta": 0.0, "progress": False, "plots": False, "overwrite": True,
-        "environment.class": "rlalign.tasks.lookup:LookupEnvironment", "environment.max_turns": 3, **overrides,
-    })
 
 
 @pytest.fixture(scope="module")

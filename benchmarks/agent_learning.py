@@ -1,0 +1,102 @@
+"""GRPO through the environment path on the look-up task, from an SFT start: success before and after.
+
+    .venv/bin/python benchmarks/agent_learning.py --seeds 0 1 2                    # SFT 300 steps, GRPO 20 steps
+    .venv/bin/python benchmarks/agent_learning.py --seeds 0 --sft-steps 1000 --grpo-steps 30
+
+Per seed: a fresh tiny Llama (hidden 128, 2 layers) trained on SFT conversations of
+:mod:`rlalign.tasks.lookup` (two look-ups then the answer in a share ``--tool-share``, a guess in
+the rest; loss on the assistant turns), then GRPO with ``environment.class:
+rlalign.tasks.lookup:LookupEnvironment`` and the exact-answer reward function. Reported: held-out
+success (32 eval questions x 2 episodes, temperature 1), calls per episode and malformed calls, at
+the SFT start and after GRPO. One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlalign.agents.env_config import EnvironmentConfig
+from rlalign.config import load_config
+from rlalign.lm.data import load_prompts
+from rlalign.lm.decode import SamplingParams
+from rlalign.lm.encoding import example_tokens
+from rlalign.tasks import lookup as L
+from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
+from rlalign.train import grpo
+from rlalign.train.env_source import evaluate_episodes
+
+
+def sft(tokenizer, records: list[dict], steps: int, seed: int, lr: float) -> torch.nn.Module:
+    """A fresh tiny Llama trained on whole conversations, the loss on the assistant turns (each closed by EOS)."""
+    model = build_tiny_llama(tokenizer, TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), seed=seed)
+    rows = []
+    for r in records:
+        ids, target = example_tokens(tokenizer, None, r["messages"])
+        rows.append((ids, [i if t else -100 for i, t in zip(ids, target)]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        batch = rng.sample(rows, 32)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # (32, T)
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])  # (32, T)
+        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model.eval()
+
+
+class _ModelCfg:
+    autocast = "none"
+
+
+def success(model, tokenizer, records: list[dict]) -> dict[str, float]:
+    metrics, _ = evaluate_episodes(model, tokenizer, load_prompts(records), [], L.LookupEnvironment, EnvironmentConfig(max_turns=3),
+                                   SamplingParams(L.MAX_NEW_TOKENS, temperature=1.0), _ModelCfg(), num_samples=2, seed=1)
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-lr", type=float, default=3e-3)
+    parser.add_argument("--tool-share", type=float, default=0.5)
+    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out or tempfile.mkdtemp(prefix="agent_learning_"))
+    tokenizer = build_char_tokenizer()
+    held_out = L.prompt_records("eval", 32, seed=0)
+    for seed in args.seeds:
+        t0 = time.perf_counter()
+        model = sft(tokenizer, L.sft_records("train", 3000, seed=seed, tool_share=args.tool_share), args.sft_steps, seed, args.sft_lr)
+        path = out / f"sft{seed}"
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        start = success(model, tokenizer, held_out)
+        t1 = time.perf_counter()
+        cfg = load_config(grpo.GRPOConfig, None, {
+            "model.path": str(path), "output_dir": str(out / f"grpo{seed}"), "data.task": "lookup", "steps": args.grpo_steps, "prompts_per_step": 8,
+            "group_size": 8, "sampling.max_new_tokens": L.MAX_NEW_TOKENS, "optim.lr": args.lr, "beta": 0.0, "progress": False, "plots": False,
+            "overwrite": True, "seed": seed, "eval.enabled": False, "environment.class": "rlalign.tasks.lookup:LookupEnvironment", "environment.max_turns": 3,
+        })
+        result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("correct", 1.0, L.reward)])
+        end = success(result.policy.eval(), tokenizer, held_out)
+        print(f"seed {seed}: success {start['eval/success']:.3f} -> {end['eval/success']:.3f}, calls per episode {start['eval/tool_calls']:.2f} -> "
+              f"{end['eval/tool_calls']:.2f}, malformed {start['eval/malformed_calls']:.2f} -> {end['eval/malformed_calls']:.2f} "
+              f"(SFT {t1 - t0:.0f} s, GRPO {time.perf_counter() - t1:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
