@@ -137,7 +137,10 @@ class EnvRunner:
         """The tool messages answering ``calls`` (ids given to calls without one), in order."""
         calls = [c if c.id else replace(c, id=call_id(row, turn, i)) for i, c in enumerate(calls)]
         if self.has_step and not self.tools:
-            out = await _call(self.env.step, list(calls))
+            try:
+                out = await _call(self.env.step, list(calls))
+            except Exception as err:  # as a tool's: the policy's observation
+                out = f"error: {type(err).__name__}: {err}"
             return [{"role": "tool", "content": out}] if isinstance(out, str) else list(out)
         return [tool_message(c, await self._run(c)) for c in calls]
 

@@ -255,8 +255,11 @@ def run_episodes(
         resets = loop.run_until_complete(_gather({r: runners[r].reset(rows[r]) for r in range(B)}, deadlines))
         if any(timed for _, timed in resets.values()):
             raise TimeoutError(f"an environment's reset took longer than the episode time limit ({timeout_s} s)")
-        schema_cache: dict[type, list] = {}
-        tools = [schema_cache.setdefault(type(runner.env), runner.schemas()) if fmt is not TAGS else None for runner in runners]
+        schemas: dict[type, list] = {}  # one environment class, one set of schemas
+        for runner in runners:
+            if fmt is not TAGS and type(runner.env) not in schemas:
+                schemas[type(runner.env)] = runner.schemas()
+        tools = [schemas.get(type(runner.env)) for runner in runners]
         chat = [isinstance(resets[r][0], list) for r in range(B)]
         conversations: list[list[Message]] = [list(resets[r][0]) if chat[r] else [{"role": "user", "content": resets[r][0]}] for r in range(B)]
         prompts = [_encode(tokenizer, _render(tokenizer, conversations[r], tools[r], True)) if chat[r] else tokenizer(resets[r][0])["input_ids"] for r in range(B)]
