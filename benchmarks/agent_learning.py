@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/agent_learning.py --seeds 0 1 2                    # SFT 300 steps, GRPO 20 steps
     .venv/bin/python benchmarks/agent_learning.py --seeds 0 --sft-steps 1000 --grpo-steps 30
+    .venv/bin/python benchmarks/agent_learning.py --seeds 0 1 2 --question value   # "What is the weight of the heavier ...?"
 
 Per seed: a fresh tiny Llama (hidden 128, 2 layers) trained on SFT conversations of
 :mod:`rlalign.tasks.lookup` (two look-ups then the answer in a share ``--tool-share``, a guess in
-the rest; loss on the assistant turns), then GRPO with ``environment.class:
+the rest; loss on the assistant turns; ``--question value`` asks for the winner's number, task
+``lookup_value``, instead of its name), then GRPO with ``environment.class:
 rlalign.tasks.lookup:LookupEnvironment`` and the exact-answer reward function. Reported: held-out
-success (32 eval questions x 2 episodes, temperature 1), calls per episode and malformed calls, at
+success (``--eval-questions`` 32 eval questions x 2 episodes, temperature 1), calls per episode and malformed calls, at
 the SFT start and after GRPO. One torch thread.
 """
 
@@ -72,22 +74,25 @@ def main() -> None:
     parser.add_argument("--tool-share", type=float, default=0.5)
     parser.add_argument("--grpo-steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--question", choices=["which", "value"], default="which", help="which: answer a name; value: answer the winner's number")
+    parser.add_argument("--eval-questions", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out or tempfile.mkdtemp(prefix="agent_learning_"))
     tokenizer = build_char_tokenizer()
-    held_out = L.prompt_records("eval", 32, seed=0)
+    held_out = L.prompt_records("eval", args.eval_questions, seed=0, question_form=args.question)
+    task = "lookup_value" if args.question == "value" else "lookup"
     for seed in args.seeds:
         t0 = time.perf_counter()
-        model = sft(tokenizer, L.sft_records("train", 3000, seed=seed, tool_share=args.tool_share), args.sft_steps, seed, args.sft_lr)
+        model = sft(tokenizer, L.sft_records("train", 3000, seed=seed, tool_share=args.tool_share, question_form=args.question), args.sft_steps, seed, args.sft_lr)
         path = out / f"sft{seed}"
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         start = success(model, tokenizer, held_out)
         t1 = time.perf_counter()
         cfg = load_config(grpo.GRPOConfig, None, {
-            "model.path": str(path), "output_dir": str(out / f"grpo{seed}"), "data.task": "lookup", "steps": args.grpo_steps, "prompts_per_step": 8,
+            "model.path": str(path), "output_dir": str(out / f"grpo{seed}"), "data.task": task, "steps": args.grpo_steps, "prompts_per_step": 8,
             "group_size": 8, "sampling.max_new_tokens": L.MAX_NEW_TOKENS, "optim.lr": args.lr, "beta": 0.0, "progress": False, "plots": False,
             "overwrite": True, "seed": seed, "eval.enabled": False, "environment.class": "rlalign.tasks.lookup:LookupEnvironment", "environment.max_turns": 3,
         })

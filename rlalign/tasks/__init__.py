@@ -3,7 +3,8 @@
 - :mod:`rlalign.tasks.tiny_model`: character tokenizer + small LlamaForCausalLM, saved as an HF dir.
 - :mod:`rlalign.tasks.arithmetic`: "12+35=" -> "47", reward = exact answer (accuracy).
 - :mod:`rlalign.tasks.multiplication`: "37*48=" -> a calculator call, its result, "1776" (GRPO with tools).
-- :mod:`rlalign.tasks.lookup`: "Which is heavier, the brom or the tiva?" -> two ``lookup`` calls, then the name (agents).
+- :mod:`rlalign.tasks.lookup`: "Which is heavier, the brom or the tiva?" -> two ``lookup`` calls, then the name (agents);
+  ``lookup_value``: "What is the weight of the heavier of the brom and the tiva?" -> the same calls, then the number.
 - :mod:`rlalign.tasks.preference`: pairs ranked by a hidden rule (vowel share), for reward models.
 
 ``TASKS[name]`` gives each task's record makers (in the formats of :mod:`rlalign.lm.data`) and its
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from rlalign.tasks import arithmetic, lookup, multiplication, preference
 
@@ -40,6 +42,10 @@ TASKS: dict[str, Task] = {
         "multiplication", multiplication.sft_records, multiplication.prompt_records, multiplication.reward, "accuracy", multiplication.MAX_NEW_TOKENS
     ),
     "lookup": Task("lookup", lookup.sft_records, lookup.prompt_records, lookup.reward, "accuracy", lookup.MAX_NEW_TOKENS),
+    "lookup_value": Task(
+        "lookup_value", partial(lookup.sft_records, question_form="value"), partial(lookup.prompt_records, question_form="value"), lookup.reward,
+        "accuracy", lookup.MAX_NEW_TOKENS,
+    ),
     "preference": Task(
         "preference", preference.sft_records, preference.prompt_records, preference.hidden_reward, "hidden_score", 12, preference.preference_records, eval_temperature=1.0
     ),

@@ -7,23 +7,30 @@
     tool:      weight=8 price=40
     assistant: brom                                      (exact answer: reward 1)
 
+    question:  What is the weight of the heavier of the brom and the tiva?     (``question="value"``)
+    ... the same two look-ups ...
+    assistant: 31                                        (the number copied from a tool result)
+
 :data:`CATALOGUE` holds 32 fictional items, each with a weight and a price (distinct within each
 attribute, so every comparison has one answer). Questions ask which of two items is heavier,
 lighter, dearer or cheaper; the answer is one of the two names, so a policy that answers without
 looking anything up is right half the time at best, and one that looks both up and compares is
-always right. :func:`lookup` is the tool (its typed signature and docstring give its JSON schema).
+always right. With ``question="value"`` the question asks for the attribute's value of the winning
+item instead, so the answer is a number from 1 to 99 copied from a tool result: a guess is right
+about 1 time in 99, and only the look-ups pay. :func:`lookup` is the tool (its typed signature and docstring give its JSON schema).
 
 Records for RL (:func:`prompt_records`): ``{"prompt": [user message], "answer", "items", "kind"}``.
 Demonstrations for SFT (:func:`sft_records`): whole conversations ``{"messages": [...]}`` in which a
 share ``tool_share`` of the answers is found by two look-ups and the rest is a guess (one of the two
-names at random, no look-up), so a model trained on them calls the tool only part of the time and RL
+names, or for value questions a number from 1 to 99, at random, no look-up), so a model trained on them calls the tool only part of the time and RL
 has room to raise the success rate. The assistant's calls are written by ``write_call`` (default: the
 tag format ``<tool>lookup: NAME</tool>``, short enough for a character-level model); tool replies are
 ``role: tool`` messages, rendered by the chat template. :class:`LookupEnvironment` runs an episode
 (the protocol of :mod:`rlalign.agents.environment`).
 
 Splits are disjoint: a pair of items belongs to the eval split when a hash of the pair falls in the
-eval fraction (whatever the question's kind or order).
+eval fraction (whatever the question's kind, form or order). The task is ``TASKS["lookup"]`` (which)
+and ``TASKS["lookup_value"]`` (value) in :mod:`rlalign.tasks`.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 __all__ = [
-    "CATALOGUE", "KINDS", "lookup", "question", "problems", "prompt_records", "sft_records", "tag_call", "correct", "reward", "LookupEnvironment",
+    "CATALOGUE", "KINDS", "Question", "lookup", "question", "problems", "prompt_records", "sft_records", "tag_call", "correct", "reward", "LookupEnvironment",
     "MAX_NEW_TOKENS",
 ]
 
@@ -51,6 +58,8 @@ CATALOGUE: dict[str, dict[str, int]] = {n: {"weight": w, "price": p} for n, w, p
 # kind -> (attribute, the larger value wins?)
 KINDS: dict[str, tuple[str, bool]] = {"heavier": ("weight", True), "lighter": ("weight", False), "dearer": ("price", True), "cheaper": ("price", False)}
 
+Question = Literal["which", "value"]  # "which": the winning item's name; "value": its attribute's value
+
 
 def lookup(name: str) -> str:
     """Look up an item of the catalogue by name and return its attributes.
@@ -64,14 +73,17 @@ def lookup(name: str) -> str:
     return " ".join(f"{k}={v}" for k, v in item.items())
 
 
-def question(kind: str, a: str, b: str) -> str:
+def question(kind: str, a: str, b: str, form: Question = "which") -> str:
+    if form == "value":
+        return f"What is the {KINDS[kind][0]} of the {kind} of the {a} and the {b}?"
     return f"Which is {kind}, the {a} or the {b}?"
 
 
-def _answer(kind: str, a: str, b: str) -> str:
+def _answer(kind: str, a: str, b: str, form: Question = "which") -> str:
     attribute, larger = KINDS[kind]
     a_wins = (CATALOGUE[a][attribute] > CATALOGUE[b][attribute]) == larger
-    return a if a_wins else b
+    winner = a if a_wins else b
+    return str(CATALOGUE[winner][attribute]) if form == "value" else winner
 
 
 def _is_eval(a: str, b: str, eval_fraction: float) -> bool:
@@ -90,10 +102,10 @@ def problems(split: Literal["train", "eval"], n: int, seed: int = 0, eval_fracti
     return out
 
 
-def prompt_records(split: Literal["train", "eval"], n: int, seed: int = 0) -> list[dict]:
+def prompt_records(split: Literal["train", "eval"], n: int, seed: int = 0, question_form: Question = "which") -> list[dict]:
     """RL records: ``{"prompt": [{"role": "user", ...}], "answer", "items", "kind"}``."""
     return [
-        {"prompt": [{"role": "user", "content": question(k, a, b)}], "answer": _answer(k, a, b), "items": [a, b], "kind": k}
+        {"prompt": [{"role": "user", "content": question(k, a, b, question_form)}], "answer": _answer(k, a, b, question_form), "items": [a, b], "kind": k}
         for k, a, b in problems(split, n, seed)
     ]
 
@@ -105,19 +117,21 @@ def tag_call(name: str) -> str:
 
 def sft_records(
     split: Literal["train", "eval"], n: int, seed: int = 0, tool_share: float = 1.0, write_call: Callable[[str], str] = tag_call,
+    question_form: Question = "which",
 ) -> list[dict]:
     """SFT conversations ``{"messages": [...]}``: two look-ups then the answer in a share ``tool_share``,
-    a guess (either name, no look-up) in the others."""
+    a guess (no look-up: either name, or a number from 1 to 99 for value questions) in the others."""
     rng = random.Random(f"lookup-sft-{split}-{seed}")
     out = []
     for kind, a, b in problems(split, n, seed):
-        messages: list[dict[str, Any]] = [{"role": "user", "content": question(kind, a, b)}]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": question(kind, a, b, question_form)}]
         if rng.random() < tool_share:
             for name in (a, b):
                 messages += [{"role": "assistant", "content": write_call(name)}, {"role": "tool", "name": "lookup", "content": lookup(name)}]
-            messages.append({"role": "assistant", "content": _answer(kind, a, b)})
+            messages.append({"role": "assistant", "content": _answer(kind, a, b, question_form)})
         else:
-            messages.append({"role": "assistant", "content": rng.choice([a, b])})
+            guess = str(rng.randint(1, 99)) if question_form == "value" else rng.choice([a, b])
+            messages.append({"role": "assistant", "content": guess})
         out.append({"messages": messages})
     return out
 

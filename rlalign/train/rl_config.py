@@ -39,8 +39,8 @@ __all__ = [
 class DataConfig(Config):
     """Where the training prompts come from: an embedded task or a file (exactly one)."""
 
-    task: Literal["arithmetic", "preference", "multiplication", "lookup"] | None = Field(
-        None, description="embedded offline task (rlalign.tasks) giving the prompts (multiplication: with tools, a calculator; lookup: with an environment)"
+    task: Literal["arithmetic", "preference", "multiplication", "lookup", "lookup_value"] | None = Field(
+        None, description="embedded offline task (rlalign.tasks) giving the prompts (multiplication: with tools, a calculator; lookup, lookup_value: with an environment)"
     )
     path: str | None = Field(
         None, description="TRL prompt-only data (a 'prompt' column, text or messages; other columns kept and passed to rewards, e.g. 'answer'): "

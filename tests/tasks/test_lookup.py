@@ -36,3 +36,29 @@ def test_splits_are_disjoint_and_demonstrations_look_up_both_items():
     record = L.prompt_records("eval", 1)[0]
     assert env.reset(record) == record["prompt"] and env.reward(" " + record["answer"].upper()) == 1.0 and env.reward("x") == 0.0
     assert L.reward(["q"], [record["answer"]], answer=[record["answer"]]) == [1.0]
+
+
+def test_value_questions_are_answered_by_the_winners_number_copied_from_a_look_up():
+    from rlalign.tasks import TASKS
+
+    for record in TASKS["lookup_value"].prompt_records("train", 50):
+        a, b = record["items"]
+        attribute, larger = L.KINDS[record["kind"]]
+        pick = max if larger else min
+        assert record["answer"] == str(pick(L.CATALOGUE[a][attribute], L.CATALOGUE[b][attribute]))
+        assert record["prompt"][0]["content"] == f"What is the {attribute} of the {record['kind']} of the {a} and the {b}?"
+    # same pairs and kinds as the which-questions of the same draw, so the splits stay disjoint
+    assert [r["items"] for r in L.prompt_records("eval", 20, question_form="value")] == [r["items"] for r in L.prompt_records("eval", 20)]
+    records = TASKS["lookup_value"].sft_records("train", 200, tool_share=0.5)
+    for m in (r["messages"] for r in records):
+        if len(m) == 6:  # the answer is the winner's number, as written in one of the two tool results
+            kind = m[0]["content"].split()[6]  # "What is the weight of the heavier of ..." -> "heavier"
+            attribute, larger = L.KINDS[kind]
+            seen = [int(dict(v.split("=") for v in t["content"].split())[attribute]) for t in (m[2], m[4])]
+            assert m[-1]["content"] == str(max(seen) if larger else min(seen))
+        else:  # a guess without look-ups: a number from 1 to 99
+            assert len(m) == 2 and 1 <= int(m[1]["content"]) <= 99
+    env = L.LookupEnvironment()
+    record = TASKS["lookup_value"].prompt_records("eval", 1)[0]
+    env.reset(record)
+    assert env.reward(f" {record['answer']} ") == 1.0 and env.reward(str(int(record["answer"]) + 1)) == 0.0
