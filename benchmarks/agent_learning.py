@@ -9,7 +9,7 @@ Per seed: a fresh tiny Llama (hidden 128, 2 layers) trained on SFT conversations
 the rest; loss on the assistant turns; ``--question value`` asks for the winner's number, task
 ``lookup_value``, instead of its name), then GRPO with ``environment.class:
 rlalign.tasks.lookup:LookupEnvironment`` and the exact-answer reward function. Reported: held-out
-success (``--eval-questions`` 32 eval questions x 2 episodes, temperature 1), calls per episode and malformed calls, at
+success (``--eval-questions`` eval questions, default 32, x 2 episodes, temperature 1), calls per episode and malformed calls, at
 the SFT start and after GRPO. One torch thread.
 """
 
