@@ -8,7 +8,7 @@
     .venv/bin/python tools/mutation.py --list       # population and sample, nothing run
 
 It copies the working tree (tracked and untracked-but-not-ignored files) into a private temporary
-folder, enumerates cosmic-ray's mutants of the five targets in tools/mutation.toml, draws a seeded
+folder, enumerates cosmic-ray's mutants of the six targets in tools/mutation.toml, draws a seeded
 sample stratified over the targets, runs the unmutated tests of the sampled modules once (the
 baseline: per-test times for the timeouts, and tests that already fail are left out), then, for
 each mutant, has cosmic-ray write it into the copy and run the module's tests with ``pytest -x``

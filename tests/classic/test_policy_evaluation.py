@@ -134,6 +134,10 @@ def test_bad_policies_and_a_policy_that_never_ends():
         policy_evaluation(P, uniform_policy(6, 3), GAMMA)
     with pytest.raises(ValueError, match="probability"):
         policy_evaluation(P, np.full((6, 4), 0.3), GAMMA)
+    negative = uniform_policy(6, 4)
+    negative[0] = [1.5, -0.5, 0.0, 0.0]  # sums to 1, but a probability below 0
+    with pytest.raises(ValueError, match="probability"):
+        policy_evaluation(P, negative, GAMMA)
     # always up never leaves 0 and 1: with gamma = 1 its return is a sum of infinitely many zeros, I - P_pi is singular
     with pytest.raises(np.linalg.LinAlgError):
         policy_evaluation(P, deterministic_policy(np.full(6, UP), 4), 1.0)

@@ -53,3 +53,17 @@ def test_bellman_residuals_shrink_by_at_least_gamma_each_sweep():
     assert residuals[0][1] == 10.0  # the first sweep from V = 0: the goal's reward
     assert all(later <= 0.9 * earlier + 1e-12 for (_, earlier), (_, later) in zip(residuals, residuals[1:]))
     assert residuals[-1][1] < 1e-8 <= residuals[-2][1]  # stops at the first sweep below tol
+
+
+def test_default_tolerance_stops_at_the_first_sweep_that_changes_nothing():
+    # the maze's values are exact after 3 sweeps (paths of at most 3 moves): changes 10, 9, 8.1, then 0 < 1e-10
+    residuals = []
+    value_iteration(Maze2x3Env().P, gamma=0.9, on_sweep=lambda i, delta: residuals.append(delta))
+    np.testing.assert_allclose(residuals, [10.0, 9.0, 8.1, 0.0], atol=1e-12)
+
+
+def test_tolerance_zero_never_stops_early():
+    # stop when the change is strictly below tol: a change of 0 is not below 0, so every sweep runs
+    residuals = []
+    value_iteration(Maze2x3Env().P, gamma=0.9, tol=0.0, max_iters=6, on_sweep=lambda i, delta: residuals.append(delta))
+    np.testing.assert_allclose(residuals, [10.0, 9.0, 8.1, 0.0, 0.0, 0.0], atol=1e-12)

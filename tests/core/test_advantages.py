@@ -38,6 +38,12 @@ def test_total_returns_gives_each_step_its_episode_return():
     torch.testing.assert_close(out, col(2, 2, 5, 5))
 
 
+def test_total_returns_when_the_first_step_ends_an_episode():
+    # episode 1 = step 0 alone: 1; episode 2 = steps 1-2: 2 + 3 = 5 (gamma 1)
+    out = total_returns(col(1, 2, 3), col(1, 0, 1), 1.0)
+    torch.testing.assert_close(out, col(1, 5, 5))
+
+
 def test_td_residuals_hand_values():
     # delta0 = 1 + 0.9*2 - 0.5 = 2.3 ;  delta1 = 1 + 0 (terminated) - 0.5 = 0.5
     out = td_residuals(col(1, 1), col(0.5, 0.5), col(2, 7), col(0, 1), 0.9)

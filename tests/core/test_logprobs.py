@@ -29,6 +29,25 @@ def test_equals_log_softmax_gather_with_gradients(temperature, chunk_elements):
     assert ours.dtype == torch.float32
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 12, 1 << 22])
+def test_more_tokens_than_the_vocabulary(chunk_elements):
+    # N = 4 * 9 = 36 tokens over V = 5 entries: the chunks (1, 2 or 36 rows) must cover the tokens, not the vocabulary
+    g = torch.Generator().manual_seed(4)
+    logits = (3 * torch.randn(4, 9, 5, generator=g)).requires_grad_()
+    tokens = torch.randint(0, 5, (4, 9), generator=g)
+    weights = torch.randn(4, 9, generator=g)
+    ours, entropy = token_logprobs_and_entropy(logits, tokens, 0.7, chunk_elements=chunk_elements)
+    (ours * weights).sum().backward()
+    grad_ours = logits.grad.clone()
+    logits.grad = None
+    ref = naive(logits, tokens, 0.7)
+    (ref * weights).sum().backward()
+    log_p = torch.log_softmax(logits.detach() / 0.7, -1)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad_ours, logits.grad, atol=1e-6, rtol=1e-6)
+
+
 def test_gradcheck_float64():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)

@@ -247,6 +247,16 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
 
 
 @needs_isolation
+def test_stdio_exit_codes_are_the_interpreters():
+    # each prints the right 6, then exits as sys.exit would: None and 0 are status 0 (pass); an int is
+    # that status, and a message (printed to stderr) is status 1 (fail)
+    rows = {"p": {"input_output": {"inputs": ["3\n"], "outputs": ["6\n"]}}}
+    ends = ["sys.exit()", "sys.exit(0)", "sys.exit(2)", "sys.exit('bad input')"]
+    programs = [f"import sys\nprint(2 * int(input()))\n{end}\n" for end in ends]
+    assert code_execution(rows)(["p"] * 4, programs) == [1.0, 1.0, 0.0, 0.0]
+
+
+@needs_isolation
 def test_stdio_programs_end_as_the_interpreter_would_threads_joined_atexit_run():
     rows = {"p": {"input_output": {"inputs": ["3\n"], "outputs": ["6\n"]}}}
     threaded = "import threading\ndef main():\n    print(2 * int(input()))\nthreading.Thread(target=main).start()\n"  # deep-recursion idiom

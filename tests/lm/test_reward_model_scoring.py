@@ -145,3 +145,11 @@ def test_the_old_rlalign_format_reads_as_eos(tmp_path):
     critic = ScalarHeadModel.from_pretrained(base)  # a head with a bias saves as backbone + value_head.safetensors
     critic.save_pretrained(tmp_path / "old")
     assert reward_input_of(tmp_path / "old") == "eos"
+
+
+@pytest.mark.parametrize("input_format", ["text", "eos"])
+def test_more_prompts_than_completions_is_an_error_not_a_shorter_list(tmp_path, input_format):
+    path = save_llama_rm(tmp_path / "rm", build_char_tokenizer())
+    reward = RewardModelReward(load_reward_model(path), load_tokenizer(path), input_format)
+    with pytest.raises(ValueError, match="zip"):
+        reward(["ab", "c"], ["x"])

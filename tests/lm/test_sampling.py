@@ -97,6 +97,8 @@ def test_prompts_pack_first_fit_decreasing_by_hand(tiny_llama):
 
     assert sampling._prompt_rows(tiny_llama, mask(4, 1, 2)) == [[0], [2, 1]]  # two rows for three prompts
     assert sampling._prompt_rows(tiny_llama, mask(4, 3)) is None  # no two fit in one row: padded
+    wide = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]])  # lengths 2 and 1, padded to 4 columns
+    assert sampling._prompt_rows(tiny_llama, wide) == [[0, 1]]  # two prompts that fit one row: packed
     assert sampling._prompt_rows(tiny_llama, mask(4)) is None
 
 
@@ -412,6 +414,29 @@ def test_attention_the_window_masks_cannot_express_is_a_clear_error():
     assert sampling._layer_types(hybrid, None)  # no window in play: one full mask, whatever the layer types
     with pytest.raises(ValueError, match="conv"):
         sampling._layer_types(hybrid, 6)
+
+
+def test_windows_that_differ_by_layer_or_another_sliding_layer_kind_are_a_clear_error(monkeypatch):
+    # the sampler masks one window over plain layers: sliding layers of windows 4 and 6, or a sliding
+    # layer of a kind it does not know (even with one window), cannot be expressed by its masks
+    from transformers import LlamaConfig
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    class OtherSlidingLayer(StaticSlidingWindowLayer):
+        pass
+
+    def fake_cache(*layers):
+        return lambda config, max_cache_len: type("Cache", (), {"layers": [kind(max_cache_len=max_cache_len, sliding_window=w) for kind, w in layers]})()
+
+    config = LlamaConfig(num_hidden_layers=2)
+    monkeypatch.setattr(sampling, "StaticCache", fake_cache((StaticSlidingWindowLayer, 4), (StaticSlidingWindowLayer, 4)))
+    assert sampling._sliding_window(config, 10) == 4  # one window, the known kind: the sampler masks it
+    monkeypatch.setattr(sampling, "StaticCache", fake_cache((StaticSlidingWindowLayer, 4), (StaticSlidingWindowLayer, 6)))
+    with pytest.raises(ValueError, match=r"\[4, 6\] at 10 positions"):
+        sampling._sliding_window(config, 10)
+    monkeypatch.setattr(sampling, "StaticCache", fake_cache((OtherSlidingLayer, 4), (StaticSlidingWindowLayer, 4)))
+    with pytest.raises(ValueError, match="OtherSlidingLayer"):
+        sampling._sliding_window(config, 10)
 
 
 def test_compile_under_autocast_is_an_error(tiny_llama):

@@ -190,3 +190,15 @@ def test_multi_turn_tool_rollouts_run_in_the_producer(k, tiny_path, tmp_path, mo
         assert stable(rows) == stable(runs["sync"].history)
         a, b = final_weights(runs["sync"]), final_weights(runs["async"])
         assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_a_long_status_is_cut_to_the_shared_buffer_with_its_end_mark():
+    # the learner reads the producer's status from 240 shared bytes: 239 of a longer text, then the NUL that ends it
+    import multiprocessing as mp
+
+    status = mp.get_context("fork").Array("c", 240, lock=False)
+    producer = async_source._Producer(None, None, [], None, None, status, 0, 1)
+    producer.say("x" * 300)
+    assert bytes(status[:]) == b"x" * 239 + b"\0"
+    producer.say("sampling step 3")  # a shorter text later: read up to its own NUL
+    assert bytes(status[:]).split(b"\0")[0] == b"sampling step 3"

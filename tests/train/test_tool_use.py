@@ -186,6 +186,8 @@ def test_grpo_with_tools_scores_the_last_turn_and_leaves_tool_tokens_out_of_the_
     text = "<tool>calculator: 6*7</tool><result>42</result>42<eos>"
     assert tokenizer.decode(rollout.completion_ids[0].tolist()) == text
     assert mask.tolist() == [[1.0 - t for t in tool_spans(text)]] * 8  # 0 exactly on the tool's tokens
+    # every row the same: the share of tool tokens is the tool span's tokens over the completion's
+    assert result.history[0]["tools/tokens_frac"] == pytest.approx(sum(tool_spans(text)) / len(tool_spans(text)), abs=1e-6)
 
 
 def test_tools_are_one_process_and_single_options_only(tiny_path, tmp_path):
