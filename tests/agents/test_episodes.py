@@ -165,13 +165,13 @@ def test_tools_errors_time_limit_and_rewards_of_a_text_prompt(monkeypatch):
     turns = [
         ["<tool>wait: 0.01</tool>", '<tool>add: {"a": 2, "b": 3}</tool>', "done<|im_end|>"],  # two good calls then the answer
         ["<tool>fail: q</tool>", "<tool>nope: 1</tool>", '<tool>add: {"a": 1}</tool>'],  # errors; max_turns: the third call is not run
-        ["<tool>wait: 30</tool>"],  # past the time limit
+        ["<tool>wait: 120</tool>"],  # past the time limit
         ["<tool>add: {broken</tool>", "x<|im_end|>"],  # a malformed call, answered with an error
     ]
     script(monkeypatch, [sum((ids_of(tokenizer, t) for t in row), []) for row in turns])
     model = build_tiny_llama(tokenizer, SPEC).eval()
     out = ep.run_episodes(model, tokenizer, [{"prompt": f"q{i}"} for i in range(4)], Slow, SamplingParams(max_new_tokens=40, temperature=1.0),
-                          max_turns=3, fmt=TAGS, timeout_s=5.0)
+                          max_turns=3, fmt=TAGS, timeout_s=20.0)  # generous: the other rows must finish inside it on a loaded machine
     text = [tokenizer.decode(out.rollout.completion_ids[r][out.rollout.completion_mask[r].bool()]) for r in range(4)]
     assert text[0] == "<tool>wait: 0.01</tool><result>waited</result><tool>add: {\"a\": 2, \"b\": 3}</tool><result>5</result>done<|im_end|>"
     assert text[1] == ("<tool>fail: q</tool><result>error: KeyError: 'q'</result><tool>nope: 1</tool><result>error: unknown tool 'nope'; available: add, fail, wait</result>"
