@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlalign.train.common import make_optimizer
-from rlalign.train.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from rlalign.train.checkpoints import CheckpointError, fsync_tree, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from rlalign.train.metrics import MetricsLogger, ema, plot_metrics, read_metrics, smoothing_weight
 from rlalign.train.run_config import OptimConfig
 from rlalign.train.seeding import batch_order, restore_rng_state, rng_state, set_seed
@@ -125,6 +125,36 @@ def test_resume_from_a_non_checkpoint_is_an_error(tmp_path):
     (half / "optimizer.pt").write_bytes(b"")
     with pytest.raises(CheckpointError):
         load_checkpoint(half)
+
+
+class _Gadget:
+    """Any class that is not a tensor or a plain container: a pickle that would run code on load."""
+
+
+def test_a_checkpoint_file_holding_other_objects_is_refused_unread(tmp_path):
+    # state files load with weights_only=True: tensors and plain containers only, never a pickled class
+    save_checkpoint(tmp_path, 1, _Saveable(), data_position=4)
+    ckpt = tmp_path / "checkpoints" / "step_00000001"
+    torch.save({"optimizer": {}, "scheduler": {}, "gadget": _Gadget()}, ckpt / "optimizer.pt")
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt .*UnpicklingError"):
+        load_checkpoint(ckpt)
+
+
+def test_fsync_tree_flushes_every_file_and_folder(tmp_path, monkeypatch):
+    import os
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "sub" / "b.txt").write_text("b")
+    synced, real_fsync = [], os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    fsync_tree(tmp_path)
+    assert sorted(synced) == sorted(str(p) for p in (tmp_path, tmp_path / "a.txt", tmp_path / "sub", tmp_path / "sub" / "b.txt"))
 
 
 def test_forward_precision_runs_forwards_in_bfloat16_only_when_asked():
