@@ -127,3 +127,31 @@ def test_uneven_shares_are_clear_errors():
         check_world(world, 3, 12, 1)
     with pytest.raises(ConfigError, match="num_minibatches=3 must divide each process's 8 rows"):
         check_world(world, 4, 16, 3)
+
+
+@pytest.mark.parametrize("newer_torch", [True, False])
+def test_ddp_is_asked_not_to_sync_buffers_by_the_argument_this_torch_has(monkeypatch, newer_torch):
+    # newer torch names it forward_sync_buffers (broadcast_buffers deprecated, with a FutureWarning); older torch has only broadcast_buffers
+    seen = {}
+
+    def newer(module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
+        seen.update(broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers)
+        return module
+
+    def older(module, device_ids=None, broadcast_buffers=True):
+        seen.update(broadcast_buffers=broadcast_buffers)
+        return module
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", newer if newer_torch else older)
+    model = torch.nn.Linear(2, 2)
+    assert distributed.wrap(model, distributed.World(rank=0, size=2)) is model
+    assert seen == ({"broadcast_buffers": None, "forward_sync_buffers": False} if newer_torch else {"broadcast_buffers": False})
+
+
+def test_shard_frozen_leaves_a_missing_model_and_non_fsdp_runs_alone():
+    # no reference (beta = 0) stays None under FSDP; under DDP or in one process a frozen model is returned as it is
+    two = distributed.World(rank=0, size=2)
+    assert distributed.shard_frozen(None, two, "fsdp") is None
+    model = torch.nn.Linear(2, 2)
+    assert distributed.shard_frozen(model, two, "ddp") is model
+    assert distributed.shard_frozen(model, distributed.World(), "fsdp") is model

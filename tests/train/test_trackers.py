@@ -4,6 +4,7 @@ clear error before anything is written; every LM trainer ends with curves.png.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -234,3 +235,53 @@ def test_a_missing_tracker_package_is_a_config_error_before_anything_is_written(
 def test_an_unknown_tracker_is_a_config_error():
     with pytest.raises(ConfigError, match="report_to"):
         load_config(SFTConfig, None, ["report_to=[mlflow]"])
+
+
+def test_a_run_that_raises_finishes_its_wandb_run_as_failed(tmp_path):
+    # W&B marks a run by its exit code: 0 when the training loop ends normally, 1 when it raised
+    class FakeRun:
+        def __init__(self):
+            self.exit_codes = []
+
+        def finish(self, exit_code):
+            self.exit_codes.append(exit_code)
+
+    runs = []
+    for fails in (False, True):
+        run = FakeRun()
+        runs.append(run)
+        with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+            with MetricsLogger(tmp_path / str(fails), total_steps=1, progress=False, report_to=["jsonl"]) as log:
+                log._wandb = run
+                if fails:
+                    raise RuntimeError("boom")
+    assert [r.exit_codes for r in runs] == [[0], [1]]
+
+
+def test_a_new_wandb_run_records_its_id_and_a_later_run_continues_it(tmp_path, monkeypatch):
+    # without the wandb package: a stand-in module records what wandb.init is asked
+    import types
+
+    from rlalign.train import metrics
+
+    calls = []
+
+    class FakeRun:
+        def define_metric(self, *args, **kwargs):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(kwargs) or FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    metrics._wandb_run(tmp_path, {"seed": 3})
+    run_id = (tmp_path / "wandb_id").read_text()
+    assert run_id.endswith("\n") and len(run_id.strip()) == 12 and run_id.strip().isalnum()
+    metrics._wandb_run(tmp_path, None)  # the same run directory: the same W&B run, resumed
+    assert [(c["id"], c["resume"], c["config"]) for c in calls] == [(run_id.strip(), "allow", {"seed": 3}), (run_id.strip(), "allow", {})]
+
+
+def test_wandb_table_cells_keep_plain_values_and_write_the_rest_as_json():
+    from rlalign.train.metrics import _table_cell
+
+    assert [_table_cell(v) for v in (None, "a", 2, 0.5, True)] == [None, "a", 2, 0.5, True]
+    assert _table_cell([1, {"b": None}]) == '[1, {"b": null}]'
