@@ -67,10 +67,11 @@ from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
-from rlalign.train.rollouts import RewardTerm, add_score_term, prompt_batch
+from rlalign.train.rl_eval import pass_at_ks
+from rlalign.train.rollouts import RewardTerm, add_score_term, prompt_batch, score_shard
 from rlalign.train.sources import ScoredBatch, Scorer, make_scorer
 
-__all__ = ["AgentConfig", "Episode", "load_agent", "episode_rows", "row_weights", "AgentSource", "make_agent_source"]
+__all__ = ["AgentConfig", "Episode", "load_agent", "episode_rows", "row_weights", "AgentSource", "make_agent_source", "agent_evaluator"]
 
 
 def load_agent(spec: str) -> Callable:
@@ -217,9 +218,9 @@ class AgentSource:
                     error = str(err)
             return Episode(calls, answer, reward, error, time.perf_counter() - t0)
 
-    async def _episodes(self, server: PolicyServer, step: int, records: list[dict], G: int) -> list[Episode]:
+    async def _episodes(self, server: PolicyServer, step: int, records: list[dict], G: int, prefix: str = "s") -> list[Episode]:
         gate = asyncio.Semaphore(self.cfg.max_concurrency)
-        ids = [f"s{step}-p{i}-g{j}" for i in range(len(records)) for j in range(G)]
+        ids = [f"{prefix}{step}-p{i}-g{j}" for i in range(len(records)) for j in range(G)]
         return list(await asyncio.gather(*(self._episode(server, ids[e], records[e // G], gate) for e in range(len(ids)))))
 
     def next(self, state) -> ScoredBatch:
@@ -298,3 +299,51 @@ def make_agent_source(
     return AgentSource(
         load_agent(agent_cfg.function), agent_cfg, make_scorer(cfg, tokenizer, rewards, world), prompts, cfg.prompts_per_step, cfg.seed, cfg.aggregation, make_server,
     )
+
+
+def agent_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm]) -> Callable[[int], tuple[dict, list]]:
+    """``evaluate(step)`` of a run with an ``agent:`` section: the agent's episodes, ``eval.num_samples``
+    per held-out prompt, against ``policy`` (unwrapped, in eval mode) served on an endpoint of its own
+    whose requests that leave ``temperature`` out get ``eval.temperature`` (0: greedy) and ``max_tokens``
+    up to ``eval.max_new_tokens``; the uniforms come from (seed, "eval" step, episode, call), never
+    from training's. An episode passes when its total reward (the terms on its answer, plus the
+    agent's own) reaches ``eval.pass_threshold``. Metrics: ``eval/success``, ``eval/pass@k`` (k = 1,
+    2, 4, ... <= num_samples, unbiased), ``eval/reward/mean``, ``eval/calls``, ``eval/failed``; a table
+    of the first episodes (the last call's prompt and reply as the model saw them: the conversation
+    the agent built; its calls, answer, reward and error)."""
+    eval_cfg, agent_cfg, G = cfg.eval, cfg.agent, cfg.eval.num_samples
+    agent = load_agent(agent_cfg.function)
+    context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+
+    def generate(batch, params, noise):
+        with forward_precision(cfg.model, policy), evaluating(policy), attention_kernel(policy, cfg.sampling.attn_implementation):
+            return sample(policy, batch, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], noise=noise).to("cpu")
+
+    def make_server() -> PolicyServer:
+        return PolicyServer(tokenizer, generate, eval_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature, 1.0, 0,
+                            max_calls=agent_cfg.max_calls, max_context=context, batch_wait_s=agent_cfg.batch_wait_ms / 1000, seed=cfg.seed)
+
+    def evaluate(step: int) -> tuple[dict, list]:
+        runner = AgentSource(agent, agent_cfg, None, prompts, len(prompts), cfg.seed, cfg.aggregation, make_server)
+        try:
+            records = [{**ex.metadata, "prompt": ex.prompt} for ex in prompts]
+            episodes = asyncio.run(runner._episodes(runner._serve(), step, records, G, prefix="eval"))
+        finally:
+            runner.close()
+        last = _last_calls(episodes, G, tokenizer.pad_token_id)
+        scored = score_shard(rewards, tokenizer, list(prompts), last, [ep.answer for ep in episodes], G, distributed.World(), step=max(step, 0))
+        total = scored.scores + torch.tensor([ep.reward or 0.0 for ep in episodes])  # (prompts x G,)
+        passed = (total >= eval_cfg.pass_threshold).view(-1, G)  # (prompts, G)
+        metrics = {
+            "eval/success": passed.float().mean().item(), "eval/reward/mean": total.mean().item(),
+            "eval/calls": sum(len(ep.calls) for ep in episodes) / len(episodes), "eval/failed": sum(ep.error is not None for ep in episodes) / len(episodes),
+        }
+        metrics.update(pass_at_ks(passed))
+        table = [
+            {"step": step, "episode": tokenizer.decode(ep.calls[-1].prompt_ids + ep.calls[-1].completion_ids) if ep.calls else "", "calls": len(ep.calls),
+             "final": ep.answer, "reward": float(total[e]), "error": ep.error or ""}
+            for e, ep in enumerate(episodes[: eval_cfg.num_samples_logged])
+        ]
+        return metrics, table
+
+    return evaluate

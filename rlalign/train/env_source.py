@@ -29,12 +29,12 @@ import torch
 from rlalign.agents.env_config import EnvironmentConfig
 from rlalign.agents.environment import environment_factory
 from rlalign.agents.episodes import Episodes, episode_metrics, run_episodes
-from rlalign.core.evaluation import pass_at_k
 from rlalign.lm.data import PromptExample
 from rlalign.lm.decode import SamplingParams
 from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
+from rlalign.train.rl_eval import pass_at_ks
 from rlalign.train.rollouts import RewardTerm, prompt_batch, score_shard
 from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_generator
 
@@ -118,22 +118,19 @@ def evaluate_episodes(
             table.append({"step": step, "episode": episode, "final": episodes.final_texts[r], "reward": float(total[r])})
     total = torch.cat(totals)  # (prompts x n,)
     passed = (total >= pass_threshold).view(-1, num_samples)  # (prompts, n)
-    metrics = {"eval/success": passed.float().mean().item(), "eval/reward/mean": total.mean().item()}
-    k = 1
-    while k <= num_samples:
-        metrics[f"eval/pass@{k}"] = float(pass_at_k(passed, k))
-        k *= 2
+    metrics = {"eval/success": passed.float().mean().item(), "eval/reward/mean": total.mean().item(), **pass_at_ks(passed)}
     for key in ("turns", "tool_calls", "malformed_calls", "timed_out"):
         metrics[f"eval/{key}"] = sum(episode_metrics(e)[f"agents/{key}"] * e.turns.numel() for e in parts) / total.numel()
     return metrics, table
 
 
-def episode_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm]) -> Callable[[int], tuple[dict, list]]:
-    """``evaluate(step)`` of a run with an ``environment:`` section (:func:`evaluate_episodes` with the run's eval settings)."""
+def episode_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm], env: Any = None) -> Callable[[int], tuple[dict, list]]:
+    """``evaluate(step)`` of a run with an ``environment:`` section (:func:`evaluate_episodes` with the run's eval settings);
+    ``env``: the environment given to ``train`` (None: ``environment.class``)."""
     env_cfg, eval_cfg = cfg.environment, cfg.eval
     params = SamplingParams(eval_cfg.max_new_tokens or env_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature)
     return lambda step: evaluate_episodes(
-        policy, tokenizer, prompts, rewards, None, env_cfg, params, cfg.model, eval_cfg.num_samples, eval_cfg.pass_threshold, cfg.seed,
+        policy, tokenizer, prompts, rewards, env, env_cfg, params, cfg.model, eval_cfg.num_samples, eval_cfg.pass_threshold, cfg.seed,
         eval_cfg.batch_size, eval_cfg.num_samples_logged, step,
     )
 

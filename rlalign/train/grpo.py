@@ -307,7 +307,7 @@ def train(
 
         history, final_dir = run_steps(
             step, cfg, run, state, SavedModels(policy), {"policy": updater}, checkpoint_extra=source.state_dict, source=source,
-            evaluate=run.evaluator(cfg, updater.module), eval_every=cfg.eval.every,
+            evaluate=run.evaluator(cfg, updater.module, environment, tools), eval_every=cfg.eval.every,
             total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
             summary_keys=("reward/mean", "kl", "completion_len/mean"),
             plot_keys=("reward/mean", "eval/reward/mean", "kl", "entropy", "completion_len/mean", "clip_frac", "frac_zero_std_groups") if cfg.plots else (),

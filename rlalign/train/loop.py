@@ -23,7 +23,7 @@ import os
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from rlalign.train import distributed
 from rlalign.train.common import is_adapter_dir, prepare_model_path
 from rlalign.train.checkpoints import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, replace_dir, save_checkpoint
 from rlalign.train.metrics import MetricsLogger, plot_metrics, read_metrics
-from rlalign.train.rl_eval import evaluate_policy, load_eval_prompts
+from rlalign.train.rl_eval import evaluate_policy, load_eval_prompts, tool_evaluator
 from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
 from rlalign.train.run_config import ModelConfig
 from rlalign.train.run_dir import claim_run_dir
@@ -160,27 +160,24 @@ class RLRun(Run):
     rewards: list[RewardTerm] = field(default_factory=list)
     eval_prompts: list[PromptExample] = field(default_factory=list)  # held-out prompts; empty: no evaluation
 
-    def evaluator(self, cfg, policy: nn.Module) -> Callable[[int], tuple[dict[str, float], list[dict]]] | None:
+    def evaluator(self, cfg, policy: nn.Module, environment: object | None = None, tools: Mapping[str, Callable] | None = None,
+                  ) -> Callable[[int], tuple[dict[str, float], list[dict]]] | None:
         """``evaluate(step)`` for :func:`run_steps`: ``policy`` (unwrapped) on the held-out prompts
-        (:func:`rlalign.train.rl_eval.evaluate_policy`); None without held-out prompts."""
+        (:func:`rlalign.train.rl_eval.evaluate_policy`; episodes with a ``tools:`` section, ``tools`` the
+        functions given to ``train``, an ``environment:`` section, ``environment`` the object given to
+        ``train``, or an ``agent:`` section); None without held-out prompts."""
         if not self.eval_prompts:
             return None
-        if getattr(cfg, "tools", None) is not None:  # the evaluation samples one turn: it would score tool calls that never got their result
-            if self.world.is_main:
-                print("eval: evaluation during RL does not run tool calls yet; no eval/* metrics for this run with tools")
-            return None
+        if getattr(cfg, "tools", None) is not None:  # multi-turn episodes with the tools: success, pass@k, a table of episodes
+            return tool_evaluator(cfg, policy, self.tokenizer, self.eval_prompts, self.rewards, tools)
         if getattr(cfg, "environment", None) is not None:  # episodes against the environment: success, pass@k, a table of episodes
-            if cfg.environment.cls is None:
-                if self.world.is_main:
-                    print("eval: the environment was given as a Python object, not environment.class; no eval/* metrics for this run")
-                return None
             from rlalign.train.env_source import episode_evaluator
 
-            return episode_evaluator(cfg, policy, self.tokenizer, self.eval_prompts, self.rewards)
-        if getattr(cfg, "agent", None) is not None:  # the evaluation samples one turn, not the agent's episodes
-            if self.world.is_main:
-                print("eval: evaluation during RL does not run the agent yet; no eval/* metrics for this run with an agent")
-            return None
+            return episode_evaluator(cfg, policy, self.tokenizer, self.eval_prompts, self.rewards, environment)
+        if getattr(cfg, "agent", None) is not None:  # the agent's episodes against the policy served for evaluation
+            from rlalign.agents.agent_source import agent_evaluator
+
+            return agent_evaluator(cfg, policy, self.tokenizer, self.eval_prompts, self.rewards)
         return lambda step: evaluate_policy(
             policy, self.tokenizer, self.eval_prompts, self.rewards, cfg.eval, cfg.sampling.max_new_tokens, cfg.model, cfg.seed, self.world, step
         )

@@ -362,7 +362,7 @@ def train(
 
         history, final_dir = run_steps(
             step, cfg, run, state, SavedModels(policy, critic=critic), updaters,
-            evaluate=run.evaluator(cfg, updaters["policy"].module), eval_every=cfg.eval.every,
+            evaluate=run.evaluator(cfg, updaters["policy"].module, environment, tools), eval_every=cfg.eval.every,
             total_steps=cfg.steps, batch_size=cfg.prompts_per_step, sample_every=cfg.sample_every,
             checkpoint_extra=lambda: {"kl_controller": kl_ctl.state_dict(), **source.state_dict()}, source=source,
             summary_keys=("score", "kl", "beta"),

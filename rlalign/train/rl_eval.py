@@ -16,11 +16,13 @@ processes. Metrics (:func:`rlalign.train.loop.run_steps` logs them with the step
     eval/completion_len/mean|max, eval/completion_len/clipped_frac   lengths; share without EOS
 
 and a table of the first ``eval.num_samples_logged`` rows: prompt, completion, total and per-term rewards.
+A run with ``tools`` is evaluated on whole episodes (:func:`tool_evaluator`); runs with an environment
+or an agent by ``rlalign.train.env_source.episode_evaluator`` and ``rlalign.agents.agent_source.agent_evaluator``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,16 +30,18 @@ from torch import nn
 from rlalign.core.evaluation import pass_at_k
 from rlalign.lm.data import PromptExample, load_prompts
 from rlalign.lm.encoding import encode_prompts
-from rlalign.lm.model_modes import evaluating
+from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.lm.sampling import SamplingParams, sample
+from rlalign.lm.tools import ToolEnvironment, format_for
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 from rlalign.train.rl_config import DataConfig, EvalConfig
 from rlalign.train.rollouts import RewardTerm, reward_stats, sample_rows, score_shard
 from rlalign.train.run_config import ModelConfig
+from rlalign.train.tool_rollout import tool_registry, tool_rollout
 
-__all__ = ["load_eval_prompts", "evaluate_policy"]
+__all__ = ["load_eval_prompts", "evaluate_policy", "pass_at_ks", "tool_evaluator"]
 
 
 def load_eval_prompts(cfg: EvalConfig, train_data: DataConfig) -> list[PromptExample]:
@@ -99,9 +103,55 @@ def evaluate_policy(
     metrics["eval/completion_len/max"] = all_lengths.max().item()
     metrics["eval/completion_len/clipped_frac"] = torch.cat(truncated).mean().item()
     if n > 1:
-        passed = (total >= cfg.pass_threshold).view(-1, n)  # (prompts, n)
-        k = 1
-        while k <= n:
-            metrics[f"eval/pass@{k}"] = float(pass_at_k(passed, k))
-            k *= 2
+        metrics.update(pass_at_ks((total >= cfg.pass_threshold).view(-1, n)))
     return metrics, rows
+
+
+def pass_at_ks(passed: torch.Tensor) -> dict[str, float]:
+    """``eval/pass@k`` for k = 1, 2, 4, ... up to n, unbiased (:func:`rlalign.core.evaluation.pass_at_k`),
+    of ``passed``: whether each of a prompt's n completions or episodes passed. Shape: (prompts, n)."""
+    metrics, k = {}, 1
+    while k <= passed.shape[1]:
+        metrics[f"eval/pass@{k}"] = float(pass_at_k(passed, k))
+        k *= 2
+    return metrics
+
+
+def tool_evaluator(cfg, policy: nn.Module, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm], tools: Mapping[str, Callable] | None = None):
+    """``evaluate(step)`` of a run with a ``tools:`` section: :func:`tool_rollout` episodes of every
+    held-out prompt (``eval.num_samples`` each) by ``policy`` (unwrapped, in eval mode) at
+    ``eval.temperature`` (0: greedy), ``eval.max_new_tokens`` per turn, uniforms from a generator of
+    their own seeded by the run's seed. The reward terms score each episode's last assistant turn and
+    the environment's reward is added, as in training; an episode passes when that total reaches
+    ``eval.pass_threshold``. Metrics: ``eval/success``, ``eval/pass@k`` (k = 1, 2, 4, ... <= num_samples,
+    unbiased), ``eval/reward/mean``, ``eval/turns``, ``eval/tool_messages``; a table of the first
+    episodes (the prompt, the whole completion with the tool results, the final turn, the reward)."""
+    eval_cfg, tools_cfg, n = cfg.eval, cfg.tools, cfg.eval.num_samples
+    registry, fmt = tool_registry(tools_cfg, tools), format_for(tools_cfg.format, tokenizer)
+    params = SamplingParams(eval_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature)
+
+    def evaluate(step: int) -> tuple[dict[str, float], list[dict]]:
+        generator = torch.Generator().manual_seed(cfg.seed)
+        totals, turns, messages, table = [], [], [], []
+        for start in range(0, len(prompts), eval_cfg.batch_size):
+            batch = list(prompts[start : start + eval_cfg.batch_size])
+            records = [{**ex.metadata, "prompt": ex.prompt} for ex in batch]
+            with forward_precision(cfg.model, policy), evaluating(policy), attention_kernel(policy, cfg.sampling.attn_implementation):
+                out = tool_rollout(policy, tokenizer, records, lambda: ToolEnvironment(registry, fmt, tools_cfg.max_turns, tools_cfg.max_result_chars),
+                                   fmt, params, n, tools_cfg.max_turns, generator)
+            scored = score_shard(rewards, tokenizer, batch, out.rollout, out.final_texts, n, distributed.World(), step=max(step, 0))
+            total = scored.scores + torch.tensor([r or 0.0 for r in out.env_rewards])  # (B,)
+            totals.append(total)
+            turns.append(out.turns.float())
+            messages.append(out.tool_messages.float())
+            completions = out.rollout.decode_completions(tokenizer)
+            for r in range(min(eval_cfg.num_samples_logged - len(table), len(total))):
+                table.append({"step": step, "prompt": str(batch[r // n].prompt), "completion": completions[r], "final": out.final_texts[r], "reward": float(total[r])})
+        total = torch.cat(totals)  # (prompts x n,) groups adjacent
+        passed = (total >= eval_cfg.pass_threshold).view(-1, n)  # (prompts, n)
+        return {
+            "eval/success": passed.float().mean().item(), "eval/reward/mean": total.mean().item(), **pass_at_ks(passed),
+            "eval/turns": torch.cat(turns).mean().item(), "eval/tool_messages": torch.cat(messages).mean().item(),
+        }, table
+
+    return evaluate

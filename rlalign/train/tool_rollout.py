@@ -203,3 +203,4 @@ def sample_tool_shard(updater, tokenizer, records: Sequence[Mapping[str, Any]], 
             sampler, tokenizer, records, lambda: ToolEnvironment(registry, fmt, cfg.max_turns, cfg.max_result_chars), fmt, sampling.params(),
             group_size, cfg.max_turns, generator,
         )
+

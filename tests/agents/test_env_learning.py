@@ -47,8 +47,11 @@ def test_trainers_take_the_environment_source(trainer, tiny_path, tmp_path, monk
     records = L.prompt_records("train", 8)
     common = {"model.path": str(tiny_path), "output_dir": str(tmp_path / trainer), "data.task": "arithmetic", "rewards": [], "steps": 1,
               "prompts_per_step": 2, "sampling.max_new_tokens": 8, "progress": False, "plots": False, "overwrite": True, "environment.max_turns": 2}
-    if trainer == "grpo":  # the environment's reward alone
-        result = grpo.train(load_config(grpo.GRPOConfig, None, {**common, "group_size": 2, "beta": 0.0}), prompts=records, environment=Scripted)
+    if trainer == "grpo":  # the environment's reward alone; the environment given as an object, evaluated too
+        eval_cfg = {"eval.data.task": "lookup", "eval.num_prompts": 2}
+        result = grpo.train(load_config(grpo.GRPOConfig, None, {**common, "group_size": 2, "beta": 0.0, **eval_cfg}), prompts=records, environment=Scripted)
+        evals = [h for h in result.history if "eval/success" in h]  # after the last step
+        assert len(evals) == 1 and evals[0]["eval/turns"] >= 1.0 and "eval/pass@1" in evals[0]
     else:
         eval_cfg = {"eval.data.task": "lookup", "eval.num_prompts": 3, "eval.num_samples": 2, "eval.temperature": 1.0, "eval.num_samples_logged": 2}
         result = ppo.train(load_config(ppo.PPOConfig, None, {**common, "environment.class": "tests.agents.test_env_learning:Scripted", **eval_cfg}),

@@ -82,6 +82,13 @@ def failing_agent(base_url: str, record: dict) -> str:
     raise RuntimeError("the agent's own bug")
 
 
+def kind_agent(base_url: str, record: dict) -> dict:
+    """One call; its own reward 1 for 'heavier' questions, 0 for the rest (whatever the reply)."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="policy", messages=record["prompt"], max_tokens=3).choices[0].message.content
+    return {"answer": reply, "reward": 1.0 if record["kind"] == "heavier" else 0.0}
+
+
 def correct(prompts: list, completions: list, answer: list, **columns) -> list[float]:
     """The lookup task's exact-answer reward; conversational prompts get their completions as messages (TRL's convention)."""
     return lk.reward(prompts, [completion_text(c) for c in completions], answer)
@@ -259,3 +266,22 @@ def test_agent_config_errors(tiny_path, tmp_path):
     cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "missing_agent")
     with pytest.raises(ConfigError, match="cannot be imported"):
         grpo.train(cfg, reward_functions=[CORRECT], prompts=lk.prompt_records("train", 4))
+
+
+def test_an_agent_run_is_evaluated_on_held_out_episodes_by_hand(tiny_path, tmp_path):
+    # the agent's own reward decides each episode (no reward term scores): success = the share of 'heavier' questions,
+    # the same for both samples of a prompt, so pass@1 = pass@2 = success; one call per episode
+    zero = grpo.RewardTerm("zero", 1.0, lambda prompts, completions, **kw: [0.0] * len(completions))
+    eval_cfg = {"eval.enabled": True, "eval.data.task": "lookup", "eval.num_prompts": 12, "eval.num_samples": 2, "eval.temperature": 1.0,
+                "eval.num_samples_logged": 3}
+    cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "kind_agent", steps=1, **eval_cfg)
+    result = grpo.train(cfg, reward_functions=[zero], prompts=lk.prompt_records("train", 16))
+    share = sum(r["kind"] == "heavier" for r in lk.prompt_records("eval", 12, cfg.eval.data.seed)) / 12
+    assert 0 < share < 1
+    evals = [h for h in result.history if "eval/success" in h]
+    assert len(evals) == 1
+    assert evals[0]["eval/success"] == pytest.approx(share) and evals[0]["eval/pass@1"] == pytest.approx(share)
+    assert evals[0]["eval/pass@2"] == pytest.approx(share) and evals[0]["eval/reward/mean"] == pytest.approx(share)
+    assert evals[0]["eval/calls"] == 1.0 and evals[0]["eval/failed"] == 0.0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 3 and {"episode", "calls", "final", "reward", "error"} <= set(rows[0]) and rows[0]["calls"] == 1

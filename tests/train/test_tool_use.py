@@ -178,7 +178,7 @@ def test_grpo_with_tools_scores_the_last_turn_and_leaves_tool_tokens_out_of_the_
         answers.extend(completions)
         return [float(c == "42") for c in completions]
 
-    result = grpo.train(make_cfg(tiny_path, tmp_path), reward_functions=[grpo.RewardTerm("is_42", 1.0, is_42)], prompts=[{"prompt": "6*7="}] * 4)
+    result = grpo.train(make_cfg(tiny_path, tmp_path, **{"eval.enabled": False}), reward_functions=[grpo.RewardTerm("is_42", 1.0, is_42)], prompts=[{"prompt": "6*7="}] * 4)
     assert answers == ["42"] * 16  # the reward sees the final answer, 8 rows x 2 steps
     assert result.history[0]["tools/turns"] == 2.0 and result.history[0]["tools/messages"] == 1.0
     assert result.history[0]["reward/mean"] == 1.0
@@ -188,6 +188,37 @@ def test_grpo_with_tools_scores_the_last_turn_and_leaves_tool_tokens_out_of_the_
     assert mask.tolist() == [[1.0 - t for t in tool_spans(text)]] * 8  # 0 exactly on the tool's tokens
     # every row the same: the share of tool tokens is the tool span's tokens over the completion's
     assert result.history[0]["tools/tokens_frac"] == pytest.approx(sum(tool_spans(text)) / len(tool_spans(text)), abs=1e-6)
+
+
+def test_a_run_with_tools_is_evaluated_on_held_out_episodes_by_hand(tiny_path, tmp_path, tokenizer, monkeypatch):
+    # every episode calls the calculator on its prompt's sum, then answers the result: "6*7=" episodes answer 42 (reward 1),
+    # "1+1=" episodes 2 (reward 0), so success = pass@1 = pass@2 = 1/2, two turns and one tool message per episode
+    def script(model, prompts, params, pad, stop, group_size, generator):
+        texts = []
+        for p in prompts:
+            text = tokenizer.decode(p, skip_special_tokens=True)
+            if "<result>" in text:
+                texts.append(text.split("<result>")[-1].split("</result>")[0] + "<eos>")
+            else:
+                texts.append("<tool>calculator: " + ("6*7" if "6*7" in text else "1+1") + "</tool>")
+        return scripted_sampler(tokenizer, [texts])(model, prompts, params, pad, stop, group_size, generator)
+
+    monkeypatch.setattr(tr, "sample", script)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"prompt": "6*7="}\n{"prompt": "1+1="}\n' * 2)
+    cfg = make_cfg(tiny_path, tmp_path, steps=1, **{"eval.data.path": str(held_out), "eval.num_samples": 2, "eval.temperature": 1.0, "eval.num_samples_logged": 3})
+    is_42 = grpo.RewardTerm("is_42", 1.0, lambda prompts, completions: [float(c == "42") for c in completions])
+    result = grpo.train(cfg, reward_functions=[is_42], prompts=[{"prompt": "6*7="}] * 4)
+    evals = [h for h in result.history if "eval/success" in h]  # after the last step
+    assert len(evals) == 1
+    assert {k: evals[0][k] for k in ("eval/success", "eval/pass@1", "eval/pass@2", "eval/reward/mean", "eval/turns", "eval/tool_messages")} == {
+        "eval/success": 0.5, "eval/pass@1": 0.5, "eval/pass@2": 0.5, "eval/reward/mean": 0.5, "eval/turns": 2.0, "eval/tool_messages": 1.0}
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "eval_samples.jsonl").read_text().splitlines()]
+    assert [(r["prompt"], r["completion"], r["final"], r["reward"]) for r in rows[-3:]] == [
+        ("6*7=", "<tool>calculator: 6*7</tool><result>42</result>42", "42", 1.0), ("6*7=", "<tool>calculator: 6*7</tool><result>42</result>42", "42", 1.0),
+        ("1+1=", "<tool>calculator: 1+1</tool><result>2</result>2", "2", 0.0)]
 
 
 def test_tools_are_one_process_and_single_options_only(tiny_path, tmp_path):
