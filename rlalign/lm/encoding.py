@@ -30,6 +30,7 @@ __all__ = [
     "example_tokens",
     "SFTBatch",
     "collate_sft",
+    "sft_row",
     "pack_sft",
     "PreferenceBatch",
     "collate_preferences",
@@ -154,11 +155,25 @@ class SFTBatch:
 
 
 def _sft_rows(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int, completion_only: bool) -> list[tuple[list[int], list[int]]]:
-    rows = []
-    for ex in examples:
-        ids, is_target = example_tokens(tokenizer, ex.prompt, ex.completion, completion_only)
-        rows.append((ids[:max_length], is_target[:max_length]))
-    return rows
+    return [sft_row(tokenizer, ex, max_length, completion_only)[:2] for ex in examples]
+
+
+def sft_row(tokenizer: PreTrainedTokenizerBase, ex: SFTExample, max_length: int, completion_only: bool = True) -> tuple[list[int], list[int], int]:
+    """The example's (ids, is_target) (:func:`example_tokens`) cut to ``max_length`` tokens, and its length before the cut.
+
+    Raises:
+        DataError: when the cut leaves the example none of its target tokens (it would train on nothing, silently).
+    """
+    ids, is_target = example_tokens(tokenizer, ex.prompt, ex.completion, completion_only)
+    if any(is_target) and not any(is_target[:max_length]):
+        raise DataError(f"max_length={max_length} cuts every target token of the example {_shown(ex)}: it has {len(ids)} tokens and its first target "
+                        f"token is token {is_target.index(1) + 1}; raise max_length (data.max_length)")
+    return ids[:max_length], is_target[:max_length], len(ids)
+
+
+def _shown(ex: SFTExample) -> str:
+    text = repr(ex.prompt if ex.prompt is not None else ex.completion)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def collate_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int = 512, completion_only: bool = True) -> SFTBatch:

@@ -33,7 +33,7 @@ from pydantic import Field
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
 from rlalign.lm.data import Prompt, SFTExample, load_sft
-from rlalign.lm.encoding import collate_sft, completion_text, pack_sft
+from rlalign.lm.encoding import collate_sft, completion_text, pack_sft, sft_row
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
@@ -48,14 +48,17 @@ __all__ = ["SFTDataConfig", "SFTConfig", "train", "add_arguments", "run"]
 class SFTDataConfig(SupervisedDataConfig):
     """Where the (prompt, completion) pairs come from."""
 
-    task: Literal["arithmetic", "preference"] | None = Field("arithmetic", description="built-in task used when train_file is null")
+    task: Literal["arithmetic", "preference", "multiplication", "lookup", "lookup_value"] | None = Field("arithmetic", description="built-in task used when train_file is null")
     train_file: str | None = Field(
         None, description="TRL SFT data: {text} | {messages} (language modelling) | {prompt, completion}, text or messages; a file, directory or Hub name; overrides task"
     )
     eval_file: str | None = Field(None, description="held-out examples for eval loss and exact match of greedy completions (required with train_file)")
     num_train: int = Field(20000, ge=1, description="number of built-in training pairs")
     num_eval: int = Field(256, ge=1, description="number of built-in eval pairs")
-    max_length: int = Field(64, ge=2, description="longest prompt + completion in tokens (longer rows are cut)")
+    max_length: int | None = Field(
+        None, ge=2, description="longest prompt + completion in tokens (longer rows are cut, the share cut printed; a row cut before its first "
+        "target token is an error); null = 1024 for files (TRL's default), 256 for the built-in tasks"
+    )
     packing: bool = Field(False, description="pack pairs end to end into rows of max_length tokens")
     completion_only_loss: bool = Field(
         True, description="learn only the completions (the assistant turns of 'messages' rows); false: every token; 'text' rows learn every token either way"
@@ -94,6 +97,23 @@ def _datasets(cfg: SFTConfig) -> tuple[list[SFTExample], list[SFTExample], _Eval
     return train_set, eval_set, _EvalSpec(task.reward, cfg.max_new_tokens or task.max_new_tokens, task.eval_temperature)
 
 
+def max_length(cfg: SFTConfig) -> int:
+    """``data.max_length``, or its default: 1024 tokens for files (TRL's), 256 for the built-in tasks (their longest rows, the look-up
+    conversations, are about 210 tokens with the tiny character tokenizer)."""
+    return cfg.data.max_length or (1024 if cfg.data.train_file is not None else 256)
+
+
+def cut_report(tokenizer, examples: list[SFTExample], limit: int, completion_only: bool) -> str:
+    """One line: how many of ``examples`` the cut at ``limit`` tokens shortens, and the longest.
+
+    Raises:
+        DataError: when the cut leaves an example none of its target tokens (:func:`rlalign.lm.encoding.sft_row`).
+    """
+    lengths = [sft_row(tokenizer, ex, limit, completion_only)[2] for ex in examples]
+    cut = sum(n > limit for n in lengths)
+    return f"data: max_length={limit} cuts {cut} of the {len(lengths)} rows checked (the longest has {max(lengths, default=0)} tokens)"
+
+
 def generation_pairs(examples: list[SFTExample]) -> list[tuple[Prompt, str]]:
     """(prompt, reference completion) of each example a greedy completion can be compared with: a
     prompt-completion pair, or a conversation ending with an assistant turn (the turns before it are
@@ -129,7 +149,7 @@ def _eval_loss(model, tokenizer, examples: list[SFTExample], cfg: SFTConfig) -> 
     total, tokens = 0.0, 0.0
     for start in range(0, len(examples), cfg.eval_batch_size):
         chunk = examples[start : start + cfg.eval_batch_size]
-        _, stats = _batch_loss(model, tokenizer, chunk, cfg.data.max_length, False, cfg.data.completion_only_loss)
+        _, stats = _batch_loss(model, tokenizer, chunk, max_length(cfg), False, cfg.data.completion_only_loss)
         total += float(stats.nll) * float(stats.tokens)
         tokens += float(stats.tokens)
     model.train(was_training)
@@ -152,10 +172,12 @@ def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         train_set, eval_set, eval_spec = _datasets(cfg)
+        if run.world.is_main:
+            print(cut_report(run.tokenizer, train_set[:2048] + eval_set, max_length(cfg), cfg.data.completion_only_loss))
         model = run.load_policy(cfg.model)
 
         def batch_loss(trained, examples: list[SFTExample]):
-            loss, stats = _batch_loss(trained, run.tokenizer, examples, cfg.data.max_length, cfg.data.packing, cfg.data.completion_only_loss)
+            loss, stats = _batch_loss(trained, run.tokenizer, examples, max_length(cfg), cfg.data.packing, cfg.data.completion_only_loss)
             return loss, {"loss/sft": float(loss.detach())}, float(stats.tokens)  # a mean over completion tokens
 
         def evaluate(model) -> dict[str, float]:

@@ -92,3 +92,30 @@ def test_bfloat16_autocast_trains(tmp_path):
     losses = [r["loss/sft"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss/sft" in r]
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
     assert next((tmp_path / "final").glob("*.safetensors")).is_file()
+
+
+@pytest.mark.parametrize("task", ["lookup", "lookup_value", "multiplication"])
+def test_the_tool_tasks_train_on_their_whole_conversations_and_a_cut_that_loses_every_target_is_an_error(tmp_path, task, capsys):
+    # the look-up conversations are ~190-210 tokens with the tiny tokenizer: the default max_length keeps every target token
+    from rlalign.lm.data import DataError, load_sft
+    from rlalign.lm.encoding import example_tokens
+    from rlalign.lm.models import load_tokenizer
+    from rlalign.tasks import TASKS
+
+    cfg = load_config(SFTConfig, None, TINY + [f"output_dir={tmp_path / 'run'}", f"data.task={task}", "max_steps=1", "eval_every=1", "batch_size=4",
+                                                "data.num_train=4", "data.num_eval=2", "model.tiny.num_layers=1"])
+    train(cfg)
+    assert "data: max_length=256 cuts 0 of the 6 rows checked" in capsys.readouterr().out
+    tokenizer = load_tokenizer(tmp_path / "run" / "final")
+    examples = load_sft(TASKS[task].sft_records("train", 4, cfg.seed))
+    targets = sum(sum(example_tokens(tokenizer, ex.prompt, ex.completion)[1]) for ex in examples)
+    step = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "tokens" in r][0]
+    assert step["tokens"] == targets  # every assistant token of the 4 conversations, none cut
+    cut = load_config(SFTConfig, None, TINY + [f"output_dir={tmp_path / 'cut'}", f"data.task={task}", "max_steps=1", "data.max_length=64",
+                                                "data.num_train=4", "data.num_eval=2", "batch_size=4"])
+    if task == "lookup_value":  # the question alone is ~60 tokens: 64 cuts before the first assistant token
+        with pytest.raises(DataError, match="max_length=64 cuts every target token of the example"):
+            train(cut)
+    else:  # a cut inside the conversation trains on what is left, and says how many rows it shortened
+        train(cut)
+        assert f"data: max_length=64 cuts {6 if task == 'lookup' else 0} of the 6 rows checked" in capsys.readouterr().out
