@@ -19,6 +19,10 @@ def test_masked_sum_and_mean_ignore_padding():
 
 def test_masked_mean_of_empty_mask_is_zero_not_nan():
     assert masked_mean(X, torch.zeros_like(M)).item() == 0.0
+    # also when the positions it leaves out hold inf or NaN (log-probs of padding): 0 * inf would be NaN
+    bad = torch.tensor([[float("-inf"), float("nan")], [1.0, 2.0]])
+    mask = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    torch.testing.assert_close(masked_mean(bad, mask, dim=-1), torch.tensor([0.0, 1.0]))
 
 
 def test_masked_var_hand_values():

@@ -75,3 +75,6 @@ def test_overlong_penalty_hand_values():
     torch.testing.assert_close(overlong_penalty(lengths, 10, 4), torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
     with pytest.raises(ValueError, match="overlong buffer"):
         overlong_penalty(lengths, 10, 11)
+    with pytest.raises(ValueError, match="overlong buffer"):  # an empty buffer: the ramp would divide by 0
+        overlong_penalty(lengths, 10, 0)
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 10), torch.tensor([-0.3, -0.6, -0.7, -0.8, -1.0, -1.0]))  # the whole budget
