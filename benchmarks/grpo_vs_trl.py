@@ -231,15 +231,12 @@ def _update_flops_counter(setup: lb.GRPOSetup, cfg):
     return before_step
 
 
-def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
+def rlalign_config(spec: dict, path: Path):
+    """rlalign's GRPOConfig of one side: ``spec``'s shared settings (seed, lengths, G, beta, lr, ...)
+    and side flags (:func:`side_flags`), matched to :func:`trl_config` as the module docstring says."""
     from rlalign.train import grpo
 
-    rss_import = lb.current_rss_mb()
-    path, records, reward_fn = setting(spec)
-    cfg = grpo.GRPOConfig.model_validate(
+    return grpo.GRPOConfig.model_validate(
         dict(
             output_dir=tempfile.mkdtemp(prefix="bench_rlalign_"), seed=spec["seed"], num_threads=spec["threads"],
             model=dict(path=str(path), dtype="float32", device=spec["device"], autocast="bfloat16" if spec["bf16"] else "none", attn_implementation=spec["attn"]),
@@ -252,6 +249,17 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
             progress=False, plots=False, compile=spec["compile_train"],
         )
     )
+
+
+def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from rlalign.train import grpo
+
+    rss_import = lb.current_rss_mb()
+    path, records, reward_fn = setting(spec)
+    cfg = rlalign_config(spec, path)
     setup = lb.GRPOSetup(cfg, records, reward_fn)  # grpo.train()'s setup; its outer loop would write files every step
     count_flops = _update_flops_counter(setup, cfg)
     ref_time = _timed(grpo, "reference_logprobs")  # grpo_step looks these names up at call time
@@ -286,19 +294,13 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
     chan.send({"peak_rss_mb": lb.peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(spec["device"])})
 
 
-def trl_worker(spec: dict, chan: lb.Channel) -> None:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
+def trl_config(spec: dict):
+    """TRL's GRPOConfig of one side, matched to :func:`rlalign_config` (one rollout of
+    prompts_per_step * G completions per optimiser step, the dataset not shuffled)."""
     import trl
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
 
-    rss_import = lb.current_rss_mb()
-    path, records, reward_fn = setting(spec)
-    dataset = Dataset.from_list([records[i] for batch in spec["prompt_order"] for i in batch])
     batch = spec["prompts_per_step"] * spec["group_size"]
-    args = trl.GRPOConfig(
+    return trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
         seed=spec["seed"], data_seed=spec["seed"], use_cpu=spec["device"] == "cpu", bf16=spec["bf16"], fp16=False,
         model_init_kwargs={"dtype": "float32"},
@@ -312,6 +314,21 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
         max_steps=spec["steps"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, log_completions=False,
     )
+
+
+def trl_worker(spec: dict, chan: lb.Channel) -> None:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    rss_import = lb.current_rss_mb()
+    path, records, reward_fn = setting(spec)
+    dataset = Dataset.from_list([records[i] for batch in spec["prompt_order"] for i in batch])
+    batch = spec["prompts_per_step"] * spec["group_size"]
+    args = trl_config(spec)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
 
     class Pacer(TrainerCallback):
@@ -373,12 +390,18 @@ def trl_worker(spec: dict, chan: lb.Channel) -> None:
     chan.send({"peak_rss_mb": lb.peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb(spec["device"])})
 
 
+def side_flags(side: str) -> dict:
+    """The spec entries a side's name sets (precision, attention, sampling copy, compile options)."""
+    fast = "-fast" in side
+    return {"bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast or "-copy" in side,
+            "compile_sampling": ("-compiled" in side and not side.endswith("-compiled-train")) or side.endswith("-graphs"),
+            "cuda_graphs": side.endswith("-graphs"), "compile_train": side.endswith(("-compiled-all", "-compiled-train")),
+            "pack": not side.endswith("-unpacked")}
+
+
 def worker_main(side: str, spec: dict) -> None:
     chan = lb.Channel()
-    fast = "-fast" in side
-    spec = {**spec, "bf16": "-bf16" in side, "attn": "eager" if side.endswith("-eager") or fast else None, "copy": fast or "-copy" in side, "compile_sampling": ("-compiled" in side and not side.endswith("-compiled-train")) or side.endswith("-graphs"),
-            "cuda_graphs": side.endswith("-graphs"),
-            "compile_train": side.endswith(("-compiled-all", "-compiled-train")), "pack": not side.endswith("-unpacked")}
+    spec = {**spec, **side_flags(side)}
     if side.startswith("rlalign"):
         rlalign_worker(spec, chan)
     else:
@@ -391,11 +414,13 @@ def worker_main(side: str, spec: dict) -> None:
 
 
 class Worker:
-    def __init__(self, side: str, spec: dict, log_dir: Path):
+    """One side's worker subprocess: ``script --worker side --spec JSON``, stderr to ``log_dir/side.log``."""
+
+    def __init__(self, side: str, spec: dict, log_dir: Path, script: str = __file__):
         self.side = side
         self.log = open(log_dir / f"{side}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", side, "--spec", json.dumps(spec)],
+            [sys.executable, script, "--worker", side, "--spec", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
         )
         self.records: list[dict] = []
@@ -480,10 +505,20 @@ def markdown(summaries: list[dict], baseline: str = "rlalign", bf16_peak_tflops:
     return "\n".join(lines)
 
 
-def run_blocks(workers: list, args, spec: dict, log_dir: Path, failed) -> None:
-    """Start one worker per side (appended to ``workers``), hand out blocks of steps in turn, then stop them."""
+def failed_worker(w: Worker, err: Exception) -> None:
+    """A side whose worker died: its error (the log's last line) is recorded and the others go on."""
+    w.proc.kill()
+    w.log.flush()
+    tail = Path(w.log.name).read_text().strip().splitlines()[-1:] or [str(err)]
+    w.info["error"] = tail[0][:300]
+    print(f"{w.side} failed: {w.info['error']}", file=sys.stderr)
+
+
+def run_blocks(workers: list, args, spec: dict, log_dir: Path, failed=failed_worker, script: str = __file__) -> None:
+    """Start one worker per side (``script``'s, appended to ``workers``), hand out blocks of
+    ``args.block`` of ``args.steps`` steps to ``args.sides`` in turn, then stop them."""
     for side in args.sides:  # one at a time, so model loading does not overlap
-        w = Worker(side, spec, log_dir)
+        w = Worker(side, spec, log_dir, script)
         workers.append(w)
         try:
             w.info.update(w.recv())
@@ -556,14 +591,6 @@ def main(argv: list[str] | None = None) -> int:
     load_before = lb.machine_load()
     started = time.time()
 
-    def failed(w: Worker, err: Exception) -> None:
-        """A side whose worker died: its error (the log's last line) is recorded and the others go on."""
-        w.proc.kill()
-        w.log.flush()
-        tail = Path(w.log.name).read_text().strip().splitlines()[-1:] or [str(err)]
-        w.info["error"] = tail[0][:300]
-        print(f"{w.side} failed: {w.info['error']}", file=sys.stderr)
-
     def interrupted(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals the process, then its whole group: one is enough
         raise KeyboardInterrupt
@@ -571,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupted)  # `timeout` stopping the run: summarise the steps run so far
     workers: list[Worker] = []
     try:
-        run_blocks(workers, args, spec, log_dir, failed)
+        run_blocks(workers, args, spec, log_dir)
     except KeyboardInterrupt:
         print("interrupted: the table holds the steps run so far", file=sys.stderr)
         for w in workers:
