@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from rlalign.config import load_config
-from rlalign.demo import DemoConfig
+from rlalign.demo import DemoConfig, evaluate_policy
 from rlalign.tasks import TASKS
 from rlalign.train import grpo, sft
 
@@ -146,8 +146,10 @@ def speed(args) -> None:
 
 def learning(args) -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="async_learning_"))
-    results: dict[int, list[tuple[float, float]]] = {}
+    results: dict[int, list[dict]] = {}
     model = sft_start(out, args.sft_steps, 0)  # one SFT start; the seeds vary the GRPO runs (prompts, sampling)
+    before = held_out(args, model, model)
+    print(json.dumps({"sft_start": str(model), **before}), flush=True)
     for seed in args.seeds:
         for k in args.staleness:
             options = {"async_rollouts.enabled": True, "async_rollouts.max_staleness": k, "tis_cap": 2.0} if k > 0 else {}
@@ -159,13 +161,28 @@ def learning(args) -> None:
             history = grpo.train(cfg, reward_functions=[length_reward] if args.reward == "length" else []).history
             records = [json.loads(line) for line in (out / f"grpo_{seed}_{k}" / "metrics.jsonl").read_text().splitlines()]
             evals = [r["eval/reward/mean"] for r in records if "eval/reward/mean" in r]
-            results.setdefault(k, []).append((evals[0], evals[-1]))
-            print(json.dumps({"seed": seed, "k": k, "eval_before": evals[0], "eval_after": evals[-1], "train_reward_last5": statistics.mean(r["reward/mean"] for r in history[-5:])}), flush=True)
-    print("\n| k | held-out reward before | after, mean ± spread | after, per seed |")
-    print("|---:|---:|---:|---|")
-    for k, pairs in results.items():
-        after = [a for _, a in pairs]
-        print(f"| {k} | {statistics.mean(b for b, _ in pairs):.3f} | {statistics.mean(after):.3f} ± {statistics.pstdev(after):.3f} | {', '.join(f'{a:.3f}' for a in after)} |")
+            row = {"seed": seed, "k": k, "eval_before": evals[0], "eval_after": evals[-1], "train_reward_last5": statistics.mean(r["reward/mean"] for r in history[-5:])}
+            row.update({f"{name}_after": value for name, value in held_out(args, out / f"grpo_{seed}_{k}" / "final", model).items()})
+            results.setdefault(k, []).append(row)
+            print(json.dumps(row), flush=True)
+    metric = "accuracy" if args.reward == "arithmetic" and args.eval_prompts else "eval"
+    print(f"\nheld-out {metric} before: " + (f"{before['accuracy']:.3f} ({args.eval_prompts} prompts, greedy)" if metric == "accuracy" else "per run"))
+    print(f"| k | {metric} after, mean ± spread (population std) | per seed | KL to the SFT start (nats/seq), per seed | training reward, last 5 steps |")
+    print("|---:|---:|---|---|---|")
+    for k, rows in results.items():
+        after = [r["accuracy_after"] if metric == "accuracy" else r["eval_after"] for r in rows]
+        kl = ", ".join(f"{r['kl_to_sft_after']:.2f}" for r in rows) if metric == "accuracy" else "-"
+        per_seed = ", ".join(f"{a:.3f}" for a in after)
+        train = ", ".join(f"{r['train_reward_last5']:.3f}" for r in rows)
+        print(f"| {k} | {statistics.mean(after):.3f} ± {statistics.pstdev(after):.3f} | {per_seed} | {kl} | {train} |")
+
+
+def held_out(args, path: Path, sft_path: Path) -> dict[str, float]:
+    """The demo's own evaluation (rlalign.demo.evaluate_policy): greedy exact-answer accuracy on
+    ``--eval-prompts`` held-out problems and the KL to the SFT start; nothing for the length reward."""
+    if args.reward != "arithmetic" or not args.eval_prompts:
+        return {}
+    return evaluate_policy(path, sft_path, "arithmetic", args.eval_prompts, 1)
 
 
 def main() -> None:
@@ -191,6 +208,7 @@ def main() -> None:
     le.add_argument("--reward", choices=["arithmetic", "length"], default="arithmetic", help="the demo's exact-answer reward, or TRL's quick-start length reward")
     le.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (the demo: 1e-4)")
     le.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the start (the demo: 1000)")
+    le.add_argument("--eval-prompts", type=int, default=1000, help="held-out problems of the final greedy evaluation (the demo's 1000; 0: only the trainer's)")
     le.add_argument("--out", default=None)
     le.set_defaults(run=learning)
     args = parser.parse_args()
