@@ -308,3 +308,16 @@ def test_generation_eval_passes_each_prompts_own_columns(tmp_path):
 
     score, _ = generation_eval(load_policy(path), load_tokenizer(path), ["1+1=", "1+1="], answer_is_a, 2, columns={"answer": ["a", "b"]})
     assert seen == ["a", "b"] and score == 0.5  # the same prompt twice, each row with its own answer
+
+
+def test_greedy_eval_is_generation_eval_at_temperature_zero(tmp_path):
+    from rlalign.lm.models import load_policy, load_tokenizer
+    from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+    from rlalign.train.common import generation_eval, greedy_eval
+
+    path = build_tiny_checkpoint(tmp_path, TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), seed=0)
+    model, tokenizer = load_policy(path), load_tokenizer(path)
+    first_char = lambda prompts, completions, **kw: [float(c[:1] == "1") for c in completions]  # noqa: E731
+    prompts = ["1+1=", "2+3=", "7+8="]
+    assert greedy_eval(model, tokenizer, prompts, first_char, 4) == generation_eval(model, tokenizer, prompts, first_char, 4, temperature=0.0)
+    assert greedy_eval(model, tokenizer, prompts, first_char, 4) == greedy_eval(model, tokenizer, prompts, first_char, 4, batch_size=1)  # no draw: deterministic
