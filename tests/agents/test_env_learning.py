@@ -85,3 +85,28 @@ def test_environment_config_checks():
         load_config(grpo.GRPOConfig, None, {"model.path": "x", "data.task": "arithmetic", "environment.max_turns": 2, "tools.max_turns": 2})
     cfg = load_config(grpo.GRPOConfig, None, {"model.path": "x", "data.task": "arithmetic", "environment.class": "a:B", "environment.tool_format": "hermes"})
     assert cfg.environment.cls == "a:B" and cfg.environment.tool_format == "hermes"
+
+
+class Quarter(L.LookupEnvironment):
+    """The look-up environment whose own reward is always 0.25."""
+
+    def reward(self, answer: str) -> float:
+        return 0.25
+
+
+def test_the_episode_evaluation_adds_the_environments_reward_to_the_terms(tiny_path):
+    # a term giving 0.5 on every answer plus the environment's 0.25: every episode's total is 0.75 by hand
+    from rlalign.agents.env_config import EnvironmentConfig
+    from rlalign.lm.data import load_prompts
+    from rlalign.lm.decode import SamplingParams
+    from rlalign.lm.models import load_policy, load_tokenizer
+    from rlalign.train.env_source import evaluate_episodes
+
+    half = grpo.RewardTerm("half", 1.0, lambda prompts, completions, **kw: [0.5] * len(completions))
+    prompts = load_prompts(L.prompt_records("eval", 3))
+    model_cfg = type("ModelCfg", (), {"autocast": "none"})()  # float32 forwards
+    args = (load_policy(tiny_path), load_tokenizer(tiny_path), prompts, [half], Quarter, EnvironmentConfig(max_turns=2), SamplingParams(8, 1.0), model_cfg)
+    metrics, table = evaluate_episodes(*args, num_samples=2, pass_threshold=0.75, rows_logged=6)
+    assert metrics["eval/reward/mean"] == pytest.approx(0.75) and [row["reward"] for row in table] == pytest.approx([0.75] * 6)
+    assert metrics["eval/success"] == 1.0 and metrics["eval/pass@2"] == 1.0
+    assert evaluate_episodes(*args, num_samples=2, pass_threshold=0.8)[0]["eval/success"] == 0.0

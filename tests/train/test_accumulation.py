@@ -104,6 +104,21 @@ def test_micro_batch_statistics_merge_by_their_weights():
     # loss/* means over counts 2 and 6: (1 * 2 + 3 * 6) / 8 = 2.5; kl over tokens 4 and 1: (0.5 * 4 + 1.0 * 1) / 5 = 0.6; ratio_dev: max
     parts = [({"loss/policy": 1.0, "kl": 0.5, "ratio_dev": 0.1}, 4.0, 2.0), ({"loss/policy": 3.0, "kl": 1.0, "ratio_dev": 0.3}, 1.0, 6.0)]
     assert distributed.merge_micro_stats(parts) == pytest.approx({"loss/policy": 2.5, "kl": 0.6, "ratio_dev": 0.3})
+    # micro-batches without a counted row or token (all masked out): their means are 0, never a division by 0
+    empty = [({"loss/policy": 0.0, "kl": 0.0, "ratio_dev": 0.0}, 0.0, 0.0)] * 2
+    assert distributed.merge_micro_stats(empty) == {"loss/policy": 0.0, "kl": 0.0, "ratio_dev": 0.0}
+
+
+def test_statistics_reduce_over_ranks_by_their_token_weights(monkeypatch):
+    # two ranks with the same values (all_sum doubles, all_max keeps): kl's token-weighted mean is kl itself whatever the
+    # weight, fractional weights included (weights 0.25 + 0.25 = 0.5 in all); loss/* shares sum to the loss; no weight: 0
+    two = distributed.World(rank=0, size=2)
+    monkeypatch.setattr(distributed, "all_sum", lambda x, world: x * 2)
+    monkeypatch.setattr(distributed, "all_max", lambda value, world: value)
+    stats = {"loss/policy": 1.5, "kl": 0.3, "ratio_dev": 0.1}
+    assert distributed.reduce_stats(stats, 0.25, 1.0, two) == pytest.approx({"loss/policy": 1.5, "kl": 0.3, "ratio_dev": 0.1})
+    assert distributed.reduce_stats(stats, 3.0, 1.0, two) == pytest.approx({"loss/policy": 1.5, "kl": 0.3, "ratio_dev": 0.1})
+    assert distributed.reduce_stats(stats, 0.0, 1.0, two)["kl"] == 0.0
 
 
 # ----------------------------------------------------------------------------------------------
