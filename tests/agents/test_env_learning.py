@@ -110,3 +110,17 @@ def test_the_episode_evaluation_adds_the_environments_reward_to_the_terms(tiny_p
     assert metrics["eval/reward/mean"] == pytest.approx(0.75) and [row["reward"] for row in table] == pytest.approx([0.75] * 6)
     assert metrics["eval/success"] == 1.0 and metrics["eval/pass@2"] == 1.0
     assert evaluate_episodes(*args, num_samples=2, pass_threshold=0.8)[0]["eval/success"] == 0.0
+
+
+@pytest.mark.parametrize("eval_tokens, env_tokens, expected", [(None, None, 12), (None, 7, 7), (5, 7, 5)])
+def test_episode_evaluation_tokens_per_turn_come_from_eval_then_environment_then_sampling(eval_tokens, env_tokens, expected, monkeypatch, tmp_path):
+    from rlalign.train import env_source
+
+    seen = []
+    monkeypatch.setattr(env_source, "evaluate_episodes", lambda *args, **kwargs: seen.append(args[6]) or ({}, []))
+    cfg = load_config(grpo.GRPOConfig, None, {
+        "output_dir": str(tmp_path), "sampling.max_new_tokens": 12, "eval.max_new_tokens": eval_tokens, "eval.temperature": 0.5,
+        "environment.class": "tests.agents.test_env_learning:Quarter", "environment.max_new_tokens": env_tokens,
+    })
+    env_source.episode_evaluator(cfg, None, None, [], [])(0)
+    assert [(p.max_new_tokens, p.temperature) for p in seen] == [(expected, 0.5)]
