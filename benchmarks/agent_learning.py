@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--question", choices=["which", "value"], default="which", help="which: answer a name; value: answer the winner's number")
     parser.add_argument("--eval-questions", type=int, default=32)
+    parser.add_argument("--sft-from", default=None, help="a directory holding sft<seed>/ of an earlier run (its --out): start from it, no SFT")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -85,10 +86,15 @@ def main() -> None:
     task = "lookup_value" if args.question == "value" else "lookup"
     for seed in args.seeds:
         t0 = time.perf_counter()
-        model = sft(tokenizer, L.sft_records("train", 3000, seed=seed, tool_share=args.tool_share, question_form=args.question), args.sft_steps, seed, args.sft_lr)
-        path = out / f"sft{seed}"
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        path = Path(args.sft_from) / f"sft{seed}" if args.sft_from else out / f"sft{seed}"
+        if args.sft_from:  # an SFT start saved by an earlier run (its --out), for more GRPO settings from one start
+            from rlalign.lm.models import load_policy
+
+            model = load_policy(path)
+        else:
+            model = sft(tokenizer, L.sft_records("train", 3000, seed=seed, tool_share=args.tool_share, question_form=args.question), args.sft_steps, seed, args.sft_lr)
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
         start = success(model, tokenizer, held_out)
         t1 = time.perf_counter()
         cfg = load_config(grpo.GRPOConfig, None, {
