@@ -285,3 +285,13 @@ def test_wandb_table_cells_keep_plain_values_and_write_the_rest_as_json():
 
     assert [_table_cell(v) for v in (None, "a", 2, 0.5, True)] == [None, "a", 2, 0.5, True]
     assert _table_cell([1, {"b": None}]) == '[1, {"b": null}]'
+
+
+def test_a_wandb_that_fails_to_import_is_a_config_error_naming_the_extra(tmp_path, monkeypatch):
+    # found by find_spec but broken on import (a half-installed package): the run's own start says how to install it
+    from rlalign.train import metrics
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r"pip install 'rlalign\[wandb\]'"):
+        metrics._wandb_run(tmp_path, None)
+    assert not (tmp_path / "wandb_id").exists()
