@@ -119,3 +119,13 @@ def test_the_tool_tasks_train_on_their_whole_conversations_and_a_cut_that_loses_
     else:  # a cut inside the conversation trains on what is left, and says how many rows it shortened
         train(cut)
         assert f"data: max_length=64 cuts {6 if task == 'lookup' else 0} of the 6 rows checked" in capsys.readouterr().out
+
+
+def test_generation_pairs_of_a_conversation_are_its_turns_before_the_last_answer_and_that_answer():
+    from rlalign.lm.data import load_sft
+    from rlalign.train.sft import generation_pairs
+
+    talk = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Let me think."}, {"role": "user", "content": "And?"},
+            {"role": "assistant", "content": "4"}]
+    examples = load_sft([{"messages": talk}, {"messages": talk[:2]}, {"prompt": "1+1=", "completion": "2"}, {"text": "plain"}])
+    assert generation_pairs(examples) == [(talk[:3], "4"), (talk[:1], "Let me think."), ("1+1=", "2")]
