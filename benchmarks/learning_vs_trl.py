@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/learning_vs_trl.py --config tiny --tasks quickstart --seeds 0 --steps 2      # the pipeline, < 1 min
     .venv/bin/python benchmarks/learning_vs_trl.py --tasks quickstart wordproblems choice --seeds 0 1 2 --steps 40 \
         --out runs/bench/learning_vs_trl.json --figures docs/figures/
+    .venv/bin/python benchmarks/learning_vs_trl.py --merge a.json b.json --out runs/bench/learning_vs_trl.json  # seeds run apart
 
 Model (``--config``): ``smollm2`` is SmolLM2-135M-Instruct, converted once to float32 safetensors by
 ``_lm_bench.smollm2_checkpoint`` (both sides load that directory); ``tiny`` is the recipe's tiny Llama
@@ -450,7 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figures", default="docs/figures/", help="directory of the figures, learning_vs_trl_<task>.png")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --out, its tables and the figures from these runs' JSON files instead of running")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args)
     if args.worker:
         worker_main(args.worker, json.loads(args.spec))
         return 0
@@ -474,12 +478,39 @@ def main(argv: list[str] | None = None) -> int:
             entry["runs"][seed] = run_pair(spec, args.block)
             result["env"].update(wall_s=round(time.time() - started, 1), load_after=lb.machine_load())
             out.write_text(json.dumps(result, indent=1))  # after every pair: a long run keeps what it has
-        entry["summary"] = summarise(entry["runs"], args.window, args.reach)
-        entry["table"] = markdown(task, entry["summary"], args.window, args.reach)
-        figure(task, entry["runs"], args.window, Path(args.figures) / f"learning_vs_trl_{task}.png")
-        tables.append(entry["table"])
-        print("\n" + entry["table"] + "\n")
+        tables.append(finish_task(task, entry, args))
         out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
+    return 0
+
+
+def finish_task(task: str, entry: dict, args: argparse.Namespace) -> str:
+    """Summary, table and figure of one task's runs (written into ``entry``); returns the table."""
+    entry["summary"] = summarise(entry["runs"], args.window, args.reach)
+    entry["table"] = markdown(task, entry["summary"], args.window, args.reach)
+    figure(task, entry["runs"], args.window, Path(args.figures) / f"learning_vs_trl_{task}.png")
+    print("\n" + entry["table"] + "\n")
+    return entry["table"]
+
+
+def merge(paths: list[str], args: argparse.Namespace) -> int:
+    """One result from several runs' JSON files (e.g. seeds run as parallel processes): their runs per task
+    joined, a seed in two files is an error; summary, tables and figures as one run writes them."""
+    result: dict = {"env": {"merged": []}, "tasks": {}}
+    for path in paths:
+        part = json.loads(Path(path).read_text())
+        result["env"]["merged"].append({"file": str(path), **part["env"]})
+        for task, entry in part["tasks"].items():
+            into = result["tasks"].setdefault(task, {"spec": entry["spec"], "runs": {}})
+            if into["spec"] != entry["spec"]:
+                raise SystemExit(f"{path}: task {task} was run with other settings than in {paths[0]}: {entry['spec']} != {into['spec']}")
+            if set(into["runs"]) & set(entry["runs"]):
+                raise SystemExit(f"{path}: task {task} seed(s) {sorted(set(into['runs']) & set(entry['runs']))} already in an earlier file")
+            into["runs"].update(entry["runs"])
+    tables = [finish_task(task, entry, args) for task, entry in result["tasks"].items()]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
     return 0
 

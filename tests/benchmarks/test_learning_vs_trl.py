@@ -39,6 +39,18 @@ def test_tiny_pipeline_writes_records_table_and_figure(tmp_path):
     assert "| rlalign |" in table and "| trl |" in table and "seconds to reach" in table
     assert (figures / "learning_vs_trl_quickstart.png").stat().st_size > 10_000
 
+    # seeds run as separate processes merge into one result: runs joined, summary over both seeds
+    other = json.loads(out.read_text())
+    other["tasks"]["quickstart"]["runs"] = {"1": other["tasks"]["quickstart"]["runs"]["0"]}
+    (tmp_path / "seed1.json").write_text(json.dumps(other))
+    merged = tmp_path / "merged.json"
+    assert L.main(["--merge", str(out), str(tmp_path / "seed1.json"), "--out", str(merged), "--figures", str(tmp_path / "merged_figures")]) == 0
+    task = json.loads(merged.read_text())["tasks"]["quickstart"]
+    assert sorted(task["runs"]) == ["0", "1"] and task["summary"]["trl"]["seeds"] == 2
+    assert (tmp_path / "merged_figures" / "learning_vs_trl_quickstart.png").exists()
+    with pytest.raises(SystemExit, match=r"seed\(s\) \['0'\] already"):
+        L.main(["--merge", str(out), str(out), "--out", str(merged)])
+
 
 def test_held_out_prompts_are_fixed_and_never_trained_on():
     import learning_vs_trl as L
