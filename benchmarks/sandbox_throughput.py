@@ -1,9 +1,11 @@
 """Programs per second through the code sandbox, next to one plain ``python -c`` per program.
 
 Scores ``--programs`` short completions (two functions, against two asserts) with the code-execution
-reward, which runs each in a sandbox of its own (bubblewrap: own user, PID, mount, network and IPC
-namespaces, private filesystem, resource limits, a cgroup where the machine lets us make one), and,
-in the same script run, runs the same programs unsandboxed with one
+reward, which runs each in a sandbox of its own (own user, PID, mount, network and IPC namespaces,
+private filesystem, resource limits, a cgroup where the machine lets us make one): row ``sandbox``
+as it runs by default, forked from a fork server inside bubblewrap (rlalign.lm.sandbox_fork), row
+``fresh`` with a fresh bwrap and interpreter per program. In the same script run it runs the same
+programs unsandboxed with one
 ``subprocess.run([python, "-c", program + asserts])`` each, on a thread pool of the same size. A third
 row is the floor of any sandbox that starts a fresh interpreter per program: bwrap with the
 sandbox's own arguments starting ``python -I -S -c pass``, and nothing else (no files, no cgroup, no
@@ -76,8 +78,9 @@ def clock() -> CpuClock | None:
         return None
 
 
-def sandboxed(n: int, workers: int) -> float:
+def sandboxed(n: int, workers: int, fork_server: bool = True) -> float:
     reward = CodeExecutionReward({"p": TESTS}, max_workers=workers)
+    reward.sandbox = Sandbox(reward.sandbox.limits, fork_server=fork_server)
     started = time.perf_counter()
     scores = reward(["p"] * n, [PROGRAM] * n)
     seconds = time.perf_counter() - started
@@ -108,19 +111,20 @@ def main() -> int:
     parser.add_argument("--programs", type=int, default=64, help="programs per round (default 64)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of each, after one warm-up round (default 5)")
     parser.add_argument("--workers", type=int, default=2 * len(os.sched_getaffinity(0)), help="threads running programs (default: the reward's, 2 per CPU)")
-    parser.add_argument("--rows", default="sandbox,plain,floor", help="which rows (default sandbox,plain,floor)")
+    parser.add_argument("--rows", default="sandbox,fresh,plain,floor", help="which rows (default sandbox,fresh,plain,floor)")
     args = parser.parse_args()
     python = os.path.realpath(sys.executable)
     workdir = Path(tempfile.mkdtemp())
     rows = {
         "sandbox": lambda n: sandboxed(n, args.workers),
+        "fresh": lambda n: sandboxed(n, args.workers, fork_server=False),
         "plain": lambda n: pool_rate([python, "-c", PROGRAM + TESTS], n, args.workers),
         "floor": lambda n: pool_rate(floor_command(workdir), n, args.workers),
     }
     rows = {name: rows[name] for name in args.rows.split(",")}
-    for run in rows.values():  # warm-up: the isolation probe, imports, page cache
+    cpu = clock()  # before the warm-up: the fork servers it starts count too
+    for run in rows.values():  # warm-up: the isolation probe, the fork servers, imports, page cache
         run(8)
-    cpu = clock()
     rates: dict[str, list[float]] = {name: [] for name in rows}
     cpu_s: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(args.repeats):  # interleaved, so a busy moment of the machine falls on every row
@@ -137,6 +141,8 @@ def main() -> int:
         print(f"{name:8s} median {median[name]:6.1f} programs/s{per_cpu}   (all: {', '.join(f'{v:.1f}' for v in values)})")
     if "sandbox" in median and "plain" in median:
         print(f"sandbox / plain python -c: {median['sandbox'] / median['plain']:.2f}")
+    if "sandbox" in median and "fresh" in median:
+        print(f"sandbox (fork server) / fresh bwrap per program: {median['sandbox'] / median['fresh']:.2f}")
     if "sandbox" in median and "floor" in median:
         print(f"sandbox / floor (bwrap + python -I -S -c pass): {median['sandbox'] / median['floor']:.2f}")
     return 0

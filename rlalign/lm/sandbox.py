@@ -40,60 +40,29 @@ namespace, which a hostile program can escape.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import functools
 import math
 import os
 import resource
-import select
 import shutil
 import signal
 import site
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
-from rlalign.errors import RLAlignError
+from rlalign.lm.sandbox_fork import fork_server_available, servers_for
+from rlalign.lm.sandbox_os import (  # noqa: F401  (_cgroups_work: tests ask it)
+    _SETUP, _STARTED, NOBODY, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump,
+)
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "Sandbox", "isolation_available"]
 
-NOBODY = 65534  # the unprivileged user inside the sandbox
-
-
-class SandboxUnavailable(RLAlignError, RuntimeError):
-    """This machine cannot isolate untrusted programs, and the weak mode was not asked for."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """What one run may use."""
-
-    timeout_s: float = 5.0  # wall time of the whole tree
-    cpu_s: int = 10  # CPU seconds per process
-    memory_mb: int = 512  # the whole tree (cgroup), and each process's address space
-    max_processes: int = 32
-    max_open_files: int = 64
-    max_file_mb: int = 16  # largest file a process may write
-    max_output_kb: int = 64  # kept of stdout and of stderr
-    max_report_kb: int = 4096  # kept of the report pipe (fd 3)
-    tmp_mb: int = 64  # size of the private /tmp and /dev/shm
-
-
-@dataclass
-class SandboxResult:
-    exit_code: int | None  # None when the run was killed at the timeout
-    stdout: bytes
-    stderr: bytes
-    report: bytes  # what the program wrote to fd 3
-    timed_out: bool
-    seconds: float
+FORK_SERVER = True  # Sandbox's default: fork each run from a server (sandbox_fork), where this machine allows it
 
 
 @functools.cache
@@ -109,109 +78,6 @@ def isolation_available() -> str | None:
     return None
 
 
-def _python() -> str:
-    return os.path.realpath(sys.executable)
-
-
-def _bwrap_mounts() -> list[str]:
-    """Read-only system and Python directories: enough to run ``python -I``, and nothing else of the host."""
-    args = ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--ro-bind-try", "/etc/alternatives", "/etc/alternatives"]
-    home = os.path.realpath(sys.base_prefix)
-    if not home.startswith("/usr/"):
-        args += ["--ro-bind", home, home]
-    return args
-
-
-class _Cgroup:
-    """A cgroup for one run's process tree, capping its total memory and process count (v2, or v1's
-    memory and pids controllers), or None-like when this process may not create one."""
-
-    def __init__(self, limits: SandboxLimits):
-        self.dirs: list[Path] = []
-        name = f"rlalign-sandbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        memory = str(limits.memory_mb * 2**20)
-        try:
-            if Path("/sys/fs/cgroup/cgroup.controllers").is_file():  # v2 (unified)
-                own = Path("/sys/fs/cgroup") / Path("/proc/self/cgroup").read_text().strip().split("::", 1)[-1].lstrip("/")
-                path = own / name
-                path.mkdir()
-                self.dirs = [path]
-                (path / "memory.max").write_text(memory)
-                (path / "memory.swap.max").write_text("0") if (path / "memory.swap.max").exists() else None
-                (path / "pids.max").write_text(str(limits.max_processes + 2))  # + bwrap's two processes
-            else:  # v1
-                memory_dir, pids_dir = Path("/sys/fs/cgroup/memory") / name, Path("/sys/fs/cgroup/pids") / name
-                memory_dir.mkdir()
-                self.dirs.append(memory_dir)
-                pids_dir.mkdir()
-                self.dirs.append(pids_dir)
-                (memory_dir / "memory.limit_in_bytes").write_text(memory)
-                swap = memory_dir / "memory.memsw.limit_in_bytes"
-                if swap.exists():
-                    swap.write_text(memory)
-                (pids_dir / "pids.max").write_text(str(limits.max_processes + 2))  # + bwrap's two processes
-        except OSError:
-            self.close()
-            self.dirs = []
-
-    def __bool__(self) -> bool:
-        return bool(self.dirs)
-
-    def join(self) -> None:
-        """In the child before exec: move this process (and so everything it starts) into the cgroup."""
-        for path in self.dirs:
-            (path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def kill(self) -> None:
-        for path in self.dirs:
-            try:
-                for pid in (path / "cgroup.procs").read_text().split():
-                    os.kill(int(pid), signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
-
-    def close(self) -> None:
-        """Kill what is left and remove the cgroup; one whose last process is still leaving (a killed
-        process leaves a moment later) is removed by a later close, or at exit, without waiting here."""
-        self.kill()
-        with _LEAVING_LOCK:
-            _LEAVING.extend(self.dirs)
-            _remove_empty(_LEAVING)
-
-
-_LEAVING: list[Path] = []  # cgroups of finished runs whose processes were still leaving
-_LEAVING_LOCK = threading.Lock()
-
-
-def _remove_empty(paths: list[Path]) -> None:
-    for path in list(paths):
-        try:
-            path.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError:
-            continue
-        paths.remove(path)
-
-
-@atexit.register
-def _remove_leaving() -> None:
-    for _ in range(50):
-        with _LEAVING_LOCK:
-            _remove_empty(_LEAVING)
-            if not _LEAVING:
-                return
-        time.sleep(0.02)
-
-
-@functools.cache
-def _cgroups_work() -> bool:
-    group = _Cgroup(SandboxLimits())
-    works = bool(group)
-    group.close()
-    return works
-
 
 class Sandbox:
     """Runs programs isolated as the module docstring describes.
@@ -220,7 +86,7 @@ class Sandbox:
         SandboxUnavailable: at construction, when bubblewrap cannot isolate here and ``allow_weak`` is False.
     """
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(), allow_weak: bool = False):
+    def __init__(self, limits: SandboxLimits = SandboxLimits(), allow_weak: bool = False, fork_server: bool | None = None):
         self.limits = limits
         self.missing = isolation_available()
         if self.missing is not None:
@@ -231,12 +97,18 @@ class Sandbox:
                 )
             _warn_weak(self.missing)
         self.cgroups = _cgroups_work()
+        use_servers = FORK_SERVER if fork_server is None else fork_server
+        self.servers = servers_for(limits) if use_servers and self.missing is None and fork_server_available() is None else None
 
     def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None = None, timeout_s: float | None = None) -> SandboxResult:
         """Write ``files`` into a fresh directory, run ``python <argv>`` there in the sandbox (``stdin``
         on its standard input, else nothing), and return its exit code and capped outputs; the
         directory and every process are gone afterwards. ``timeout_s`` replaces the limits' wall time
-        (and raises their CPU seconds per process to it)."""
+        (and raises their CPU seconds per process to it). With a fork server (the default where nested
+        namespaces work) the run is forked from one, in namespaces and filesystems of its own
+        (:mod:`rlalign.lm.sandbox_fork`)."""
+        if self.servers is not None:
+            return self.servers.run({**files, "boot.py": _BOOT}, argv, stdin, timeout_s)  # boot.py: for the Pythons a run starts
         workdir = Path(tempfile.mkdtemp(prefix="rlalign-sandbox-"))
         group = _Cgroup(self.limits) if self.cgroups else None
         report_read = report_write = -1
@@ -299,23 +171,12 @@ class Sandbox:
         return {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8"}
 
 
-# The shell between the trainer and bwrap: $1-$4 the limits (address space in kB, CPU seconds, file
-# size in 512-byte blocks, open files), $5 $6 the cgroup.procs files to join ("-": none). It exits
-# when it cannot, before anything of the program runs.
-_SETUP = """join() { [ "$1" = - ] || echo $$ > "$1" || exit 125; }
-join "$5"; join "$6"
-ulimit -v "$1" && ulimit -t "$2" && ulimit -f "$3" && ulimit -n "$4" && ulimit -c 0 || exit 125
-shift 6
-exec "$@"
-"""
-
 # The first Python the sandbox runs (``python -I -S boot.py <fds> <script> <args>``): the
 # installation's site-packages on sys.path (without running .pth files), ``exit`` / ``quit`` as site
 # would define them, the descriptors <fds> (comma-separated) moved to 3, 4, ... and every other
 # inherited one closed, then <script> run as __main__ with sys.argv = [<script>, <args>]. With <fds>
 # "+<fd>" (a run's report pipe) it first writes _STARTED there: a run whose report does not begin
 # with it never reached Python, which the program cannot fake (it runs later, and can only add).
-_STARTED = b"\x00"
 _BOOT = """import builtins, os, sys
 def _boot():
     fds = [int(fd) for fd in sys.argv[1].lstrip("+").split(",") if fd]
@@ -369,48 +230,9 @@ def _read_capped(proc: subprocess.Popen, report_fd: int, stdin: bytes | None, de
     """Write ``stdin`` to the process (then close it) while reading stdout, stderr and the report pipe,
     each cut at its cap in ``caps`` (the rest read and dropped), until every pipe closes or the
     deadline; returns them and whether the deadline came first. Closes every pipe."""
-    streams = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(), report_fd: bytearray()}
-    cap_of = dict(zip(streams, caps))
-    order = list(streams)
-    poller = select.poll()  # not select(): a trainer may hold more than FD_SETSIZE descriptors
-    for fd in streams:
-        poller.register(fd, select.POLLIN)
-    to_write = memoryview(stdin or b"")
-    stdin_fd = proc.stdin.fileno() if proc.stdin else None
-    if stdin_fd is not None and not to_write:
-        proc.stdin.close()
-        stdin_fd = None
-    elif stdin_fd is not None:
-        os.set_blocking(stdin_fd, False)
-        poller.register(stdin_fd, select.POLLOUT)
-    open_fds = set(streams)
-    timed_out = False
     try:
-        while open_fds:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            for fd, _ in poller.poll(min(left, 0.5) * 1000):
-                if fd == stdin_fd:
-                    try:
-                        written = os.write(fd, to_write[:65536])
-                    except BlockingIOError:
-                        continue
-                    except BrokenPipeError:  # it stopped reading: the rest is dropped
-                        written = len(to_write)
-                    to_write = to_write[written:]
-                    if not to_write:
-                        poller.unregister(fd)
-                        proc.stdin.close()
-                        stdin_fd = None
-                    continue
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    open_fds.discard(fd)
-                    poller.unregister(fd)
-                elif len(streams[fd]) < cap_of[fd]:
-                    streams[fd].extend(chunk[: cap_of[fd] - len(streams[fd])])
+        outputs, timed_out = pump((proc.stdout.fileno(), proc.stderr.fileno(), report_fd), caps, proc.stdin.fileno() if proc.stdin else None,
+                                  stdin or b"", deadline, proc.stdin.close if proc.stdin else lambda: None)
         if not timed_out:  # every pipe closed; the process may still be finishing
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
@@ -421,7 +243,7 @@ def _read_capped(proc: subprocess.Popen, report_fd: int, stdin: bytes | None, de
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe:
                 pipe.close()
-    return tuple(bytes(streams[fd]) for fd in order), timed_out
+    return outputs, timed_out
 
 
 def _kill_tree(proc: subprocess.Popen, group: _Cgroup | None) -> None:

@@ -84,7 +84,24 @@ def test_without_isolation_the_sandbox_refuses_unless_the_weak_mode_is_asked_for
 def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero_score(monkeypatch):
     if sandbox.isolation_available() is not None:
         pytest.skip(f"no sandbox here: {sandbox.isolation_available()}")
-    box = Sandbox(SandboxLimits(timeout_s=5.0))
+    box = Sandbox(SandboxLimits(timeout_s=5.0), fork_server=False)
     monkeypatch.setattr(box, "_command", lambda *args: ["bwrap", "--no-such-option"])
     with pytest.raises(SandboxUnavailable, match="bubblewrap could not start the sandbox"):
         box.run({"main.py": "pass"}, ["main.py"])
+
+
+@pytest.mark.parametrize("broken", ["server", "init", "program"])
+def test_a_fork_server_that_cannot_start_a_run_is_an_error_not_a_zero_score(monkeypatch, broken):
+    from rlalign.lm import sandbox_fork
+
+    if sandbox.isolation_available() is not None or sandbox_fork.fork_server_available() is not None:
+        pytest.skip("no fork server here")
+    if broken == "server":  # bwrap cannot exec the server's Python
+        monkeypatch.setattr(sandbox_fork, "_python", lambda: "/no/such/python")
+    else:  # a mount of the run's init, or the program's limits, fail inside the server
+        what = {"init": ('mount("tmpfs", "/proc"', 'mount("tmpfs", "/no/such/dir"'), "program": ('os.chdir("/sandbox")', 'os.chdir("/no/such/dir")')}[broken]
+        monkeypatch.setattr(sandbox_fork, "_SERVER", sandbox_fork._SERVER.replace(*what))
+    servers = sandbox_fork.ForkServers(SandboxLimits(timeout_s=5.0))
+    with pytest.raises(SandboxUnavailable, match="sandbox server (is gone|could not start the run)"):
+        servers.run({"main.py": "pass"}, ["main.py"])
+    assert servers.idle == []  # a server that failed is not used again

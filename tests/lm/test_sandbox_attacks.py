@@ -24,6 +24,15 @@ pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no sandbox on this
 SOURCE = os.path.abspath(rlalign.__file__)
 
 
+@pytest.fixture(autouse=True, params=["fork-server", "fresh"])
+def start(request, monkeypatch):
+    """Every attack against both ways a run starts: forked from a server (the default) and a fresh bwrap."""
+    if request.param == "fork-server" and sandbox.fork_server_available() is not None:
+        pytest.skip(f"no fork server here: {sandbox.fork_server_available()}")
+    monkeypatch.setattr(sandbox, "FORK_SERVER", request.param == "fork-server")
+    return request.param
+
+
 def run(source: str, **limits):
     return Sandbox(SandboxLimits(**{"timeout_s": 5.0, **limits})).run({"main.py": source}, ["main.py"])
 
@@ -147,6 +156,31 @@ def test_dev_shm_and_tmp_are_private_and_small():
     assert "wrote" not in out and out.count("stopped") == 2, (out, result.stderr)
 
 
+def test_runs_start_as_the_fixture_says(start):
+    # a fork server's run has an empty /proc; a fresh bwrap's shows its own namespace's processes
+    listed = run("import os\nprint(sorted(os.listdir('/proc'))[:3])").stdout.decode()
+    assert (listed == "[]\n") == (start == "fork-server"), listed
+
+
+def test_nothing_of_one_run_reaches_the_next(start):
+    # the runs share a fork server (one at a time, the same one) when that is how they start
+    secret = uuid.uuid4().hex
+    first = run(
+        f"import os, sys, types\nSECRET = {secret!r}\nsys.modules['planted'] = types.ModuleType('planted')\nos.environ['PLANTED'] = SECRET\n"
+        "for path in ('/tmp/planted', '/dev/shm/planted'):\n    open(path, 'w').write(SECRET)\n"
+        "import builtins\nbuiltins.planted = SECRET\nprint('planted')\n"
+    )
+    assert first.stdout == b"planted\n", first.stderr
+    hunt = ("import builtins, gc, os, sys\n"
+            f"needle = {secret[:16]!r} + {secret[16:]!r}\n"  # the secret whole only in this run's memory as the needle itself
+            "seen = [r for o in gc.get_objects() for r in gc.get_referents(o) if isinstance(r, str) and r is not needle and needle in r]\n"
+            "left = [p for p in ('/tmp/planted', '/dev/shm/planted') if os.path.exists(p)]\n"
+            "print(len(seen), left, 'planted' in sys.modules, os.environ.get('PLANTED'), hasattr(builtins, 'planted'))\n")
+    for _ in range(3):
+        assert run(hunt).stdout == b"0 [] False None False\n"
+    assert not run(f"SECRET = 'x' + {secret!r}\n" + hunt).stdout.startswith(b"0 ")  # the hunt finds a secret where there is one
+
+
 FORGERIES = {
     "os._exit": "import os\nos._exit(0)",
     "sys.exit": "import sys\nsys.exit(0)",
@@ -263,7 +297,8 @@ def test_the_checker_is_out_of_the_programs_reach():
              "    if b'checker' not in command or command[0].endswith(b'bwrap'):  # bwrap's pid 1 holds nothing of the checker's\n        continue\n"
              "    for path in ('mem', 'maps', 'environ', 'fd/0', 'fd/3'):\n        try:\n            open(f'/proc/{pid}/{path}', 'rb').close()\n"
              "            found.append((pid, path))\n        except OSError:\n            pass\n"
-             "os.set_blocking(stdin := os.open('/proc/1/fd/0', os.O_RDONLY), False)\nleft = os.read(stdin, 1 << 16)\n"
+             "try:\n    os.set_blocking(stdin := os.open('/proc/1/fd/0', os.O_RDONLY), False)\n    left = os.read(stdin, 1 << 16)\n"
+             "except FileNotFoundError:  # the fork server's runs have an empty /proc\n    left = b''\n"
              "def add(a, b):\n    return a + b if not found and not left else repr((found, left))\n")
     assert code_execution({"p": ROWS["humaneval"]})(["p"], [probe]) == [1.0]
 
