@@ -22,8 +22,11 @@ run gets, with bubblewrap (``bwrap``, from the distribution's packages):
   and stderr read up to ``max_output_kb`` each and a report pipe (fd 3) up to ``max_report_kb``, never
   buffered whole; no other descriptor of the trainer's reaches the program.
 
-How a run starts, cheaply (about 25 ms of CPU for a short program on the 2-vCPU machine of
-benchmarks/RESULTS.md, most of it bwrap's and the interpreter's own start): the trainer never forks
+How a run starts. By default (``FORK_SERVER``, where this machine allows nested namespaces) it is
+forked from a server inside a bwrap sandbox, in namespaces, tmpfs and limits made for it
+(:mod:`rlalign.lm.sandbox_fork`: about 11 ms of CPU for a short program on the 2-vCPU machine of
+benchmarks/RESULTS.md). Otherwise, or with ``fork_server=False``, each run is a fresh bwrap and
+interpreter (about 22 ms, most of it bwrap's and the interpreter's own start): the trainer never forks
 itself (a fork of a process holding torch copies its page tables); it spawns ``/bin/sh`` (vfork +
 exec), which joins the run's cgroup, sets the resource limits and execs bwrap, which starts
 ``python -I -S boot.py``. ``-S`` skips ``site`` (whose ``.pth`` files may import anything on each

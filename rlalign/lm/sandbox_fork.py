@@ -7,7 +7,8 @@ filesystem and limits of its own, at a small part of what a fresh bwrap and inte
 A server is a bwrap sandbox made as :class:`rlalign.lm.sandbox.Sandbox` makes a fresh run's (user,
 PID, mount, network, IPC and UTS namespaces, uid nobody, no capabilities, read-only system mounts,
 a clean environment, a cgroup capping memory and processes, the address-space, file-size and
-open-file limits), running ``python -I -S -c`` :data:`_SERVER`. It imports what a run needs, then
+open-file limits), with its root and ``/dev`` read-only too, so that no run can leave a file there
+for the next. It runs ``python -I -S -c`` :data:`_SERVER`, which imports what a run needs, then
 waits on a Unix socket. It serves one run at a time (the pool starts one server per concurrent run),
 so its cgroup's caps are that run's. A run:
 
@@ -17,9 +18,12 @@ so its cgroup's caps are that run's. A run:
 2. The keeper reads the request (files, argv, limits). It enters new user, mount, PID, network, IPC
    and UTS namespaces, nested in the server's, and maps its one user. Then it forks the run's
    *init*, PID 1 of the new PID namespace.
-3. Init makes every mount private and mounts size-capped tmpfs of its own: ``/tmp``, ``/dev/shm``,
-   an empty read-only ``/proc``, and ``/sandbox`` holding the run's files (then read-only). It moves
-   the run's pipes to 0-3, closes every other descriptor, and forks the *program*, PID 2.
+3. Init makes itself and the program the first the kernel kills when the cgroup runs out of memory
+   (``oom_score_adj`` 1000). It makes every mount private and mounts size-capped tmpfs of its own:
+   ``/tmp``, ``/dev/shm``, an empty read-only ``/proc``, and ``/sandbox`` holding the run's files
+   (then read-only). It moves the run's pipes to 0-3, closes every other descriptor, and forks the
+   *program*, PID 2. Then it drops Python's SIGINT handler (a PID 1 without handlers gets no signal
+   from inside its namespace) and reaps.
 4. The program starts a new session and drops every capability, bounding set included, with
    ``no_new_privs``. It sets the run's resource limits (CPU seconds and address space per process,
    file size, open files, no core) and a clean environment. Then it boots as a fresh run does (the
@@ -127,6 +131,8 @@ def keeper(fds):
 
 def run_init(request, io):
     try:
+        with open("/proc/self/oom_score_adj", "w") as file:  # before /proc is covered: init and the program die first on OOM
+            file.write("1000")
         mount("none", "/", None, REC | PRIVATE)
         size = request["tmp_bytes"]
         for path in ("/tmp", "/dev/shm"):
@@ -147,6 +153,7 @@ def run_init(request, io):
         os._exit(125)
     if program == 0:
         run_program(request)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a PID 1 without handlers: no signal from inside its namespace reaches it
     while True:
         pid, status = os.wait()
         if pid == program:
@@ -180,7 +187,8 @@ def run_program(request):
     code = 0
     try:
         with open(sys.argv[0]) as file:
-            exec(compile(file.read(), sys.argv[0], "exec"), main.__dict__)
+            source = file.read()
+        exec(compile(source, sys.argv[0], "exec"), main.__dict__)
     except SystemExit as exit_:
         code = exit_code(exit_)
     except BaseException as err:
@@ -252,7 +260,8 @@ class _Server:
         setup = ["/bin/sh", "-c", _SETUP, "sh", str(limits.memory_mb * 1024), "unlimited", str(limits.max_file_mb * 2048), str(limits.max_open_files),
                  *(procs + ["-", "-"])[:2]]
         bwrap = [shutil.which("bwrap"), *_bwrap_mounts(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm", "--dir", "/sandbox",
-                 "--chdir", "/", "--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--new-session", "--cap-drop", "ALL", "--clearenv",
+                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/", "--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--new-session",
+                 "--cap-drop", "ALL", "--clearenv",
                  "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--info-fd", str(info_write)]
         try:
             self.proc = subprocess.Popen([*setup, *bwrap, "--", _python(), "-I", "-S", "-c", _SERVER, str(theirs.fileno())], stdin=subprocess.DEVNULL,
@@ -306,6 +315,9 @@ class _Server:
             return SandboxResult(None, stdout, stderr, report[len(_STARTED):], True, time.monotonic() - started)
         if status == b"timeout":
             return SandboxResult(None, stdout, stderr, report[len(_STARTED):], True, time.monotonic() - started)
+        if report.startswith(_STARTED) and not status.startswith(b"exit "):  # the program ran, and its keeper was killed (the run's cgroup out of memory)
+            self.close()
+            return SandboxResult(128 + signal.SIGKILL, stdout, stderr, report[len(_STARTED):], False, time.monotonic() - started)
         if not status.startswith(b"exit ") or not report.startswith(_STARTED):  # the program never started: nothing of its could do this
             what = status.decode(errors="replace") or "no status"
             message = f"the sandbox server could not start the run ({what}): {stderr[:300].decode(errors='replace').strip()}{self._log()}"
@@ -375,6 +387,8 @@ class ForkServers:
         if server.alive:
             with self.lock:
                 self.idle.append(server)
+        else:
+            server.close()
         return result
 
     def close(self) -> None:

@@ -167,18 +167,48 @@ def test_nothing_of_one_run_reaches_the_next(start):
     secret = uuid.uuid4().hex
     first = run(
         f"import os, sys, types\nSECRET = {secret!r}\nsys.modules['planted'] = types.ModuleType('planted')\nos.environ['PLANTED'] = SECRET\n"
-        "for path in ('/tmp/planted', '/dev/shm/planted'):\n    open(path, 'w').write(SECRET)\n"
+        "for path in ('/tmp/planted', '/dev/shm/planted', '/planted', '/etc/planted', '/root/planted', '/dev/planted'):\n"
+        "    try:\n        open(path, 'w').write(SECRET)\n    except OSError:\n        pass\n"
         "import builtins\nbuiltins.planted = SECRET\nprint('planted')\n"
     )
     assert first.stdout == b"planted\n", first.stderr
     hunt = ("import builtins, gc, os, sys\n"
             f"needle = {secret[:16]!r} + {secret[16:]!r}\n"  # the secret whole only in this run's memory as the needle itself
             "seen = [r for o in gc.get_objects() for r in gc.get_referents(o) if isinstance(r, str) and r is not needle and needle in r]\n"
-            "left = [p for p in ('/tmp/planted', '/dev/shm/planted') if os.path.exists(p)]\n"
+            "left = [p for p in ('/tmp/planted', '/dev/shm/planted', '/planted', '/etc/planted', '/root/planted', '/dev/planted') if os.path.exists(p)]\n"
             "print(len(seen), left, 'planted' in sys.modules, os.environ.get('PLANTED'), hasattr(builtins, 'planted'))\n")
     for _ in range(3):
         assert run(hunt).stdout == b"0 [] False None False\n"
     assert not run(f"SECRET = 'x' + {secret!r}\n" + hunt).stdout.startswith(b"0 ")  # the hunt finds a secret where there is one
+
+
+def test_the_systems_files_cannot_be_changed_for_later_runs():
+    # a library preloaded, a user renamed, a tool replaced: each would reach every later run on a shared root
+    run("import os\nfor path in ('/etc/ld.so.preload', '/etc/passwd', '/usr/bin/true'):\n    try:\n        open(path, 'w').write('x')\n"
+        "    except OSError:\n        pass\nfor path in ('/bin', '/lib64'):\n    try:\n        os.unlink(path)\n        os.mkdir(path)\n"
+        "    except OSError:\n        pass\n")
+    later = run("import os, subprocess\nprint(os.path.exists('/etc/ld.so.preload'), os.path.islink('/bin'), os.path.islink('/lib64'),\n"
+                "      subprocess.run(['/bin/echo', 'ran'], capture_output=True).stdout)\n")
+    assert later.stdout == b"False True True b'ran\\n'\n", later
+
+
+def test_a_run_that_fills_its_memory_is_a_failed_run_and_the_next_one_works():
+    # tmpfs pages count in the run's memory cgroup: when it fills, the run (init and program first) is
+    # killed, never the trainer's reward call, which gets a result and goes on
+    if not sandbox._cgroups_work():
+        pytest.skip("no cgroup here: memory is capped per process only")
+    fill = ("import os\nfor d in ('/tmp', '/dev/shm'):\n    for i in range(4):\n        if os.fork() == 0:\n"
+            "            os.execv('/usr/bin/dd', ['dd', 'if=/dev/zero', f'of={d}/f{i}', 'bs=1M', 'count=15', 'status=none'])\n"
+            "os.execv('/usr/bin/sleep', ['sleep', '2'])\n")
+    reward = code_execution({"p": "assert add(1, 2) == 3"}, memory_mb=100, timeout_s=5.0)
+    assert reward(["p", "p"], [fill, "def add(a, b):\n    return a + b"]) == [0.0, 1.0]
+    assert reward(["p"], ["def add(a, b):\n    return a + b"]) == [1.0]
+
+
+def test_the_runs_first_process_cannot_be_signalled_from_inside():
+    result = run("import os, signal, time\nfor sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):\n"
+                 "    try:\n        os.kill(1, sig)\n    except OSError:\n        pass\ntime.sleep(0.2)\nprint('alive')\n")
+    assert result.exit_code == 0 and result.stdout == b"alive\n", result
 
 
 FORGERIES = {
