@@ -17,7 +17,9 @@ lighter, dearer or cheaper; the answer is one of the two names, so a policy that
 looking anything up is right half the time at best, and one that looks both up and compares is
 always right. With ``question="value"`` the question asks for the attribute's value of the winning
 item instead, so the answer is a number from 1 to 99 copied from a tool result: a guess is right
-about 1 time in 99, and only the look-ups pay. :func:`lookup` is the tool (its typed signature and docstring give its JSON schema).
+about 1 time in 99, and only the look-ups pay. ``question="single"`` asks for one item's value
+("What is the weight of the brom?"): one look-up and a copied number, the quickest form to learn
+(the CI learning test of tool use). :func:`lookup` is the tool (its typed signature and docstring give its JSON schema).
 
 Records for RL (:func:`prompt_records`): ``{"prompt": [user message], "answer", "items", "kind"}``.
 Demonstrations for SFT (:func:`sft_records`): whole conversations ``{"messages": [...]}`` in which a
@@ -58,7 +60,7 @@ CATALOGUE: dict[str, dict[str, int]] = {n: {"weight": w, "price": p} for n, w, p
 # kind -> (attribute, the larger value wins?)
 KINDS: dict[str, tuple[str, bool]] = {"heavier": ("weight", True), "lighter": ("weight", False), "dearer": ("price", True), "cheaper": ("price", False)}
 
-Question = Literal["which", "value"]  # "which": the winning item's name; "value": its attribute's value
+Question = Literal["which", "value", "single"]  # "which": the winning item's name; "value": its attribute's value; "single": one item's value
 
 
 def lookup(name: str) -> str:
@@ -74,6 +76,8 @@ def lookup(name: str) -> str:
 
 
 def question(kind: str, a: str, b: str, form: Question = "which") -> str:
+    if form == "single":
+        return f"What is the {KINDS[kind][0]} of the {a}?"
     if form == "value":
         return f"What is the {KINDS[kind][0]} of the {kind} of the {a} and the {b}?"
     return f"Which is {kind}, the {a} or the {b}?"
@@ -81,6 +85,8 @@ def question(kind: str, a: str, b: str, form: Question = "which") -> str:
 
 def _answer(kind: str, a: str, b: str, form: Question = "which") -> str:
     attribute, larger = KINDS[kind]
+    if form == "single":
+        return str(CATALOGUE[a][attribute])
     a_wins = (CATALOGUE[a][attribute] > CATALOGUE[b][attribute]) == larger
     winner = a if a_wins else b
     return str(CATALOGUE[winner][attribute]) if form == "value" else winner
@@ -126,11 +132,11 @@ def sft_records(
     for kind, a, b in problems(split, n, seed):
         messages: list[dict[str, Any]] = [{"role": "user", "content": question(kind, a, b, question_form)}]
         if rng.random() < tool_share:
-            for name in (a, b):
+            for name in (a,) if question_form == "single" else (a, b):
                 messages += [{"role": "assistant", "content": write_call(name)}, {"role": "tool", "name": "lookup", "content": lookup(name)}]
             messages.append({"role": "assistant", "content": _answer(kind, a, b, question_form)})
         else:
-            guess = str(rng.randint(1, 99)) if question_form == "value" else rng.choice([a, b])
+            guess = rng.choice([a, b]) if question_form == "which" else str(rng.randint(1, 99))
             messages.append({"role": "assistant", "content": guess})
         out.append({"messages": messages})
     return out

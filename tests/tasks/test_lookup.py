@@ -62,3 +62,18 @@ def test_value_questions_are_answered_by_the_winners_number_copied_from_a_look_u
     record = TASKS["lookup_value"].prompt_records("eval", 1)[0]
     env.reset(record)
     assert env.reward(f" {record['answer']} ") == 1.0 and env.reward(str(int(record["answer"]) + 1)) == 0.0
+
+
+def test_single_questions_ask_one_items_value_found_by_one_look_up():
+    for record in L.prompt_records("train", 50, question_form="single"):
+        a, _ = record["items"]
+        attribute = L.KINDS[record["kind"]][0]
+        assert record["prompt"][0]["content"] == f"What is the {attribute} of the {a}?"
+        assert record["answer"] == str(L.CATALOGUE[a][attribute])
+    records = L.sft_records("train", 200, tool_share=0.5, question_form="single")
+    looked_up = [r["messages"] for r in records if len(r["messages"]) == 4]
+    assert 60 < len(looked_up) < 140 and all(len(r["messages"]) in (2, 4) for r in records)
+    for m in looked_up:  # the call names the asked item, the answer is its value as the tool wrote it
+        attribute, name = m[0]["content"].split()[3], m[0]["content"].split()[-1][:-1]
+        assert m[1]["content"] == L.tag_call(name) and m[2]["content"] == L.lookup(name)
+        assert m[3]["content"] == dict(v.split("=") for v in m[2]["content"].split())[attribute]
