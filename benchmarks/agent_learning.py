@@ -16,7 +16,6 @@ the SFT start and after GRPO. One torch thread.
 from __future__ import annotations
 
 import argparse
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -27,33 +26,10 @@ from rlalign.agents.env_config import EnvironmentConfig
 from rlalign.config import load_config
 from rlalign.lm.data import load_prompts
 from rlalign.lm.decode import SamplingParams
-from rlalign.lm.encoding import example_tokens
 from rlalign.tasks import lookup as L
-from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
+from rlalign.tasks.tiny_model import build_char_tokenizer, train_on_conversations
 from rlalign.train import grpo
 from rlalign.train.env_source import evaluate_episodes
-
-
-def sft(tokenizer, records: list[dict], steps: int, seed: int, lr: float) -> torch.nn.Module:
-    """A fresh tiny Llama trained on whole conversations, the loss on the assistant turns (each closed by EOS)."""
-    model = build_tiny_llama(tokenizer, TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), seed=seed)
-    rows = []
-    for r in records:
-        ids, target = example_tokens(tokenizer, None, r["messages"])
-        rows.append((ids, [i if t else -100 for i, t in zip(ids, target)]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    for _ in range(steps):
-        batch = rng.sample(rows, 32)
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # (32, T)
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])  # (32, T)
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    return model.eval()
 
 
 class _ModelCfg:
@@ -74,7 +50,8 @@ def main() -> None:
     parser.add_argument("--tool-share", type=float, default=0.5)
     parser.add_argument("--grpo-steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--question", choices=["which", "value"], default="which", help="which: answer a name; value: answer the winner's number")
+    parser.add_argument("--question", choices=["which", "value", "single"], default="which",
+                        help="which: answer a name; value: answer the winner's number; single: one item's number (one look-up)")
     parser.add_argument("--eval-questions", type=int, default=32)
     parser.add_argument("--sft-from", default=None, help="a directory holding sft<seed>/ of an earlier run (its --out): start from it, no SFT")
     parser.add_argument("--out", default=None)
@@ -92,7 +69,8 @@ def main() -> None:
 
             model = load_policy(path)
         else:
-            model = sft(tokenizer, L.sft_records("train", 3000, seed=seed, tool_share=args.tool_share, question_form=args.question), args.sft_steps, seed, args.sft_lr)
+            records = L.sft_records("train", 3000, seed=seed, tool_share=args.tool_share, question_form=args.question)
+            model = train_on_conversations(tokenizer, records, args.sft_steps, seed, args.sft_lr)
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
         start = success(model, tokenizer, held_out)
@@ -102,7 +80,8 @@ def main() -> None:
             "group_size": 8, "sampling.max_new_tokens": L.MAX_NEW_TOKENS, "optim.lr": args.lr, "beta": 0.0, "progress": False, "plots": False,
             "overwrite": True, "seed": seed, "eval.enabled": False, "environment.class": "rlalign.tasks.lookup:LookupEnvironment", "environment.max_turns": 3,
         })
-        result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("correct", 1.0, L.reward)])
+        prompts = L.prompt_records("train", 512, seed=seed + 1, question_form="single") if args.question == "single" else None  # no task of its own
+        result = grpo.train(cfg, reward_functions=[grpo.RewardTerm("correct", 1.0, L.reward)], prompts=prompts)
         end = success(result.policy.eval(), tokenizer, held_out)
         print(f"seed {seed}: success {start['eval/success']:.3f} -> {end['eval/success']:.3f}, calls per episode {start['eval/tool_calls']:.2f} -> "
               f"{end['eval/tool_calls']:.2f}, malformed {start['eval/malformed_calls']:.2f} -> {end['eval/malformed_calls']:.2f} "

@@ -123,3 +123,33 @@ def build_tiny_checkpoint(path: str | Path, spec: TinyModelSpec = TinyModelSpec(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def train_on_conversations(tokenizer: PreTrainedTokenizerFast, records: list[dict], steps: int, seed: int = 0, lr: float = 3e-3,
+                           spec: TinyModelSpec = TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), batch_size: int = 32) -> LlamaForCausalLM:
+    """A fresh tiny Llama trained on whole conversations (``{"messages": [...]}``), the loss on the
+    assistant turns only (each closed by EOS, as the chat template renders them): ``steps`` AdamW
+    steps of ``batch_size`` conversations drawn with ``seed``, gradients clipped at 1. The quick SFT
+    start of the agent learning tests and benchmarks; ``rlalign sft`` is the trainer for real use."""
+    import random
+
+    from rlalign.lm.encoding import example_tokens
+
+    model = build_tiny_llama(tokenizer, spec, seed=seed)
+    rows = []
+    for record in records:
+        ids, target = example_tokens(tokenizer, None, record["messages"])
+        rows.append((ids, [i if t else -100 for i, t in zip(ids, target)]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        batch = rng.sample(rows, batch_size)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # (B, T)
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])  # (B, T)
+        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model.eval()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import random
 
 import pytest
 import torch
@@ -19,35 +18,13 @@ pytest.importorskip("uvicorn")
 
 from rlalign.agents.openai_server import PolicyServer, model_generate  # noqa: E402
 from rlalign.config import load_config  # noqa: E402
-from rlalign.lm.encoding import completion_text, example_tokens  # noqa: E402
+from rlalign.lm.encoding import completion_text  # noqa: E402
 from rlalign.tasks import lookup as lk  # noqa: E402
-from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama  # noqa: E402
+from rlalign.tasks.tiny_model import build_char_tokenizer, train_on_conversations  # noqa: E402
 from rlalign.train import grpo  # noqa: E402
 from tests.train.test_agent_source import lookup_agent  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-def sft(tokenizer, records: list[dict], steps: int, seed: int) -> torch.nn.Module:
-    """A fresh tiny Llama trained on whole conversations, the loss on the assistant turns only."""
-    model = build_tiny_llama(tokenizer, TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), seed=seed)
-    rows = []
-    for r in records:
-        ids, target = example_tokens(tokenizer, None, r["messages"])
-        rows.append((ids, [i if t else -100 for i, t in zip(ids, target)]))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    rng = random.Random(seed)
-    for _ in range(steps):
-        batch = rng.sample(rows, 32)
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # (32, T)
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])  # (32, T)
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    return model.eval()
 
 
 def agent_success(model, tokenizer, records: list[dict], samples: int = 2, seed: int = 1) -> tuple[float, float]:
@@ -71,7 +48,7 @@ def learn(tmp_path, seed: int) -> tuple[float, float, float, float]:
     """(success before, after, calls per episode before, after) of one SFT + GRPO run."""
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
-    model = sft(tokenizer, lk.sft_records("train", 3000, seed=seed, tool_share=0.5), steps=300, seed=seed)
+    model = train_on_conversations(tokenizer, lk.sft_records("train", 3000, seed=seed, tool_share=0.5), steps=300, seed=seed)
     model.save_pretrained(tmp_path / "sft")
     tokenizer.save_pretrained(tmp_path / "sft")
     held_out = lk.prompt_records("eval", 48, seed=0)
