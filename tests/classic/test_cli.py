@@ -37,7 +37,7 @@ def test_the_cli_draws_returns_evals_and_update_metrics_against_env_steps(tmp_pa
 
     figures = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, out, **kwargs: figures.append(fig))
-    rc = main(["classic", "dqn", "--env", "CartPole-v1", "--out", str(tmp_path), "total_steps=600", "learning_starts=100", "eval_every=300",
+    rc = main(["classic", "dqn", "--env", "CartPole-v1", "--out", str(tmp_path), "total_steps=600", "learning_starts=100", "eval_every=200",
                "eval_episodes=2"])
     assert rc == 0 and "logs and curves.png in" in capsys.readouterr().out
     (fig,) = figures
@@ -50,7 +50,7 @@ def test_the_cli_draws_returns_evals_and_update_metrics_against_env_steps(tmp_pa
     assert raw.get_alpha() < 0.5 and len(smoothed.get_ydata()) == len(returns)
     evals = [json.loads(x) for x in (tmp_path / "evals.jsonl").read_text().splitlines()]
     (points,) = fig.axes[1].get_lines()
-    assert list(points.get_xdata()) == [e["step"] for e in evals] == [300, 600]  # the final evaluation sits at 600 too: drawn once
+    assert list(points.get_xdata()) == [e["step"] for e in evals] == [200, 400, 600]  # the final evaluation sits at 600 too: drawn once
 
 
 def test_value_iteration_through_the_cli_draws_its_bellman_residual_per_sweep(tmp_path, monkeypatch, capsys):

@@ -55,6 +55,10 @@ def test_reward_model_as_reward_function_in_rlalign_training_format(llama_checkp
         expected = rm.sequence_scores(ids, torch.ones_like(ids))
         assert s == pytest.approx(expected.item(), abs=1e-5)
     assert fn.name.startswith("RewardModelReward(")
+    grad_enabled = []  # scoring builds no graph: the trainable model's forward runs with gradients off
+    rm.register_forward_pre_hook(lambda module, args: grad_enabled.append(torch.is_grad_enabled()))
+    fn(prompts, completions)
+    assert grad_enabled and not any(grad_enabled)
 
 
 def test_reward_model_reward_reads_up_to_1024_tokens_by_default():

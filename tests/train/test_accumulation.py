@@ -100,6 +100,20 @@ def test_accumulated_step_equals_the_step_on_the_whole_batch():
         torch.testing.assert_close(q, p, atol=1e-7, rtol=0)
 
 
+def test_micro_batches_with_nothing_counted_make_a_zero_gradient_not_a_division_by_zero():
+    # every row of every micro-batch masked out: count 0 each, so the loss and the gradient are 0
+    torch.manual_seed(1)
+    updater = Updater.create(torch.nn.Linear(5, 1), OptimConfig(lr=0.1, warmup_steps=0, grad_clip=0.5), total_updates=2)
+    x = torch.randn(3, 5)
+
+    def nothing_counted():
+        return (updater.model(x) ** 2).sum() * 0.0, 0.0
+
+    norm, scale = updater.accumulated_step([nothing_counted, nothing_counted], lambda total: 1.0)
+    assert norm == 0.0 and scale == 1.0
+    assert all(p.grad is not None and not p.grad.any() for p in updater.model.parameters())
+
+
 def test_micro_batch_statistics_merge_by_their_weights():
     # loss/* means over counts 2 and 6: (1 * 2 + 3 * 6) / 8 = 2.5; kl over tokens 4 and 1: (0.5 * 4 + 1.0 * 1) / 5 = 0.6; ratio_dev: max
     parts = [({"loss/policy": 1.0, "kl": 0.5, "ratio_dev": 0.1}, 4.0, 2.0), ({"loss/policy": 3.0, "kl": 1.0, "ratio_dev": 0.3}, 1.0, 6.0)]

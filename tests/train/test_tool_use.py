@@ -351,3 +351,24 @@ def test_grpo_with_a_calculator_raises_the_multiplication_success_rate(tmp_path)
     assert end >= max(start + 0.25, 0.6)
     assert end_alone <= 0.1  # the policy's own text after its call is not the product: the tool's result is what counts
     assert control_alone <= 0.1  # GRPO cannot teach the tiny model to multiply
+
+
+@pytest.mark.parametrize("own_copy", [False, True], ids=["policy-samples", "sampling-copy"])
+def test_tool_episodes_sample_under_the_policys_autocast_unless_a_sampling_copy_holds_its_own_precision(tiny_path, tokenizer, own_copy, monkeypatch):
+    from types import SimpleNamespace
+
+    policy = load_policy(tiny_path)
+    sampler = load_policy(tiny_path) if own_copy else policy
+    autocast_seen = []
+    sampler.register_forward_pre_hook(lambda module, args: autocast_seen.append(torch.is_autocast_enabled("cpu")))
+    updater = SimpleNamespace(module=policy, sampler=lambda: sampler)
+    sampling = SimpleNamespace(params=lambda: SamplingParams(4), attn_implementation=None)
+
+    def spy(*args, **kwargs):  # the contexts are the test, not the episodes: one forward of the sampler inside them
+        sampler(input_ids=torch.tensor([[1, 2]]))
+        return "episodes"
+
+    monkeypatch.setattr(tr, "tool_rollout", spy)
+    out = tr.sample_tool_shard(updater, tokenizer, [{"prompt": "1+1="}], sampling, SimpleNamespace(autocast="bfloat16"), 2, torch.Generator(),
+                               tr.ToolsConfig(enabled=["calculator"]), ToolRegistry.builtin(["calculator"]))
+    assert out == "episodes" and autocast_seen == [not own_copy]  # a low-precision copy samples in its own dtype
