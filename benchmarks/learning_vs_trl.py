@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/learning_vs_trl.py --config tiny --tasks quickstart --seeds 0 --steps 2      # the pipeline, < 1 min
     .venv/bin/python benchmarks/learning_vs_trl.py --tasks quickstart wordproblems choice --seeds 0 1 2 --steps 40 \
-        --out runs/bench/learning_vs_trl.json --figures docs/figures/
+        --out runs/bench/learning_vs_trl.json --figures docs/img/
     .venv/bin/python benchmarks/learning_vs_trl.py --merge a.json b.json --out runs/bench/learning_vs_trl.json  # seeds run apart
 
 Model (``--config``): ``smollm2`` is SmolLM2-135M-Instruct, converted once to float32 safetensors by
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reach", type=float, default=90.0, help="time to reach this %% of the way to TRL's final reward")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
     parser.add_argument("--out", default="runs/bench/learning_vs_trl.json", help="the JSON of all records (tables next to it, .md)")
-    parser.add_argument("--figures", default="docs/figures/", help="directory of the figures, learning_vs_trl_<task>.png")
+    parser.add_argument("--figures", default="docs/img/", help="directory of the figures, learning_vs_trl_<task>.png")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --out, its tables and the figures from these runs' JSON files instead of running")
