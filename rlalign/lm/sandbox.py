@@ -60,7 +60,7 @@ from pathlib import Path
 
 from rlalign.lm.sandbox_fork import fork_server_available, servers_for
 from rlalign.lm.sandbox_os import (  # noqa: F401  (_cgroups_work: tests ask it)
-    _SETUP, _STARTED, NOBODY, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump,
+    _STARTED, ISOLATION, NOBODY, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump, setup_command,
 )
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "Sandbox", "isolation_available"]
@@ -152,11 +152,7 @@ class Sandbox:
     def _command(self, workdir: Path, report_fd: int, argv: list[str], group: _Cgroup | None = None, cpu_s: int | None = None) -> list[str]:
         """``sh`` joining the cgroup and setting the limits, then exec'ing (bwrap, then) ``python -I -S boot.py``."""
         limits = self.limits
-        procs = [str(path / "cgroup.procs") for path in group.dirs] if group else []
-        setup = [
-            "/bin/sh", "-c", _SETUP, "sh", str(limits.memory_mb * 1024), str(max(limits.cpu_s, cpu_s or 0)), str(limits.max_file_mb * 2048),
-            str(limits.max_open_files), *(procs + ["-", "-"])[:2],
-        ]
+        setup = setup_command(limits, group, max(limits.cpu_s, cpu_s or 0))
         python = [_python(), "-I", "-S", "boot.py", f"+{report_fd}", *argv]
         if self.missing is not None:
             return [*setup, *python]
@@ -164,10 +160,7 @@ class Sandbox:
         return [
             *setup, shutil.which("bwrap"), *_bwrap_mounts(),
             "--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm",
-            "--ro-bind", str(workdir), "/sandbox", "--chdir", "/sandbox",
-            "--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
-            "--", *python,
+            "--ro-bind", str(workdir), "/sandbox", "--chdir", "/sandbox", *ISOLATION, "--die-with-parent", "--", *python,
         ]
 
     def _env(self, workdir: Path) -> dict[str, str]:

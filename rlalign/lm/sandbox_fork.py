@@ -24,8 +24,8 @@ so its cgroup's caps are that run's. A run:
    (then read-only). It moves the run's pipes to 0-3, closes every other descriptor, and forks the
    *program*, PID 2. Then it drops Python's SIGINT handler (a PID 1 without handlers gets no signal
    from inside its namespace) and reaps.
-4. The program starts a new session and drops every capability, bounding set included, with
-   ``no_new_privs``. It sets the run's resource limits (CPU seconds and address space per process,
+4. The program calls ``setsid`` (no terminal to reach) and drops every capability, bounding set
+   included, with ``no_new_privs``. It sets the run's resource limits (CPU seconds and address space per process,
    file size, open files, no core) and a clean environment. Then it boots as a fresh run does (the
    started mark on fd 3, the installation's site-packages, ``exit``) and runs the script as
    ``__main__``. It exits as the interpreter would where a program can see it: non-daemon threads
@@ -65,7 +65,9 @@ import tempfile
 import threading
 import time
 
-from rlalign.lm.sandbox_os import _SETUP, _STARTED, NOBODY, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump
+from rlalign.lm.sandbox_os import (
+    _STARTED, ISOLATION, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump, setup_command,
+)
 
 __all__ = ["ForkServers", "fork_server_available"]
 
@@ -256,13 +258,9 @@ class _Server:
         self.log = tempfile.TemporaryFile()
         self.info, info_write = os.pipe()  # bwrap writes {"child-pid": N} there: its PID 1, whose death ends the whole namespace
         os.set_blocking(self.info, False)
-        procs = [str(path / "cgroup.procs") for path in self.group.dirs] if self.group else []
-        setup = ["/bin/sh", "-c", _SETUP, "sh", str(limits.memory_mb * 1024), "unlimited", str(limits.max_file_mb * 2048), str(limits.max_open_files),
-                 *(procs + ["-", "-"])[:2]]
+        setup = setup_command(limits, self.group, "unlimited")  # CPU seconds are each run's, set in the run
         bwrap = [shutil.which("bwrap"), *_bwrap_mounts(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm", "--dir", "/sandbox",
-                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/", "--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--new-session",
-                 "--cap-drop", "ALL", "--clearenv",
-                 "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--info-fd", str(info_write)]
+                 "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/", *ISOLATION, "--info-fd", str(info_write)]
         try:
             self.proc = subprocess.Popen([*setup, *bwrap, "--", _python(), "-I", "-S", "-c", _SERVER, str(theirs.fileno())], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=self.log, pass_fds=(theirs.fileno(), info_write), start_new_session=True)

@@ -167,6 +167,20 @@ shift 6
 exec "$@"
 """
 
+
+def setup_command(limits: SandboxLimits, group: _Cgroup | None, cpu_s: int | str) -> list[str]:
+    """:data:`_SETUP` with ``limits`` (``cpu_s``: CPU seconds per process, or ``"unlimited"``) and
+    ``group``'s cgroup.procs files; the command to exec follows it."""
+    procs = [str(path / "cgroup.procs") for path in group.dirs] if group else []
+    return ["/bin/sh", "-c", _SETUP, "sh", str(limits.memory_mb * 1024), str(cpu_s), str(limits.max_file_mb * 2048), str(limits.max_open_files),
+            *(procs + ["-", "-"])[:2]]
+
+
+# bwrap's isolation of every sandbox, fresh or fork server: all namespaces, the unprivileged user, a
+# session of its own, no capabilities, a clean environment
+ISOLATION = ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--new-session", "--cap-drop", "ALL",
+             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]
+
 # What boot code writes first on a run's report pipe: a run whose report does not begin with it never
 # reached Python, which the program cannot fake (it runs later, and can only add).
 _STARTED = b"\x00"

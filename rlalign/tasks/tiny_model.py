@@ -128,18 +128,25 @@ def build_tiny_checkpoint(path: str | Path, spec: TinyModelSpec = TinyModelSpec(
 def train_on_conversations(tokenizer: PreTrainedTokenizerFast, records: list[dict], steps: int, seed: int = 0, lr: float = 3e-3,
                            spec: TinyModelSpec = TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), batch_size: int = 32) -> LlamaForCausalLM:
     """A fresh tiny Llama trained on whole conversations (``{"messages": [...]}``), the loss on the
-    assistant turns only (each closed by EOS, as the chat template renders them): ``steps`` AdamW
-    steps of ``batch_size`` conversations drawn with ``seed``, gradients clipped at 1. The quick SFT
-    start of the agent learning tests and benchmarks; ``rlalign sft`` is the trainer for real use."""
-    import random
-
+    assistant turns only (each closed by EOS, as the chat template renders them): :func:`train_on_rows`.
+    The quick SFT start of the agent learning tests and benchmarks; ``rlalign sft`` is the trainer for real use."""
     from rlalign.lm.encoding import example_tokens
 
-    model = build_tiny_llama(tokenizer, spec, seed=seed)
     rows = []
     for record in records:
         ids, target = example_tokens(tokenizer, None, record["messages"])
         rows.append((ids, [i if t else -100 for i, t in zip(ids, target)]))
+    return train_on_rows(tokenizer, rows, steps, seed, lr, spec, batch_size)
+
+
+def train_on_rows(tokenizer: PreTrainedTokenizerFast, rows: list[tuple[list[int], list[int]]], steps: int, seed: int = 0, lr: float = 3e-3,
+                  spec: TinyModelSpec = TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), batch_size: int = 32) -> LlamaForCausalLM:
+    """A fresh tiny Llama (``spec``, weights drawn with ``seed``) trained on ``rows`` of (token ids,
+    labels; -100 where no loss): ``steps`` AdamW steps of ``batch_size`` rows drawn with ``seed``,
+    right-padded, gradients clipped at 1. Returns the model in eval mode."""
+    import random
+
+    model = build_tiny_llama(tokenizer, spec, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     for _ in range(steps):

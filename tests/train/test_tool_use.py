@@ -265,11 +265,8 @@ def sft_on_transcripts(tokenizer, records: list[dict], steps: int, seed: int = 0
     """A fresh tiny Llama trained on prompt -> completion pairs, the loss on completion tokens except
     the tool's <result>...</result> (as the GRPO loss leaves tool tokens out): the model learns to call
     and to copy what comes back, not to guess the product."""
-    import random
+    from rlalign.tasks.tiny_model import train_on_rows
 
-    from rlalign.tasks.tiny_model import build_tiny_llama
-
-    model = build_tiny_llama(tokenizer, TinyModelSpec(hidden_size=128, num_layers=2, intermediate_size=256), seed=seed)
     rows = []
     for r in records:
         prompt = tokenizer(r["prompt"])["input_ids"]
@@ -279,19 +276,7 @@ def sft_on_transcripts(tokenizer, records: list[dict], steps: int, seed: int = 0
             i, j = r["completion"].index("<result>"), r["completion"].index("</result>") + len("</result>")
             labels[len(prompt) + i : len(prompt) + j] = [-100] * (j - i)
         rows.append((prompt + completion, labels))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    rng = random.Random(seed)
-    for _ in range(steps):
-        batch = rng.sample(rows, 32)
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # (32, T)
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])  # (32, T)
-        loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-    return model.eval()
+    return train_on_rows(tokenizer, rows, steps, seed)
 
 
 def success_rates(model, tokenizer, records: list[dict], samples: int = 2) -> tuple[float, float]:
