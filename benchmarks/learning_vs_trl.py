@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/learning_vs_trl.py --config tiny --tasks quickstart --seeds 0 --steps 2      # the pipeline, < 1 min
     .venv/bin/python benchmarks/learning_vs_trl.py --tasks quickstart wordproblems choice --seeds 0 1 2 --steps 40 \
         --out runs/bench/learning_vs_trl.json --figures docs/img/
-    .venv/bin/python benchmarks/learning_vs_trl.py --merge a.json b.json --out runs/bench/learning_vs_trl.json  # seeds run apart
+    .venv/bin/python benchmarks/learning_vs_trl.py --tasks quickstart --seeds 0 --sides rlalign-bf16-fast --out fast0.json  # a variant alone
+    .venv/bin/python benchmarks/learning_vs_trl.py --merge a.json b.json fast0.json --out runs/bench/learning_vs_trl.json  # run apart
 
 Model (``--config``): ``smollm2`` is SmolLM2-135M-Instruct, converted once to float32 safetensors by
 ``_lm_bench.smollm2_checkpoint`` (both sides load that directory); ``tiny`` is the recipe's tiny Llama
@@ -32,6 +33,11 @@ the same seed, the same prompts at every step). The rlalign side is ``rlalign.tr
 and ``grpo_step`` (``_lm_bench.GRPOSetup``). SmolLM2 defaults: 2 prompts x G = 8, lr 1e-5, beta 0.04, 40
 steps; both workers stay alive through a pair, and with ``--prompts-per-step 4`` TRL's worker alone
 peaked at 10.6 GB RSS on quickstart (rlalign's at 5.7 GB).
+
+Variants (``--sides``): rlalign with other settings, each its own worker: ``-eager`` trains with eager
+attention; ``-fast`` adds SDPA in the decode loop and a packed bfloat16 sampling copy; ``-bf16`` runs the
+forwards under bfloat16 autocast; ``-async`` samples in a producer process one step ahead (k = 1, TIS cap
+2). An asynchronous side should run alone: between its blocks its producer keeps sampling.
 
 Held-out success. A fixed set of ``--eval-prompts`` prompts (the same for every seed, none of them a
 training prompt) is answered greedily (temperature 0: one deterministic answer a prompt, so the curve
@@ -72,7 +78,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lm_bench as lb  # noqa: E402
 import grpo_vs_trl as gv  # noqa: E402
 
-SIDES = ("rlalign", "trl")
+SIDES = ("rlalign", "trl")  # the default pair; the start reward and the figures' colours follow this order
+VARIANTS = ("rlalign-eager", "rlalign-fast", "rlalign-bf16-fast", "rlalign-async", "rlalign-bf16-fast-async")  # --sides may add these
+ASYNC = dict(enabled=True, max_staleness=1)  # "-async": a producer process samples step s + 1 while the learner learns step s
+ASYNC_TIS_CAP = 2.0  # the behaviour policy's importance weight, truncated (what the config asks for with max_staleness > 0)
 CONFIGS = {  # per-model defaults; every one can be overridden on the command line
     "smollm2": dict(steps=40, prompts_per_step=2, group_size=8, temperature=0.7, beta=0.04, lr=1e-5, eval_prompts=32, num_prompts=512, max_new_tokens=None),
     "tiny": dict(steps=2, prompts_per_step=2, group_size=4, temperature=0.7, beta=0.04, lr=1e-4, eval_prompts=8, num_prompts=64, max_new_tokens=8),
@@ -231,16 +240,26 @@ def _due(step: int, spec: dict) -> bool:
 # ---- Workers ---------------------------------------------------------------------------------
 
 
-def rlalign_setup(spec: dict) -> tuple[lb.GRPOSetup, HeldOut]:
-    """rlalign's GRPO as ``grpo.train`` sets it up (``grpo_vs_trl.rlalign_config``), and the held-out evaluator."""
+def rlalign_config(spec: dict, side: str = "rlalign"):
+    """``grpo_vs_trl.rlalign_config`` of the side's flags (``-eager``, ``-fast``, ``-bf16``: ``grpo_vs_trl.side_flags``);
+    ``-async`` adds an asynchronous producer (``ASYNC``, the learner's and the producer's threads ``spec["threads"]`` each)."""
+    cfg = gv.rlalign_config({**spec, **gv.side_flags(side)}, Path(spec["model_path"]))
+    if not side.endswith("-async"):
+        return cfg
+    threads = dict(learner_threads=spec["threads"], producer_threads=spec["threads"])
+    return cfg.model_validate({**cfg.model_dump(), "tis_cap": ASYNC_TIS_CAP, "async_rollouts": {**ASYNC, **threads}})
+
+
+def rlalign_setup(spec: dict, side: str = "rlalign") -> tuple[lb.GRPOSetup, HeldOut]:
+    """rlalign's GRPO as ``grpo.train`` sets it up (:func:`rlalign_config`), and the held-out evaluator."""
     task = TASKS[spec["task"]]
     train, held_out = task_records(spec["task"], spec["num_prompts"], spec["eval_prompts"], spec["seed"])
-    setup = lb.GRPOSetup(gv.rlalign_config({**spec, **gv.side_flags("rlalign")}, Path(spec["model_path"])), train, task.reward)
+    setup = lb.GRPOSetup(rlalign_config(spec, side), train, task.reward)
     return setup, HeldOut(task, held_out, spec["model_path"], spec["max_new_tokens"])
 
 
-def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
-    setup, held_out = rlalign_setup(spec)
+def rlalign_worker(spec: dict, chan: lb.Channel, side: str = "rlalign") -> None:
+    setup, held_out = rlalign_setup(spec, side)
     chan.send({"ready": True, "eval0": held_out(setup.updater.module), "rss_loaded_mb": lb.current_rss_mb()})
     wall = 0.0
     while (cmd := chan.recv())["cmd"] == "run":
@@ -257,6 +276,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
                 rec.update(held_out(setup.updater.module))
             block.append(rec)
         chan.send({"records": block})
+    setup.source.close()  # an asynchronous producer stops here
     chan.send({"peak_rss_mb": lb.peak_rss_mb()})
 
 
@@ -314,19 +334,22 @@ def worker_main(side: str, spec: dict) -> None:
 
     chan = lb.Channel()
     torch.set_num_threads(spec["threads"])
-    (rlalign_worker if side == "rlalign" else trl_worker)(spec, chan)
+    if side == "trl":
+        trl_worker(spec, chan)
+    else:
+        rlalign_worker(spec, chan, side)
 
 
 # ---- Parent: runs, summary, table, figure ----------------------------------------------------
 
 
-def run_pair(spec: dict, block: int) -> dict:
-    """One task and seed: both workers, blocks of steps in turn. {side: {"records", "info"}}."""
+def run_pair(spec: dict, block: int, sides: tuple[str, ...] = SIDES) -> dict:
+    """One task and seed: a worker per side, blocks of steps in turn. {side: {"records", "info"}}."""
     log_dir = Path(tempfile.mkdtemp(prefix=f"learning_vs_trl_{spec['task']}_{spec['seed']}_"))
     print(f"{spec['task']} seed {spec['seed']}: worker logs in {log_dir}", file=sys.stderr)
     workers: list[gv.Worker] = []
     try:
-        gv.run_blocks(workers, argparse.Namespace(sides=SIDES, steps=spec["steps"], block=block), spec, log_dir, script=__file__)
+        gv.run_blocks(workers, argparse.Namespace(sides=sides, steps=spec["steps"], block=block), spec, log_dir, script=__file__)
     except KeyboardInterrupt:
         for w in workers:
             w.proc.kill()
@@ -351,24 +374,36 @@ def eval_points(run: dict) -> list[tuple[int, float, float, float]]:
     return points + [(r["step"], r["wall"], r["eval_success"], r["eval_reward"]) for r in run["records"] if "eval_success" in r]
 
 
+def sides_of(runs: dict) -> list[str]:
+    """The sides in any of ``runs``' pairs, in ``SIDES + VARIANTS`` order."""
+    present = {side for pair in runs.values() for side in pair}
+    return [side for side in SIDES + VARIANTS if side in present]
+
+
 def summarise(runs: dict, window: int, reach: float) -> dict:
-    """Per side: start / end reward and success, time to reach, s per step, peak RSS (mean, std over seeds)."""
-    per: dict = {side: {k: [] for k in ("start", "end", "s0", "s1", "reach_steps", "reach_s", "step_s", "rss")} for side in SIDES}
+    """Per side: start / end reward and success, time to reach, s per step, peak RSS (mean, std over seeds).
+
+    The common start is the mean first-window reward of the ``SIDES`` in the pair (variants added with
+    ``--sides`` leave it as it is); time to reach needs TRL's final reward, so a pair without TRL has none."""
+    sides = sides_of(runs)
+    per: dict = {side: {k: [] for k in ("start", "end", "s0", "s1", "reach_steps", "reach_s", "step_s", "rss")} for side in sides}
     for pair in runs.values():
-        rewards = {s: [r["reward"] for r in pair[s]["records"]] for s in SIDES if s in pair}
-        if not all(rewards.get(s) for s in SIDES):
+        rewards = {s: [r["reward"] for r in run["records"]] for s, run in pair.items() if run["records"]}
+        if not rewards:
             continue
         w = min(window, *(len(x) for x in rewards.values()))
-        start = statistics.mean(statistics.mean(x[:w]) for x in rewards.values())
-        threshold = start + reach / 100 * (statistics.mean(rewards["trl"][-w:]) - start)
-        for side in SIDES:
+        base = [s for s in SIDES if s in rewards] or list(rewards)
+        start = statistics.mean(statistics.mean(rewards[s][:w]) for s in base)
+        threshold = start + reach / 100 * (statistics.mean(rewards["trl"][-w:]) - start) if "trl" in rewards else None
+        for side in rewards:
             recs, d = pair[side]["records"], per[side]
             d["start"].append(statistics.mean(rewards[side][:w]))
             d["end"].append(statistics.mean(rewards[side][-w:]))
             points = eval_points(pair[side])
             d["s0"].append(points[0][2] if points and points[0][0] == 0 else None)
             d["s1"].append(points[-1][2] if points else None)
-            hit = next((i for i, m in enumerate(_trailing(rewards[side], w)) if m >= threshold), None)
+            trailing = _trailing(rewards[side], w)
+            hit = None if threshold is None else next((i for i, m in enumerate(trailing) if m >= threshold), None)
             d["reach_steps"].append(None if hit is None else recs[hit]["step"])
             d["reach_s"].append(None if hit is None else recs[hit]["wall"])
             d["step_s"].append(statistics.median(r["time"] for r in recs[1:]) if len(recs) > 1 else recs[0]["time"])
@@ -401,7 +436,7 @@ def figure(task: str, runs: dict, window: int, path: Path) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
-    for side, colour in zip(SIDES, ("tab:blue", "tab:orange")):
+    for side, colour in zip(sides_of(runs), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")):
         pairs = [p[side] for p in runs.values() if side in p and p[side]["records"]]
         if not pairs:
             continue
@@ -449,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
     parser.add_argument("--out", default="runs/bench/learning_vs_trl.json", help="the JSON of all records (tables next to it, .md)")
     parser.add_argument("--figures", default="docs/img/", help="directory of the figures, learning_vs_trl_<task>.png")
-    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--sides", nargs="+", choices=SIDES + VARIANTS, default=list(SIDES),
+                        help="workers per task and seed: rlalign (defaults), trl, and rlalign variants: -eager (eager attention to train), "
+                             "-fast (that, SDPA decoding and the packed bfloat16 sampling copy), -bf16 (autocast), -async (a producer, k = 1)")
+    parser.add_argument("--worker", choices=SIDES + VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --out, its tables and the figures from these runs' JSON files instead of running")
     args = parser.parse_args(argv)
@@ -475,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["spec"] = {k: v for k, v in spec.items() if k != "seed"}
             num = len(task_records(task, spec["num_prompts"], spec["eval_prompts"], seed)[0])
             spec["prompt_order"] = gv.step_prompt_indices(num, spec["steps"], spec["prompts_per_step"], seed)  # rlalign's; TRL's dataset in this order
-            entry["runs"][seed] = run_pair(spec, args.block)
+            entry["runs"][seed] = run_pair(spec, args.block, tuple(args.sides))
             result["env"].update(wall_s=round(time.time() - started, 1), load_after=lb.machine_load())
             out.write_text(json.dumps(result, indent=1))  # after every pair: a long run keeps what it has
         tables.append(finish_task(task, entry, args))
@@ -494,8 +532,9 @@ def finish_task(task: str, entry: dict, args: argparse.Namespace) -> str:
 
 
 def merge(paths: list[str], args: argparse.Namespace) -> int:
-    """One result from several runs' JSON files (e.g. seeds run as parallel processes): their runs per task
-    joined, a seed in two files is an error; summary, tables and figures as one run writes them."""
+    """One result from several runs' JSON files (seeds, or variant sides, run as separate processes): their
+    runs per task and seed joined, a side of a seed in two files is an error; summary, tables and figures as
+    one run writes them."""
     result: dict = {"env": {"merged": []}, "tasks": {}}
     for path in paths:
         part = json.loads(Path(path).read_text())
@@ -504,9 +543,11 @@ def merge(paths: list[str], args: argparse.Namespace) -> int:
             into = result["tasks"].setdefault(task, {"spec": entry["spec"], "runs": {}})
             if into["spec"] != entry["spec"]:
                 raise SystemExit(f"{path}: task {task} was run with other settings than in {paths[0]}: {entry['spec']} != {into['spec']}")
-            if set(into["runs"]) & set(entry["runs"]):
-                raise SystemExit(f"{path}: task {task} seed(s) {sorted(set(into['runs']) & set(entry['runs']))} already in an earlier file")
-            into["runs"].update(entry["runs"])
+            for seed, pair in entry["runs"].items():  # a seed's sides may come from several files (variants run apart)
+                have = into["runs"].setdefault(seed, {})
+                if set(have) & set(pair):
+                    raise SystemExit(f"{path}: task {task} seed {seed} side(s) {sorted(set(have) & set(pair))} already in an earlier file")
+                have.update(pair)
     tables = [finish_task(task, entry, args) for task, entry in result["tasks"].items()]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,8 +48,43 @@ def test_tiny_pipeline_writes_records_table_and_figure(tmp_path):
     task = json.loads(merged.read_text())["tasks"]["quickstart"]
     assert sorted(task["runs"]) == ["0", "1"] and task["summary"]["trl"]["seeds"] == 2
     assert (tmp_path / "merged_figures" / "learning_vs_trl_quickstart.png").exists()
-    with pytest.raises(SystemExit, match=r"seed\(s\) \['0'\] already"):
+    with pytest.raises(SystemExit, match=r"seed 0 side\(s\) \['rlalign', 'trl'\] already"):
         L.main(["--merge", str(out), str(out), "--out", str(merged)])
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="trl (and matplotlib) not installed: pip install -e .[bench]")
+def test_variant_side_runs_alone_and_merges_into_the_pair(tmp_path):
+    """A variant (bfloat16, the packed copy, an asynchronous producer) runs as its own worker; merged with the
+    pair's file it joins the same seed without moving the pair's common start, and has no time to reach
+    without TRL in its own file but gets one from the merged pair."""
+    import learning_vs_trl as L
+
+    common = ["--config", "tiny", "--tasks", "quickstart", "--seeds", "0", "--steps", "3", "--block", "1", "--eval-every", "3", "--threads", "1"]
+    pair, variant, merged = tmp_path / "pair.json", tmp_path / "variant.json", tmp_path / "merged.json"
+    assert L.main(common + ["--out", str(pair), "--figures", str(tmp_path / "f1")]) == 0
+    assert L.main(common + ["--sides", "rlalign-bf16-fast-async", "--out", str(variant), "--figures", str(tmp_path / "f2")]) == 0
+    alone = json.loads(variant.read_text())["tasks"]["quickstart"]
+    run = alone["runs"]["0"]["rlalign-bf16-fast-async"]
+    assert "error" not in run["info"] and [r["step"] for r in run["records"]] == [1, 2, 3]
+    assert alone["summary"]["rlalign-bf16-fast-async"]["reached"] == 0 and alone["summary"]["rlalign-bf16-fast-async"]["reach_s"] is None
+    assert L.main(["--merge", str(pair), str(variant), "--out", str(merged), "--figures", str(tmp_path / "f3")]) == 0
+    task = json.loads(merged.read_text())["tasks"]["quickstart"]
+    before = json.loads(pair.read_text())["tasks"]["quickstart"]["summary"]
+    assert list(task["summary"]) == ["rlalign", "trl", "rlalign-bf16-fast-async"]
+    assert task["summary"]["rlalign"] == before["rlalign"] and task["summary"]["trl"] == before["trl"]  # the pair's rows unchanged
+    assert "| rlalign-bf16-fast-async |" in merged.with_suffix(".md").read_text()
+
+
+def test_variant_configs_are_the_settings_they_name(tmp_path):
+    import learning_vs_trl as L
+
+    spec = L.make_spec("tiny", "quickstart", tmp_path, seed=0)
+    plain, fast, asynchronous = (L.rlalign_config(spec, side) for side in ("rlalign", "rlalign-bf16-fast", "rlalign-async"))
+    assert (plain.model.autocast, plain.model.attn_implementation, plain.sampling.dtype, plain.async_rollouts.enabled) == ("none", None, None, False)
+    assert (fast.model.autocast, fast.model.attn_implementation, fast.sampling.attn_implementation, fast.sampling.dtype, fast.sampling.packed_copy) == (
+        "bfloat16", "eager", "sdpa", "bfloat16", True)
+    assert (asynchronous.async_rollouts.enabled, asynchronous.async_rollouts.max_staleness, asynchronous.tis_cap, asynchronous.model.autocast) == (
+        True, 1, L.ASYNC_TIS_CAP, "none")
 
 
 def test_held_out_prompts_are_fixed_and_never_trained_on():
