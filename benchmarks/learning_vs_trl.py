@@ -37,7 +37,7 @@ peaked at 10.6 GB RSS on quickstart (rlalign's at 5.7 GB).
 Variants (``--sides``): rlalign with other settings, each its own worker: ``-eager`` trains with eager
 attention; ``-fast`` adds SDPA in the decode loop and a packed bfloat16 sampling copy; ``-bf16`` runs the
 forwards under bfloat16 autocast; ``-async`` samples in a producer process one step ahead (k = 1, TIS cap
-2). An asynchronous side should run alone: between its blocks its producer keeps sampling.
+2); ``-tis`` sets that TIS cap without a producer. An asynchronous side should run alone: between its blocks its producer keeps sampling.
 
 Held-out success. A fixed set of ``--eval-prompts`` prompts (the same for every seed, none of them a
 training prompt) is answered greedily (temperature 0: one deterministic answer a prompt, so the curve
@@ -47,7 +47,7 @@ after the last; its time is not counted in the side's wall time.
 
 Logged per step and side: rollout reward mean, KL to the reference (as each side logs it), mean
 completion length in tokens, step time, cumulative wall time (training steps only), the worker's peak
-RSS (``VmHWM``), and at evaluation steps the held-out success, mean reward and reply length.
+RSS (``VmHWM``), rlalign's ``logprob_mismatch`` (sampler against training log-probs), and at evaluation steps the held-out success, mean reward and reply length.
 
 Table per task (mean +- standard deviation over seeds): rollout reward over the first and the last
 ``--window`` steps; held-out success at the start and the end; time to reach: the first step whose
@@ -79,9 +79,10 @@ import _lm_bench as lb  # noqa: E402
 import grpo_vs_trl as gv  # noqa: E402
 
 SIDES = ("rlalign", "trl")  # the default pair; the start reward and the figures' colours follow this order
-VARIANTS = ("rlalign-eager", "rlalign-fast", "rlalign-bf16-fast", "rlalign-async", "rlalign-bf16-fast-async")  # --sides may add these
+VARIANTS = ("rlalign-eager", "rlalign-fast", "rlalign-fast-tis", "rlalign-bf16-fast", "rlalign-bf16-fast-tis", "rlalign-async",
+            "rlalign-bf16-fast-async")  # --sides may add these
 ASYNC = dict(enabled=True, max_staleness=1)  # "-async": a producer process samples step s + 1 while the learner learns step s
-ASYNC_TIS_CAP = 2.0  # the behaviour policy's importance weight, truncated (what the config asks for with max_staleness > 0)
+TIS_CAP = 2.0  # "-tis", and "-async" (which needs it): the sampler's importance weight pi / mu, truncated at this
 CONFIGS = {  # per-model defaults; every one can be overridden on the command line
     "smollm2": dict(steps=40, prompts_per_step=2, group_size=8, temperature=0.7, beta=0.04, lr=1e-5, eval_prompts=32, num_prompts=512, max_new_tokens=None),
     "tiny": dict(steps=2, prompts_per_step=2, group_size=4, temperature=0.7, beta=0.04, lr=1e-4, eval_prompts=8, num_prompts=64, max_new_tokens=8),
@@ -242,12 +243,13 @@ def _due(step: int, spec: dict) -> bool:
 
 def rlalign_config(spec: dict, side: str = "rlalign"):
     """``grpo_vs_trl.rlalign_config`` of the side's flags (``-eager``, ``-fast``, ``-bf16``: ``grpo_vs_trl.side_flags``);
+    ``-tis`` corrects for the sampler's precision with a truncated importance weight (``tis_cap``: ``TIS_CAP``);
     ``-async`` adds an asynchronous producer (``ASYNC``, the learner's and the producer's threads ``spec["threads"]`` each)."""
     cfg = gv.rlalign_config({**spec, **gv.side_flags(side)}, Path(spec["model_path"]))
-    if not side.endswith("-async"):
-        return cfg
-    threads = dict(learner_threads=spec["threads"], producer_threads=spec["threads"])
-    return cfg.model_validate({**cfg.model_dump(), "tis_cap": ASYNC_TIS_CAP, "async_rollouts": {**ASYNC, **threads}})
+    extra: dict = {"tis_cap": TIS_CAP} if side.endswith(("-tis", "-async")) else {}
+    if side.endswith("-async"):
+        extra["async_rollouts"] = {**ASYNC, "learner_threads": spec["threads"], "producer_threads": spec["threads"]}
+    return cfg.model_validate({**cfg.model_dump(), **extra}) if extra else cfg
 
 
 def rlalign_setup(spec: dict, side: str = "rlalign") -> tuple[lb.GRPOSetup, HeldOut]:
@@ -271,7 +273,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel, side: str = "rlalign") -> None:
             wall += dt
             step = setup.state.step
             rec = {"step": step, "time": dt, "wall": wall, "reward": m["reward/mean"], "kl": m.get("kl"),
-                   "completion_len": m["completion_len/mean"], "peak_rss_mb": lb.peak_rss_mb()}
+                   "completion_len": m["completion_len/mean"], "logprob_mismatch": m.get("logprob_mismatch"), "peak_rss_mb": lb.peak_rss_mb()}
             if _due(step, spec):
                 rec.update(held_out(setup.updater.module))
             block.append(rec)
@@ -486,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figures", default="docs/img/", help="directory of the figures, learning_vs_trl_<task>.png")
     parser.add_argument("--sides", nargs="+", choices=SIDES + VARIANTS, default=list(SIDES),
                         help="workers per task and seed: rlalign (defaults), trl, and rlalign variants: -eager (eager attention to train), "
-                             "-fast (that, SDPA decoding and the packed bfloat16 sampling copy), -bf16 (autocast), -async (a producer, k = 1)")
+                             "-fast (that, SDPA decoding and the packed bfloat16 sampling copy), -bf16 (autocast), -tis (tis_cap 2), -async (a producer, k = 1)")
     parser.add_argument("--worker", choices=SIDES + VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="write --out, its tables and the figures from these runs' JSON files instead of running")

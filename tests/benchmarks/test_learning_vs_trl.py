@@ -79,12 +79,14 @@ def test_variant_configs_are_the_settings_they_name(tmp_path):
     import learning_vs_trl as L
 
     spec = L.make_spec("tiny", "quickstart", tmp_path, seed=0)
-    plain, fast, asynchronous = (L.rlalign_config(spec, side) for side in ("rlalign", "rlalign-bf16-fast", "rlalign-async"))
-    assert (plain.model.autocast, plain.model.attn_implementation, plain.sampling.dtype, plain.async_rollouts.enabled) == ("none", None, None, False)
-    assert (fast.model.autocast, fast.model.attn_implementation, fast.sampling.attn_implementation, fast.sampling.dtype, fast.sampling.packed_copy) == (
-        "bfloat16", "eager", "sdpa", "bfloat16", True)
+    plain, fast, fast32_tis, asynchronous = (L.rlalign_config(spec, side) for side in ("rlalign", "rlalign-bf16-fast", "rlalign-fast-tis", "rlalign-async"))
+    assert (plain.model.autocast, plain.model.attn_implementation, plain.sampling.dtype, plain.async_rollouts.enabled, plain.tis_cap) == (
+        "none", None, None, False, None)
+    assert (fast.model.autocast, fast.model.attn_implementation, fast.sampling.attn_implementation, fast.sampling.dtype, fast.sampling.packed_copy,
+            fast.tis_cap) == ("bfloat16", "eager", "sdpa", "bfloat16", True, None)
+    assert (fast32_tis.model.autocast, fast32_tis.sampling.dtype, fast32_tis.tis_cap, fast32_tis.async_rollouts.enabled) == ("none", "bfloat16", L.TIS_CAP, False)
     assert (asynchronous.async_rollouts.enabled, asynchronous.async_rollouts.max_staleness, asynchronous.tis_cap, asynchronous.model.autocast) == (
-        True, 1, L.ASYNC_TIS_CAP, "none")
+        True, 1, L.TIS_CAP, "none")
 
 
 def test_held_out_prompts_are_fixed_and_never_trained_on():
