@@ -37,7 +37,8 @@ peaked at 10.6 GB RSS on quickstart (rlalign's at 5.7 GB).
 Variants (``--sides``): rlalign with other settings, each its own worker: ``-eager`` trains with eager
 attention; ``-fast`` adds SDPA in the decode loop and a packed bfloat16 sampling copy; ``-bf16`` runs the
 forwards under bfloat16 autocast; ``-async`` samples in a producer process one step ahead (k = 1, TIS cap
-2); ``-tis`` sets that TIS cap without a producer. An asynchronous side should run alone: between its blocks its producer keeps sampling.
+2); ``-tis`` sets that TIS cap without a producer. An asynchronous side should run alone: between its
+blocks its producer keeps sampling.
 
 Held-out success. A fixed set of ``--eval-prompts`` prompts (the same for every seed, none of them a
 training prompt) is answered greedily (temperature 0: one deterministic answer a prompt, so the curve
@@ -47,7 +48,8 @@ after the last; its time is not counted in the side's wall time.
 
 Logged per step and side: rollout reward mean, KL to the reference (as each side logs it), mean
 completion length in tokens, step time, cumulative wall time (training steps only), the worker's peak
-RSS (``VmHWM``), rlalign's ``logprob_mismatch`` (sampler against training log-probs), and at evaluation steps the held-out success, mean reward and reply length.
+RSS (``VmHWM``), rlalign's ``logprob_mismatch`` (sampler against training log-probs), and at
+evaluation steps the held-out success, mean reward and reply length.
 
 Table per task (mean +- standard deviation over seeds): rollout reward over the first and the last
 ``--window`` steps; held-out success at the start and the end; time to reach: the first step whose
@@ -82,7 +84,7 @@ SIDES = ("rlalign", "trl")  # the default pair; the start reward and the figures
 VARIANTS = ("rlalign-eager", "rlalign-fast", "rlalign-fast-tis", "rlalign-bf16-fast", "rlalign-bf16-fast-tis", "rlalign-async",
             "rlalign-bf16-fast-async")  # --sides may add these
 ASYNC = dict(enabled=True, max_staleness=1)  # "-async": a producer process samples step s + 1 while the learner learns step s
-TIS_CAP = 2.0  # "-tis", and "-async" (which needs it): the sampler's importance weight pi / mu, truncated at this
+TIS_CAP = 2.0  # "-tis", and "-async" (which needs it): the sampler's importance weight pi_old / pi_sampler, truncated at this
 CONFIGS = {  # per-model defaults; every one can be overridden on the command line
     "smollm2": dict(steps=40, prompts_per_step=2, group_size=8, temperature=0.7, beta=0.04, lr=1e-5, eval_prompts=32, num_prompts=512, max_new_tokens=None),
     "tiny": dict(steps=2, prompts_per_step=2, group_size=4, temperature=0.7, beta=0.04, lr=1e-4, eval_prompts=8, num_prompts=64, max_new_tokens=8),
@@ -438,7 +440,7 @@ def figure(task: str, runs: dict, window: int, path: Path) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
-    for side, colour in zip(sides_of(runs), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")):
+    for side, colour in zip(sides_of(runs), plt.get_cmap("tab10").colors):  # 10 colours for SIDES + VARIANTS
         pairs = [p[side] for p in runs.values() if side in p and p[side]["records"]]
         if not pairs:
             continue

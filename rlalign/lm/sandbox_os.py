@@ -176,8 +176,8 @@ def setup_command(limits: SandboxLimits, group: _Cgroup | None, cpu_s: int | str
             *(procs + ["-", "-"])[:2]]
 
 
-# bwrap's isolation of every sandbox, fresh or fork server: all namespaces, the unprivileged user, a
-# session of its own, no capabilities, a clean environment
+# bwrap's isolation of every sandbox, fresh or fork server: all namespaces, the unprivileged user,
+# setsid (no terminal to reach), no capabilities, a clean environment
 ISOLATION = ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY), "--new-session", "--cap-drop", "ALL",
              "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]
 
