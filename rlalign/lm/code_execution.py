@@ -23,7 +23,11 @@ stdio       ``input_output`` (APPS, TACO), ``verification_info``,   one run on o
 call        the same with ``fn_name``                               one call
 ==========  ======================================================  ===================================
 
-Each case has ``case_timeout_s``; the program's own start ``timeout_s``. The humaneval, stdio and call
+Each case has ``case_timeout_s`` CPU seconds; the program's own start ``timeout_s``. CPU seconds,
+not wall-clock seconds: a slow or busy host does not fail a correct program. The wall clock is a
+backstop only (``wall_factor`` times the CPU limit), and a run that reaches it is run again, then
+counted and left out (:class:`CodeExecutionReward`), never scored as a failure unless asked
+(``on_timeout="zero"``). The humaneval, stdio and call
 formats are scored as rlalign.lm.code_formats describes; the asserts and mbpp formats as follows.
 
 How a score is made, so that a program cannot forge it. The prompt's tests are parsed here, outside
@@ -53,11 +57,12 @@ import functools
 import json
 import math
 import os
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rlalign.lm.code_formats import IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, check_tests, extract_code, io_tests
+from rlalign.lm.code_formats import IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests, run_limits
 from rlalign.lm.sandbox import Sandbox, SandboxLimits
 
 __all__ = [
@@ -69,41 +74,54 @@ CODE_FORMATS = ("auto", "asserts", "mbpp", "humaneval", "stdio", "call")
 CODE_COLUMNS = ("tests", "test", "entry_point", "test_list", "test_setup_code", "test_imports", *IO_COLUMNS, "private_tests", "generated_tests", "fn_name")
 
 
-# Runs inside the sandbox: the program, the setup, then each case's expression(s), each case under
-# its time limit; one report line per case on fd 3: "<index>\t<kind>\t<repr of the list of the
-# values' reprs>". Written by rlalign, not the policy; no import beyond the interpreter's own start.
+# Runs inside the sandbox: the program, the setup, then each case's expression(s), each under its
+# limit of CPU seconds (ITIMER_PROF: the time this process ran, not the time the host took to run
+# it); one report line per case on fd 3: "<index>\t<kind>\t<repr of the list of the values' reprs>".
+# A program that swallows the TimeoutError gets a second alarm soon after, which fails its case and
+# ends the run; one that turns the alarm off meets RLIMIT_CPU. The wall-clock backstop is the
+# sandbox's, outside: no line of this report (which the program can write to) can claim it. Written
+# by rlalign, not the policy; no import beyond the interpreter's own start.
 _HARNESS = """import _signal, os
 def _main():
     with open("cases.py") as file:
-        start_timeout, case_timeout, stop, cases = eval(file.read(), {"__builtins__": {}})
-    def timeout(*_):
+        start_cpu, case_cpu, stop, cases = eval(file.read(), {"__builtins__": {}})
+    running = ["-1", 0]  # the report index of what runs, and the CPU alarms it has had
+    def over_cpu(*_):
+        running[1] += 1
+        if running[1] > 1:  # the first TimeoutError was swallowed
+            os.write(3, (running[0] + "\\terror\\tTimeoutError\\n").encode())
+            os._exit(0)
+        _signal.setitimer(_signal.ITIMER_PROF, 0.5)
         raise TimeoutError
+    def limit(index, cpu):
+        running[0], running[1] = index, 0
+        _signal.signal(_signal.SIGPROF, over_cpu)
+        _signal.setitimer(_signal.ITIMER_PROF, cpu)
     scope = {"__name__": "__main__", "__builtins__": __builtins__}
     sources = []
     for name in ("program.py", "setup.py"):  # both read before the program runs
         with open(name) as file:
             sources.append((name, file.read()))
     for name, source in sources:
-        _signal.signal(_signal.SIGALRM, timeout)
-        _signal.setitimer(_signal.ITIMER_REAL, start_timeout)
+        limit("-1", start_cpu)
         try:
             exec(compile(source, name, "exec"), scope)
-            _signal.setitimer(_signal.ITIMER_REAL, 0)
+            _signal.setitimer(_signal.ITIMER_PROF, 0)
         except BaseException as err:
-            _signal.setitimer(_signal.ITIMER_REAL, 0)
+            _signal.setitimer(_signal.ITIMER_PROF, 0)
             os.write(3, ("-1\\terror\\t" + name + ": " + type(err).__name__ + "\\n").encode())
             return
     for index, expressions in enumerate(cases):
-        _signal.signal(_signal.SIGALRM, timeout)
-        _signal.setitimer(_signal.ITIMER_REAL, case_timeout)
+        limit(str(index), case_cpu)
         try:
             values = [repr(eval(compile(expression, "test_%d" % index, "eval"), scope)) for expression in expressions]
-            _signal.setitimer(_signal.ITIMER_REAL, 0)
+            _signal.setitimer(_signal.ITIMER_PROF, 0)
             line = "%d\\tok\\t%r\\n" % (index, values)
         except BaseException as err:
-            _signal.setitimer(_signal.ITIMER_REAL, 0)
+            _signal.setitimer(_signal.ITIMER_PROF, 0)
             line = "%d\\terror\\t%s\\n" % (index, type(err).__name__)
             if stop:
+                os.write(3, line.encode())
                 return
         os.write(3, line.encode())
 _main()
@@ -226,11 +244,15 @@ class AssertTests:
     cases: tuple[TestCase, ...]
 
     def run(self, job: Job) -> list[bool]:
+        """Which cases passed. Raises WallTimeout when the run reached its wall-clock backstop."""
         expressions = [list(case.expressions) for case in self.cases]
         files = {"harness.py": _HARNESS, "program.py": job.program, "setup.py": self.setup,
                  "cases.py": repr((job.start_timeout_s, job.case_timeout_s, job.stop, expressions))}
-        wall = 2 * job.start_timeout_s + 1.0 + len(self.cases) * job.case_timeout_s
-        return score_report(job.sandbox.run(files, ["harness.py"], timeout_s=wall).report, list(self.cases))
+        wall, cpu = run_limits(job, len(self.cases))
+        result = job.sandbox.run(files, ["harness.py"], timeout_s=wall, cpu_s=cpu)
+        if result.timed_out:
+            raise WallTimeout(f"the run reached its wall-clock backstop of {wall:g} s within its CPU limits")
+        return score_report(result.report, list(self.cases))
 
 
 def code_tests(row: Mapping[str, object] | str, code_format: str = "auto") -> AssertTests | CheckTests | StdioTests | CallTests:
@@ -304,29 +326,61 @@ class CodeExecutionReward:
     """1.0 when the completion's program passes every test of its row (``partial_credit``: the share
     of tests passed), scored as the module docstring describes. A row's tests are its own columns
     (passed as keywords, :data:`CODE_COLUMNS`), or the ``tests`` value of its prompt text: a ``tests``
-    text, or a mapping of the row's columns."""
+    text, or a mapping of the row's columns.
+
+    Time limits are CPU seconds (``timeout_s`` the program's start, ``case_timeout_s`` each case): a
+    program over one fails that case, however fast the host. The wall clock is a backstop
+    ``wall_factor`` times longer; a run that reaches it within its CPU limits (a host too slow or too
+    busy, or a program waiting on something) is not scored from what it reported: it runs once
+    more, and if that run reaches it too, the completion is counted in ``reward/code_execution/timed_out``
+    and, by ``on_timeout``, left out of the sum ("skip": None, as a reward that does not apply) or
+    scored 0 ("zero"). Retried runs are counted in ``reward/code_execution/retried``
+    (:meth:`pop_stats`)."""
 
     name = "code_execution"
 
     def __init__(
         self, tests: Mapping[str, str | Mapping] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
         partial_credit: bool = False, allow_weak_sandbox: bool = False, code_format: str = "auto", case_timeout_s: float = 4.0,
+        wall_factor: float = 10.0, on_timeout: str = "skip",
     ):
+        if on_timeout not in ("skip", "zero"):
+            raise ValueError(f"on_timeout must be 'skip' or 'zero', got {on_timeout!r}")
+        if wall_factor < 1:
+            raise ValueError(f"wall_factor must be at least 1 (a backstop longer than the CPU limit), got {wall_factor}")
         self.tests = None if tests is None else dict(tests)
         for row in (self.tests or {}).values():
             if row is not None:
                 code_tests(row, code_format)  # bad tests fail here, before training
         self.code_format, self.partial_credit = code_format, partial_credit
-        self.timeout_s, self.case_timeout_s = timeout_s, case_timeout_s
+        self.timeout_s, self.case_timeout_s, self.wall_factor, self.on_timeout = timeout_s, case_timeout_s, wall_factor, on_timeout
         self.sandbox = Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb), allow_weak=allow_weak_sandbox)
         self.max_workers = max_workers or 2 * len(os.sched_getaffinity(0))  # a run waits on its processes part of the time
+        self._counts = {"retried": 0, "timed_out": 0}
+        self._counts_lock = threading.Lock()
 
-    def _one(self, prompt: str, completion: str, row: Mapping | str) -> float:
-        job = Job(self.sandbox, extract_code(completion), prompt, self.case_timeout_s, self.timeout_s, stop=not self.partial_credit)
-        passed = code_tests(row, self.code_format).run(job)
-        return sum(passed) / len(passed) if self.partial_credit else float(all(passed))
+    def _one(self, prompt: str, completion: str, row: Mapping | str) -> float | None:
+        job = Job(self.sandbox, extract_code(completion), prompt, self.case_timeout_s, self.timeout_s, stop=not self.partial_credit, wall_factor=self.wall_factor)
+        tests = code_tests(row, self.code_format)
+        for attempt in range(2):
+            try:
+                passed = tests.run(job)
+                return sum(passed) / len(passed) if self.partial_credit else float(all(passed))
+            except WallTimeout:
+                self._count("retried" if attempt == 0 else "timed_out")
+        return None if self.on_timeout == "skip" else 0.0
 
-    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float]:
+    def _count(self, key: str) -> None:
+        with self._counts_lock:
+            self._counts[key] += 1
+
+    def pop_stats(self) -> dict[str, int]:
+        """Runs retried and completions timed out since the last call (the trainers log them as reward/<name>/<key>)."""
+        with self._counts_lock:
+            counts, self._counts = self._counts, {"retried": 0, "timed_out": 0}
+        return counts
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
         rows = self._rows(prompts, columns)
         with ThreadPoolExecutor(min(self.max_workers, max(1, len(prompts)))) as pool:
             return list(pool.map(self._one, prompts, completions, rows))
@@ -348,10 +402,11 @@ class CodeExecutionReward:
 def code_execution(
     tests: Mapping[str, str | Mapping] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, partial_credit: bool = False,
     allow_weak_sandbox: bool = False, code_format: str = "auto", case_timeout_s: float = 4.0, max_workers: int | None = None,
+    wall_factor: float = 10.0, on_timeout: str = "skip",
 ) -> CodeExecutionReward:
     """The reward function of this module (see :class:`CodeExecutionReward`): ``timeout_s`` limits the
-    program's start (its top-level code), ``case_timeout_s`` each case."""
-    return CodeExecutionReward(tests, timeout_s, memory_mb, max_workers, partial_credit, allow_weak_sandbox, code_format, case_timeout_s)
+    program's start (its top-level code) in CPU seconds, ``case_timeout_s`` each case."""
+    return CodeExecutionReward(tests, timeout_s, memory_mb, max_workers, partial_credit, allow_weak_sandbox, code_format, case_timeout_s, wall_factor, on_timeout)
 
 
 def run_program(source: str, timeout_s: float = 5.0, memory_mb: int = 512, allow_weak_sandbox: bool = False):

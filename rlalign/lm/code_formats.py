@@ -6,8 +6,9 @@ rlalign.lm.code_execution: HumanEval's check functions, stdin/stdout cases and f
 
 Each run is one sandbox (rlalign.lm.sandbox) holding two processes (rlalign.lm.code_harness): a
 checker, written by rlalign, and a server that runs the program and answers the checker's requests.
-The checker times each case (a case over ``case_timeout_s`` fails; its server is killed and
-restarted for the next one) and reports one line per case, prefixed by a random nonce only it and
+The checker times each case in CPU seconds (a case over ``case_timeout_s`` fails; its server is
+killed and restarted for the next one; a case that reaches the wall-clock backstop, ``wall_factor``
+times that, raises :class:`WallTimeout` here) and reports one line per case, prefixed by a random nonce only it and
 the trainer know. No exit code makes a score, and where the format allows it the expected values
 never enter the sandbox:
 
@@ -57,7 +58,7 @@ from rlalign.errors import RLAlignError
 from rlalign.lm.code_harness import literal
 from rlalign.lm.sandbox import Sandbox
 
-__all__ = ["Job", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS", "extract_code"]
+__all__ = ["Job", "WallTimeout", "run_limits", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS", "extract_code"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -75,6 +76,11 @@ class TestsError(RLAlignError, ValueError):
     """A row's tests that cannot be checked (a missing column, no case, not Python or not JSON)."""
 
 
+class WallTimeout(RLAlignError, TimeoutError):
+    """A run reached its wall-clock backstop within its CPU limits: the host, or a program waiting on
+    something, took the time, so its cases were not all scored (rlalign.lm.code_execution retries it once)."""
+
+
 @dataclass(frozen=True)
 class Job:
     """What one run needs besides the tests: the sandbox, the program, the row's prompt, the limits."""
@@ -82,17 +88,28 @@ class Job:
     sandbox: Sandbox
     program: str
     prompt: str
-    case_timeout_s: float
-    start_timeout_s: float
+    case_timeout_s: float  # CPU seconds of one case
+    start_timeout_s: float  # CPU seconds of the program's start (its top-level code)
     stop: bool  # stop at the first failed case (all-or-nothing scoring): the rest fail anyway
+    wall_factor: float = 10.0  # the wall-clock backstop of a case (or a start), as a multiple of its CPU seconds
+
+
+def run_limits(job: Job, n_cases: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds per process) of one sandbox run of ``n_cases`` cases: CPU enough for
+    the start (twice: the program and the setup, or a restarted server) and every case, plus a second
+    for the interpreter; the wall ``wall_factor`` times that."""
+    cpu = 2 * job.start_timeout_s + n_cases * job.case_timeout_s + 1.0
+    return job.wall_factor * cpu, cpu
 
 
 def _run(job: Job, mode: str, n_cases: int, fields: dict) -> dict[int, tuple[str, str]]:
     """One sandbox run of the checker; {case: (status, payload)} from its nonce-prefixed report lines."""
     nonce = secrets.token_hex(16)
-    request = {"mode": mode, "nonce": nonce, "stop": job.stop, "case_timeout": job.case_timeout_s, "start_timeout": job.start_timeout_s, **fields}
-    wall = job.start_timeout_s * 2 + 1.0 + n_cases * job.case_timeout_s
-    result = job.sandbox.run({"harness.py": HARNESS, "program.py": job.program}, ["harness.py", "checker"], stdin=repr(request).encode(), timeout_s=wall)
+    request = {"mode": mode, "nonce": nonce, "stop": job.stop, "case_timeout": job.case_timeout_s, "start_timeout": job.start_timeout_s,
+               "wall_factor": job.wall_factor, **fields}
+    wall, cpu = run_limits(job, n_cases)
+    files = {"harness.py": HARNESS, "program.py": job.program}
+    result = job.sandbox.run(files, ["harness.py", "checker"], stdin=repr(request).encode(), timeout_s=wall, cpu_s=cpu)
     lines: dict[int, tuple[str, str]] = {}
     for line in result.report.decode("utf-8", "replace").split("\n"):
         parts = line.split("\t", 3)
@@ -100,12 +117,16 @@ def _run(job: Job, mode: str, n_cases: int, fields: dict) -> dict[int, tuple[str
             continue  # not the checker's (it cannot be forged without the nonce), or cut at the size cap
         if parts[2] == "fatal":
             raise RLAlignError(f"the code checker cannot run here: {parts[3]}")
+        if parts[2] == "wall":  # only the checker can say it (the nonce)
+            raise WallTimeout(f"a case reached the wall-clock backstop of {job.wall_factor:g} x its {job.case_timeout_s:g} CPU seconds")
         try:
             case = int(parts[1])
         except ValueError:
             continue
         if 0 <= case < n_cases and case not in lines:
             lines[case] = (parts[2], parts[3])
+    if result.timed_out and len(lines) < n_cases:
+        raise WallTimeout(f"the run reached its wall-clock backstop of {wall:g} s with {n_cases - len(lines)} of {n_cases} cases unscored")
     return lines
 
 

@@ -8,8 +8,15 @@ This file runs inside the sandbox, on the standard library only, started by the 
 The checker reads its job from stdin (a Python literal written by the trainer), makes itself not
 dumpable (so the program, the same user, can neither ptrace it, read its memory, nor open its
 descriptors), starts the server, asks it for each case (a call, or one run of the program on one
-input) with a time limit per case (killing and restarting the server when it is passed), and writes
-one line per case on fd 3: ``<nonce>\\t<case>\\t<status>\\t<payload>``. In the check mode it runs
+input) with a limit of CPU seconds per case (killing and restarting the server when it is passed),
+and writes one line per case on fd 3: ``<nonce>\\t<case>\\t<status>\\t<payload>``.
+
+Time. A case's limit is CPU time: what the program's process ran, read from its CPU-time clock
+(``clock_getcpuclockid``), so a host that runs it slowly does not fail it. The wall clock is a
+backstop only, ``wall_factor`` times longer: a case that reaches it reports ``wall`` and the run
+stops there, and the trainer runs it again (rlalign.lm.code_execution). In the stdio mode the server
+watches the CPU clock of the child running the case. Time the program spends waiting (sleeping, or
+on a process of its own) counts against the wall backstop only. In the check mode it runs
 the dataset's ``check`` function itself, the program's functions replaced by proxies that ask the
 server, and reports whether each case statement passed.
 
@@ -75,58 +82,82 @@ class _Stop(BaseException):
     """A case failed and the score is all or nothing: the remaining cases need not run."""
 
 
+class _Wall(BaseException):
+    """A call reached the wall-clock backstop: the run stops, and the trainer runs it again."""
+
+
+def cpu_seconds(pid):
+    """CPU seconds process ``pid`` has run so far (its CPU-time clock), or None when it has ended."""
+    import time  # noqa: PLC0415 - only where a case is timed
+
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:
+        return None
+
+
 class Server:
     """The program's process, asked one request at a time; killed and restarted after a timeout."""
 
-    def __init__(self, mode, start_timeout):
-        self.mode, self.start_timeout, self.pid, self.loaded, self.timed_out = mode, start_timeout, None, "", False
+    def __init__(self, mode, start_cpu, case_cpu, wall_factor):
+        self.mode, self.pid, self.loaded, self.timed_out = mode, None, "", None
+        self.start_cpu, self.case_cpu, self.wall_factor = start_cpu, case_cpu, wall_factor
 
     def start(self):
         request_read, self.requests = os.pipe()
         self.answers, answer_write = os.pipe()
         os.set_inheritable(request_read, True)
         os.set_inheritable(answer_write, True)
-        argv = [sys.executable, "-I", "-S", "boot.py", "%d,%d" % (request_read, answer_write), "harness.py", "server", self.mode]
+        argv = [sys.executable, "-I", "-S", "boot.py", "%d,%d" % (request_read, answer_write), "harness.py", "server", self.mode, repr(self.case_cpu)]
         actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, 2, 1)]
         self.pid = os.posix_spawn(sys.executable, argv, dict(os.environ), file_actions=actions, setpgroup=0)
         os.close(request_read)
         os.close(answer_write)
         self.buffer = b""
-        line = self.read(self.start_timeout)
-        self.loaded = "ready" if line == "ready" else "timeout" if self.timed_out else (line or "its process ended").replace("\t", ": ")
+        line = self.read(self.start_cpu)
+        self.loaded = "ready" if line == "ready" else "wall" if self.timed_out == "wall" else "timeout" if self.timed_out else (line or "its process ended").replace("\t", ": ")
 
-    def ask(self, request, timeout):
-        """(status, payload) of one request: ("ok", ...) or ("error", what went wrong)."""
+    def ask(self, request):
+        """(status, payload) of one request: ("ok", ...), ("error", what went wrong), or ("wall", "")
+        when the program's start or this request reached the wall-clock backstop (not its CPU limit)."""
         if self.pid is None:
             self.start()
+        if self.loaded == "wall":
+            return "wall", ""
         if self.loaded != "ready":
             return "error", "program: " + self.loaded
         try:
             write_all(self.requests, (request + "\n").encode())
-            line = self.read(timeout)
+            line = self.read(self.case_cpu)
         except OSError:  # it closed its end: it has ended
             line = None
         if line is None:
-            what = "timeout" if self.timed_out else "the program's process ended"
+            what = "wall" if self.timed_out == "wall" else "timeout" if self.timed_out else "the program's process ended"
             self.kill()
-            return "error", what
+            return ("wall", "") if what == "wall" else ("error", what)
         status, _, payload = line.partition("\t")
         return ("ok", payload) if status == "ok" else ("error", payload or status)
 
-    def read(self, timeout):
-        """The next answer line, or None at the timeout (``timed_out`` set), at the end of the pipe or past MAX_LINE."""
+    def read(self, cpu_limit):
+        """The next answer line, or None: when the server's process has run ``cpu_limit`` CPU seconds
+        since the call (``timed_out`` "cpu"), at ``wall_factor`` times that in wall-clock seconds
+        (``timed_out`` "wall"), at the end of the pipe, or past MAX_LINE."""
         import select  # noqa: PLC0415 - only where a server runs
         import time  # noqa: PLC0415
 
-        deadline = time.monotonic() + timeout
-        self.timed_out = False
+        deadline = time.monotonic() + cpu_limit * self.wall_factor
+        self.timed_out = None
         poller = select.poll()
         poller.register(self.answers, select.POLLIN)
+        start = cpu_seconds(self.pid) or 0.0
         while b"\n" not in self.buffer:
+            used = (cpu_seconds(self.pid) or start) - start
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000):
-                self.timed_out = True
+            if used >= cpu_limit or left <= 0:
+                self.timed_out = "cpu" if used >= cpu_limit else "wall"
                 return None
+            if not poller.poll(min(left, cpu_limit - used, 0.5) * 1000 + 1):  # CPU time passes no faster than the wall clock a thread
+                continue
             chunk = os.read(self.answers, 1 << 16)
             if not chunk or len(self.buffer) > MAX_LINE:
                 return None
@@ -164,14 +195,16 @@ def checker():
     if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         report(-1, "fatal", "cannot make the checker's process unreadable (prctl)")
         return
-    server = Server("call" if job["mode"] == "check" else job["mode"], job["start_timeout"])
+    server = Server("call" if job["mode"] == "check" else job["mode"], job["start_timeout"], job["case_timeout"], job["wall_factor"])
     try:
         if job["mode"] == "check":
             run_check(job, server, report)
         else:
             for case, request in enumerate(job["requests"]):
-                status, payload = server.ask(request, job["case_timeout"])
+                status, payload = server.ask(request)
                 report(case, status, payload)
+                if status == "wall":
+                    break  # the trainer runs it all again
                 if stop and (status != "ok" or (job["mode"] == "stdio" and not payload.startswith("0\t"))):
                     break  # an error, a timeout or a run that did not exit 0 fails whatever the expected values
     finally:
@@ -183,7 +216,9 @@ def run_check(job, server, report):
 
     def proxy(name):
         def call(*args, **kwargs):
-            status, payload = server.ask(repr(("call", name, args, kwargs)), job["case_timeout"])
+            status, payload = server.ask(repr(("call", name, args, kwargs)))
+            if status == "wall":
+                raise _Wall
             if status != "ok":  # the program's exception, by its builtin class where it names one (a check may expect it)
                 error = getattr(builtins, payload, None)
                 try:
@@ -197,6 +232,8 @@ def run_check(job, server, report):
         return call
 
     def case(index, error):
+        if isinstance(error, _Wall):
+            raise error
         report(index, "fail" if error is not None else "pass", "" if error is None else type(error).__name__ + ": " + str(error)[:200])
         if error is not None and job["stop"]:
             raise _Stop
@@ -210,6 +247,8 @@ def run_check(job, server, report):
         scope["check"](scope[job["entry_point"]])
     except _Stop:
         pass
+    except _Wall:
+        report(-1, "wall")
     except BaseException as err:  # outside every case: the remaining cases are not reported, so they fail
         report(-1, "error", type(err).__name__ + ": " + str(err)[:200])
 
@@ -219,7 +258,7 @@ def run_check(job, server, report):
 # ----------------------------------------------------------------------------------------------
 
 
-def server(mode):
+def server(mode, case_cpu):
     def answer(text):
         write_all(4, (text.replace("\n", " ") + "\n").encode("utf-8", "replace"))
 
@@ -239,7 +278,7 @@ def server(mode):
         for line in requests:
             request = eval(line, names)  # noqa: S307 - the checker's request: a literal
             if request[0] == "stdio":
-                answer(run_stdio(code, request[1]))
+                answer(run_stdio(code, request[1], case_cpu))
                 continue
             try:
                 answer("ok\t" + repr(_function(scope, request[1])(*request[2], **request[3])))
@@ -269,8 +308,10 @@ def _exit_status(run):
         return 1
 
 
-def run_stdio(code, text):
-    """Run the program as __main__ in a forked child with ``text`` on stdin: "ok\\t<exit code>\\t<repr of stdout>"."""
+def run_stdio(code, text, cpu_limit):
+    """Run the program as __main__ in a forked child with ``text`` on stdin: "ok\\t<exit code>\\t<repr of stdout>",
+    or "error\\tTimeoutError" when the child has run ``cpu_limit`` CPU seconds (it is killed)."""
+    import select  # noqa: PLC0415 - only in the stdio mode
     stdin = os.memfd_create("stdin")
     write_all(stdin, text.encode("utf-8", "replace"))
     os.lseek(stdin, 0, 0)
@@ -293,13 +334,39 @@ def run_stdio(code, text):
     os.close(stdin)
     os.close(out_write)
     out = bytearray()
-    while True:
-        chunk = os.read(out_read, 1 << 16)
-        if not chunk:
+    ended = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(out_read, select.POLLIN)
+    poller.register(ended, select.POLLIN)
+    running = reading = True
+    while running:
+        used = cpu_seconds(pid) or 0.0  # the child's own CPU time, from 0 at the fork
+        if used >= cpu_limit:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            os.close(out_read)
+            os.close(ended)
+            return "error\tTimeoutError"
+        for fd, _ in poller.poll(min(cpu_limit - used, 0.5) * 1000 + 1):
+            if fd == ended:
+                running = False
+                continue
+            chunk = os.read(out_read, 1 << 16)
+            if not chunk:
+                poller.unregister(out_read)
+                reading = False
+            elif len(out) < MAX_STDOUT:
+                out += chunk[: MAX_STDOUT - len(out)]
+    os.set_blocking(out_read, False)
+    while reading:  # what it wrote before it ended (a process it started may still hold the pipe)
+        try:
+            chunk = os.read(out_read, 1 << 16)
+        except BlockingIOError:
             break
-        if len(out) < MAX_STDOUT:
-            out += chunk[: MAX_STDOUT - len(out)]
+        reading = bool(chunk)
+        out += chunk[: max(0, MAX_STDOUT - len(out))]
     os.close(out_read)
+    os.close(ended)
     _, status = os.waitpid(pid, 0)
     return "ok\t%d\t%r" % (os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace"))
 
@@ -308,4 +375,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["checker"]:
         checker()
     elif sys.argv[1:2] == ["server"]:
-        server(sys.argv[2])
+        server(sys.argv[2], float(sys.argv[3]))

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import resource
 import shutil
@@ -60,7 +59,8 @@ from pathlib import Path
 
 from rlalign.lm.sandbox_fork import fork_server_available, servers_for
 from rlalign.lm.sandbox_os import (  # noqa: F401  (_cgroups_work: tests ask it)
-    _STARTED, ISOLATION, NOBODY, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump, setup_command,
+    _STARTED, ISOLATION, NOBODY, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump, run_cpu_seconds,
+    setup_command,
 )
 
 __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "Sandbox", "isolation_available"]
@@ -103,15 +103,16 @@ class Sandbox:
         use_servers = FORK_SERVER if fork_server is None else fork_server
         self.servers = servers_for(limits) if use_servers and self.missing is None and fork_server_available() is None else None
 
-    def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None = None, timeout_s: float | None = None) -> SandboxResult:
+    def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None = None, timeout_s: float | None = None,
+            cpu_s: float | None = None) -> SandboxResult:
         """Write ``files`` into a fresh directory, run ``python <argv>`` there in the sandbox (``stdin``
         on its standard input, else nothing), and return its exit code and capped outputs; the
-        directory and every process are gone afterwards. ``timeout_s`` replaces the limits' wall time
-        (and raises their CPU seconds per process to it). With a fork server (the default where nested
-        namespaces work) the run is forked from one, in namespaces and filesystems of its own
-        (:mod:`rlalign.lm.sandbox_fork`)."""
+        directory and every process are gone afterwards. ``timeout_s`` replaces the limits' wall time;
+        ``cpu_s`` their CPU seconds per process (rounded up; None: the larger of the limits' and
+        ``timeout_s``). With a fork server (the default where nested namespaces work) the run is forked
+        from one, in namespaces and filesystems of its own (:mod:`rlalign.lm.sandbox_fork`)."""
         if self.servers is not None:
-            return self.servers.run({**files, "boot.py": _BOOT}, argv, stdin, timeout_s)  # boot.py: for the Pythons a run starts
+            return self.servers.run({**files, "boot.py": _BOOT}, argv, stdin, timeout_s, cpu_s)  # boot.py: for the Pythons a run starts
         workdir = Path(tempfile.mkdtemp(prefix="rlalign-sandbox-"))
         group = _Cgroup(self.limits) if self.cgroups else None
         report_read = report_write = -1
@@ -121,7 +122,7 @@ class Sandbox:
             report_read, report_write = os.pipe()
             started = time.monotonic()
             proc = subprocess.Popen(
-                self._command(workdir, report_write, argv, group, None if timeout_s is None else math.ceil(timeout_s)), cwd=workdir, env=self._env(workdir),
+                self._command(workdir, report_write, argv, group, run_cpu_seconds(self.limits, timeout_s, cpu_s)), cwd=workdir, env=self._env(workdir),
                 stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(report_write,), start_new_session=True, preexec_fn=_weak_child_setup(self.limits, group) if self.missing else None,
             )
@@ -150,9 +151,10 @@ class Sandbox:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _command(self, workdir: Path, report_fd: int, argv: list[str], group: _Cgroup | None = None, cpu_s: int | None = None) -> list[str]:
-        """``sh`` joining the cgroup and setting the limits, then exec'ing (bwrap, then) ``python -I -S boot.py``."""
+        """``sh`` joining the cgroup and setting the limits (``cpu_s``: CPU seconds per process; None:
+        the limits'), then exec'ing (bwrap, then) ``python -I -S boot.py``."""
         limits = self.limits
-        setup = setup_command(limits, group, max(limits.cpu_s, cpu_s or 0))
+        setup = setup_command(limits, group, limits.cpu_s if cpu_s is None else cpu_s)
         python = [_python(), "-I", "-S", "boot.py", f"+{report_fd}", *argv]
         if self.missing is not None:
             return [*setup, *python]

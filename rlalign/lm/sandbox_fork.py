@@ -52,7 +52,6 @@ from __future__ import annotations
 import atexit
 import functools
 import json
-import math
 import os
 import resource
 import shutil
@@ -66,7 +65,8 @@ import threading
 import time
 
 from rlalign.lm.sandbox_os import (
-    _STARTED, ISOLATION, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump, setup_command,
+    _STARTED, ISOLATION, SandboxLimits, SandboxResult, SandboxUnavailable, _bwrap_mounts, _Cgroup, _cgroups_work, _python, pump, run_cpu_seconds,
+    setup_command,
 )
 
 __all__ = ["ForkServers", "fork_server_available"]
@@ -271,10 +271,10 @@ class _Server:
             theirs.close()
             os.close(info_write)
 
-    def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None, timeout_s: float) -> SandboxResult:
+    def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None, timeout_s: float, cpu_s: float | None = None) -> SandboxResult:
         """One run (module docstring). Raises SandboxUnavailable when the server or the run's setup failed."""
         limits = self.limits
-        rlimits = [(resource.RLIMIT_AS, limits.memory_mb * 2**20), (resource.RLIMIT_CPU, max(limits.cpu_s, math.ceil(timeout_s))),
+        rlimits = [(resource.RLIMIT_AS, limits.memory_mb * 2**20), (resource.RLIMIT_CPU, run_cpu_seconds(limits, timeout_s, cpu_s)),
                    (resource.RLIMIT_FSIZE, limits.max_file_mb * 2**20), (resource.RLIMIT_NOFILE, limits.max_open_files), (resource.RLIMIT_CORE, 0)]
         request = json.dumps({"files": files, "argv": argv, "timeout_s": timeout_s, "tmp_bytes": limits.tmp_mb * 2**20, "rlimits": rlimits}).encode()
         pipes = [os.pipe() for _ in range(6)]  # request, stdin, stdout, stderr, report, status
@@ -370,7 +370,8 @@ class ForkServers:
         self.idle: list[_Server] = []
         self.lock = threading.Lock()
 
-    def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None = None, timeout_s: float | None = None) -> SandboxResult:
+    def run(self, files: dict[str, str], argv: list[str], stdin: bytes | None = None, timeout_s: float | None = None,
+            cpu_s: float | None = None) -> SandboxResult:
         with self.lock:
             server = self.idle.pop() if self.idle else None
         if server is None or not server.alive:
@@ -378,7 +379,7 @@ class ForkServers:
                 server.close()
             server = _Server(self.limits)
         try:
-            result = server.run(files, argv, stdin, self.limits.timeout_s if timeout_s is None else timeout_s)
+            result = server.run(files, argv, stdin, self.limits.timeout_s if timeout_s is None else timeout_s, cpu_s)
         except BaseException:
             server.close()
             raise

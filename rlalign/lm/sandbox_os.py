@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import os
 import select
 import signal
@@ -166,6 +167,14 @@ ulimit -v "$1" && ulimit -t "$2" && ulimit -f "$3" && ulimit -n "$4" && ulimit -
 shift 6
 exec "$@"
 """
+
+
+def run_cpu_seconds(limits: SandboxLimits, timeout_s: float | None, cpu_s: float | None) -> int:
+    """The CPU seconds per process of one run: ``cpu_s`` when given, else the limits' raised to the
+    run's wall time ``timeout_s``; whole seconds (RLIMIT_CPU's unit), rounded up."""
+    if cpu_s is not None:
+        return max(1, math.ceil(cpu_s))
+    return max(limits.cpu_s, math.ceil(timeout_s or 0))
 
 
 def setup_command(limits: SandboxLimits, group: _Cgroup | None, cpu_s: int | str) -> list[str]:

@@ -142,7 +142,17 @@ class RewardConfig(Config):
         "auto", description="function: code_execution: the format of each row's tests; auto = by its columns (test + entry_point: humaneval, "
         "test_list: mbpp, input_output / verification_info / public_tests or JSON tests: stdio, or call with a fn_name, tests: asserts)",
     )
-    case_timeout_s: float = Field(4.0, gt=0, description="function: code_execution: time limit of one test case (an assert, a call, a run on one input)")
+    case_timeout_s: float = Field(
+        4.0, gt=0, description="function: code_execution: CPU seconds one test case may use (an assert, a call, a run on one input); "
+        "the wall clock is only a generous backstop (wall_factor times this)",
+    )
+    wall_factor: float = Field(
+        10.0, ge=1, description="function: code_execution: the wall-clock backstop of a case (and of the program's start) as a multiple of its CPU limit",
+    )
+    on_timeout: Literal["skip", "zero"] = Field(
+        "skip", description="function: code_execution: a completion whose run hit the wall-clock backstop twice (a host too slow, not a program "
+        "over its CPU limit): skip = leave the term out for it, as on_error: skip does, counted as reward/<name>/timed_out; zero = score it 0",
+    )
     allow_weak_sandbox: bool = Field(
         False, description="function: code_execution: run where bubblewrap cannot isolate programs, in a weak sandbox a hostile program can escape"
     )
@@ -160,7 +170,7 @@ class RewardConfig(Config):
         if self.reward_model is None and self.input_format != "auto":
             raise ValueError("input_format goes with reward_model")
         code_fields = {"partial_credit": self.partial_credit, "allow_weak_sandbox": self.allow_weak_sandbox, "code_format": self.code_format != "auto",
-                       "case_timeout_s": self.case_timeout_s != 4.0}
+                       "case_timeout_s": self.case_timeout_s != 4.0, "wall_factor": self.wall_factor != 10.0, "on_timeout": self.on_timeout != "skip"}
         if self.function != "code_execution" and any(code_fields.values()):
             raise ValueError(f"{', '.join(k for k, v in code_fields.items() if v)}: only for function: code_execution")
         return self

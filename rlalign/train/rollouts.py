@@ -153,7 +153,7 @@ def _builtin_reward(spec: RewardConfig, prompts: Sequence[PromptExample], tokeni
     if name == "code_execution":
         return code_execution(
             _code_rows(prompts, tokenizer, spec.code_format), partial_credit=spec.partial_credit, allow_weak_sandbox=spec.allow_weak_sandbox,
-            code_format=spec.code_format, case_timeout_s=spec.case_timeout_s,
+            code_format=spec.code_format, case_timeout_s=spec.case_timeout_s, wall_factor=spec.wall_factor, on_timeout=spec.on_timeout,
         )
     return None
 

@@ -43,6 +43,15 @@ def survivors(marker: str) -> list[str]:
     return [pid for pid in found if int(pid) != os.getpid()]
 
 
+def survivors_after_exit(marker: str, backstop_s: float = 60.0) -> list[str]:
+    """:func:`survivors`, once they are gone or after ``backstop_s``: a killed process leaves a moment
+    after its kill, later on a busy host."""
+    deadline = time.monotonic() + backstop_s
+    while (found := survivors(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def test_the_trainers_files_and_environment_are_out_of_sight():
     before = open(SOURCE).read()
     result = run(
@@ -101,11 +110,9 @@ def test_no_network_not_even_the_hosts_loopback_or_unix_sockets(tmp_path):
 
 def test_a_fork_bomb_is_held_to_the_process_limit_and_dies_with_the_run():
     marker = f"bomb-{uuid.uuid4().hex}"
-    started = time.monotonic()
     result = run(f"import os, time\n# {marker}\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.01)\n", timeout_s=2.0, max_processes=16)
-    assert result.timed_out and time.monotonic() - started < 10
-    time.sleep(0.5)
-    assert survivors(marker) == []
+    assert result.timed_out
+    assert survivors_after_exit(marker) == []
 
 
 def test_memory_through_forks_is_capped_for_the_whole_tree():
@@ -123,15 +130,13 @@ def test_memory_through_forks_is_capped_for_the_whole_tree():
 
 def test_an_orphan_in_its_own_session_does_not_outlive_the_run_or_hold_the_trainer():
     marker = f"orphan-{uuid.uuid4().hex}"
-    started = time.monotonic()
     result = run(
         "import subprocess, sys\n"
         f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)  # {marker}'], start_new_session=True)\nprint('parent done')\n",
-        timeout_s=3.0,
+        timeout_s=20.0,
     )
-    assert time.monotonic() - started < 10 and b"parent done" in result.stdout
-    time.sleep(0.5)
-    assert survivors(marker) == []
+    assert b"parent done" in result.stdout and not result.timed_out  # the run ended with its program, not at its 20 s limit (the orphan sleeps 60)
+    assert survivors_after_exit(marker) == []
 
 
 def test_a_stderr_flood_is_read_up_to_the_cap_and_does_not_grow_the_trainer():

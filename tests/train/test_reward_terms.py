@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 
 import pytest
 import torch
@@ -75,18 +75,27 @@ async def slow_digits(prompts, completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in c)) for c in completions]
 
 
-async def slow_length(prompts, completions, **kwargs):
-    await asyncio.sleep(0.5)
-    return [float(len(c)) for c in completions]
-
-
 def test_async_functions_wait_together_and_score_as_their_sync_twins():
+    # each function answers only once the other has started: called one after the other, the first
+    # would wait for the second until its 60 s backstop and raise
+    started: set[str] = set()
+
+    def together(name: str, other: str, score):
+        async def fn(prompts, completions, **kwargs):
+            started.add(name)
+            for _ in range(6000):
+                if other in started:
+                    return [score(c) for c in completions]
+                await asyncio.sleep(0.01)
+            raise TimeoutError(f"{other} never started while {name} waited")
+
+        return fn
+
     prompts, completions = ["a", "b", "c"], ["12x", "", "7"]
-    start = time.monotonic()
-    digits, length = score_terms([CallPolicy("digits", slow_digits), CallPolicy("len", slow_length)], prompts, completions)
-    waited = time.monotonic() - start
+    digits_fn = together("digits", "len", lambda c: float(sum(ch.isdigit() for ch in c)))
+    length_fn = together("len", "digits", lambda c: float(len(c)))
+    digits, length = score_terms([CallPolicy("digits", digits_fn), CallPolicy("len", length_fn)], prompts, completions)
     assert digits.values.tolist() == [2.0, 0.0, 1.0] and length.values.tolist() == [3.0, 0.0, 1.0]
-    assert waited < 0.9  # two waits of 0.5 s overlap (one after the other would be 1.0 s)
 
 
 def test_an_async_function_trains_through_grpo(tiny_path, tmp_path):
@@ -130,21 +139,26 @@ def test_bad_values_are_errors_or_skipped_rows_never_zeros():
 
 
 def test_a_call_past_its_time_limit_is_an_error_or_a_skipped_batch():
+    # both functions would answer after 600 s: a call that waited for them would return their scores
+    # (and the test would take that long) instead of failing at its limit
+    release = threading.Event()
+
     async def sleepy(prompts, completions):
-        await asyncio.sleep(5)
+        await asyncio.sleep(600)
         return [1.0] * len(prompts)
 
     def sleepy_sync(prompts, completions):
-        time.sleep(1)
+        release.wait(600)
         return [1.0] * len(prompts)
 
-    for fn in (sleepy, sleepy_sync):
-        start = time.monotonic()
-        with pytest.raises(RewardFunctionError, match=rf"{fn.__name__} took longer than its timeout_s=0.2 \(batch of 2, first prompt 'a'\)"):
-            score_terms([CallPolicy(fn.__name__, fn, timeout_s=0.2)], ["a", "b"], ["x", "y"])
-        assert time.monotonic() - start < 0.9
-        (skipped,) = score_terms([CallPolicy(fn.__name__, fn, on_error="skip", timeout_s=0.2)], ["a", "b"], ["x", "y"])
-        assert skipped.failed.tolist() == [True, True]
+    try:
+        for fn in (sleepy, sleepy_sync):
+            with pytest.raises(RewardFunctionError, match=rf"{fn.__name__} took longer than its timeout_s=0.2 \(batch of 2, first prompt 'a'\)"):
+                score_terms([CallPolicy(fn.__name__, fn, timeout_s=0.2)], ["a", "b"], ["x", "y"])
+            (skipped,) = score_terms([CallPolicy(fn.__name__, fn, on_error="skip", timeout_s=0.2)], ["a", "b"], ["x", "y"])
+            assert skipped.failed.tolist() == [True, True]
+    finally:
+        release.set()  # the synchronous calls' threads run on until their function returns
 
 
 def word_count(completions, **kwargs):
