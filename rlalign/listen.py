@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 from rlalign.errors import RLAlignError
 
-__all__ = ["bound_socket", "base_url"]
+__all__ = ["bound_socket", "base_url", "is_loopback"]
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -28,3 +29,13 @@ def bound_socket(host: str, port: int) -> socket.socket:
 def base_url(host: str, port: int) -> str:
     """http://host:port, with an IPv6 address in brackets."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only: ``localhost``, 127.0.0.0/8 or ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False

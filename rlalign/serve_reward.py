@@ -11,7 +11,7 @@ Routes (the JSON protocol of docs/reward_protocol.md, which :class:`rlalign.lm.r
   OpenRLHF's ``query`` (prompt + response text) with ``prompts`` stands for ``completions``: each
   completion is its query with the prompt cut off the front; its ``labels`` become the
   ``--label-column`` column (``answer`` by default) when ``columns`` has none.
-- ``GET /health`` -> ``{"status": "ok", "reward": name}``.
+- ``GET /health`` -> ``{"status": "ok", "reward": name}`` (never needs the token).
 
 A function is called as the trainer calls one (:func:`rlalign.lm.rewards.call_reward`, TRL's
 keywords: ``prompts``, ``completions``, the columns it names, ``trainer_state`` with ``global_step``);
@@ -22,10 +22,17 @@ function that raises or returns something other than one finite number (or None)
 
 One batch at a time: requests are scored in a worker thread (the server keeps answering ``/health``)
 under one lock, since a model's forward already uses every core it is given and a user's function
-need not be thread-safe. Concurrent clients queue; run more servers for more throughput.
+need not be thread-safe. Concurrent clients queue, at most ``max_queue`` requests waiting or being
+scored; past that a request gets 503 with ``Retry-After`` at once. Run more servers for more throughput.
 
-Safety: binds to the loopback address unless told otherwise; there is no authentication, so bind
-another address only on a network you trust. It takes no file paths from requests.
+Safety: binds to the loopback address unless told otherwise. With a token (``--token``, or better the
+environment variable ``RLALIGN_REWARD_TOKEN``: a command line shows in ``ps``) every route but
+``GET /health`` needs ``Authorization: Bearer <token>``, compared in constant time; a missing or wrong
+one gets 401. On any address other than loopback (127.0.0.0/8, ::1, localhost) the command refuses to
+start without a token, unless ``--no-auth`` says to serve unauthenticated (with a warning). The token
+travels in clear over plain HTTP: across an untrusted network put a TLS proxy or an SSH tunnel in front.
+A body over ``max_body_bytes`` (Content-Length, or the bytes of a chunked body as they arrive) gets
+413. It takes no file paths from requests.
 """
 
 from __future__ import annotations
@@ -33,7 +40,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import inspect
+import json
+import os
 import sys
 import threading
 import time
@@ -42,18 +52,43 @@ from types import SimpleNamespace
 from typing import Any
 
 from rlalign.errors import RLAlignError
-from rlalign.listen import base_url, bound_socket
+from rlalign.listen import base_url, bound_socket, is_loopback
 from rlalign.lm.remote_reward import check_rewards
 from rlalign.lm.reward_calls import import_reward_function
 from rlalign.lm.rewards import RewardFunctionError, call_reward, reward_fn_name
 
-__all__ = ["LOOPBACK", "RequestError", "parse_request", "score_rows", "load_function", "load_model_reward", "create_app", "running", "add_arguments", "run"]
+__all__ = [
+    "LOOPBACK", "TOKEN_ENV", "RequestError", "server_token", "parse_request", "score_rows", "load_function", "load_model_reward",
+    "create_app", "running", "add_arguments", "run",
+]
 
 LOOPBACK = "127.0.0.1"
+TOKEN_ENV = "RLALIGN_REWARD_TOKEN"  # the variable the server (and, by default, a reward_url term) reads its token from
+MAX_BODY_BYTES = 16 * 2**20
+MAX_QUEUE = 8
 
 
 class RequestError(ValueError):
     """A request that is not the protocol: the message names the field."""
+
+
+def server_token(host: str, token: str | None, no_auth: bool) -> str | None:
+    """The token a server on ``host`` enforces: ``token`` (None or "": none), or None with ``no_auth``.
+
+    Raises:
+        RLAlignError: when ``host`` is not loopback and there is neither a token nor ``no_auth``, or when
+            the token is not one a header can carry (the message never shows it).
+    """
+    if no_auth:
+        return None
+    if not token and not is_loopback(host):
+        raise RLAlignError(
+            f"refusing to listen on {host} without a token: set the environment variable {TOKEN_ENV} (or pass --token), "
+            "or pass --no-auth to serve anyone who can reach this address"
+        )
+    if token and not (token.isascii() and token.isprintable() and token == token.strip()):
+        raise RLAlignError(f"the token (from --token or {TOKEN_ENV}) must be printable ASCII without surrounding spaces, as an HTTP header carries it")
+    return token or None
 
 
 def _check_text_or_messages(value: Any, field: str) -> None:
@@ -91,7 +126,8 @@ def parse_request(body: Any, label_column: str | None = "answer") -> tuple[list,
         raise RequestError(f"completions: {len(completions)} values for {len(prompts)} prompts")
     for i, c in enumerate(completions):
         _check_text_or_messages(c, f"completions[{i}]")
-    columns = body.get("columns") or {}
+    columns = body.get("columns")
+    columns = {} if columns is None else columns
     if not isinstance(columns, dict):
         raise RequestError("columns: expected an object {name: [one value per row]}")
     for name, values in columns.items():
@@ -168,30 +204,108 @@ def load_model_reward(
     return RewardModelReward(model, load_tokenizer(path), fmt, batch_size=batch_size, max_length=max_length)
 
 
-def create_app(fn: Callable, name: str | None = None, label_column: str | None = "answer"):
-    """The Starlette app serving ``fn`` (a reward function or a :class:`RewardModelReward`)."""
+def _error(status: int, message: str, headers: dict[str, str] | None = None):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class _BearerToken:
+    """ASGI middleware: every request but ``GET /health`` needs ``Authorization: Bearer <token>`` (else 401)."""
+
+    def __init__(self, app, token: str):
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        from starlette.requests import Request
+
+        if scope["type"] != "http" or (scope["method"] in ("GET", "HEAD") and scope["path"] == "/health"):
+            return await self.app(scope, receive, send)
+        scheme, _, given = Request(scope).headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            refusal = _error(401, "this server needs the header 'Authorization: Bearer <token>'", {"WWW-Authenticate": "Bearer"})
+        elif not hmac.compare_digest(given.strip().encode("latin-1"), self.token):  # latin-1: the header's bytes as sent
+            refusal = _error(401, "the bearer token was refused", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        else:
+            return await self.app(scope, receive, send)
+        await refusal(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The request's body.
+
+    Raises:
+        _TooLarge: as soon as its Content-Length or the bytes read pass ``limit``.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused unread; any other form ("5, 5") is left to the count
+        raise _TooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(
+    fn: Callable, name: str | None = None, label_column: str | None = "answer", *,
+    token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE,
+):
+    """The Starlette app serving ``fn`` (a reward function or a :class:`RewardModelReward`).
+
+    Args:
+        token: when set, every route but ``GET /health`` needs ``Authorization: Bearer <token>``.
+        max_body_bytes: the largest request body; a larger one gets 413.
+        max_queue: scoring requests waiting or being scored at once; one more gets 503 with ``Retry-After``.
+    """
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
-    from starlette.requests import Request
+    from starlette.middleware import Middleware
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    if token == "":
+        raise ValueError("create_app: token is empty; pass None to serve without one")
+    if max_body_bytes < 1 or max_queue < 1:
+        raise ValueError(f"create_app: max_body_bytes and max_queue must be >= 1, got {max_body_bytes} and {max_queue}")
     name = name or reward_fn_name(fn)
     lock = threading.Lock()  # one batch at a time (module docstring)
+    queued = 0  # scoring requests admitted and not yet answered; only the event loop's thread changes it
 
     def scored(prompts, completions, columns, context):
         with lock:
             return score_rows(fn, prompts, completions, columns, context, name)
 
     async def score(request: Request) -> JSONResponse:
+        nonlocal queued
+        if queued >= max_queue:
+            return _error(503, f"the server is busy: {max_queue} scoring requests are already queued; retry later", {"Retry-After": "1"})
+        queued += 1
         try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"error": "request body: not JSON"}, status_code=400)
+            return await score_admitted(request)
+        finally:
+            queued -= 1
+
+    async def score_admitted(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await _read_body(request, max_body_bytes))
+        except _TooLarge:
+            return _error(413, f"request body: more than the server's limit of {max_body_bytes} bytes; send smaller batches")
+        except ClientDisconnect:
+            return _error(400, "request body: the client disconnected before sending all of it")
+        except (ValueError, RecursionError):
+            return _error(400, "request body: not JSON")
         try:
             prompts, completions, columns, context = parse_request(body, label_column)
         except RequestError as err:
-            return JSONResponse({"error": str(err)}, status_code=400)
+            return _error(400, str(err))
         try:
             rewards = await run_in_threadpool(scored, prompts, completions, columns, context)
         except RewardFunctionError as err:
@@ -202,10 +316,11 @@ def create_app(fn: Callable, name: str | None = None, label_column: str | None =
         return JSONResponse({"status": "ok", "reward": name})
 
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {str(exc)[:200]}"}, status_code=500)
+        return _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
 
     routes = [Route("/score", score, methods=["POST"]), Route("/get_reward", score, methods=["POST"]), Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={Exception: internal_error})
+    middleware = [] if token is None else [Middleware(_BearerToken, token=token)]
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={Exception: internal_error})
 
 
 def _server(app, host: str, port: int):
@@ -240,8 +355,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--reward-model", metavar="DIR", help="a reward-model checkpoint (from `rlalign rm`, or a Hugging Face sequence classifier with one label)")
     what.add_argument("--function", metavar="MODULE:FUNCTION", help="a Python reward function, e.g. my_rewards:length_penalty (the current directory is importable)")
-    parser.add_argument("--host", default=LOOPBACK, help="address to listen on (default: 127.0.0.1, this machine only; there is no authentication)")
+    parser.add_argument("--host", default=LOOPBACK, help="address to listen on (default: 127.0.0.1, this machine only); any other address needs a token or --no-auth")
     parser.add_argument("--port", type=int, default=5000, help="port (default: 5000, OpenRLHF serve_rm's; 0 picks a free one)")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument("--token", default=None, help=f"bearer token every request but GET /health must send (default: ${TOKEN_ENV}; prefer the variable, since a command line shows in ps)")
+    auth.add_argument("--no-auth", action="store_true", help="serve without a token even on an address other than loopback: anyone who can reach it can call the reward")
+    parser.add_argument("--max-body-mb", type=float, metavar="MIB", default=MAX_BODY_BYTES / 2**20, help="largest request body in MiB; a larger one gets 413 (default: 16)")
+    parser.add_argument("--max-queue", type=int, metavar="N", default=MAX_QUEUE, help="scoring requests waiting or being scored at once; more get 503 with Retry-After (default: 8)")
     parser.add_argument("--name", default=None, help="the reward's name in /health and errors (default: the function's or model's)")
     parser.add_argument("--label-column", default="answer", help="the column OpenRLHF's 'labels' fill when a request has no such column (default: answer)")
     model = parser.add_argument_group("with --reward-model")
@@ -258,14 +378,19 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         print(f"rlalign serve-reward: --port must be in 0..65535, got {args.port}", file=sys.stderr)
         return 2
+    if args.max_body_mb <= 0 or args.max_queue < 1:
+        print(f"rlalign serve-reward: --max-body-mb must be > 0 and --max-queue >= 1, got {args.max_body_mb:g} and {args.max_queue}", file=sys.stderr)
+        return 2
+    token = server_token(args.host, args.token or os.environ.get(TOKEN_ENV), args.no_auth)  # before loading or binding anything
+    if args.no_auth and not is_loopback(args.host):
+        print(f"rlalign serve-reward: warning: listening on {args.host} without authentication (--no-auth): anyone who can reach it can call the reward", file=sys.stderr)
     if args.reward_model:
         fn = load_model_reward(args.reward_model, args.dtype, args.device, args.batch_size, args.max_length, args.attn_implementation, args.input_format)
     else:
         fn = load_function(args.function)
     name = args.name or reward_fn_name(fn)
-    server, sock = _server(create_app(fn, name, args.label_column), args.host, args.port)
-    if args.host not in (LOOPBACK, "localhost", "::1"):
-        print(f"rlalign serve-reward: listening on {args.host}, reachable from other machines, without authentication", file=sys.stderr)
+    app = create_app(fn, name, args.label_column, token=token, max_body_bytes=max(1, int(args.max_body_mb * 2**20)), max_queue=args.max_queue)
+    server, sock = _server(app, args.host, args.port)
     print(f"rlalign serve-reward: {name} at {base_url(args.host, sock.getsockname()[1])}/score (Ctrl-C to stop)", flush=True)
     server.run(sockets=[sock])
     return 0

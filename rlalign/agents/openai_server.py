@@ -27,6 +27,9 @@ when calls were parsed, ``stop`` at EOS or a stop string, ``length`` at ``max_to
 "type": "invalid_request_error", "param", "code"}}``, the message naming the field; an episode that
 is not open gets 404, one past its ``max_calls`` 400 (param ``max_calls``).
 
+Safety: it listens on a loopback address only (another host is refused), since anyone who can reach
+it can sample the policy; there is no authentication.
+
 Recording: each choice of each call is a :class:`CallRecord` of the episode: the prompt ids as
 rendered, the completion ids exactly as sampled (never decoded and encoded again; cut after the token
 that completes a stop string, EOS kept), the sampler's log-probs of those ids, and whether it hit
@@ -287,6 +290,8 @@ class PolicyServer:
             one its chat template writes (tags without one).
         max_calls: requests one episode may make; past that, 400.
         max_context: prompt + max_tokens limit (None: unchecked).
+        host: a loopback address (127.0.0.0/8, ::1, localhost); the endpoint has no authentication, so
+            any other is refused.
     """
 
     def __init__(
@@ -295,7 +300,10 @@ class PolicyServer:
         batch_wait_s: float = 0.005, max_batch_rows: int = 256, seed: int = 0, host: str = "127.0.0.1", model_name: str = "policy",
     ):
         from rlalign.agents.tool_calls import call_format as format_named
+        from rlalign.listen import is_loopback
 
+        if not is_loopback(host):
+            raise ValueError(f"PolicyServer: host must be a loopback address (the endpoint has no authentication), got {host!r}")
         self.tokenizer, self.generate = tokenizer, generate
         self.call_format = call_format or format_named("auto", tokenizer)
         self.max_new_tokens, self.defaults, self.top_k = max_new_tokens, (temperature, top_p), top_k

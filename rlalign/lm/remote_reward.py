@@ -23,6 +23,10 @@ a 500 whose body says ``"retryable": false`` (``rlalign serve-reward``'s answer 
 raised, which a retry would only repeat), a body that is not JSON, a missing ``rewards`` list, the wrong
 number of rewards or a value that is not a finite number or null fail at once.
 
+Authentication: with a ``token`` (or one read from the environment variable ``token_env``) each request
+carries ``Authorization: Bearer <token>``. A 401 answer is an error saying whether no token was sent or
+the token was refused, naming the variable; the token itself is never in a message or the repr.
+
 One code path: the synchronous call runs :meth:`RemoteReward.acall` on an event loop of its own (on a
 worker thread when the caller is already inside one); ``max_concurrency`` batches are in flight at once.
 As a reward term, the trainers await its ``acall`` on their event loop beside the other async terms
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -73,12 +78,13 @@ def _server_message(response: httpx.Response) -> tuple[str, bool]:
 
 async def post_json(
     client: httpx.AsyncClient, url: str, body: bytes, *, max_retries: int, backoff: float, what: str,
-    timeout: float | None = None, retry_statuses: Iterable[int] = RETRY_STATUSES, on_retry=None,
+    timeout: float | None = None, retry_statuses: Iterable[int] = RETRY_STATUSES, on_retry=None, unauthorized: str | None = None,
 ) -> Any:
     """POST ``body`` (JSON bytes) to ``url`` and return the decoded JSON answer, retrying connection
     errors, timeouts and ``retry_statuses`` up to ``max_retries`` times (waits backoff, 2 backoff, ...).
     ``timeout``: seconds for the whole of one try (the client's own limits apply to each phase of it).
     ``on_retry()`` runs before each retry. ``what`` ends the error message (e.g. the batch's first prompt).
+    ``unauthorized``: the message of a 401 answer, in place of the server's (which may quote a token back).
 
     Raises:
         RewardFunctionError: naming ``url``, the HTTP status and the server's message (or the transport
@@ -101,6 +107,8 @@ async def post_json(
                 except ValueError:
                     raise RewardFunctionError(f"POST {url}: HTTP {response.status_code} with a body that is not JSON: {response.text[:200]!r} ({what})") from None
             message, allowed = _server_message(response)
+            if response.status_code == 401 and unauthorized is not None:
+                message = unauthorized
             problem = f"HTTP {response.status_code}: {message}"
             retryable = allowed and response.status_code in retry_statuses
         if not retryable or attempt == max_retries:
@@ -143,8 +151,11 @@ class RemoteReward:
         max_concurrency: requests in flight at once.
         columns: the row columns to send (None: every column the caller passes whose value has one entry per row).
         label_column: the column also sent as OpenRLHF's ``labels`` when the rows have it (None: never).
-        headers: extra HTTP headers, e.g. ``{"Authorization": "Bearer ..."}``.
+        headers: extra HTTP headers.
         retry_statuses: the HTTP statuses retried.
+        token: sent as ``Authorization: Bearer <token>`` (None: read from ``token_env``).
+        token_env: the environment variable read for the token when ``token`` is None (unset or empty: no
+            token), and named by the error of a 401 answer.
 
     Counters: ``requests`` (batches answered) and ``retries`` (requests tried again) since construction;
     :meth:`pop_stats` returns the retries since its last call, for a trainer to log.
@@ -163,6 +174,8 @@ class RemoteReward:
         label_column: str | None = "answer",
         headers: Mapping[str, str] | None = None,
         retry_statuses: Iterable[int] = RETRY_STATUSES,
+        token: str | None = None,
+        token_env: str | None = None,
     ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"reward_url must start with http:// or https://, got {url!r}")
@@ -174,6 +187,13 @@ class RemoteReward:
         self.label_column, self.headers, self.retry_statuses = label_column, dict(headers or {}), frozenset(retry_statuses)
         self.requests = self.retries = 0
         self._retries_logged = 0
+        self.token_env = token_env
+        self._token_source = "passed as RemoteReward(token=...)"
+        if token is None and token_env:
+            token, self._token_source = os.environ.get(token_env), f"from the environment variable {token_env}"
+        if token and not (token.isascii() and token.isprintable() and token == token.strip()):
+            raise ValueError(f"{self.name}: the bearer token {self._token_source} must be printable ASCII without surrounding spaces")
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}  # kept out of ``headers``, which callers may print
 
     def __call__(self, prompts: list, completions: list, trainer_state: Any = None, **columns: Sequence) -> list[float | None]:
         """One reward per completion (None where the server says the reward does not apply)."""
@@ -193,7 +213,7 @@ class RemoteReward:
             raise RewardFunctionError(f"{self.name}: the rows have no column {missing[0]!r} to send (prompt {prompts[0]!r:.200})")
         step = getattr(trainer_state, "global_step", None)
         limit = asyncio.Semaphore(self.max_concurrency)
-        async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
+        async with httpx.AsyncClient(timeout=self.timeout, headers={**self.headers, **self._auth}) as client:
 
             async def batch(start: int) -> list[float | None]:
                 rows = slice(start, start + self.batch_size)
@@ -202,6 +222,7 @@ class RemoteReward:
                     answer = await post_json(
                         client, self.url, body, max_retries=self.max_retries, backoff=self.backoff, timeout=self.timeout, retry_statuses=self.retry_statuses,
                         what=f"{self.name}, batch of {len(prompts[rows])} from prompt {prompts[start]!r:.200}", on_retry=self._count_retry,
+                        unauthorized=self._unauthorized(),
                     )
                 self.requests += 1
                 return self._rewards(answer, prompts[rows])
@@ -220,6 +241,14 @@ class RemoteReward:
 
     def _count_retry(self) -> None:
         self.retries += 1
+
+    def _unauthorized(self) -> str:
+        """What a 401 answer means for this client: no token sent, or its token refused; naming ``token_env``."""
+        if self._auth:
+            return f"the server refused the bearer token {self._token_source}"
+        if self.token_env:
+            return f"the server needs a bearer token and none was sent: the environment variable {self.token_env} is not set"
+        return "the server needs a bearer token and none was sent: set token_env to the environment variable holding it"
 
     def _body(self, prompts: list, completions: list, columns: dict[str, list], step: int | None) -> bytes:
         payload: dict[str, Any] = {"prompts": prompts, "completions": completions, "columns": columns}

@@ -70,6 +70,10 @@ class RemoteConfig(Config):
     max_retries: int = Field(3, ge=0, description="further tries of a request after a connection error, a timeout, 429 or 5xx (backoff doubling from 0.5 s)")
     max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
     label_column: str | None = Field("answer", description="row column also sent as OpenRLHF's 'labels' (null: none)")
+    token_env: str | None = Field(
+        "RLALIGN_REWARD_TOKEN", description="environment variable holding the bearer token sent to the server, read when the term is built "
+        "(unset: no token; null: never send one); the token itself never goes in a config"
+    )
 
 
 class JudgeConfig(Config):

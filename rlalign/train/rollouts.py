@@ -204,7 +204,7 @@ def _remote_reward(spec: RewardConfig) -> Callable:
     r = spec.remote
     return RemoteReward(
         spec.reward_url, name=spec.label, batch_size=r.batch_size, timeout=r.request_timeout_s, max_retries=r.max_retries,
-        max_concurrency=r.max_concurrency, label_column=r.label_column,
+        max_concurrency=r.max_concurrency, label_column=r.label_column, token_env=r.token_env,
     )
 
 

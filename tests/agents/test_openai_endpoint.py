@@ -210,3 +210,19 @@ def test_closed_episodes_get_404_and_max_calls_400(tiny):
             c.chat.completions.create(model="policy", messages=USER)
         assert len(server.close_episode("e")) == 2
         assert [m.id for m in client(server).models.list().data] == ["policy"]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.20", "policy.example.com"])
+def test_the_endpoint_refuses_any_host_but_loopback(tiny, host):
+    _, tok = tiny
+    with pytest.raises(ValueError, match=f"PolicyServer: host must be a loopback address .the endpoint has no authentication., got '{host}'"):
+        PolicyServer(tok, scripted(tok, [chars(tok, "x")]), max_new_tokens=4, host=host)
+
+
+def test_the_endpoint_listens_on_loopback_by_default_and_on_another_loopback_address_when_asked(tiny):
+    _, tok = tiny
+    for host, base in [(None, "http://127.0.0.1:"), ("127.0.0.2", "http://127.0.0.2:")]:
+        kwargs = {} if host is None else {"host": host}
+        with PolicyServer(tok, scripted(tok, [chars(tok, "x")]), max_new_tokens=4, **kwargs) as server:
+            assert server.url().startswith(base)
+            assert [m.id for m in client(server).models.list().data] == ["policy"]

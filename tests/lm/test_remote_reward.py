@@ -259,3 +259,72 @@ def test_bad_settings_are_refused():
         RemoteReward("127.0.0.1:5000/score")
     with pytest.raises(ValueError, match="batch_size"):
         RemoteReward("http://127.0.0.1:5000/score", batch_size=0)
+
+
+# -- authentication ---------------------------------------------------------------------------------
+
+TOKEN = "client-side-s3cret"
+
+
+def test_the_token_is_sent_as_a_bearer_header_to_a_guarded_server(monkeypatch):
+    monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", TOKEN)
+    with running(create_app(length_and_answer, token=TOKEN)) as url:
+        assert RemoteReward(f"{url}/score", token=TOKEN)(["p", "q"], ["ab", "c"], answer=["ab", "x"]) == [12.0, 1.0]
+        assert RemoteReward(f"{url}/score", token_env="REWARD_TOKEN_FOR_TEST")(["p"], ["ab"], answer=["ab"]) == [12.0]
+
+
+def test_a_reward_url_term_reads_its_token_from_the_variable_its_config_names(monkeypatch):
+    from rlalign.train.rl_config import RewardConfig
+    from rlalign.train.rollouts import _remote_reward
+
+    monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", TOKEN)
+    monkeypatch.delenv("RLALIGN_REWARD_TOKEN", raising=False)
+    with running(create_app(length_and_answer, token=TOKEN)) as url:
+        named = _remote_reward(RewardConfig(reward_url=f"{url}/score", remote={"token_env": "REWARD_TOKEN_FOR_TEST"}))
+        assert named(["p"], ["ab"], answer=["ab"]) == [12.0]
+        default = RewardConfig(reward_url=f"{url}/score")
+        assert default.remote.token_env == "RLALIGN_REWARD_TOKEN" and TOKEN not in default.model_dump_json()
+        with pytest.raises(RewardFunctionError, match="none was sent: the environment variable RLALIGN_REWARD_TOKEN is not set"):
+            _remote_reward(default)(["p"], ["ab"], answer=["ab"])
+        monkeypatch.setenv("RLALIGN_REWARD_TOKEN", TOKEN)  # read when the term is built
+        assert _remote_reward(default)(["p"], ["ab"], answer=["ab"]) == [12.0]
+
+
+@pytest.mark.parametrize(
+    ("env_token", "message"),
+    [
+        (None, "HTTP 401: the server needs a bearer token and none was sent: the environment variable REWARD_TOKEN_FOR_TEST is not set"),
+        ("not-the-token", "HTTP 401: the server refused the bearer token from the environment variable REWARD_TOKEN_FOR_TEST"),
+    ],
+)
+def test_a_401_says_the_token_was_missing_or_refused_names_the_variable_and_is_not_retried(monkeypatch, env_token, message):
+    if env_token is None:
+        monkeypatch.delenv("REWARD_TOKEN_FOR_TEST", raising=False)
+    else:
+        monkeypatch.setenv("REWARD_TOKEN_FOR_TEST", env_token)
+    with running(create_app(length_and_answer, token=TOKEN)) as url:
+        remote = RemoteReward(f"{url}/score", token_env="REWARD_TOKEN_FOR_TEST", max_retries=3, backoff=0.01)
+        with pytest.raises(RewardFunctionError) as err:
+            remote(["first prompt"], ["a"], answer=["a"])
+    assert f"POST {url}/score failed: {message}" in str(err.value) and "'first prompt'" in str(err.value)
+    assert remote.retries == 0
+    if env_token is not None:
+        assert env_token not in str(err.value) and env_token not in repr(remote) and env_token not in str(remote.headers)
+
+
+def test_a_server_quoting_the_token_back_in_its_401_does_not_put_it_in_the_error():
+    async def echo(request: Request) -> JSONResponse:
+        return JSONResponse({"error": f"bad token {request.headers.get('authorization')}"}, status_code=401)
+
+    app = Starlette(routes=[Route("/score", echo, methods=["POST"])])
+    with running(app) as url:
+        with pytest.raises(RewardFunctionError, match=r"HTTP 401: the server refused the bearer token passed as RemoteReward\(token=...\)") as err:
+            RemoteReward(f"{url}/score", token=TOKEN)(["p"], ["c"])
+    assert TOKEN not in str(err.value)
+
+
+def test_a_token_a_header_cannot_carry_is_refused_without_showing_it():
+    for bad in (" padded", "line\nbreak", "tab\there", "ünïcode"):
+        with pytest.raises(ValueError, match=r"the bearer token passed as RemoteReward\(token=\.\.\.\) must be printable ASCII") as err:
+            RemoteReward("http://127.0.0.1:5000/score", token=bad)
+        assert bad not in str(err.value)
