@@ -30,10 +30,16 @@ which is much slower for a bfloat16-held model.
 
 Memory saved: the logits tensor shrinks from B (P + C) V to B C V values, a fraction
 P / (P + C) of it (half when prompt and completion are equally long), and its gradient shrinks
-alike.
+alike. :func:`completion_hidden` goes further: the same forward with the LM head left out, the
+(B, C, H) hidden states it would project, for :func:`rlalign.core.linear_logprobs.linear_token_logprobs`
+to turn into log-probs chunk by chunk, with no (B, C, V) logits at all. :func:`lm_head_of` says
+for which models the logits are exactly the head's output.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +50,34 @@ from rlalign.core.masks import position_ids_from_mask
 from rlalign.lm.model_modes import is_checkpointing
 from rlalign.lm.models import cache_argument
 
-__all__ = ["completion_positions", "completion_logits", "completion_logprobs", "rollout_logprobs"]
+__all__ = ["completion_positions", "completion_logits", "completion_hidden", "lm_head_of", "HEAD_LAST_MODEL_TYPES", "completion_logprobs", "rollout_logprobs"]
+
+# Architectures whose logits are exactly lm_head(last hidden state): nothing (a soft cap, a scale, a
+# multiplier) is applied after the head in their transformers forward.
+HEAD_LAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gpt2", "phi3", "olmo2"})
+
+
+def lm_head_of(model: nn.Module) -> nn.Linear | None:
+    """The LM head of ``model`` when its logits are exactly ``head(hidden)`` and it is a plain
+    ``nn.Linear`` (not a LoRA-wrapped or sharded one) in one process; else None (use the logits)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None  # DDP and FSDP2 expect every parameter used inside their forward
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in HEAD_LAST_MODEL_TYPES or not callable(getattr(model, "get_output_embeddings", None)):
+        return None
+    head = model.get_output_embeddings()
+    return head if type(head) is nn.Linear and type(head.weight) is nn.Parameter else None
+
+
+@contextlib.contextmanager
+def _head_left_out(model: nn.Module) -> Iterator[None]:
+    """The model's LM head made the identity while the block runs: its "logits" are the hidden states."""
+    head = model.get_output_embeddings()
+    head.forward = lambda hidden: hidden  # an instance attribute: nn.Module.__call__ finds it before the class's
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def completion_positions(prompt_len: int, completion_len: int, device: torch.device | str) -> Tensor:
@@ -76,6 +109,18 @@ def completion_logits(
     position_ids = position_ids_from_mask(attention_mask)  # (B, P + C)
     keep = completion_positions(prompt_ids.shape[1], completion_ids.shape[1], input_ids.device)  # (C,)
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
+
+
+def completion_hidden(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group_index: Tensor | None = None
+) -> Tensor:
+    """The last hidden states that predict each completion token, what :func:`completion_logits`
+    would project with the LM head (the same forward, shared prompts included). Only for a model
+    :func:`lm_head_of` accepts. Shape: (B, C, H)."""
+    if lm_head_of(model) is None:
+        raise ValueError(f"{type(model).__name__}: its logits are not exactly its LM head's output (lm_head_of); use completion_logits")
+    with _head_left_out(model):
+        return completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
 
 
 def _shared_prompt_logits(

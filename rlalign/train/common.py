@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig
 
 from rlalign.config import ConfigError
+from rlalign.errors import RLAlignError
 from rlalign.lm.encoding import encode_prompts, render_prompt
 from rlalign.lm.models import load_policy, load_tokenizer, resolve_model_path
 from rlalign.lm.rewards import score_completions
@@ -36,7 +37,28 @@ __all__ = [
     "make_optimizer",
     "generation_eval",
     "greedy_eval",
+    "OutOfMemory",
+    "memory_named",
 ]
+
+
+class OutOfMemory(RLAlignError, MemoryError):
+    """A pass ran out of device memory; the message names the settings that lower what it holds."""
+
+
+@contextlib.contextmanager
+def memory_named(what: str, rows: int, tokens: int):
+    """Turn an out-of-memory error inside the block (``what``: the pass, of ``rows`` rows x ``tokens``
+    completion tokens at once) into one :class:`OutOfMemory` naming the settings to lower."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise OutOfMemory(
+            f"out of memory in {what} ({rows} rows x {tokens} completion tokens at once): set micro_batch_size below {rows} (rows per "
+            "forward and backward; the same update), or model.gradient_checkpointing: true, or a lower model.logits_limit_mb "
+            f"(the LM head in chunks instead of the logits) ({detail})"
+        ) from None
 
 
 ADAPTER_CONFIG = "adapter_config.json"  # what peft writes beside a saved adapter

@@ -68,7 +68,7 @@ from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import autocast_context, forward_precision
 from rlalign.train.objectives import sampler_weights
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
-from rlalign.train.passes import completion_logits, logprobs_and_entropy, micro_batches, reference_logprobs
+from rlalign.train.passes import completion_logits, completion_logprobs, logprobs_and_entropy, micro_batches, reference_logprobs
 from rlalign.train.rl_config import RewardConfig, RLConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats
 from rlalign.train.sources import MixedSource, OfflineSource, RolloutSource, make_source
@@ -162,11 +162,16 @@ def distill_loss(
     Returns:
         (loss, stats): detached loss/distill, kl/reverse, jsd or adv/min and adv/max, entropy, tis/*.
     """
+    temperature, logits = cfg.sampling.temperature, None
     with forward_precision(cfg.model, policy):
-        logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V)
-    device, temperature = logits.device, cfg.sampling.temperature
+        if cfg.objective == "reverse_kl":  # the sampled tokens' log-probs: no (B, C, V) logits needed
+            logp, entropy = completion_logprobs(policy, rollout, temperature, "statistic", cfg.compile, cfg.model.logits_limit_mb)  # (B, C) each, float32
+        else:  # the full distributions, for the JSD over the vocabulary
+            logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V)
+    if logits is not None:
+        logp, entropy = logprobs_and_entropy(logits, rollout.completion_ids.to(logits.device), temperature, False)  # (B, C) each, float32
+    device = logp.device
     mask = mask.to(device)
-    logp, entropy = logprobs_and_entropy(logits, rollout.completion_ids.to(device), temperature, False)  # (B, C) each, float32
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
     stats: dict[str, Tensor] = {}
     if cfg.objective == "reverse_kl":
@@ -208,7 +213,8 @@ def distill_step(updater: Updater, teacher: nn.Module, source: RolloutSource, st
     teacher_logp = None
     if cfg.objective == "reverse_kl":
         rows = cfg.micro_batch_size or rollout.batch_size // m
-        teacher_logp = reference_logprobs(updater.module, teacher, rollout, cfg.sampling.temperature, rows, cfg.model.autocast, cfg.compile)  # (B, C)
+        teacher_logp = reference_logprobs(updater.module, teacher, rollout, cfg.sampling.temperature, rows, cfg.model.autocast, cfg.compile,
+                                          cfg.model.logits_limit_mb)  # (B, C)
     t_ref = time.perf_counter()
 
     # 3. one pass of minibatch updates, each one's gradient accumulated over micro-batches

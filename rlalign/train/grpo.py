@@ -80,7 +80,7 @@ from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.objectives import policy_objective, sampler_weights
-from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
+from rlalign.train.passes import completion_logprobs, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
 from rlalign.train.rollouts import RewardTerm, add_score_term, completion_stats, sample_rows, scored_stats
 from rlalign.train.sources import RolloutSource
@@ -171,11 +171,10 @@ def grpo_loss(
     Returns:
         (loss, stats): detached loss/policy, clip fractions, approx_kl, ratio stats, kl, entropy, tis/*.
     """
-    with forward_precision(cfg.model, policy):
-        logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
-    device = logits.device
-    completion_ids = rollout.completion_ids.to(device)
-    logp, entropy = logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature, cfg.entropy_coef > 0)  # (B, C) each, float32
+    with forward_precision(cfg.model, policy):  # the head's matmul under autocast too, as the logits' would be
+        entropy_mode = "gradient" if cfg.entropy_coef > 0 else "statistic"
+        logp, entropy = completion_logprobs(policy, rollout, cfg.sampling.temperature, entropy_mode, cfg.compile, cfg.model.logits_limit_mb)  # (B, C) each, float32
+    device = logp.device
     mask = mask.to(device)
     old_logp = logp.detach() if on_policy else rollout.logprobs.to(device)  # (B, C)
     sampler = (rollout.logprobs if sampler_logp is None or on_policy else sampler_logp).to(device)  # (B, C)
@@ -221,13 +220,14 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
-    ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, cfg.micro_batch_size or rollout.batch_size // m, autocast, cfg.compile) if cfg.beta > 0 else None
+    ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, cfg.micro_batch_size or rollout.batch_size // m, autocast, cfg.compile,
+                                  cfg.model.logits_limit_mb) if cfg.beta > 0 else None
     t_ref = time.perf_counter()
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated (the proximal policy), no pass needed for it
     mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's (behaviour policy's) log-probs
     if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics, or an older policy, are not the training forward's
         update_rows = [rows for mb in minibatches for rows in micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)]
-        old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile)  # (B, C), on the updates' row batches
+        old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C), on the updates' row batches
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()

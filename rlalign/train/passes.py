@@ -4,7 +4,16 @@ compare log-probs (the sampler's against the training forward's, pi against pi_o
 
     ref_logp = reference_logprobs(policy, reference, rollout, temperature, batch_size, autocast)   # (B, C)
     old_logp = training_logprobs(policy, rollout, temperature, minibatches, autocast)               # (B, C)
+    logp, entropy = completion_logprobs(policy, minibatch, temperature, "statistic")                 # (B, C) each
     logits = completion_logits(policy, minibatch)                                                    # (B, C, V)
+
+Log-probs come from the logits, which :mod:`rlalign.core.logprobs` reads in chunks; or, when the
+float32 logits of a pass would be larger than ``logits_limit_mb`` (``model.logits_limit_mb``), from
+the last hidden states and the LM head chunk by chunk, with no (B, C, V) logits at all
+(:mod:`rlalign.core.linear_logprobs`), where the model allows it (:func:`rlalign.lm.logprobs.lm_head_of`:
+one process, a plain head with nothing after it, not compiled). Both give the same values and
+gradients to float round-off; the chunked path's memory stays flat as rows grow, for one more
+matmul of the head in backward.
 """
 
 from __future__ import annotations
@@ -16,28 +25,35 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.core.kl import entropy_from_logits
+from rlalign.core.linear_logprobs import EntropyMode, linear_token_logprobs
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.lm import private
+from rlalign.lm.logprobs import completion_hidden, lm_head_of
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.models import reference_policy
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
-from rlalign.train.common import autocast_context
+from rlalign.train.common import autocast_context, memory_named
 
 __all__ = [
     "completion_logits",
     "share_prompts",
     "compiled_completion_logits",
     "rollout_token_logprobs",
+    "completion_logprobs",
     "logprobs_and_entropy",
     "reference_logprobs",
     "training_logprobs",
     "loss_mask",
     "micro_batches",
+    "LOGITS_LIMIT_MB",
     "logprob_mismatch",
     "ratio_deviation",
 ]
+
+
+LOGITS_LIMIT_MB = 1024.0  # rlalign.train.run_config.ModelConfig.logits_limit_mb's default
 
 
 def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False) -> Tensor:
@@ -73,12 +89,31 @@ def compiled_completion_logits() -> Callable[..., Tensor]:
     return torch.compile(lm_completion_logits, dynamic=True)
 
 
-def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: float, compiled: bool = False) -> Tensor:
-    """log pi(y_t | x, y_<t) of a rollout's completion tokens by :func:`completion_logits` (compiled
+def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: float, compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB) -> Tensor:
+    """log pi(y_t | x, y_<t) of a rollout's completion tokens by :func:`completion_logprobs` (compiled
     or not), 0 on padding; float32, on the CPU. Shape: (B, C)."""
-    logits = completion_logits(model, rollout, compiled)  # (B, C, V)
-    completion_ids, completion_mask = rollout.completion_ids.to(logits.device), rollout.completion_mask.to(logits.device)
-    return token_logprobs(logits, completion_ids, temperature).masked_fill(completion_mask == 0, 0.0).float().cpu()
+    logp, _ = completion_logprobs(model, rollout, temperature, "none", compiled, logits_limit_mb)  # (B, C)
+    return logp.masked_fill(rollout.completion_mask.to(logp.device) == 0, 0.0).float().cpu()
+
+
+def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, entropy: EntropyMode = "none",
+                        compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB) -> tuple[Tensor, Tensor | None]:
+    """log pi(y_t) of a rollout's completion tokens under softmax(logits / temperature) and, by
+    ``entropy`` ("none", "statistic": detached, "gradient": for an entropy bonus), the entropy of each
+    position; float32, on the model's device. From the hidden states and the LM head in chunks when
+    the float32 logits would pass ``logits_limit_mb`` and :func:`rlalign.lm.logprobs.lm_head_of`
+    allows it and the forward is not compiled (module docstring); else from :func:`completion_logits`
+    (faster: the chunked path computes the head's matmul once more in backward). Shapes: (B, C), (B, C) or None."""
+    head = lm_head_of(model)
+    logits_mb = rollout.completion_ids.numel() * (head.out_features if head is not None else 0) * 4 / 2**20
+    if head is None or logits_mb <= logits_limit_mb or (compiled and private.ready("compiled")):
+        logits = completion_logits(model, rollout, compiled)  # (B, C, V)
+        if entropy == "none":
+            return token_logprobs(logits, rollout.completion_ids.to(logits.device), temperature), None
+        return logprobs_and_entropy(logits, rollout.completion_ids.to(logits.device), temperature, entropy == "gradient")
+    r = rollout.to(head.weight.device)
+    hidden = completion_hidden(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts() else None)  # (B, C, H)
+    return linear_token_logprobs(hidden, head.weight, r.completion_ids, temperature, head.bias, entropy)
 
 
 def logprobs_and_entropy(logits: Tensor, completion_ids: Tensor, temperature: float, entropy_grad: bool) -> tuple[Tensor, Tensor]:
@@ -92,26 +127,30 @@ def logprobs_and_entropy(logits: Tensor, completion_ids: Tensor, temperature: fl
 
 @torch.no_grad()
 def reference_logprobs(
-    policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int, autocast: str = "none", compiled: bool = False
+    policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int, autocast: str = "none", compiled: bool = False,
+    logits_limit_mb: float = LOGITS_LIMIT_MB,
 ) -> Tensor:
     """Completion log-probs under the frozen reference (or the LoRA base, adapters off), by the same
     forward as the updates (compiled when they are), in minibatches of ``batch_size`` rows, under
     ``autocast`` (:attr:`rlalign.train.run_config.ModelConfig.autocast`). Shape: (B, C)."""
-    with reference_policy(policy, reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref):
-        return torch.cat([rollout_token_logprobs(ref, mb, temperature, compiled) for mb in rollout.minibatches(batch_size)])
+    with reference_policy(policy, reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref), \
+            memory_named("the reference pass", min(batch_size, rollout.batch_size), rollout.completion_ids.shape[1]):
+        return torch.cat([rollout_token_logprobs(ref, mb, temperature, compiled, logits_limit_mb) for mb in rollout.minibatches(batch_size)])
 
 
 @torch.no_grad()
 def training_logprobs(
-    policy: nn.Module, rollout: Rollout, temperature: float, minibatches: Sequence[Tensor | slice], autocast: str = "none", compiled: bool = False
+    policy: nn.Module, rollout: Rollout, temperature: float, minibatches: Sequence[Tensor | slice], autocast: str = "none", compiled: bool = False,
+    logits_limit_mb: float = LOGITS_LIMIT_MB,
 ) -> Tensor:
     """log pi_old recomputed by the training forward (:func:`completion_logits`, compiled or not as
     the updates are), on the same minibatches (same shapes, so the same kernels) as the updates that
     follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
-    with autocast_context(autocast, policy), evaluating(policy):
+    largest = max(len(torch.arange(rollout.batch_size)[batch]) for batch in minibatches)
+    with autocast_context(autocast, policy), evaluating(policy), memory_named("the pi_old pass", largest, rollout.completion_ids.shape[1]):
         for rows in minibatches:
-            logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled)
+            logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled, logits_limit_mb)
     return logprobs
 
 

@@ -64,7 +64,7 @@ from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.objectives import policy_objective, sampler_weights
-from rlalign.train.passes import completion_logits, logprobs_and_entropy, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
+from rlalign.train.passes import completion_logprobs, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats
 from rlalign.train.sources import RolloutSource
@@ -182,11 +182,10 @@ def policy_loss(
     """L_pi = aggregate(w * l) + c2 * L_H on one minibatch, l the ``loss_type`` objective (clipped surrogate, CISPO or
     SAPO) and w the sampler's importance weight (``tis_*``; else 1); ``rollout.logprobs`` = log pi_old, ``sampler_logp``:
     the sampler's log-probs when they are not pi_old's."""
-    with forward_precision(cfg.model, policy):
-        logits = completion_logits(policy, rollout, cfg.compile)  # (B, C, V), bfloat16 under autocast
-    device = logits.device
-    completion_ids = rollout.completion_ids.to(device)
-    logp, entropy = logprobs_and_entropy(logits, completion_ids, cfg.sampling.temperature, cfg.entropy_coef > 0)  # (B, C) each, float32
+    with forward_precision(cfg.model, policy):  # the head's matmul under autocast too, as the logits' would be
+        entropy_mode = "gradient" if cfg.entropy_coef > 0 else "statistic"
+        logp, entropy = completion_logprobs(policy, rollout, cfg.sampling.temperature, entropy_mode, cfg.compile, cfg.model.logits_limit_mb)  # (B, C) each, float32
+    device = logp.device
     old_logp, mask = rollout.logprobs.to(device), mask.to(device)
     max_len = cfg.sampling.max_new_tokens  # the fixed L of seq-mean-token-sum-norm
     weights, stats = sampler_weights(cfg, old_logp, old_logp if sampler_logp is None else sampler_logp.to(device), mask)  # (B, C) or None
@@ -238,7 +237,7 @@ def ppo_step(
     minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
     pass_rows = cfg.micro_batch_size or minibatch  # rows per no-grad forward
-    ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, pass_rows, autocast, cfg.compile)  # (B, C)
+    ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, pass_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(pass_rows)])  # (B, C)
     t_ref = time.perf_counter()
@@ -246,7 +245,7 @@ def ppo_step(
     if cfg.recompute_old_logprobs:  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + pass_rows) for s in range(0, rollout.batch_size, pass_rows)]
-        old_logp = training_logprobs(policy.module, rollout, temperature, chunks, autocast, cfg.compile)  # (B, C)
+        old_logp = training_logprobs(policy.module, rollout, temperature, chunks, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()

@@ -67,6 +67,11 @@ class ModelConfig(Config):
     sharding: Literal["ddp", "fsdp"] = Field(
         "ddp", description="under torchrun: ddp = a full copy per process (DDP); fsdp = parameters, gradients and optimiser state sharded (FSDP2)"
     )
+    logits_limit_mb: float = Field(
+        1024.0, ge=0, description="largest float32 logits (rows x completion tokens x vocabulary x 4 bytes) a training, reference or pi_old "
+        "pass makes; above it the log-probs come from the last hidden states and the LM head in chunks, with no logits (one more head "
+        "matmul in backward; Llama, Qwen2/3, Mistral, GPT-2, Phi-3, OLMo-2 heads in one process); 0 = always",
+    )
     gradient_checkpointing: bool = Field(
         False, description="recompute each layer's activations in backward instead of storing them: the same gradients, less memory, about a third more compute"
     )

@@ -23,7 +23,7 @@ from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
-from rlalign.train.common import make_optimizer
+from rlalign.train.common import make_optimizer, memory_named
 from rlalign.train.run_config import OptimConfig
 
 __all__ = ["Updater", "NonFiniteError", "minibatch_step"]
@@ -183,6 +183,7 @@ def minibatch_step(
 
         return run
 
-    grad_norm, scale = updater.accumulated_step([micro_loss(rows) for rows in micro_rows], partial(distributed.loss_scale, world=world))
+    with memory_named("the update's forward and backward", max(len(rows) for rows in micro_rows), mask.shape[1]):
+        grad_norm, scale = updater.accumulated_step([micro_loss(rows) for rows in micro_rows], partial(distributed.loss_scale, world=world))
     stats = distributed.reduce_stats(distributed.merge_micro_stats(parts), sum(tokens for _, tokens, _ in parts), scale, world)
     return stats, grad_norm

@@ -22,7 +22,7 @@ from rlalign.lm.packed import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train import grpo, loop, rollouts
+from rlalign.train import grpo, loop, passes, rollouts
 from rlalign.train.checkpoints import CheckpointError
 from rlalign.train.seeding import set_seed
 from rlalign.train.sources import make_source, sampling_generator
@@ -301,7 +301,7 @@ def test_dr_grpo_normalises_by_the_fixed_max_length(tiny_path, tmp_path):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     # the entropy statistic (computed in the log-probs' pass) is the token mean of H(softmax(z / tau))
     with torch.no_grad():
-        entropy = entropy_from_logits(grpo.completion_logits(policy, rollout) / cfg.sampling.temperature)  # (B, C)
+        entropy = entropy_from_logits(passes.completion_logits(policy, rollout) / cfg.sampling.temperature)  # (B, C)
     torch.testing.assert_close(stats["entropy"], masked_mean(entropy, rollout.completion_mask.float()), rtol=1e-5, atol=1e-6)
 
 
@@ -430,7 +430,7 @@ def test_compiled_training_forward_matches_the_eager_one(tiny_path, tmp_path):
         grads, losses = [], []
         for compiled in (False, True):
             policy.zero_grad()
-            logits = grpo.completion_logits(policy, rollout, compiled)  # (B, C, V)
+            logits = passes.completion_logits(policy, rollout, compiled)  # (B, C, V)
             loss = (torch.log_softmax(logits.float(), -1).gather(-1, rollout.completion_ids[..., None]).squeeze(-1) * rollout.completion_mask).sum()
             loss.backward()
             losses.append(loss.detach())

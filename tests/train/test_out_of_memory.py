@@ -1,0 +1,51 @@
+"""A pass that runs out of device memory ends the run with one message naming the pass, its rows and
+tokens at once, and the settings that lower them; the run's last checkpoint stays whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+from rlalign.train import grpo, passes
+from rlalign.train.checkpoints import list_checkpoints
+from rlalign.train.common import OutOfMemory, memory_named
+from tests.train.test_grpo import char_code_reward, make_cfg
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyModelSpec(hidden_size=32, num_layers=1, intermediate_size=64), seed=0)
+
+
+def test_an_out_of_memory_error_names_the_pass_and_the_settings():
+    with pytest.raises(OutOfMemory) as caught:
+        with memory_named("the update's forward and backward", 64, 1024):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 37.25 GiB.\nmore lines of the allocator's report")
+    message = str(caught.value)
+    assert message.startswith("out of memory in the update's forward and backward (64 rows x 1024 completion tokens at once): set micro_batch_size below 64")
+    assert "model.gradient_checkpointing: true" in message and "model.logits_limit_mb" in message
+    assert message.endswith("(CUDA out of memory. Tried to allocate 37.25 GiB.)") and isinstance(caught.value, MemoryError)
+    with pytest.raises(ValueError):  # any other error passes through as it is
+        with memory_named("a pass", 1, 1):
+            raise ValueError("not memory")
+
+
+def out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+
+@pytest.mark.parametrize("where, what", [
+    ((grpo, "grpo_loss"), r"the update's forward and backward \(4 rows x \d+ completion tokens at once\): set micro_batch_size below 4"),
+    ((passes, "rollout_token_logprobs"), r"the reference pass \(4 rows x \d+ completion tokens at once\): set micro_batch_size below 4"),
+])
+def test_a_run_out_of_memory_stops_with_the_message_and_keeps_its_checkpoint(tiny_path, tmp_path, monkeypatch, where, what):
+    cfg = make_cfg(tiny_path, tmp_path, steps=2, save_every=1, beta=0.04, micro_batch_size=4, overwrite=False)
+    grpo.train(cfg, reward_functions=[char_code_reward])  # two steps, checkpoints at 1 and 2
+    longer = cfg.model_copy(update={"steps": 3})
+    with monkeypatch.context() as patch:
+        patch.setattr(*where, out_of_memory)
+        with pytest.raises(OutOfMemory, match=what):
+            grpo.train(longer, resume=tmp_path / "run", reward_functions=[char_code_reward])
+    assert [int(p.name[5:]) for p in list_checkpoints(tmp_path / "run")][-1] == 2  # the last checkpoint is still there, whole
+    assert len(grpo.train(longer, resume=tmp_path / "run", reward_functions=[char_code_reward]).history) >= 1  # and resumes once memory allows
