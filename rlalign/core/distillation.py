@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 
 from rlalign.core.losses import Aggregation, aggregate
@@ -50,6 +51,8 @@ __all__ = [
     "full_reverse_kl",
     "generalized_jsd",
     "generalized_jsd_loss",
+    "jsd_loss",
+    "head_divergences",
     "ReverseKLStats",
     "JSDStats",
 ]
@@ -191,9 +194,44 @@ def generalized_jsd_loss(
         mask: 1 on counted positions. Shape: (B, C).
     """
     per_position = generalized_jsd(student_logits, teacher_logits, beta, temperature)  # (B, C)
+    with torch.no_grad():
+        reverse = per_position.detach() if beta == 1.0 else full_reverse_kl(student_logits.detach(), teacher_logits, temperature)  # (B, C)
+    return jsd_loss(per_position, reverse, mask, mode, max_len)
+
+
+def jsd_loss(per_position: Tensor, reverse_kl: Tensor, mask: Tensor | None, mode: Aggregation, max_len: int | None) -> tuple[Tensor, JSDStats]:
+    """aggregate(JSD_beta) and its statistics from the per-position divergences (both (B, C)), however they were computed."""
     loss = aggregate(per_position, mask, mode, max_len)
     with torch.no_grad():
         m = torch.ones_like(per_position) if mask is None else mask.to(per_position.dtype)
-        reverse = per_position.detach() if beta == 1.0 else full_reverse_kl(student_logits.detach(), teacher_logits, temperature)  # (B, C)
-        stats = JSDStats(masked_mean(per_position.detach(), m), masked_mean(reverse, m))
-    return loss, stats
+        return loss, JSDStats(masked_mean(per_position.detach(), m), masked_mean(reverse_kl.detach(), m))
+
+
+def head_divergences(
+    student_hidden: Tensor, student_head: torch.nn.Linear, teacher_hidden: Tensor, teacher_head: torch.nn.Linear, beta: float = 0.5,
+    temperature: float = 1.0, chunk_elements: int = 1 << 24,
+) -> tuple[Tensor, Tensor]:
+    """:func:`generalized_jsd` (with gradient to the student) and :func:`full_reverse_kl` (detached) at
+    every position, from the two models' last hidden states and LM heads, without their (B, C, V)
+    logits: each chunk of rows makes both logits (the vocabulary cut to the smaller one's), its
+    divergences, and, in backward, makes them again (activation checkpointing, per chunk). Equal to
+    the functions on the logits to float round-off, value and gradient.
+
+    Shapes: (..., H_s), (..., H_t) -> (...), (...).
+    """
+    vocab = min(student_head.out_features, teacher_head.out_features)
+    rows = max(1, chunk_elements // max(student_head.out_features, teacher_head.out_features))
+    flat_s, flat_t = student_hidden.reshape(-1, student_hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+
+    def chunk(hidden_s: Tensor, hidden_t: Tensor) -> tuple[Tensor, Tensor]:
+        z_s = student_head(hidden_s)[:, :vocab]  # (n, V), the head's own call (autocast as the logits path)
+        with torch.no_grad():
+            z_t = teacher_head(hidden_t)[:, :vocab]  # (n, V)
+        jsd = generalized_jsd(z_s, z_t, beta, temperature)  # (n,)
+        with torch.no_grad():
+            reverse = jsd.detach() if beta == 1.0 else full_reverse_kl(z_s.detach(), z_t, temperature)
+        return jsd, reverse
+
+    parts = [torch.utils.checkpoint.checkpoint(chunk, flat_s[i : i + rows], flat_t[i : i + rows], use_reentrant=False) for i in range(0, flat_s.shape[0], rows)]
+    shape = student_hidden.shape[:-1]
+    return torch.cat([jsd for jsd, _ in parts]).view(shape), torch.cat([reverse for _, reverse in parts]).view(shape)

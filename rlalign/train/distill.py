@@ -57,8 +57,10 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from rlalign.config import ConfigError, load_config
-from rlalign.core.distillation import generalized_jsd_loss, reverse_kl_loss
+from rlalign.core.distillation import generalized_jsd_loss, head_divergences, jsd_loss, reverse_kl_loss
+from rlalign.core.linear_logprobs import linear_token_logprobs
 from rlalign.lm.data import load_prompts
+from rlalign.lm.logprobs import completion_hidden, lm_head_of
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.models import load_tokenizer, resolve_model_path
 from rlalign.lm.rollout import Rollout
@@ -149,6 +151,34 @@ def teacher_logits(teacher: nn.Module, rollout: Rollout, autocast: str = "none",
         return completion_logits(teacher, rollout, compiled)
 
 
+def chunked_heads(policy: nn.Module, teacher: nn.Module, rollout: Rollout, cfg: DistillConfig) -> tuple[nn.Linear, nn.Linear] | None:
+    """(student head, teacher head) when gkd should read both models' hidden states in chunks: both
+    heads allow it (:func:`rlalign.lm.logprobs.lm_head_of`), the forward is not compiled, and the
+    larger float32 logits pass ``model.logits_limit_mb``; else None."""
+    heads = lm_head_of(policy), lm_head_of(teacher)
+    if heads[0] is None or heads[1] is None or cfg.compile:
+        return None
+    logits_mb = rollout.completion_ids.numel() * max(h.out_features for h in heads) * 4 / 2**20
+    return heads if logits_mb > cfg.model.logits_limit_mb else None
+
+
+def _gkd_from_hidden(policy: nn.Module, teacher: nn.Module, rollout: Rollout, mask: Tensor, cfg: DistillConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`distill_loss`'s gkd from the two models' hidden states and heads in chunks (rlalign.core.distillation.head_divergences)."""
+    student_head, teacher_head = chunked_heads(policy, teacher, rollout, cfg)
+    r = rollout.to(student_head.weight.device)
+    with evaluating(teacher), autocast_context(cfg.model.autocast, teacher), torch.no_grad():
+        teacher_hidden = completion_hidden(teacher, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index)  # (B, C, H_t)
+    with forward_precision(cfg.model, policy):
+        hidden = completion_hidden(policy, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index)  # (B, C, H)
+        per_position, reverse = head_divergences(hidden, student_head, teacher_hidden.to(hidden.device), teacher_head, cfg.beta, cfg.sampling.temperature)
+        with torch.no_grad():
+            _, entropy = linear_token_logprobs(hidden, student_head.weight, r.completion_ids, cfg.sampling.temperature, student_head.bias, "statistic")
+    mask = mask.to(per_position.device)
+    loss, js = jsd_loss(per_position, reverse, mask, cfg.aggregation, cfg.sampling.max_new_tokens)
+    stats = {"jsd": js.jsd, "kl/reverse": js.reverse_kl, "loss/distill": loss.detach(), "entropy": (entropy * mask).sum() / mask.sum().clamp(min=1.0)}
+    return loss, stats
+
+
 def distill_loss(
     policy: nn.Module, teacher: nn.Module, rollout: Rollout, mask: Tensor, teacher_logp: Tensor | None, cfg: DistillConfig, on_policy: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -163,6 +193,8 @@ def distill_loss(
         (loss, stats): detached loss/distill, kl/reverse, jsd or adv/min and adv/max, entropy, tis/*.
     """
     temperature, logits = cfg.sampling.temperature, None
+    if cfg.objective == "gkd" and chunked_heads(policy, teacher, rollout, cfg) is not None:  # both heads in chunks, no logits
+        return _gkd_from_hidden(policy, teacher, rollout, mask, cfg)
     with forward_precision(cfg.model, policy):
         if cfg.objective == "reverse_kl":  # the sampled tokens' log-probs: no (B, C, V) logits needed
             logp, entropy = completion_logprobs(policy, rollout, temperature, "statistic", cfg.compile, cfg.model.logits_limit_mb)  # (B, C) each, float32

@@ -68,8 +68,8 @@ class ModelConfig(Config):
         "ddp", description="under torchrun: ddp = a full copy per process (DDP); fsdp = parameters, gradients and optimiser state sharded (FSDP2)"
     )
     logits_limit_mb: float = Field(
-        1024.0, ge=0, description="largest float32 logits (rows x completion tokens x vocabulary x 4 bytes) a training, reference or pi_old "
-        "pass makes; above it the log-probs come from the last hidden states and the LM head in chunks, with no logits (one more head "
+        1024.0, ge=0, description="largest float32 logits (rows x completion tokens x vocabulary x 4 bytes) a training, reference, pi_old "
+        "or distillation pass makes; above it the log-probs come from the last hidden states and the LM head in chunks, with no logits (one more head "
         "matmul in backward; Llama, Qwen2/3, Mistral, GPT-2, Phi-3, OLMo-2 heads in one process); 0 = always",
     )
     gradient_checkpointing: bool = Field(

@@ -136,7 +136,7 @@ def test_reference_and_pi_old_log_probs_are_the_same_from_the_hidden_states(monk
         assert (ours[batch.completion_mask == 0] == 0).all()
 
 
-def test_distillation_reverse_kl_reads_the_hidden_states_and_gkd_the_logits(monkeypatch, tmp_path):
+def test_distillation_reverse_kl_is_the_same_from_the_hidden_states(monkeypatch, tmp_path):
     model = make_llama(VOCAB).train()
     base = {"model.path": str(tmp_path), "teacher": str(tmp_path), "output_dir": str(tmp_path / "run"), "data.task": "arithmetic",
             "progress": False, "plots": False, "sampling.max_new_tokens": 6, "model.logits_limit_mb": 0}
@@ -185,3 +185,26 @@ def test_which_models_take_the_path():
     hidden = completion_hidden(llama, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.group_index)
     assert hidden.shape == (4, 6, llama.config.hidden_size) and "forward" not in vars(llama.lm_head)
     assert linear_logprobs.linear_token_logprobs(hidden, llama.lm_head.weight, batch.completion_ids)[0].shape == (4, 6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gkd_is_the_same_from_both_models_hidden_states_as_from_their_logits(monkeypatch, tmp_path, beta):
+    # the teacher with a larger vocabulary (a padded one): the divergences over the smaller one's entries
+    model, teacher = make_llama(VOCAB).train(), make_llama(VOCAB + 12, seed=1).eval()
+    base = {"model.path": str(tmp_path), "teacher": str(tmp_path), "output_dir": str(tmp_path / "run"), "data.task": "arithmetic",
+            "progress": False, "plots": False, "sampling.max_new_tokens": 6, "sampling.temperature": 0.8, "objective": "gkd", "beta": beta,
+            "model.logits_limit_mb": 0}
+    cfg = load_config(distill.DistillConfig, None, base)
+    batch = rollout(6)
+    chunked = []
+    original = distill.head_divergences
+    monkeypatch.setattr(distill, "head_divergences", lambda *a, **k: chunked.append(1) or original(*a, **k))
+    runs = []
+    for limit in (0, 1024):  # 0: both heads in chunks; 1024 MB: these tiny logits
+        model.zero_grad()
+        loss, stats = distill.distill_loss(model, teacher, batch, batch.completion_mask.float(), None, cfg.model_copy(update={"model": cfg.model.model_copy(update={"logits_limit_mb": limit})}))
+        loss.backward()
+        runs.append((loss.detach(), {k: v.detach() for k, v in stats.items()}, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert chunked == [1]
+    assert_same(*runs)
+    assert all(p.grad is None for p in teacher.parameters())  # the teacher is a constant
