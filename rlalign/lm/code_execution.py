@@ -62,8 +62,8 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rlalign.lm.code_formats import IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests, run_limits
-from rlalign.lm.sandbox import Sandbox, SandboxLimits
+from rlalign.lm.code_formats import FORBID_PROCESSES, IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests, run_limits
+from rlalign.lm.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 __all__ = [
     "extract_code", "TestCase", "TestsError", "parse_tests", "AssertTests", "code_tests", "CODE_FORMATS", "CODE_COLUMNS",
@@ -79,12 +79,14 @@ CODE_COLUMNS = ("tests", "test", "entry_point", "test_list", "test_setup_code", 
 # it); one report line per case on fd 3: "<index>\t<kind>\t<repr of the list of the values' reprs>".
 # A program that swallows the TimeoutError gets a second alarm soon after, which fails its case and
 # ends the run; one that turns the alarm off meets RLIMIT_CPU. The wall-clock backstop is the
-# sandbox's, outside: no line of this report (which the program can write to) can claim it. Written
-# by rlalign, not the policy; no import beyond the interpreter's own start.
-_HARNESS = """import _signal, os
+# sandbox's, outside: no line of this report (which the program can write to) can claim it. The
+# program may start no process (forbid_processes): its CPU time would escape the alarm; threads count.
+# Written by rlalign, not the policy; no import beyond the interpreter's own start and ctypes.
+_HARNESS = FORBID_PROCESSES + """import _signal, os
 def _main():
     with open("cases.py") as file:
         start_cpu, case_cpu, stop, cases = eval(file.read(), {"__builtins__": {}})
+    forbid_processes()
     running = ["-1", 0]  # the report index of what runs, and the CPU alarms it has had
     def over_cpu(*_):
         running[1] += 1
@@ -125,6 +127,7 @@ def _main():
                 return
         os.write(3, line.encode())
 _main()
+os._exit(0)  # the report is whole: no atexit handler or thread of the program's may hold the run
 """
 
 
@@ -225,6 +228,14 @@ def score_report(report: bytes, cases: list[TestCase]) -> list[bool]:
     return [results[i] for i in range(len(cases))]
 
 
+def _settled(report: bytes, n_cases: int, stop: bool) -> bool:
+    """Whether a report cut short still decides the score: every case has its line, or (``stop``,
+    all or nothing) one case failed."""
+    lines = [line.split("\t") for line in report.decode(errors="replace").splitlines()]
+    done = {parts[0] for parts in lines if len(parts) >= 2}
+    return len(done) >= n_cases or (stop and any(parts[1] != "ok" for parts in lines if len(parts) >= 2))
+
+
 def _passes(case: TestCase, payload: str) -> bool:
     try:
         texts = ast.literal_eval(payload)  # the list of the values' reprs
@@ -250,9 +261,10 @@ class AssertTests:
                  "cases.py": repr((job.start_timeout_s, job.case_timeout_s, job.stop, expressions))}
         wall, cpu = run_limits(job, len(self.cases))
         result = job.sandbox.run(files, ["harness.py"], timeout_s=wall, cpu_s=cpu)
-        if result.timed_out:
+        passed = score_report(result.report, list(self.cases))
+        if result.timed_out and not (any(passed) or _settled(result.report, len(self.cases), job.stop)):
             raise WallTimeout(f"the run reached its wall-clock backstop of {wall:g} s within its CPU limits")
-        return score_report(result.report, list(self.cases))
+        return passed
 
 
 def code_tests(row: Mapping[str, object] | str, code_format: str = "auto") -> AssertTests | CheckTests | StdioTests | CallTests:
@@ -322,6 +334,25 @@ def _frozen(parsed: tuple[str, list[TestCase]]) -> tuple[str, tuple[TestCase, ..
     return parsed[0], tuple(parsed[1])
 
 
+_GUARD_CHECKED: set[SandboxLimits] = set()
+
+
+def check_process_guard(sandbox: Sandbox) -> None:
+    """Raise :class:`SandboxUnavailable` unless a program in ``sandbox`` is stopped from starting a process
+    (the per-case CPU limits count the program's own process only). Checked once per set of limits."""
+    if sandbox.limits in _GUARD_CHECKED:
+        return
+    probe = FORBID_PROCESSES + "import os\nguarded = forbid_processes()\ntry:\n    os.fork() or os._exit(0)\n    guarded = False\nexcept OSError:\n    pass\n" \
+        "os.write(3, b'guarded' if guarded else b'open')\n"
+    result = sandbox.run({"main.py": probe}, ["main.py"])
+    if result.report != b"guarded":
+        raise SandboxUnavailable(
+            f"cannot stop a program from starting processes here (a seccomp filter, {os.uname().machine}): its CPU time would escape the "
+            f"per-case limits ({result.report.decode(errors='replace') or result.stderr[-200:].decode(errors='replace')})"
+        )
+    _GUARD_CHECKED.add(sandbox.limits)
+
+
 class CodeExecutionReward:
     """1.0 when the completion's program passes every test of its row (``partial_credit``: the share
     of tests passed), scored as the module docstring describes. A row's tests are its own columns
@@ -355,6 +386,8 @@ class CodeExecutionReward:
         self.code_format, self.partial_credit = code_format, partial_credit
         self.timeout_s, self.case_timeout_s, self.wall_factor, self.on_timeout = timeout_s, case_timeout_s, wall_factor, on_timeout
         self.sandbox = Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb), allow_weak=allow_weak_sandbox)
+        if self.sandbox.missing is None:
+            check_process_guard(self.sandbox)
         self.max_workers = max_workers or 2 * len(os.sched_getaffinity(0))  # a run waits on its processes part of the time
         self._counts = {"retried": 0, "timed_out": 0}
         self._counts_lock = threading.Lock()

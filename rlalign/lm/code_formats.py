@@ -46,6 +46,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import inspect
 import json
 import re
 import secrets
@@ -55,10 +56,10 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from rlalign.errors import RLAlignError
-from rlalign.lm.code_harness import literal
+from rlalign.lm.code_harness import _ARCH_SYSCALLS, forbid_processes, literal
 from rlalign.lm.sandbox import Sandbox
 
-__all__ = ["Job", "WallTimeout", "run_limits", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS", "extract_code"]
+__all__ = ["Job", "WallTimeout", "run_limits", "FORBID_PROCESSES", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS", "extract_code"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -69,6 +70,8 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 HARNESS = Path(__file__).with_name("code_harness.py").read_text()
+# code_harness.forbid_processes as source, for programs run by another harness (the asserts format's)
+FORBID_PROCESSES = f"import os\n_ARCH_SYSCALLS = {_ARCH_SYSCALLS!r}\n" + inspect.getsource(forbid_processes) + "\n"
 IO_COLUMNS = ("input_output", "verification_info", "public_tests")  # a row with one of these has stdio or call cases
 
 
@@ -125,7 +128,8 @@ def _run(job: Job, mode: str, n_cases: int, fields: dict) -> dict[int, tuple[str
             continue
         if 0 <= case < n_cases and case not in lines:
             lines[case] = (parts[2], parts[3])
-    if result.timed_out and len(lines) < n_cases:
+    settled = job.stop and any(status not in ("ok", "pass") for status, _ in lines.values())  # all or nothing: a failure decides it
+    if result.timed_out and len(lines) < n_cases and not settled:
         raise WallTimeout(f"the run reached its wall-clock backstop of {wall:g} s with {n_cases - len(lines)} of {n_cases} cases unscored")
     return lines
 

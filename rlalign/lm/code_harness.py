@@ -35,6 +35,42 @@ import sys
 
 PR_SET_DUMPABLE = 4
 MAX_LINE = 4 << 20  # longest answer line the checker reads from the server
+# (AUDIT_ARCH, clone, clone3, the other syscalls that start a process) of the architectures whose numbers are known here
+_ARCH_SYSCALLS = {"x86_64": (0xC000003E, 56, 435, (57, 58)), "aarch64": (0xC00000B7, 220, 435, ())}
+
+
+def forbid_processes():
+    """A seccomp filter on this process and everything it execs: no new process. fork, vfork and a
+    clone without CLONE_THREAD fail with EPERM; clone3, whose flags a filter cannot read, fails with
+    ENOSYS (so the C library falls back to clone); any syscall of another ABI (i386, x32) fails. A
+    thread is allowed: it is part of the process, whose CPU-time clock counts it; a process would
+    run outside that clock. Returns False where this architecture's numbers are not known or the
+    kernel refuses the filter (nothing installed)."""
+    import ctypes  # noqa: PLC0415 - only where a program runs
+
+    arch = _ARCH_SYSCALLS.get(os.uname().machine)
+    if arch is None:
+        return False
+    audit_arch, clone, clone3, others = arch
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
+    allow, eperm, enosys, m = 0x7FFF0000, 0x00050001, 0x00050026, len(others)
+    program = [(load, 0, 0, 4), (jeq, 1, 0, audit_arch), (ret, 0, 0, eperm),  # another ABI: nothing
+               (load, 0, 0, 0), (jge, m + 6, 0, 0x40000000), (jeq, m + 6, 0, clone3), (jeq, m + 1, 0, clone)]
+    program += [(jeq, m + 3 - i, 0, number) for i, number in enumerate(others)]
+    program += [(ret, 0, 0, allow), (load, 0, 0, 16), (jset, 0, 1, 0x00010000), (ret, 0, 0, allow), (ret, 0, 0, eperm), (ret, 0, 0, enosys)]
+    # clone's flags (args[0]'s low word): CLONE_THREAD allowed ^, else denied; then the answers to clone3 and the rest
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    filters = (Filter * len(program))(*[Filter(*row) for row in program])
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        return False
+    return libc.prctl(22, 2, ctypes.byref(Program(len(program), filters)), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 MAX_STDOUT = 1 << 20  # stdout kept of one stdio case
 
 
@@ -167,13 +203,14 @@ class Server:
 
     def kill(self):
         if self.pid is not None:
-            try:
-                os.killpg(self.pid, 9)
-            except OSError:
-                pass
-            os.waitpid(self.pid, 0)
+            for kill in (os.killpg, os.kill):  # its group, and itself should it have left the group
+                try:
+                    kill(self.pid, 9)
+                except OSError:
+                    pass
             os.close(self.requests)
             os.close(self.answers)
+            os.waitpid(self.pid, 0)
             self.pid = None
 
 
@@ -267,7 +304,8 @@ def server(mode, case_cpu):
     scope = {"__name__": "solution", "__builtins__": builtins}
     try:
         code = compile(source, "program.py", "exec")
-        if mode != "stdio":
+        if mode != "stdio":  # this process runs the program (in the stdio mode, each case's child does)
+            forbid_processes()
             exec(code, scope)
     except BaseException as err:
         answer("error\t" + type(err).__name__)
@@ -321,6 +359,7 @@ def run_stdio(code, text, cpu_limit):
         os.dup2(stdin, 0)
         os.dup2(out_write, 1)
         os.closerange(3, 1 << 20)
+        forbid_processes()
         sys.argv = ["program.py"]
         status = _exit_status(lambda: exec(code, {"__name__": "__main__", "__builtins__": builtins}))
         for name, end in (("threading", "_shutdown"), ("atexit", "_run_exitfuncs")):  # as the interpreter's exit does

@@ -160,3 +160,30 @@ def test_the_time_limit_options_are_code_executions_and_checked():
         code_execution({"p": "assert f(1) == 1"}, on_timeout="maybe", allow_weak_sandbox=True)
     built = rollouts._builtin_reward(spec.model_copy(update={"allow_weak_sandbox": True}), [PromptExample("p", {"tests": "assert f(1) == 1"})], None)
     assert (built.case_timeout_s, built.wall_factor, built.on_timeout) == (2.0, 5.0, "zero")
+
+
+# a child process doing the work: 1.5 CPU seconds that the program's own clock would not count
+FORKED_WORK = ("    import os\n    r, w = os.pipe()\n    if os.fork() == 0:\n        start = time.process_time()\n        while time.process_time() - start < 1.5:\n"
+               "            pass\n        os.write(w, b'1')\n        os._exit(0)\n    os.read(r, 1)")
+THREAD = "    import threading\n    worker = threading.Thread(target=lambda: None)\n    worker.start()\n    worker.join()"
+
+
+@needs_isolation
+@pytest.mark.parametrize("fmt", list(ROWS))
+def test_a_program_may_start_no_process_whose_cpu_time_the_limit_would_miss_but_threads(fmt):
+    # a thread is part of the program's process and its clock (the deep-recursion idiom of stdio solutions starts one)
+    reward = code_execution({"p": ROWS[fmt]}, case_timeout_s=0.3, wall_factor=30.0)
+    assert reward(["p", "p", "p"], [program(fmt, FORKED_WORK), program(fmt, THREAD), program(fmt, "    pass")]) == [0.0, 1.0, 1.0]
+    assert reward.pop_stats() == {"retried": 0, "timed_out": 0}
+
+
+@needs_isolation
+@pytest.mark.parametrize("fmt, code", [
+    ("call", "import os\nos.setpgid(0, os.getppid())\ndef f(x):\n    raise ValueError\n"),  # joins the checker's process group
+    ("humaneval", "import os\nos.setpgid(0, os.getppid())\ndef f(x):\n    raise ValueError\n"),
+    ("asserts", "import atexit, time\natexit.register(time.sleep, 600)\ndef f(x):\n    return -1\n"),  # would hold the run after its report
+], ids=["call-process-group", "humaneval-process-group", "asserts-atexit"])
+def test_a_failing_program_that_would_hold_its_run_scores_zero_not_timed_out(fmt, code):
+    reward = code_execution({"p": ROWS[fmt]}, timeout_s=1.0, case_timeout_s=0.5, wall_factor=4.0)
+    assert reward(["p"], [code]) == [0.0]
+    assert reward.pop_stats() == {"retried": 0, "timed_out": 0}
