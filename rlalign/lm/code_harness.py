@@ -15,8 +15,9 @@ Time. A case's limit is CPU time: what the program's process ran, read from its 
 (``clock_getcpuclockid``), so a host that runs it slowly does not fail it. The wall clock is a
 backstop only, ``wall_factor`` times longer: a case that reaches it reports ``wall`` and the run
 stops there, and the trainer runs it again (rlalign.lm.code_execution). In the stdio mode the server
-watches the CPU clock of the child running the case. Time the program spends waiting (sleeping, or
-on a process of its own) counts against the wall backstop only. In the check mode it runs
+watches the CPU clock of the child running the case. The program may start threads (its process's
+clock counts them) but no process (:func:`forbid_processes`); time it spends waiting (sleeping,
+blocked) counts against the wall backstop only. In the check mode it runs
 the dataset's ``check`` function itself, the program's functions replaced by proxies that ask the
 server, and reports whether each case statement passed.
 
@@ -35,6 +36,7 @@ import sys
 
 PR_SET_DUMPABLE = 4
 MAX_LINE = 4 << 20  # longest answer line the checker reads from the server
+MAX_STDOUT = 1 << 20  # stdout kept of one stdio case
 # (AUDIT_ARCH, clone, clone3, the other syscalls that start a process) of the architectures whose numbers are known here
 _ARCH_SYSCALLS = {"x86_64": (0xC000003E, 56, 435, (57, 58)), "aarch64": (0xC00000B7, 220, 435, ())}
 
@@ -71,7 +73,6 @@ def forbid_processes():
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         return False
     return libc.prctl(22, 2, ctypes.byref(Program(len(program), filters)), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-MAX_STDOUT = 1 << 20  # stdout kept of one stdio case
 
 
 def literal(text: str):

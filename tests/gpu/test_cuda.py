@@ -173,3 +173,30 @@ def test_kv_cache_is_released_before_the_training_passes(smollm2, tmp_path, monk
     del result
     gc.collect()
     assert torch.cuda.memory_allocated() - before_run < 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_lm_head_on_cuda_equals_the_logits_path_and_holds_less(dtype):
+    # a Qwen-sized vocabulary: 64 rows x 128 tokens of 151,936 logits are 5 GB in float32
+    from rlalign.core.linear_logprobs import linear_token_logprobs
+    from rlalign.core.logprobs import token_logprobs
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    hidden = torch.randn(64, 128, 896, device=DEVICE, generator=g, dtype=dtype).requires_grad_()
+    weight = (torch.randn(151936, 896, device=DEVICE, generator=g, dtype=dtype) / 30).requires_grad_()
+    tokens = torch.randint(0, 151936, (64, 128), device=DEVICE, generator=g)
+    results, peaks = [], []
+    for chunked in (True, False):
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        logp = linear_token_logprobs(hidden, weight, tokens, 0.7)[0] if chunked else token_logprobs(hidden @ weight.t(), tokens, 0.7)
+        logp.sum().backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        results.append((logp.detach(), hidden.grad.clone(), weight.grad.clone()))
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for ours, theirs in zip(*results):
+        assert (ours.float() - theirs.float()).abs().max() <= tolerance * theirs.float().abs().max()
+    assert peaks[0] < 0.5 * peaks[1], peaks  # no logits, nor their gradient, held whole
