@@ -213,6 +213,7 @@ def group_advantages(
     group_size: int,
     scale: Literal["group", "batch", "none"] = "group",
     eps: float = 1e-6,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """GRPO group-relative advantage  A_i = (r_i - mean(r_group)) / std(...)  (Shao et al. 2024, eq. 3).
 
@@ -222,9 +223,14 @@ def group_advantages(
 
     Args:
         scores: one scalar reward per completion, groups contiguous: [p0 x G, p1 x G, ...]. Shape: (B,).
+        valid: the completions whose score counts (the rest, whose reward could not be computed, are
+            left out of every mean and std and get 0; a group with fewer than two counts as tied);
+            None: all. Shape: (B,).
     Returns:
         Shape: (B,).
     """
+    if valid is not None:
+        return _masked_group_advantages(scores, group_size, scale, eps, valid)
     grouped = _grouped(scores, group_size)  # (B/G, G)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     group_std = grouped.std(dim=1, keepdim=True)  # (B/G, 1)
@@ -241,16 +247,44 @@ def group_advantages(
     return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1)
 
 
-def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
+def _masked_group_advantages(scores: Tensor, group_size: int, scale: str, eps: float, valid: Tensor) -> Tensor:
+    """:func:`group_advantages` over the ``valid`` completions only (0 for the rest)."""
+    grouped, v = _grouped(scores, group_size), _grouped(valid.to(scores.dtype if scores.is_floating_point() else torch.float32), group_size)  # (B/G, G)
+    count = v.sum(dim=1, keepdim=True)  # (B/G, 1)
+    mean = (grouped * v).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centred = (grouped - mean) * v  # (B/G, G), 0 where not valid
+    group_std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # unbiased, over the valid
+    tied = (group_std <= eps) | (count < 2)
+    if scale == "group":
+        advantages = centred / group_std.clamp(min=eps)
+    elif scale == "batch":
+        kept = grouped[v.bool()]  # (n valid,)
+        advantages = centred / (kept.std() if kept.numel() > 1 else kept.new_zeros(())).clamp(min=eps)
+    elif scale == "none":
+        advantages = centred
+    else:
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1)
+
+
+def rloo_advantages(scores: Tensor, group_size: int, valid: Tensor | None = None) -> Tensor:
     """REINFORCE leave-one-out: A_i = r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean(r)).
 
-    Kool et al. 2019; Ahmadian et al. 2024. A tied group gives 0.
+    Kool et al. 2019; Ahmadian et al. 2024. A tied group gives 0. ``valid``: as in
+    :func:`group_advantages` (the others' mean is over the valid ones; fewer than two: 0).
 
     Args:
         scores: groups contiguous. Shape: (B,).
     Returns:
         Shape: (B,).
     """
+    if valid is not None:
+        grouped, v = _grouped(scores, group_size), _grouped(valid.float(), group_size)  # (B/G, G)
+        count = v.sum(dim=1, keepdim=True)
+        others_mean = ((grouped * v).sum(dim=1, keepdim=True) - grouped) / (count - 1).clamp(min=1)
+        mean = (grouped * v).sum(dim=1, keepdim=True) / count.clamp(min=1)
+        tied = (((grouped - mean) * v).abs().amax(dim=1, keepdim=True) == 0) | (count < 2)
+        return torch.where(tied, torch.zeros_like(grouped), (grouped - others_mean) * v).view(-1)
     grouped = _grouped(scores, group_size)  # (B/G, G)
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     advantages = grouped - others_mean
@@ -258,7 +292,7 @@ def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
     return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1)
 
 
-def reinforce_plus_plus_advantages(scores: Tensor, group_size: int, baseline: bool = False, eps: float = 1e-6) -> Tensor:
+def reinforce_plus_plus_advantages(scores: Tensor, group_size: int, baseline: bool = False, eps: float = 1e-6, valid: Tensor | None = None) -> Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++", global advantage normalisation): no critic and no per-group
     scale; the rewards are normalised over the whole batch.
 
@@ -277,9 +311,20 @@ def reinforce_plus_plus_advantages(scores: Tensor, group_size: int, baseline: bo
         scores: one reward per completion, groups contiguous (for the baseline). Shape: (B,).
         group_size: G, the completions per prompt (used by the baseline only).
         baseline: subtract each group's mean first (REINFORCE++-baseline).
+        valid: as in :func:`group_advantages`: every mean and std over the valid completions only; 0 for the rest.
     Returns:
         Shape: (B,).
     """
+    if valid is not None:
+        v = valid.to(torch.float32)
+        if baseline:
+            centred = _masked_group_advantages(scores, group_size, "none", 0.0, valid)  # (B,) R - mean of the valid of its group, 0 elsewhere
+        else:
+            values = scores.to(torch.float32) if not scores.is_floating_point() else scores
+            centred = (values - (values * v).sum() / v.sum().clamp(min=1)) * v  # (B,)
+        kept = centred[valid.bool()]
+        std = kept.std() if kept.numel() > 1 else centred.new_zeros(())
+        return torch.zeros_like(centred) if std <= eps else centred / std
     if baseline:
         grouped = _grouped(scores, group_size)  # (B/G, G)
         centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # (B,)

@@ -63,6 +63,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rlalign.lm.code_formats import FORBID_PROCESSES, IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests, run_limits
+from rlalign.lm.reward_calls import UNSCORED
 from rlalign.lm.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 __all__ = [
@@ -364,8 +365,8 @@ class CodeExecutionReward:
     ``wall_factor`` times longer; a run that reaches it within its CPU limits (a host too slow or too
     busy, or a program waiting on something) is not scored from what it reported: it runs once
     more, and if that run reaches it too, the completion is counted in ``reward/code_execution/timed_out``
-    and, by ``on_timeout``, left out of the sum ("skip": None, as a reward that does not apply) or
-    scored 0 ("zero"). Retried runs are counted in ``reward/code_execution/retried``
+    and, by ``on_timeout``, left out of training ("skip": :data:`rlalign.lm.reward_calls.UNSCORED`, also
+    counted in ``reward/code_execution/failed``) or scored 0 ("zero"). Retried runs are counted in ``reward/code_execution/retried``
     (:meth:`pop_stats`)."""
 
     name = "code_execution"
@@ -392,7 +393,7 @@ class CodeExecutionReward:
         self._counts = {"retried": 0, "timed_out": 0}
         self._counts_lock = threading.Lock()
 
-    def _one(self, prompt: str, completion: str, row: Mapping | str) -> float | None:
+    def _one(self, prompt: str, completion: str, row: Mapping | str):
         job = Job(self.sandbox, extract_code(completion), prompt, self.case_timeout_s, self.timeout_s, stop=not self.partial_credit, wall_factor=self.wall_factor)
         tests = code_tests(row, self.code_format)
         for attempt in range(2):
@@ -401,7 +402,7 @@ class CodeExecutionReward:
                 return sum(passed) / len(passed) if self.partial_credit else float(all(passed))
             except WallTimeout:
                 self._count("retried" if attempt == 0 else "timed_out")
-        return None if self.on_timeout == "skip" else 0.0
+        return UNSCORED if self.on_timeout == "skip" else 0.0
 
     def _count(self, key: str) -> None:
         with self._counts_lock:
@@ -413,7 +414,7 @@ class CodeExecutionReward:
             counts, self._counts = self._counts, {"retried": 0, "timed_out": 0}
         return counts
 
-    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list:
         rows = self._rows(prompts, columns)
         with ThreadPoolExecutor(min(self.max_workers, max(1, len(prompts)))) as pool:
             return list(pool.map(self._one, prompts, completions, rows))

@@ -8,7 +8,9 @@
 A reward function is called TRL's way when it takes ``completions`` by name (keywords ``prompts``,
 ``completions``, the rows' columns and the context entries it names, all of them for ``**kwargs``),
 else as ``fn(prompts, completions)``. It returns one score per completion: a finite number, or None
-where it does not apply (the term is then left out of that completion's sum, TRL's nansum).
+where it does not apply (the term is then left out of that completion's sum, TRL's nansum), or
+:data:`UNSCORED` where it could not score it (a code run that never finished): that completion is
+counted in ``failed`` and left out of training, whatever ``on_error`` says.
 
 ``async def`` functions (and objects whose ``__call__`` is async, TRL's ``is_async_callable``, or
 that have an ``async def acall``, as rlalign's remote reward and judge) are started first, all together on one event loop that lives in a daemon thread for the whole process
@@ -21,7 +23,8 @@ value that is not a finite number is, by default (``on_error="raise"``), a :clas
 naming the function and the prompt (a batch that raises is re-run one row at a time to find the
 prompt that does). With ``on_error="skip"`` the term is left out for the rows concerned (the whole
 batch for a timeout or a wrong count, else the rows that raise or give a bad value) and they are
-counted in ``failed``, which the trainers log as ``reward/<term>/failed``. Never a silent 0.
+counted in ``failed``, which the trainers log as ``reward/<term>/failed`` and leave out of
+training (no advantage, no loss: :func:`rlalign.train.rollouts.trusted_rows`). Never a silent 0.
 
 A synchronous function that times out cannot be stopped from outside: its thread runs on until it
 returns, and its result is dropped. An async one is cancelled.
@@ -60,7 +63,18 @@ __all__ = [
     "score_completions",
     "check_finite",
     "reset_event_loop",
+    "UNSCORED",
 ]
+
+
+class _Unscored:
+    """A reward function's answer for a completion it could not score (:data:`UNSCORED`)."""
+
+    def __repr__(self) -> str:
+        return "UNSCORED"
+
+
+UNSCORED = _Unscored()  # the score of a completion that could not be scored: not 0, not "does not apply"
 
 OnError = Literal["raise", "skip"]
 
@@ -208,7 +222,7 @@ def _call(policy: CallPolicy, prompts: list, completions: list, columns: dict, c
 
 
 def _bad_value(score) -> bool:
-    return score is not None and (isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score))
+    return score is not None and score is not UNSCORED and (isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score))
 
 
 def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, columns: dict, context: dict) -> TermScores:
@@ -241,8 +255,9 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
             f"reward function {name} returned {scores[i]!r} (expected a finite float) for prompt {prompts[i]!r} "
             "(None marks a completion the function does not apply to)"
         )
-    values = [math.nan if s is None or bad else float(s) for s, bad in zip(scores, failed)]
-    return TermScores(torch.tensor(values, dtype=torch.float32), torch.tensor(failed, dtype=torch.bool))
+    values = [math.nan if s is None or s is UNSCORED or bad else float(s) for s, bad in zip(scores, failed)]
+    unscored = [bad or s is UNSCORED for s, bad in zip(scores, failed)]
+    return TermScores(torch.tensor(values, dtype=torch.float32), torch.tensor(unscored, dtype=torch.bool))
 
 
 def _outcome(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict):

@@ -82,7 +82,7 @@ from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, a
 from rlalign.train.objectives import policy_objective, sampler_weights
 from rlalign.train.passes import completion_logprobs, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
-from rlalign.train.rollouts import RewardTerm, add_score_term, completion_stats, sample_rows, scored_stats
+from rlalign.train.rollouts import RewardTerm, add_score_term, completion_stats, sample_rows, scored_stats, trusted_rows
 from rlalign.train.sources import RolloutSource
 from rlalign.train.updater import Updater, minibatch_step
 
@@ -238,10 +238,13 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
         kl_metrics["kl"] = float(distributed.global_mean_var(token_kl, sampled_mask, world)[0])
         ref_logp = None
 
-    # 4. group-relative advantages, one per completion (broadcast over its tokens by the loss)
-    all_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scored.scores, G)  # (B global,)
+    # 4. group-relative advantages, one per completion (broadcast over its tokens by the loss), over the
+    #    completions every reward term could score; the rest (a failed call, a code run that never ended) are left out
+    trusted = trusted_rows(scored)  # (B global,)
+    all_advantages = ADVANTAGE_ESTIMATORS[cfg.advantage](scored.scores, G, valid=None if trusted.all() else trusted)  # (B global,)
     shard = world.shard(len(batch.examples))
     advantages = batch.row_values(all_advantages[shard.start * G : shard.stop * G])  # (B,) this rank's rows (an agent's calls: their episode's)
+    mask = mask * batch.row_values(trusted[shard.start * G : shard.stop * G].float())[:, None]  # (B, C)
 
     # 5. mu passes x minibatches of clipped-surrogate updates against log pi_old
     #    (each one's gradient accumulated over micro-batches of cfg.micro_batch_size rows: the same update, less memory)

@@ -66,7 +66,7 @@ from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, a
 from rlalign.train.objectives import policy_objective, sampler_weights
 from rlalign.train.passes import completion_logprobs, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
-from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats
+from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats, trusted_rows
 from rlalign.train.sources import RolloutSource
 from rlalign.train.updater import Updater, minibatch_step
 
@@ -232,7 +232,8 @@ def ppo_step(
 
     # 3. reference log-probs and old values -> KL-shaped per-token rewards -> GAE advantages, returns
     mask = rollout.completion_mask.float()  # (B, C) the episode's tokens
-    sampled = mask * batch.token_mask  # (B, C) the tokens the policy chose (not tool tokens): they alone are trained
+    trusted = batch.row_values(trusted_rows(scored)[world.shard(len(scored.scores))].float())  # (B,) 0 where a reward term could not score: left out
+    sampled = mask * batch.token_mask * trusted[:, None]  # (B, C) the tokens the policy chose (not tool tokens): they alone are trained
     n = len(batch.examples) if batch.row_episode is None else rollout.batch_size  # global rows (an agent's calls: one process)
     minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast

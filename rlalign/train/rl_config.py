@@ -137,7 +137,7 @@ class RewardConfig(Config):
     on_error: Literal["raise", "skip"] = Field(
         "raise",
         description="a call that raises, times out or returns a value that is not a finite number: raise = stop with an error naming "
-        "the term and the prompt; skip = leave the term out for those completions and count them as reward/<name>/failed",
+        "the term and the prompt; skip = leave those completions out of training (no advantage, no loss) and count them as reward/<name>/failed",
     )
     timeout_s: float | None = Field(None, gt=0, description="time limit of one call of this term on a batch (null = none)")
     name: str | None = Field(None, description="metric name, reward/<name>/mean; defaults to the function name or 'rm'")
@@ -155,7 +155,7 @@ class RewardConfig(Config):
     )
     on_timeout: Literal["skip", "zero"] = Field(
         "skip", description="function: code_execution: a completion whose run hit the wall-clock backstop twice (a host too slow, not a program "
-        "over its CPU limit): skip = leave the term out for it, as on_error: skip does, counted as reward/<name>/timed_out; zero = score it 0",
+        "over its CPU limit): skip = leave it out of training, as on_error: skip does, counted as reward/<name>/timed_out; zero = score it 0",
     )
     allow_weak_sandbox: bool = Field(
         False, description="function: code_execution: run where bubblewrap cannot isolate programs, in a weak sandbox a hostile program can escape"

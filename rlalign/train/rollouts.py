@@ -390,6 +390,15 @@ def reward_stats(total: Tensor, per_term: dict[str, Tensor], failed: dict[str, T
     return stats
 
 
+def trusted_rows(scored: ScoredRollout) -> Tensor:
+    """The rows every term could score (no call failed there, none answered UNSCORED): the others are
+    left out of training, their advantage 0 and their tokens out of the loss. Shape: (B global,) bool."""
+    untrusted = torch.zeros_like(scored.scores, dtype=torch.bool)
+    for rows in scored.failed.values():
+        untrusted |= rows.bool()
+    return ~untrusted
+
+
 def scored_stats(scored: ScoredRollout) -> dict[str, float]:
     """What a trainer logs of a scored batch: :func:`reward_stats` over every rank's rows, and the terms' own counters."""
     return {**reward_stats(scored.scores, scored.per_term, scored.failed), **scored.term_stats}

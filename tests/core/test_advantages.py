@@ -254,3 +254,46 @@ def test_reinforce_plus_plus_has_batch_mean_zero_and_std_one(group_size, n_group
     if (adv == 0).all():
         return  # a tied batch (or, with the baseline, every group tied)
     assert abs(adv.mean().item()) < 1e-12 and abs(adv.std().item() - 1.0) < 1e-12
+
+
+# ----------------------------------------------------------------------------------------------
+# Completions whose reward could not be computed: left out of every mean and std, advantage 0
+# ----------------------------------------------------------------------------------------------
+
+MASKED_SCORES = torch.tensor([1.0, 2.0, 3.0, 10.0, 4.0, 4.0, 6.0, 0.0])  # G = 4; 10, 6 and 0 unscored
+MASKED_VALID = torch.tensor([True, True, True, False, True, True, False, False])
+
+
+def test_group_advantages_over_the_valid_completions_by_hand():
+    # group 0's valid [1, 2, 3]: mean 2, unbiased std 1; group 1's valid [4, 4] tie: 0
+    torch.testing.assert_close(group_advantages(MASKED_SCORES, 4, "group", valid=MASKED_VALID), torch.tensor([-1.0, 0, 1, 0, 0, 0, 0, 0]))
+    torch.testing.assert_close(group_advantages(MASKED_SCORES, 4, "none", valid=MASKED_VALID), torch.tensor([-1.0, 0, 1, 0, 0, 0, 0, 0]))
+    # batch: / std of the valid scores [1, 2, 3, 4, 4] = sqrt(6.8 / 4)
+    batch_std = math.sqrt(6.8 / 4)
+    torch.testing.assert_close(group_advantages(MASKED_SCORES, 4, "batch", valid=MASKED_VALID),
+                               torch.tensor([-1 / batch_std, 0, 1 / batch_std, 0, 0, 0, 0, 0]))
+    # one valid completion in a group: nothing to compare it with
+    one = torch.tensor([True, False, False, False, True, True, True, True])
+    assert group_advantages(MASKED_SCORES, 4, "group", valid=one)[:4].tolist() == [0.0] * 4
+
+
+def test_rloo_and_reinforce_plus_plus_over_the_valid_completions_by_hand():
+    # RLOO, group 0: 1 - (2 + 3) / 2 = -1.5, 2 - (1 + 3) / 2 = 0, 3 - (1 + 2) / 2 = 1.5; group 1 ties
+    torch.testing.assert_close(rloo_advantages(MASKED_SCORES, 4, valid=MASKED_VALID), torch.tensor([-1.5, 0, 1.5, 0, 0, 0, 0, 0]))
+    # REINFORCE++: valid [1, 2, 3, 4, 4], mean 2.8, std sqrt(6.8 / 4)
+    std = math.sqrt(6.8 / 4)
+    expected = torch.tensor([-1.8, -0.8, 0.2, 0, 1.2, 1.2, 0, 0]) / std
+    torch.testing.assert_close(reinforce_plus_plus_advantages(MASKED_SCORES, 4, valid=MASKED_VALID), expected)
+    # REINFORCE++-baseline: R - its group's valid mean = [-1, 0, 1, ., 0, 0, ., .], over their std sqrt(2 / 4)
+    torch.testing.assert_close(reinforce_plus_plus_advantages(MASKED_SCORES, 4, baseline=True, valid=MASKED_VALID),
+                               torch.tensor([-1.0, 0, 1, 0, 0, 0, 0, 0]) / math.sqrt(0.5))
+
+
+@pytest.mark.parametrize("estimator", ["group", "batch", "none", "rloo", "rpp", "rpp-baseline"])
+def test_every_completion_valid_is_the_unmasked_estimator(estimator):
+    scores = torch.randn(12, generator=torch.Generator().manual_seed(5))
+    fn = {"group": lambda **k: group_advantages(scores, 4, "group", **k), "batch": lambda **k: group_advantages(scores, 4, "batch", **k),
+          "none": lambda **k: group_advantages(scores, 4, "none", **k), "rloo": lambda **k: rloo_advantages(scores, 4, **k),
+          "rpp": lambda **k: reinforce_plus_plus_advantages(scores, 4, **k),
+          "rpp-baseline": lambda **k: reinforce_plus_plus_advantages(scores, 4, baseline=True, **k)}[estimator]
+    torch.testing.assert_close(fn(valid=torch.ones(12, dtype=torch.bool)), fn(), rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ import pytest
 
 from rlalign.lm import sandbox
 from rlalign.lm.data import PromptExample
+from rlalign.lm.reward_calls import UNSCORED
 from rlalign.lm.code_execution import code_execution
 from rlalign.train.rl_config import RewardConfig
 from rlalign.train import rollouts
@@ -113,7 +114,7 @@ def test_on_a_slowed_host_canonical_humaneval_solutions_score_one_and_infinite_l
 def test_a_run_that_reaches_the_wall_backstop_is_run_again_then_counted_and_left_out(fmt):
     row = ROWS[fmt] if fmt != "asserts" else "assert f(1) == 1"  # asserts: the backstop is the whole run's (2 x (2 x 0.5 + 0.5 + 1) s)
     reward = code_execution({"p": row}, timeout_s=0.5, case_timeout_s=0.5, wall_factor=2.0)
-    assert reward(["p"], [program(fmt, SLEEP)]) == [None]  # None: left out of the sum, as a term that does not apply
+    assert reward(["p"], [program(fmt, SLEEP)]) == [UNSCORED]  # not a 0: the completion is left out of training
     assert reward.pop_stats() == {"retried": 1, "timed_out": 1}
     assert reward.pop_stats() == {"retried": 0, "timed_out": 0}  # counts since the last read
     zero = code_execution({"p": row}, timeout_s=0.5, case_timeout_s=0.5, wall_factor=2.0, on_timeout="zero")
@@ -140,10 +141,12 @@ def test_a_program_that_defeats_its_cpu_alarm_scores_zero_not_timed_out(body):
 
 
 @needs_isolation
-def test_timed_out_completions_reach_the_trainers_metrics():
+def test_timed_out_completions_are_counted_and_marked_for_the_trainers_to_leave_out():
     reward = code_execution({"p": "assert f(1) == 1"}, timeout_s=0.5, case_timeout_s=0.5, wall_factor=2.0)
-    reward(["p"], [program("asserts", SLEEP)])
-    assert term_stats([RewardTerm("code", 1.0, reward)]) == {"reward/code/retried": 1.0, "reward/code/timed_out": 1.0}
+    term = RewardTerm("code", 1.0, reward)
+    total, per_term, failed = rollouts.score_rollout([term], ["p", "p"], [program("asserts", SLEEP), program("asserts", "    pass")])
+    assert failed["code"].tolist() == [True, False] and total.tolist() == [0.0, 1.0]  # failed: no advantage, no loss (trusted_rows)
+    assert term_stats([term]) == {"reward/code/retried": 1.0, "reward/code/timed_out": 1.0}
 
 
 def test_the_time_limit_options_are_code_executions_and_checked():

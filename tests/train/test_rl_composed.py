@@ -34,6 +34,7 @@ from rlalign.config import load_config
 from rlalign.core.kl import AdaptiveKLController, FixedKLController
 from rlalign.lm.data import load_prompts
 from rlalign.lm.heads import load_critic
+from rlalign.lm.reward_calls import UNSCORED
 from rlalign.lm.models import load_policy, load_tokenizer
 from rlalign.lm.rollout import Rollout
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
@@ -416,6 +417,36 @@ def test_grpo_step_gradient_by_hand(tiny_path, ref_path, tmp_path, tokenizer, mo
     assert metrics["adv/std"] == pytest.approx(float(torch.tensor(advantages).std()), rel=1e-5)
 
 
+@pytest.mark.parametrize("estimator", ["group", "rloo"])
+def test_grpo_step_leaves_out_a_row_no_reward_could_score(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, estimator):
+    # one group of 4, row 1 unscored (a code run that never finished, a failed judge): the advantages are
+    # over rows 0, 2, 3 alone (group: (R - mean) / std of [2, -1, 3]; rloo: R - mean of the two others)
+    # and row 1 has no advantage and no token in the loss, whatever its (missing) score
+    scores = [2.0, UNSCORED, -1.0, 3.0]
+    cfg = grpo_cfg(tiny_path, tmp_path, advantage=estimator, beta=0.1, group_size=4, prompts_per_step=1)
+    policy, reference = load_policy(tiny_path), load_policy(ref_path)
+    prompts = [PROMPTS[2]] * 4
+    rollout, _, _, _ = shifted_rollout(policy, tokenizer, prompts, 4)
+    fixed_sampler(monkeypatch, grpo, rollout)
+    updater = sgd_updater(policy, lr=0.0)
+    state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
+    metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(scores)], prompt_examples()), state, cfg)
+    trainer_grads = grads(policy)
+
+    policy.zero_grad()
+    logp = hand_forward(policy, tokenizer, prompt_texts=prompts)
+    ref = detached(hand_forward(reference, tokenizer, prompt_texts=prompts))
+    kept = [2.0, -1.0, 3.0]
+    mean, std = sum(kept) / 3, math.sqrt(sum((x - sum(kept) / 3) ** 2 for x in kept) / 2)
+    hand = {"group": [(r - mean) / std for r in kept], "rloo": [r - (sum(kept) - r) / 2 for r in kept]}[estimator]
+    advantages = [hand[0], 0.0, hand[1], hand[2]]
+    counted = [[i != 1] * len(row) for i, row in enumerate(logp)]
+    expected = hand_grpo_loss(logp, detached(logp), ref, advantages, counted, cfg.eps_low, cfg.eps_high, cfg.beta, cfg.aggregation)
+    expected.backward()
+    assert_same_grads(trainer_grads, grads(policy))
+    assert metrics["reward/fixed/failed"] == 1.0
+
+
 @pytest.mark.parametrize(
     "mu, minibatches, sampling_dtype, grad_clip",
     [(2, 1, None, None), (1, 2, None, None), (2, 2, None, 0.05), (2, 2, "bfloat16", None)],
@@ -735,6 +766,32 @@ def test_grpo_step_scales_each_update_by_the_distributed_loss_scale(tiny_path, t
         logp = hand_forward(twin, tokenizer)
         loss = hand_grpo_loss(logp, sampler_logp, None, advantages, all_counted(logp), cfg.eps_low, cfg.eps_high, 0.0, cfg.aggregation, range(k, 4, 2))
         assert_update(update, twin, 0.25 * loss, 0.0)
+
+
+def test_ppo_step_leaves_out_a_row_no_reward_could_score(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch):
+    # row 1 unscored: its tokens enter neither the whitening, nor the policy loss, nor the value loss, so
+    # moving its sampler log-probs (its KL-shaped rewards, its ratios) changes no update; scored, they do
+    def first_updates(scores, shift):
+        torch.manual_seed(0)  # the critic's fresh value head
+        policy, reference, critic = load_policy(tiny_path), load_policy(ref_path), load_critic(tiny_path)
+        rollout, _, _, _ = shifted_rollout(policy, tokenizer)
+        rollout.logprobs[1] += shift * rollout.completion_mask[1]
+        cfg = ppo_cfg(tiny_path, tmp_path, kl_coef=0.2, ppo_epochs=1, num_minibatches=1)
+        fixed_sampler(monkeypatch, ppo, rollout)
+        policy_updater, critic_updater = sgd_updater(policy, 0.0), sgd_updater(critic, 0.0)
+        policy_updates, critic_updates = recording(policy_updater), recording(critic_updater)
+        source = make_source(cfg, policy_updater, tokenizer, [fixed_scores(scores)], load_prompts([{"prompt": p} for p in PROMPTS]))
+        metrics, _ = ppo.ppo_step(policy_updater, critic_updater, reference, cfg.kl_controller(), source, ppo.TrainState(step=0, generator=torch.Generator().manual_seed(0)), cfg)
+        return policy_updates[0].grads, critic_updates[0].grads, metrics
+
+    unscored = [SCORES[0], UNSCORED, *SCORES[2:]]
+    (policy_a, critic_a, metrics), (policy_b, critic_b, _) = first_updates(unscored, 0.0), first_updates(unscored, 0.7)
+    for a, b in ((policy_a, policy_b), (critic_a, critic_b)):
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+    assert metrics["reward/fixed/failed"] == 1.0
+    scored_a, _, _ = first_updates(SCORES, 0.0)
+    scored_b, _, _ = first_updates(SCORES, 0.7)
+    assert any(not torch.allclose(scored_a[k], scored_b[k], rtol=1e-5, atol=1e-7) for k in scored_a)  # the shift matters when the row trains
 
 
 def test_ppo_step_scales_policy_and_critic_updates_by_the_distributed_loss_scale(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch):
