@@ -387,6 +387,22 @@ def hand_group_advantages(scores: list[float], group_size: int, estimator: str) 
     return out
 
 
+def step_against_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, scores, prompts, group_size, **overrides):
+    """One GRPO step on the fixed rollout of ``prompts`` scored ``scores`` (SGD at lr 0: its gradient stays
+    in .grad): (cfg, its metrics, its gradients, the hand's log-probs with grad and the reference's)."""
+    cfg = grpo_cfg(tiny_path, tmp_path, beta=0.1, group_size=group_size, prompts_per_step=4 // group_size, **overrides)
+    policy, reference = load_policy(tiny_path), load_policy(ref_path)
+    rollout, _, _, _ = shifted_rollout(policy, tokenizer, prompts, group_size)
+    fixed_sampler(monkeypatch, grpo, rollout)
+    updater = sgd_updater(policy, lr=0.0)
+    state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
+    metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(scores)], prompt_examples()), state, cfg)
+    trainer_grads = grads(policy)
+    policy.zero_grad()
+    logp = hand_forward(policy, tokenizer, prompt_texts=prompts)
+    return cfg, metrics, trainer_grads, policy, logp, detached(hand_forward(reference, tokenizer, prompt_texts=prompts))
+
+
 @pytest.mark.parametrize("estimator", ["group", "batch", "none", "rloo"])
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_grpo_step_gradient_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, estimator, mask_truncated):
@@ -395,19 +411,10 @@ def test_grpo_step_gradient_by_hand(tiny_path, ref_path, tmp_path, tokenizer, mo
     # log-probs (a second model, run alone on each row) and, with mask_truncated, row 2 (no EOS) left out
     group_size = 4 if estimator in ("batch", "rloo") else 2  # G = 4 separates batch from group std and RLOO from "none"
     scores = [2.0, 0.5, -1.0, 3.0]
-    cfg = grpo_cfg(tiny_path, tmp_path, advantage=estimator, mask_truncated=mask_truncated, beta=0.1, group_size=group_size, prompts_per_step=4 // group_size)
-    policy, reference = load_policy(tiny_path), load_policy(ref_path)
     prompts = PROMPTS if group_size == 2 else [PROMPTS[2]] * 4  # one group of 4 shares one prompt
-    rollout, _, _, _ = shifted_rollout(policy, tokenizer, prompts, group_size)
-    fixed_sampler(monkeypatch, grpo, rollout)
-    updater = sgd_updater(policy, lr=0.0)
-    state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(scores)], prompt_examples()), state, cfg)
-    trainer_grads = grads(policy)
-
-    policy.zero_grad()
-    logp = hand_forward(policy, tokenizer, prompt_texts=prompts)
-    ref = detached(hand_forward(reference, tokenizer, prompt_texts=prompts))
+    cfg, metrics, trainer_grads, policy, logp, ref = step_against_hand(
+        tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, scores, prompts, group_size, advantage=estimator, mask_truncated=mask_truncated
+    )
     advantages = hand_group_advantages(scores, group_size, estimator)
     counted = [[not (mask_truncated and i == 2)] * len(row) for i, row in enumerate(logp)]
     expected = hand_grpo_loss(logp, detached(logp), ref, advantages, counted, cfg.eps_low, cfg.eps_high, cfg.beta, cfg.aggregation)
@@ -423,19 +430,9 @@ def test_grpo_step_leaves_out_a_row_no_reward_could_score(tiny_path, ref_path, t
     # over rows 0, 2, 3 alone (group: (R - mean) / std of [2, -1, 3]; rloo: R - mean of the two others)
     # and row 1 has no advantage and no token in the loss, whatever its (missing) score
     scores = [2.0, UNSCORED, -1.0, 3.0]
-    cfg = grpo_cfg(tiny_path, tmp_path, advantage=estimator, beta=0.1, group_size=4, prompts_per_step=1)
-    policy, reference = load_policy(tiny_path), load_policy(ref_path)
-    prompts = [PROMPTS[2]] * 4
-    rollout, _, _, _ = shifted_rollout(policy, tokenizer, prompts, 4)
-    fixed_sampler(monkeypatch, grpo, rollout)
-    updater = sgd_updater(policy, lr=0.0)
-    state = grpo.TrainState(step=0, generator=torch.Generator().manual_seed(0))
-    metrics, _ = grpo.grpo_step(updater, reference, make_source(cfg, updater, tokenizer, [fixed_scores(scores)], prompt_examples()), state, cfg)
-    trainer_grads = grads(policy)
-
-    policy.zero_grad()
-    logp = hand_forward(policy, tokenizer, prompt_texts=prompts)
-    ref = detached(hand_forward(reference, tokenizer, prompt_texts=prompts))
+    cfg, metrics, trainer_grads, policy, logp, ref = step_against_hand(
+        tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, scores, [PROMPTS[2]] * 4, 4, advantage=estimator
+    )
     kept = [2.0, -1.0, 3.0]
     mean, std = sum(kept) / 3, math.sqrt(sum((x - sum(kept) / 3) ** 2 for x in kept) / 2)
     hand = {"group": [(r - mean) / std for r in kept], "rloo": [r - (sum(kept) - r) / 2 for r in kept]}[estimator]
