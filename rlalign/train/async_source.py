@@ -50,6 +50,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +65,7 @@ from rlalign.train import distributed
 from rlalign.train.rollouts import ScoredRollout
 from rlalign.train.sources import RolloutSource, ScoredBatch, make_source
 
-__all__ = ["AsyncSource", "RolloutProducerError", "open_source", "check_one_process"]
+__all__ = ["AsyncSource", "RolloutProducerError", "open_source", "source_builder", "check_one_process"]
 
 _STATUS_BYTES = 240
 
@@ -74,37 +75,55 @@ class RolloutProducerError(RLAlignError, RuntimeError):
 
 
 def check_one_process(cfg, world: distributed.World) -> None:
-    """Sources that need one process: dynamic sampling and tools (ranks would diverge), and asynchronous rollouts."""
-    if not world.distributed:
+    """Sources that need one process: dynamic sampling (the ranks would keep unequal numbers of groups),
+    and an asynchronous producer process beside a torchrun rank (there, producers are ranks)."""
+    if not world.distributed and world.producer is None:
         return
-    for on, what, why in (
-        (cfg.dynamic_sampling, "dynamic_sampling", "the ranks would keep unequal numbers of groups"),
-        (cfg.tools is not None, "tools", "the ranks would take different numbers of turns"),
-        (cfg.async_rollouts.enabled, "async_rollouts", "each rank would need its own producer and the weight broadcast is not built yet; "
-         "across processes, run synchronously (async_rollouts.enabled: false)"),
-    ):
-        if on:
-            raise ConfigError(f"{what} runs in one process: under torchrun {why}")
+    if cfg.dynamic_sampling:
+        raise ConfigError("dynamic_sampling runs in one process: under torchrun the ranks would keep unequal numbers of groups")
+    if cfg.async_rollouts.enabled and not world.producers:
+        raise ConfigError(
+            "async_rollouts under torchrun makes some ranks producers: set async_rollouts.producers (e.g. 1) and launch that many more "
+            "processes, or run synchronously (async_rollouts.enabled: false)"
+        )
 
 
-def open_source(cfg, run, updater, state, tools=None, inner: RolloutSource | None = None, environment=None) -> RolloutSource:
-    """The run's rollout source: ``inner``, by default the in-process one of the config (:func:`rlalign.train.sources.make_source`),
-    run by a producer process when ``cfg.async_rollouts.enabled``."""
-    if inner is None and getattr(cfg, "agent", None) is not None:  # agent code behind the OpenAI-compatible endpoint
-        from rlalign.agents.agent_source import make_agent_source
-
-        inner = make_agent_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world)
-    if inner is None and getattr(cfg, "environment", None) is not None:  # episodes against a Python environment
-        from rlalign.train.env_source import make_environment_source
-
-        inner = make_environment_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world, environment)
-    inner = inner or make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world, tools, state.data_position)
+def open_source(cfg, run, updater, state, tools=None, build: Callable[[distributed.World], RolloutSource] | None = None, environment=None) -> RolloutSource:
+    """The run's rollout source: ``build(world)``, by default the in-process source the config asks for
+    (:func:`source_builder`), run by a producer process when ``cfg.async_rollouts.enabled``, or by
+    producer ranks when ``cfg.async_rollouts.producers`` (:mod:`rlalign.train.rank_source`)."""
+    build = build or source_builder(cfg, run, updater, state, tools, environment)
     if not cfg.async_rollouts.enabled:
-        return inner
+        return build(run.world)
+    if run.world.producers:
+        from rlalign.train.rank_source import open_rank_source
+
+        return open_rank_source(cfg, run, updater, state, build)
     if run.device != "cpu":
-        raise ConfigError(f"async_rollouts runs on the CPU for now (model.device={run.device}); the GPU transport is designed, not built")
+        raise ConfigError(
+            f"a producer process beside the learner runs on the CPU (model.device={run.device}); on GPUs make producers ranks: "
+            "torchrun --nproc-per-node 2 ... async_rollouts.producers=1"
+        )
     restored = (run.checkpoint.extra.get("async_rollouts") if run.checkpoint else None) or []
-    return AsyncSource(inner, updater, cfg.async_rollouts, state.step, cfg.steps, [batch_from_state(b) for b in restored])
+    return AsyncSource(build(run.world), updater, cfg.async_rollouts, state.step, cfg.steps, [batch_from_state(b) for b in restored])
+
+
+def source_builder(cfg, run, updater, state, tools=None, environment=None) -> Callable[[distributed.World], RolloutSource]:
+    """``build(world)``: the in-process source of the config (agent, environment, or
+    :func:`rlalign.train.sources.make_source`) making ``world``'s share of each step."""
+
+    def build(world: distributed.World) -> RolloutSource:
+        if getattr(cfg, "agent", None) is not None:  # agent code behind the OpenAI-compatible endpoint
+            from rlalign.agents.agent_source import make_agent_source
+
+            return make_agent_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, world)
+        if getattr(cfg, "environment", None) is not None:  # episodes against a Python environment
+            from rlalign.train.env_source import make_environment_source
+
+            return make_environment_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, world, environment)
+        return make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, world, tools, state.data_position)
+
+    return build
 
 
 @dataclass

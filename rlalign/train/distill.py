@@ -280,13 +280,17 @@ def distill_step(updater: Updater, teacher: nn.Module, source: RolloutSource, st
 def open_distill_source(cfg: DistillConfig, run, updater: Updater, state: TrainState, prompts: Sequence[dict] | None, tools) -> RolloutSource:
     """The student's rollout source (:func:`rlalign.train.sources.make_source`), mixed with the data's completions
     when lmbda < 1 (an embedded task's SFT completions, else the prompt records' own), run asynchronously when asked."""
-    inner = make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, run.world, tools, state.data_position)
     if cfg.lmbda < 1:
         task = cfg.data.task is not None and prompts is None
         examples = load_prompts(TASKS[cfg.data.task].sft_records("train", cfg.data.num_prompts, cfg.data.seed)) if task else run.prompts
-        offline = OfflineSource(examples, run.tokenizer, cfg.prompts_per_step, cfg.seed, cfg.sampling.max_new_tokens, run.world)
-        inner = MixedSource(inner, offline, cfg.lmbda, cfg.seed)
-    return open_source(cfg, run, updater, state, tools, inner=inner)
+
+    def build(world):
+        inner = make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, world, tools, state.data_position)
+        if cfg.lmbda < 1:
+            inner = MixedSource(inner, OfflineSource(examples, run.tokenizer, cfg.prompts_per_step, cfg.seed, cfg.sampling.max_new_tokens, world), cfg.lmbda, cfg.seed)
+        return inner
+
+    return open_source(cfg, run, updater, state, tools, build=build)
 
 
 def train(

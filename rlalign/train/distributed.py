@@ -39,13 +39,16 @@ import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from rlalign.config import ConfigError
 from rlalign.core.losses import norm_rows, row_weights
 from rlalign.core.masks import masked_mean, masked_var
 
@@ -57,19 +60,41 @@ __all__ = [
 
 @dataclass(frozen=True)
 class World:
-    """This process's place among the ``size`` processes of the run (one process: rank 0 of 1)."""
+    """This process's place among the learners of the run (one process: rank 0 of 1).
+
+    With producer ranks (``async_rollouts.producers: P`` under torchrun) the first N - P ranks learn
+    and the last P only sample and score (:mod:`rlalign.train.rank_source`): a learner's World is its
+    rank among the learners, their number and their process group; a producer's is a one-process
+    World (its forwards are its own) that names its index among the producers. A *view*
+    (:meth:`view_of`) is learner ``rank``'s share of a step as a producer makes it: shards as that
+    learner's, and no collective (the learner gathers the scores when the batch arrives)."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    group: Any = None  # the learners' process group; None: the default group (every process)
+    learners: int = 1  # learner ranks in the run
+    producers: int = 0  # producer ranks in the run (async_rollouts.producers)
+    producer: int | None = None  # this process's index among the producers; None: a learner
+    view: bool = False  # a producer's view of a learner's share: no collective
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """Rank 0 of the learners: the one that writes."""
+        return self.rank == 0 and self.producer is None and not self.view
 
     @property
     def distributed(self) -> bool:
-        return self.size > 1
+        """Whether collectives reach other processes (learners under torchrun; never a producer or a view)."""
+        return self.size > 1 and not self.view
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank if self.producer is None else self.learners + self.producer
+
+    def view_of(self, rank: int) -> World:
+        """Learner ``rank``'s share of a step, as a producer samples and scores it without the learners."""
+        return World(rank=rank, size=self.learners, local_rank=self.local_rank, learners=self.learners, producers=self.producers, view=True)
 
     def shard(self, n: int, what: str = "rows") -> slice:
         """This rank's contiguous share of ``n`` items (``n`` must divide evenly)."""
@@ -79,51 +104,81 @@ class World:
         return slice(self.rank * share, (self.rank + 1) * share)
 
     def barrier(self) -> None:
+        """Every learner waits for the others."""
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. builds the tiny model on disk), then the others."""
-        if not self.is_main:
-            self.barrier()
+        """Rank 0 runs the block first (e.g. builds the tiny model on disk), then every other process, producers included."""
+        together = dist.is_available() and dist.is_initialized() and not self.view
+        if together and not self.is_main:
+            dist.barrier()
         yield
-        if self.is_main:
-            self.barrier()
+        if together and self.is_main:
+            dist.barrier()
 
     def device(self, requested: str) -> str:
         """The device of this rank: ``cuda`` becomes ``cuda:<local_rank>`` under torchrun."""
-        return f"cuda:{self.local_rank}" if self.distributed and requested == "cuda" else requested
+        return f"cuda:{self.local_rank}" if dist.is_available() and dist.is_initialized() and requested == "cuda" else requested
 
 
-def init(device: str = "cpu") -> World:
+_WORLDS: dict[tuple[int, int], World] = {}  # (global rank, producers) -> this process's World, once the groups exist
+
+
+def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> World:
     """The World of this process; joins the process group when launched by torchrun (WORLD_SIZE > 1).
 
-    Backend: NCCL when ``device`` is CUDA, gloo otherwise. Idempotent.
+    Backend: NCCL when ``device`` is CUDA, gloo otherwise. ``producers``: the last ``producers``
+    ranks sample for the others (the learners, who get a process group of their own). Idempotent.
+
+    Raises:
+        ConfigError: producers without torchrun, or with no rank left to learn.
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
+        if producers:
+            raise ConfigError(f"async_rollouts.producers={producers} makes ranks of torchrun producers: launch with torchrun "
+                              f"(--nproc-per-node {producers + 1} or more), or set producers: 0 for a producer process beside this one")
         return World()
-    world = World(rank=int(os.environ["RANK"]), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    if producers >= size:
+        raise ConfigError(f"async_rollouts.producers={producers} leaves no learner among the {size} processes: at most {size - 1}")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if (rank, producers) in _WORLDS:
+        return _WORLDS[rank, producers]
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(world.local_rank)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    learners = size - producers
+    if not producers:
+        world = World(rank=rank, size=size, local_rank=local_rank, learners=size)
+    else:
+        group = dist.new_group(list(range(learners)), timeout=datetime.timedelta(seconds=timeout_s))  # every rank takes part in making it
+        if rank < learners:
+            world = World(rank=rank, size=learners, local_rank=local_rank, group=group, learners=learners, producers=producers)
+        else:
+            world = World(local_rank=local_rank, learners=learners, producers=producers, producer=rank - learners)
+    _WORLDS[rank, producers] = world
     return world
 
 
 SHARDINGS = ("ddp", "fsdp")
 
 
-def _fully_shard(model: nn.Module) -> nn.Module:
-    """FSDP2 in place: each decoder layer (the classes a transformers model lists in
+def _fully_shard(model: nn.Module, world: World) -> nn.Module:
+    """FSDP2 in place over the learners: each decoder layer (the classes a transformers model lists in
     ``_no_split_modules``), then the root (embeddings, final norm, heads)."""
+    mesh = None
+    if world.group is not None:
+        device_type = next(model.parameters()).device.type
+        mesh = DeviceMesh.from_group(world.group, device_type)
     layer_classes = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
     for module in list(model.modules()):
         if type(module).__name__ in layer_classes and module is not model:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -139,11 +194,11 @@ def wrap(model: nn.Module, world: World, sharding: str = "ddp") -> nn.Module:
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if sharding == "fsdp":
-        return _fully_shard(model)
+        return _fully_shard(model, world)
     device_ids = [world.local_rank] if next(model.parameters()).is_cuda else None
     ddp = nn.parallel.DistributedDataParallel
     no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
-    return ddp(model, device_ids=device_ids, **no_buffer_sync)
+    return ddp(model, device_ids=device_ids, process_group=world.group, **no_buffer_sync)
 
 
 def shard_frozen(model: nn.Module | None, world: World, sharding: str = "ddp") -> nn.Module | None:
@@ -151,7 +206,7 @@ def shard_frozen(model: nn.Module | None, world: World, sharding: str = "ddp") -
     (under DDP every rank holds a full copy; it needs no gradient sync)."""
     if model is None or not world.distributed or sharding != "fsdp":
         return model
-    return _fully_shard(model)
+    return _fully_shard(model, world)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -221,7 +276,7 @@ def gather_rows(x: Tensor, world: World) -> Tensor:
     if not world.distributed:
         return x
     parts = [torch.empty_like(x) for _ in range(world.size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=world.group)
     return torch.cat(parts)
 
 
@@ -230,7 +285,7 @@ def all_sum(x: Tensor, world: World) -> Tensor:
     if not world.distributed:
         return x
     out = x.detach().clone()
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=world.group)
     return out
 
 
@@ -254,7 +309,7 @@ def all_max(value: float, world: World) -> float:
     if not world.distributed:
         return value
     out = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=world.group)
     return float(out)
 
 

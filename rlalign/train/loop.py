@@ -111,7 +111,7 @@ class Run:
         Under ``model.autocast: bfloat16`` its matmul weights are held in bfloat16 (:func:`hold_matmul_weights`: the values
         autocast would cast them to, so its log-probs equal the policy's at equal weights; no cast per forward, about half
         the memory, a faster reference pass)."""
-        if model_cfg.lora is not None and path is None:
+        if (model_cfg.lora is not None and path is None) or self.world.producer is not None:  # a producer rank computes no KL
             return None
         reference = load_reference(path or self.base_path, model_cfg.dtype, self.device, model_cfg.gguf_file, model_cfg.attn_implementation)
         if model_cfg.autocast != "none":
@@ -124,12 +124,18 @@ class Run:
         return self.checkpoint.model_dir if self.checkpoint else self.base_path
 
 
+def producer_ranks(cfg: Config) -> int:
+    """How many torchrun ranks only make rollouts (``async_rollouts.producers``, when asynchronous)."""
+    a = getattr(cfg, "async_rollouts", None)
+    return a.producers if a is not None and a.enabled else 0
+
+
 def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Path | None = None) -> Run:
     """Join the process group (under torchrun), check that ``global_batch`` (the config's
     ``batch_field``) splits evenly across it, set threads and seeds, create the run directory, build
     or find the starting model (rank 0 first), load its tokenizer and the checkpoint ``resume``
     (a checkpoint dir, or a run dir: its latest). ``cfg`` has output_dir, seed, num_threads and model."""
-    world = distributed.init(cfg.model.device)  # one process unless launched by torchrun
+    world = distributed.init(cfg.model.device, producer_ranks(cfg))  # one process unless launched by torchrun
     world.shard(global_batch, batch_field)
     checkpoint = None if resume is None else load_checkpoint(resume)  # a bad path fails before anything is built
     if cfg.num_threads:
@@ -187,7 +193,7 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
                  rewards_required: bool = True) -> RLRun:
     """:func:`start_run`, then the prompts and the reward terms. Shared by GRPO, PPO and distillation (``cfg``: an
     :class:`rlalign.train.rl_config.RLConfig`); ``rewards_required`` False: a run without reward terms has none (distillation logs them only)."""
-    check_world(distributed.init(cfg.model.device), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
+    check_world(distributed.init(cfg.model.device, producer_ranks(cfg)), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
     run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step", resume)
     with contextlib.ExitStack() as on_error:
         on_error.push(run.__exit__)  # bad prompts or rewards: let go of the lock
@@ -349,8 +355,13 @@ def run_steps(
     and after the last; its rows go to ``eval_samples.jsonl`` and the trackers' table ``eval/samples``.
     ``source``: the rollout source the steps read (:mod:`rlalign.train.sources`), closed when the
     steps end, however they end (an asynchronous one stops its producer).
+    On a producer rank (``async_rollouts.producers``) the steps are the learners': it makes rollouts
+    (``source.produce()``) and returns no metrics and no final dir.
     Returns (this call's metrics, final dir)."""
     try:
+        if run.world.producer is not None:
+            source.produce()
+            return [], None
         return _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_size, summary_keys, plot_keys, sample_every, checkpoint_extra,
                           first_record, evaluate, eval_every)
     finally:

@@ -286,13 +286,17 @@ class AsyncConfig(Config):
     """Asynchronous rollouts (rlalign.train.async_source): a producer process samples and scores ahead
     of the learner, which publishes its weights after each update."""
 
-    enabled: bool = Field(False, description="sample and score in a producer process while the learner learns (one process and CPU only: under torchrun, a config error)")
+    enabled: bool = Field(False, description="sample and score apart from the learner while it learns: in a producer process beside it (CPU), or on producer ranks")
+    producers: int = Field(
+        0, ge=0, description="under torchrun: the last this-many ranks only sample and score (rlalign.train.rank_source) and the others learn; "
+        "0: one producer process beside a one-process learner"
+    )
     max_staleness: int = Field(
         1, ge=0, description="k: the rollout of step s is sampled by the policy after exactly max(0, s - k) learner steps; 0 reproduces the synchronous run"
     )
     learner_threads: int = Field(1, ge=1, description="torch threads of the learner process")
     producer_threads: int = Field(1, ge=1, description="torch threads of the producer process")
-    timeout_s: float = Field(600.0, gt=0, description="longest wait for one rollout before the run stops, naming what the producer was doing")
+    timeout_s: float = Field(600.0, gt=0, description="longest wait for one rollout or weight transfer before the run stops, naming what the producer was doing")
 
 
 TRL_AGGREGATIONS = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}  # TRL loss_type -> rlalign aggregation

@@ -42,6 +42,7 @@ __all__ = [
     "prompt_batch",
     "RewardTerm",
     "add_score_term",
+    "gather_scores",
     "select_rows",
     "concat_scored",
     "build_rewards",
@@ -336,6 +337,16 @@ def score_shard(
     per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
     failed = {name: distributed.gather_rows(rows_failed.float(), world).bool() for name, rows_failed in local_failed.items()}
     return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed, term_stats(rewards))
+
+
+def gather_scores(scored: ScoredRollout, world: distributed.World) -> ScoredRollout:
+    """``scored`` of this rank's rows, scored without the other ranks (a producer rank's view, its
+    ``scores``, ``per_term`` and ``failed`` this rank's rows only), with those of every rank gathered."""
+    return ScoredRollout(
+        scored.prompts, scored.completions, scored.local_scores, scored.local_per_term, distributed.gather_rows(scored.local_scores, world),
+        {name: distributed.gather_rows(values, world) for name, values in scored.local_per_term.items()},
+        {name: distributed.gather_rows(rows_failed.float(), world).bool() for name, rows_failed in scored.failed.items()}, scored.term_stats,
+    )
 
 
 def term_stats(terms: Sequence[RewardTerm]) -> dict[str, float]:

@@ -1,0 +1,353 @@
+"""Producers and learners as ranks of one torch.distributed process group.
+
+    torchrun --nproc-per-node 4 -m rlalign grpo --config configs/grpo_arithmetic.yaml \\
+        async_rollouts.enabled=true async_rollouts.producers=2 async_rollouts.max_staleness=1 tis_cap=2
+
+Of the N ranks, the first L = N - P learn (DDP or FSDP2 among themselves, in a process group of
+their own, exactly as N = L processes would) and the last P only sample and score. Each step's global
+batch is split into L learner shards as a synchronous run of L processes splits it; shard l of step s
+is made by producer (s * L + l) mod P, with step s's sampling generator and the weights of version
+max(0, s - k), so the tokens do not depend on which rank drew them: L learners and P producers train
+as L synchronous processes would at k = 0, and as one asynchronous process would at k >= 1.
+
+What travels, and how (torch.distributed only; no sockets or queues of our own):
+
+- Weights: learner rank 0 broadcasts the trainable tensors (one flat buffer per dtype) in a group of
+  its own with every producer (NCCL on GPUs), asynchronously, from k + 1 slots, so the learner never
+  waits for a producer that is still sampling; it waits only before reusing a slot, whose version
+  every producer has received by then (a producer receives every version in order, up to the one
+  its next task needs). Under FSDP2 every learner gathers the full tensors first (a collective).
+- Rollouts: a producer sends each scored shard, serialised, by point-to-point send to the learner
+  that trains it, in a gloo group of every rank (CPU tensors, as rollouts leave the sampler).
+- Control: the run's c10d store (the one torchrun rendezvoused on) carries the small things: "shard
+  (s, l) is ready", "version v is out", each producer's heartbeat and what it is doing, its error,
+  and "stop". Every wait on it is cut in one-second slices and has a time limit
+  (``async_rollouts.timeout_s``), and between slices the learner checks the producers' errors and
+  heartbeats, so no rank hangs and the error names the rank, the step and what it was doing.
+
+The scores a producer computes are its shard's; the learner that receives the shard gathers every
+learner's (:func:`rlalign.train.rollouts.gather_scores`), so advantages and metrics are global.
+A checkpoint holds each learner's rollouts in flight (gathered to rank 0), so a resumed run with
+the same learner count trains on exactly what the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from rlalign.config import ConfigError
+from rlalign.train import distributed
+from rlalign.train.async_source import RolloutProducerError, _StepState, _trainable, _to_bytes, batch_from_state, batch_state
+from rlalign.train.rollouts import gather_scores
+from rlalign.train.sources import RolloutSource, ScoredBatch
+
+__all__ = ["RankSource", "RankProducer", "producer_of", "open_rank_source"]
+
+_SLICE = datetime.timedelta(seconds=1.0)
+_HEARTBEAT_S = 1.0
+_SILENT_S = 60.0  # a producer whose heartbeat is older than this has stopped answering
+
+
+def producer_of(step: int, shard: int, learners: int, producers: int) -> int:
+    """The producer (index among the producers) that makes learner ``shard``'s share of ``step``."""
+    return (step * learners + shard) % producers
+
+
+def _store() -> dist.Store:
+    """The run's c10d store, under a prefix of this attempt (a torchrun restart starts clean)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(f"rlalign/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", _get_default_store())
+
+
+class _Flat:
+    """A module's trainable tensors as one flat buffer per dtype (the unit of a broadcast)."""
+
+    def __init__(self, module: nn.Module):
+        self.params = [p for _, p in _trainable(module)]
+        self.dtypes = sorted({p.dtype for p in self.params}, key=str)
+        self.sharded = any(hasattr(p, "full_tensor") for p in self.params)  # FSDP2's DTensors
+
+    def full(self) -> list[Tensor]:
+        """The full tensors, by dtype, flattened (under FSDP2 a collective of every learner)."""
+        values = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]
+        return [_flatten_dense_tensors([v.detach() for v in values if v.dtype == dtype]) for dtype in self.dtypes]
+
+    def load(self, flats: list[Tensor]) -> None:
+        with torch.no_grad():
+            for dtype, flat in zip(self.dtypes, flats):
+                params = [p for p in self.params if p.dtype == dtype]
+                for p, value in zip(params, _unflatten_dense_tensors(flat, params)):
+                    p.copy_(value)
+
+
+class _Control:
+    """The store's keys of one run, and waits on them with a time limit and a check between slices."""
+
+    def __init__(self, world: distributed.World, timeout_s: float):
+        self.store, self.world, self.timeout_s = _store(), world, timeout_s
+
+    def producer_rank(self, producer: int) -> int:
+        return self.world.learners + producer
+
+    def say(self, producer: int, text: str) -> None:
+        self.store.set(f"status/{producer}", json.dumps({"t": time.time(), "doing": text}))
+
+    def doing(self, producer: int) -> tuple[str, float]:
+        """What producer ``producer`` last said it was doing, and how many seconds ago."""
+        if not self.store.check([f"status/{producer}"]):
+            return "starting", 0.0
+        said = json.loads(self.store.get(f"status/{producer}"))
+        return said["doing"], time.time() - said["t"]
+
+    def fail(self, producer: int, step: int, doing: str, error: str) -> None:
+        self.store.set(f"error/{producer}", json.dumps({"step": step, "doing": doing, "error": error}))
+
+    def check_producers(self, producers: range) -> None:
+        """Raise the first producer error, or name a producer whose heartbeat stopped."""
+        for p in producers:
+            if self.store.check([f"error/{p}"]):
+                e = json.loads(self.store.get(f"error/{p}"))
+                raise RolloutProducerError(
+                    f"producer rank {self.producer_rank(p)} failed at step {e['step']} while {e['doing']}; the learners wrote nothing for "
+                    f"that step, so their last checkpoint is whole:\n{e['error']}"
+                )
+            doing, ago = self.doing(p)
+            if ago > _SILENT_S:
+                raise RolloutProducerError(
+                    f"producer rank {self.producer_rank(p)} stopped answering: no heartbeat for {ago:.0f} s; its last word: {doing}. "
+                    "The learners' last checkpoint is whole"
+                )
+
+    def wait(self, key: str, what: str, check: Callable[[], None]) -> bool:
+        """Wait for ``key`` (``what``: the wait's name in the error), calling ``check`` between slices.
+        Returns False when the learners asked to stop first."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self.store.wait([key], _SLICE)
+                return True
+            except (dist.DistStoreError, RuntimeError):  # the slice ended: check, then wait on
+                if self.store.check(["stop"]):
+                    return False
+                check()
+                if time.monotonic() > deadline:
+                    raise RolloutProducerError(f"{what}: nothing in {self.timeout_s:.0f} s (async_rollouts.timeout_s)") from None
+
+
+class RankSource:
+    """A learner's side: its shard of each step from the producer that makes it (module docstring)."""
+
+    def __init__(self, world: distributed.World, updater, cfg, first_step: int, total_steps: int, restored: list[ScoredBatch] = ()):
+        self.world, self.k, self.total_steps = world, cfg.max_staleness, total_steps
+        self.control = _Control(world, cfg.timeout_s)
+        self.rollout_group = dist.new_group(list(range(world.learners + world.producers)), backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.weight_group = dist.new_group([0, *range(world.learners, world.learners + world.producers)], timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.buffer: dict[int, ScoredBatch] = {first_step + i: batch for i, batch in enumerate(restored)}  # step -> this learner's shard
+        self.first_version, self.last_version = first_step, total_steps - 1 - self.k  # the versions the producers sample with
+        self.flat = _Flat(updater.module)
+        self.slots: list[list[Tensor] | None] = [None] * (self.k + 1)
+        self.works: list[list] = [[] for _ in range(self.k + 1)]
+        self.next_step = first_step
+        self.publish(updater.module, first_step)  # the producers start from the learner's weights, whatever they loaded
+
+    def _check(self) -> None:
+        self.control.check_producers(range(self.world.producers))
+
+    def _receive(self, step: int) -> None:
+        """Shard ``world.rank`` of ``step`` from its producer, scores gathered from every learner."""
+        w = self.world
+        p = producer_of(step, w.rank, w.learners, w.producers)
+        key = f"batch/{step}/{w.rank}"
+        if not self.control.wait(key, f"learner rank {w.rank} waiting for step {step} from producer rank {self.control.producer_rank(p)}", self._check):
+            raise RolloutProducerError(f"the run was stopped while learner rank {w.rank} waited for step {step}")
+        payload = torch.empty(int(self.control.store.get(key)), dtype=torch.uint8)
+        dist.recv(payload, src=self.control.producer_rank(p), group=self.rollout_group)
+        batch = batch_from_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
+        self.buffer[step] = batch
+
+    def next(self, state) -> ScoredBatch:
+        start = time.perf_counter()
+        if state.step not in self.buffer:
+            self._receive(state.step)
+        batch = self.buffer.pop(state.step)
+        self.next_step = state.step + 1
+        batch.scored = gather_scores(batch.scored, self.world)
+        staleness = float(state.step - batch.version)
+        batch.metrics.update({"staleness/mean": staleness, "staleness/max": staleness, "time/queue_wait": time.perf_counter() - start})
+        names = sorted(batch.metrics)  # the source's metrics of this shard -> means over the learners' equal shards
+        means = distributed.all_sum(torch.tensor([batch.metrics[n] for n in names], dtype=torch.float64), self.world) / self.world.size
+        batch.metrics = dict(zip(names, means.tolist()))
+        return batch
+
+    def publish(self, policy: nn.Module, version: int) -> float:
+        """Learner rank 0 broadcasts the weights of ``version`` to every producer (asynchronously)."""
+        start = time.perf_counter()
+        if not self.first_version <= version <= self.last_version:
+            return 0.0
+        if not self.world.is_main:
+            if self.flat.sharded:
+                self.flat.full()  # under FSDP2 every learner takes part in gathering the full tensors
+            return time.perf_counter() - start
+        flats = self.flat.full()
+        slot = version % (self.k + 1)
+        self._finish(slot, f"learner rank 0 waiting for every producer to receive the weights of version {version - self.k - 1}")
+        if self.slots[slot] is None:
+            self.slots[slot] = [torch.empty_like(f) for f in flats]
+        for buffer, flat in zip(self.slots[slot], flats):
+            buffer.copy_(flat)
+        self.works[slot] = [dist.broadcast(buffer, src=0, group=self.weight_group, async_op=True) for buffer in self.slots[slot]]
+        self.control.store.set(f"weights/{version}", "1")
+        return time.perf_counter() - start
+
+    def _finish(self, slot: int, what: str) -> None:
+        deadline = time.monotonic() + self.control.timeout_s
+        while not all(work.is_completed() for work in self.works[slot]):
+            self._check()
+            if time.monotonic() > deadline:
+                raise RolloutProducerError(f"{what}: not done in {self.control.timeout_s:.0f} s (async_rollouts.timeout_s)")
+            time.sleep(0.001)
+        for work in self.works[slot]:
+            work.wait()
+        self.works[slot] = []
+
+    def state_dict(self) -> dict:
+        """Every learner's rollouts in flight (steps next..next + k - 1), gathered for rank 0's checkpoint."""
+        last = min(self.next_step + self.k, self.total_steps)
+        for step in range(self.next_step, last):
+            if step not in self.buffer:
+                self._receive(step)
+        mine = [batch_state(self.buffer[step]) for step in range(self.next_step, last)]
+        everyone: list = [None] * self.world.size
+        if self.world.distributed:
+            dist.all_gather_object(everyone, mine, group=self.world.group)
+        else:
+            everyone = [mine]
+        return {"async_rollouts_by_learner": everyone}
+
+    def close(self) -> None:
+        """Tell the producers to stop (a normal end, or an error on this side) and let them go."""
+        self.control.store.set("stop", "1")
+        if self.world.is_main:
+            for slot in range(self.k + 1):
+                if all(work.is_completed() for work in self.works[slot]):
+                    self.works[slot] = []
+
+
+class RankProducer:
+    """A producer rank: its tasks (step, learner shard) in step order, each sampled with the weights of
+    version max(0, step - k) and sent to the learner that trains it."""
+
+    def __init__(self, world: distributed.World, updater, build: Callable[[distributed.World], RolloutSource], cfg, first_step: int, total_steps: int,
+                 restored_steps: int):
+        self.world, self.updater, self.k, self.total_steps = world, updater, cfg.max_staleness, total_steps
+        self.control = _Control(world, cfg.timeout_s)
+        self.rollout_group = dist.new_group(list(range(world.learners + world.producers)), backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.weight_group = dist.new_group([0, *range(world.learners, world.learners + world.producers)], timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.sources = [build(world.view_of(rank)) for rank in range(world.learners)]  # each learner shard's source
+        self.first_version, self.last_version = first_step, total_steps - 1 - self.k
+        self.version = first_step - 1  # the next broadcast brings first_step
+        first_to_make = first_step + restored_steps
+        self.tasks = [(s, r) for s in range(first_to_make, total_steps) for r in range(world.learners) if producer_of(s, r, world.learners, world.producers) == world.producer]
+        self.flat, self.buffers = _Flat(updater.module), None
+        self.activity, self.sends = "starting", []
+        self.step = first_to_make
+
+    def say(self, text: str) -> None:
+        self.activity = text
+        self.control.say(self.world.producer, text)
+
+    def _heartbeat(self, done: threading.Event) -> None:
+        while not done.wait(_HEARTBEAT_S):
+            self.control.say(self.world.producer, self.activity)
+
+    def _receive_until(self, need: int) -> bool:
+        """Receive every version up to ``need``, in order; False when the learners stopped the run."""
+        while self.version < need:
+            v = self.version + 1
+            self.say(f"waiting for the weights of version {v} to sample step {self.step}")
+            if not self.control.wait(f"weights/{v}", f"producer rank {self.world.global_rank} waiting for the weights of version {v}", lambda: None):
+                return False
+            self.buffers = self.buffers or [torch.empty_like(f) for f in self.flat.full()]
+            for buffer in self.buffers:
+                dist.broadcast(buffer, src=0, group=self.weight_group)
+            self.flat.load(self.buffers)
+            self.updater.updates += 1  # a sampling copy in another dtype refreshes from the new weights
+            self.version = v
+        return True
+
+    def produce(self) -> None:
+        """Make every task, then receive the versions left (every producer takes part in every broadcast)."""
+        done = threading.Event()
+        threading.Thread(target=self._heartbeat, args=(done,), name="rlalign-heartbeat", daemon=True).start()
+        try:
+            for step, shard in self.tasks:
+                self.step = step
+                idle_from = time.perf_counter()
+                if not self._receive_until(max(0, step - self.k, self.first_version)):
+                    return
+                idle = time.perf_counter() - idle_from
+                self.say(f"sampling and scoring step {step} for learner rank {shard} with the weights of version {self.version}")
+                batch = self.sources[shard].next(_StepState(step))
+                batch.version = self.version
+                batch.metrics["time/producer_idle"] = idle
+                payload = torch.frombuffer(bytearray(_to_bytes(batch_state(batch))), dtype=torch.uint8)
+                self.sends.append(dist.isend(payload, dst=shard, group=self.rollout_group))
+                self.control.store.set(f"batch/{step}/{shard}", str(payload.numel()))
+            self.step = self.total_steps
+            if self.last_version >= self.first_version and not self._receive_until(self.last_version):
+                return
+            self.say("done: waiting for the learners to receive the last rollouts")
+            for work in self.sends:
+                work.wait()
+        except BaseException as err:  # noqa: BLE001 - named for the learners, then raised here too
+            self.control.fail(self.world.producer, self.step, self.activity, traceback.format_exc(limit=8))
+            try:  # let the learners say it first: they stop the run when they read the error
+                self.control.wait("stop", "the learners reading this producer's error", lambda: None)
+            except RolloutProducerError:
+                pass
+            raise RolloutProducerError(f"producer rank {self.world.global_rank} failed at step {self.step} while {self.activity}") from err
+        finally:
+            done.set()
+
+    # a producer rank hands out nothing to train on: the lifecycle runs produce() instead of the steps
+    def next(self, state) -> ScoredBatch:
+        raise RuntimeError("a producer rank does not train")
+
+    def publish(self, policy: nn.Module, version: int) -> float:
+        return 0.0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
+
+def open_rank_source(cfg, run, updater, state, build: Callable[[distributed.World], RolloutSource]) -> RankSource | RankProducer:
+    """This rank's side of the producer ranks: a :class:`RankProducer` on a producer, else a
+    :class:`RankSource` holding the checkpoint's rollouts in flight for this learner."""
+    world, async_cfg = run.world, cfg.async_rollouts
+    restored = (run.checkpoint.extra.get("async_rollouts_by_learner") if run.checkpoint else None) or []
+    if restored and len(restored) != world.learners:
+        raise ConfigError(
+            f"the checkpoint holds the rollouts in flight of {len(restored)} learner ranks, and this run has {world.learners}: "
+            "resume with the same number of learners (processes minus async_rollouts.producers)"
+        )
+    if world.producer is not None:
+        return RankProducer(world, updater, build, async_cfg, state.step, cfg.steps, len(restored[0]) if restored else 0)
+    mine = [batch_from_state(b) for b in restored[world.rank]] if restored else []
+    return RankSource(world, updater, async_cfg, state.step, cfg.steps, mine)
