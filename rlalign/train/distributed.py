@@ -328,6 +328,7 @@ def loss_scale(local_count: Tensor | float, world: World) -> float:
 
 
 MAX_STATS = ("ratio_dev", "logprob_mismatch")  # reduced with max; loss/* are summed shares; the rest are token-weighted means
+MIN_STATS = ("tis/weight_min",)  # reduced with min
 
 
 def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world: World) -> dict[str, float]:
@@ -335,14 +336,14 @@ def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world:
 
     Args:
         stats: this rank's values: per-token means (clip fractions, KL, entropy, ...), ``loss/*``
-            aggregated losses, and ``ratio_dev`` (a max).
+            aggregated losses, ``ratio_dev`` (a max) and ``tis/weight_min`` (a min).
         weight: this rank's count of counted tokens (the weight of its means).
         scale: this rank's :func:`loss_scale` (the share of a ``loss/*`` value in the global loss).
     """
     if not world.distributed:
         return dict(stats)
     names = sorted(stats)
-    summed = [n for n in names if n not in MAX_STATS]
+    summed = [n for n in names if n not in MAX_STATS + MIN_STATS]
     values = torch.tensor(
         [stats[n] * scale / world.size if n.startswith("loss/") else stats[n] * weight for n in summed] + [weight], dtype=torch.float64
     )
@@ -352,6 +353,8 @@ def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world:
     for n in names:
         if n in MAX_STATS:
             out[n] = all_max(stats[n], world)
+        elif n in MIN_STATS:
+            out[n] = -all_max(-stats[n], world)
     return out
 
 
@@ -360,7 +363,7 @@ def merge_micro_stats(parts: Sequence[tuple[Mapping[str, float], float, float]])
 
     Args:
         parts: per micro-batch (stats, weight, count): ``loss/*`` values are means over ``count``
-            (so the minibatch's is sum(loss_k count_k) / sum(count_k)), ``MAX_STATS`` are maxima,
+            (so the minibatch's is sum(loss_k count_k) / sum(count_k)), ``MAX_STATS`` are maxima, ``MIN_STATS`` minima,
             the rest are means weighted by ``weight`` (counted tokens).
     """
     if len(parts) == 1:
@@ -370,6 +373,8 @@ def merge_micro_stats(parts: Sequence[tuple[Mapping[str, float], float, float]])
     for name in parts[0][0]:
         if name in MAX_STATS:
             out[name] = max(stats[name] for stats, _, _ in parts)
+        elif name in MIN_STATS:
+            out[name] = min(stats[name] for stats, _, _ in parts)
         elif name.startswith("loss/"):
             out[name] = sum(stats[name] * c for stats, _, c in parts) / total_count if total_count > 0 else 0.0
         else:

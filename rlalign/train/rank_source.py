@@ -21,9 +21,8 @@ What travels, and how (torch.distributed only; no sockets or queues of our own):
   that trains it, in a gloo group of every rank (CPU tensors, as rollouts leave the sampler).
 - Control: the run's c10d store (the one torchrun rendezvoused on) carries the small things: "shard
   (s, l) is ready", "version v is out", each producer's heartbeat and what it is doing, its error,
-  and "stop". Every wait on it is cut in one-second slices and has a time limit
-  (``async_rollouts.timeout_s``), and between slices the learner checks the producers' errors and
-  heartbeats, so no rank hangs and the error names the rank, the step and what it was doing.
+  and "stop". Every wait on it polls, has a time limit (``async_rollouts.timeout_s``), and about
+  once a second the learner checks the producers' errors and heartbeats, so no rank hangs and the error names the rank, the step and what it was doing.
 
 The scores a producer computes are its shard's; the learner that receives the shard gathers every
 learner's (:func:`rlalign.train.rollouts.gather_scores`), so advantages and metrics are global.
@@ -55,9 +54,9 @@ from rlalign.train.sources import RolloutSource, ScoredBatch
 
 __all__ = ["RankSource", "RankProducer", "producer_of", "open_rank_source"]
 
-_SLICE = datetime.timedelta(seconds=1.0)
+_CHECK_S = 1.0  # seconds between checks of the producers while a learner waits
 _HEARTBEAT_S = 1.0
-_SILENT_S = 60.0  # a producer whose heartbeat is older than this has stopped answering
+_SILENT_S = 10.0  # a producer silent this long has stopped answering (well inside the 30 s torchrun gives the others between SIGTERM and SIGKILL)
 
 
 def producer_of(step: int, shard: int, learners: int, producers: int) -> int:
@@ -94,7 +93,7 @@ class _Flat:
 
 
 class _Control:
-    """The store's keys of one run, and waits on them with a time limit and a check between slices."""
+    """The store's keys of one run, and waits on them with a time limit and a check about once a second."""
 
     def __init__(self, world: distributed.World, timeout_s: float):
         self.store, self.world, self.timeout_s = _store(), world, timeout_s
@@ -132,19 +131,22 @@ class _Control:
                 )
 
     def wait(self, key: str, what: str, check: Callable[[], None]) -> bool:
-        """Wait for ``key`` (``what``: the wait's name in the error), calling ``check`` between slices.
+        """Wait for ``key`` (``what``: the wait's name in the error), calling ``check`` about once a second.
         Returns False when the learners asked to stop first."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                self.store.wait([key], _SLICE)
-                return True
-            except (dist.DistStoreError, RuntimeError):  # the slice ended: check, then wait on
+        start = last_check = time.monotonic()
+        pause = 0.0005
+        while not self.store.check([key]):
+            now = time.monotonic()
+            if now - last_check >= _CHECK_S:
                 if self.store.check(["stop"]):
                     return False
                 check()
-                if time.monotonic() > deadline:
-                    raise RolloutProducerError(f"{what}: nothing in {self.timeout_s:.0f} s (async_rollouts.timeout_s)") from None
+                last_check = now
+            if now - start > self.timeout_s:
+                raise RolloutProducerError(f"{what}: nothing in {self.timeout_s:.0f} s (async_rollouts.timeout_s)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        return True
 
 
 class RankSource:

@@ -41,6 +41,7 @@ def commands(out: str, tiny: str, producers: int) -> dict[str, list[str]]:
     stale = ["async_rollouts.max_staleness=1", "tis_cap=2.0"]
     return {
         "k0": [*grpo, reward, "async_rollouts.max_staleness=0", f"output_dir={out}/k0"],
+        "k0_fsdp": [*grpo, reward, "async_rollouts.max_staleness=0", "model.sharding=fsdp", f"output_dir={out}/k0_fsdp"],
         "k1": [*grpo, reward, *stale, f"output_dir={out}/k1"],
         "k1_resumed": [*grpo, reward, *stale, f"output_dir={out}/k1_resumed", "--resume", f"{out}/k1/checkpoints/step_00000001"],
         "raises": [*grpo, "rewards=[{function: preference}, {function: 'tests.train.rank_runs:raises_at_step_2'}]", *stale,

@@ -161,9 +161,10 @@ def test_stale_rollouts_need_an_importance_weight_and_one_process(tiny_path, tmp
     with pytest.raises(ConfigError, match="set tis_cap"):
         make_cfg(grpo, tiny_path, tmp_path, **{"async_rollouts.enabled": True, "async_rollouts.max_staleness": 1})
     cfg = make_cfg(grpo, tiny_path, tmp_path, tis_cap=2.0, **{"async_rollouts.enabled": True})
-    with pytest.raises(ConfigError, match="async_rollouts runs in one process"):
+    with pytest.raises(ConfigError, match="async_rollouts under torchrun makes some ranks producers: set async_rollouts.producers"):
         check_one_process(cfg, distributed.World(rank=0, size=2))
     check_one_process(cfg, distributed.World())
+    check_one_process(cfg, distributed.World(rank=0, size=2, learners=2, producers=1))  # producer ranks
 
 
 @pytest.mark.parametrize("k", [0, 1])

@@ -134,18 +134,20 @@ def test_ddp_is_asked_not_to_sync_buffers_by_the_argument_this_torch_has(monkeyp
     # newer torch names it forward_sync_buffers (broadcast_buffers deprecated, with a FutureWarning); older torch has only broadcast_buffers
     seen = {}
 
-    def newer(module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
-        seen.update(broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers)
+    def newer(module, device_ids=None, broadcast_buffers=None, process_group=None, forward_sync_buffers=None):
+        seen.update(broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers, process_group=process_group)
         return module
 
-    def older(module, device_ids=None, broadcast_buffers=True):
-        seen.update(broadcast_buffers=broadcast_buffers)
+    def older(module, device_ids=None, broadcast_buffers=True, process_group=None):
+        seen.update(broadcast_buffers=broadcast_buffers, process_group=process_group)
         return module
 
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", newer if newer_torch else older)
     model = torch.nn.Linear(2, 2)
-    assert distributed.wrap(model, distributed.World(rank=0, size=2)) is model
-    assert seen == ({"broadcast_buffers": None, "forward_sync_buffers": False} if newer_torch else {"broadcast_buffers": False})
+    learners = object()  # the learners' process group, with producer ranks
+    assert distributed.wrap(model, distributed.World(rank=0, size=2, group=learners)) is model
+    expected = {"broadcast_buffers": None, "forward_sync_buffers": False} if newer_torch else {"broadcast_buffers": False}
+    assert seen == {**expected, "process_group": learners}
 
 
 def test_shard_frozen_leaves_a_missing_model_and_non_fsdp_runs_alone():
