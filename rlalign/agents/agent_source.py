@@ -35,7 +35,8 @@ prompts (tool results, its own edits of the transcript) are prompt tokens of lat
 get gradient. Since rows, not tokens, carry the weights, the weights enter the loss masks only
 (:func:`rlalign.core.losses.aggregate`, row weights).
 
-Deliberate simplifications: one process (under torchrun each rank would run different calls); the
+Under torchrun each rank runs its share of the step's episodes, named by their index in the step, against
+an endpoint of its own; GRPO with DDP only (the ranks hold different numbers of rows). Deliberate simplifications: the
 sampling batches depend on when requests arrive, so only each call's uniforms, not the batch
 shapes, are fixed by (seed, step, episode, call); every turn prefills its whole prompt again (the
 agent may rewrite the history, so no KV cache is kept across calls); a sync agent that times out
@@ -218,9 +219,11 @@ class AgentSource:
                     error = str(err)
             return Episode(calls, answer, reward, error, time.perf_counter() - t0)
 
-    async def _episodes(self, server: PolicyServer, step: int, records: list[dict], G: int, prefix: str = "s") -> list[Episode]:
+    async def _episodes(self, server: PolicyServer, step: int, records: list[dict], G: int, prefix: str = "s", first: int = 0) -> list[Episode]:
+        """G episodes of each record; ``first``: the step's index of ``records[0]`` (a rank's share), which names the episodes
+        (and so their calls' uniforms)."""
         gate = asyncio.Semaphore(self.cfg.max_concurrency)
-        ids = [f"{prefix}{step}-p{i}-g{j}" for i in range(len(records)) for j in range(G)]
+        ids = [f"{prefix}{step}-p{first + i}-g{j}" for i in range(len(records)) for j in range(G)]
         return list(await asyncio.gather(*(self._episode(server, ids[e], records[e // G], gate) for e in range(len(ids)))))
 
     def next(self, state) -> ScoredBatch:
@@ -228,9 +231,11 @@ class AgentSource:
         server, G = self._serve(), self.scorer.group_size
         server.seed = self.seed
         examples = prompt_batch(self.prompts, state.step, self.n, self.seed)
-        records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples]
+        world = self.scorer.world
+        share = world.shard(len(examples), "prompts_per_step")  # this rank's prompts; its endpoint is its own
+        records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples[share]]
         batches = server.batches
-        episodes = asyncio.run(self._episodes(server, state.step, records, G))
+        episodes = asyncio.run(self._episodes(server, state.step, records, G, first=share.start))
         pad = self.scorer.tokenizer.pad_token_id
         rollout, row_episode = episode_rows(episodes, pad)
         t1 = time.perf_counter()
@@ -238,12 +243,15 @@ class AgentSource:
         if any(ep.reward is not None for ep in episodes):
             scored = add_score_term(scored, "agent", torch.tensor([ep.reward or 0.0 for ep in episodes]), self.scorer.world)
         calls = [len(ep.calls) for ep in episodes]
+        sums = torch.tensor([sum(calls), sum(ep.error is not None for ep in episodes), sum(ep.seconds for ep in episodes), len(episodes),
+                             max(server.batches - batches, 1)], dtype=torch.float64)
+        n_calls, failed, seconds, n_episodes, n_batches = distributed.all_sum(sums, world).tolist()  # every rank's episodes
         metrics = {
-            "agent/calls": sum(calls) / len(calls),
-            "agent/calls_max": float(max(calls)),
-            "agent/failed": sum(ep.error is not None for ep in episodes) / len(episodes),
-            "agent/seconds": sum(ep.seconds for ep in episodes) / len(episodes),
-            "agent/calls_per_batch": sum(calls) / max(server.batches - batches, 1),  # requests the endpoint sampled together
+            "agent/calls": n_calls / n_episodes,
+            "agent/calls_max": distributed.all_max(float(max(calls)), world),
+            "agent/failed": failed / n_episodes,
+            "agent/seconds": seconds / n_episodes,
+            "agent/calls_per_batch": n_calls / n_batches,  # requests an endpoint sampled together
         }
         return ScoredBatch(
             examples, rollout, scored, rollout.completion_mask.clone(), metrics, state.step, t1 - t0, time.perf_counter() - t1,
@@ -280,11 +288,18 @@ def make_agent_source(
 ) -> AgentSource:
     """The source of a GRPO or PPO config with an ``agent:`` section (``sampler``: the run's Updater).
 
+    Under torchrun each rank (or the producer making a rank's share) runs its share of the episodes
+    against an endpoint of its own; the ranks then hold different numbers of rows (calls).
+
     Raises:
-        ConfigError: under torchrun, or when the agent cannot be imported.
+        ConfigError: under torchrun with PPO, FSDP2 or micro-batches (they need equal rows on every rank), or when the agent cannot be imported.
     """
-    if world.distributed:
-        raise ConfigError("agent runs in one process: under torchrun the ranks would run different calls")
+    if world.size > 1:
+        unequal = [name for name, on in (("PPO", getattr(cfg, "critic", None) is not None), ("model.sharding: fsdp", cfg.model.sharding == "fsdp"),
+                                         ("micro_batch_size", cfg.micro_batch_size is not None)) if on]
+        if unequal:
+            raise ConfigError(f"agent under torchrun: each rank trains its own number of calls, which {', '.join(unequal)} cannot take "
+                              "(they need equal rows on every rank); run GRPO with DDP and micro_batch_size: null, or one process")
     agent_cfg: AgentConfig = cfg.agent
     model_config = getattr(sampler.module, "config", None)
     context = getattr(model_config, "max_position_embeddings", None)

@@ -61,7 +61,7 @@ from rlalign.lm.models import cache_argument
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import left_pad
 
-__all__ = ["TemplateError", "Episodes", "run_episodes", "end_of_turn_ids", "environment_tokens", "episode_metrics"]
+__all__ = ["TemplateError", "Episodes", "run_episodes", "end_of_turn_ids", "environment_tokens", "episode_metrics", "episode_sums", "metrics_of_sums"]
 
 Message = dict[str, Any]
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
@@ -177,11 +177,13 @@ def _draw_token(logits: Tensor, params: SamplingParams, uniform: Tensor | None, 
 
 def _sample_turn(
     state: _BatchCache, active: list[bool], params: SamplingParams, stop_ids: Sequence[int], stop_sequences: Sequence[Sequence[int]],
-    generator: torch.Generator | None,
+    generator: torch.Generator | None, shard: tuple[slice, int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-    """One turn of every active row: (ids, log-probs, ended at a stop) per row (empty for inactive rows)."""
+    """One turn of every active row: (ids, log-probs, ended at a stop) per row (empty for inactive rows).
+    ``shard`` (rows, total): the rows are rows ``rows`` of ``total``, and the turn draws every row's uniforms."""
     B, N = len(active), params.max_new_tokens
-    uniforms = None if params.greedy else torch.rand((N, B), generator=generator)  # (N, B)
+    rows, total = shard or (slice(0, B), B)
+    uniforms = None if params.greedy else torch.rand((N, total), generator=generator)[:, rows]  # (N, B)
     ids: list[list[int]] = [[] for _ in range(B)]
     logps: list[list[float]] = [[] for _ in range(B)]
     stopped = [False] * B
@@ -230,7 +232,7 @@ async def _gather(jobs: Mapping[int, Any], deadlines: Sequence[float | None]) ->
 def run_episodes(
     model: nn.Module, tokenizer, records: Sequence[Mapping[str, Any]], make_env: Callable[[], Any], params: SamplingParams, *,
     group_size: int = 1, max_turns: int = 3, fmt: CallFormat | str = "auto", generator: torch.Generator | None = None,
-    timeout_s: float | None = None, max_result_chars: int = 1000,
+    timeout_s: float | None = None, max_result_chars: int = 1000, shard: tuple[slice, int] | None = None,
 ) -> Episodes:
     """``group_size`` episodes per record (rows of a group adjacent), each against its own environment
     from ``make_env``, at most ``max_turns`` assistant turns of at most ``params.max_new_tokens`` tokens.
@@ -239,6 +241,9 @@ def run_episodes(
         records: the rows' records, handed to ``env.reset``.
         fmt: a :class:`CallFormat`, or its name ("auto": the chat template's).
         timeout_s: seconds an episode may last from the batch's start (None: no limit).
+        shard: (rows, total): these episodes are rows ``rows`` of a step's ``total`` (a rank's share);
+            each turn draws the uniforms of all ``total`` rows and takes its own, so a row's tokens do
+            not depend on how the step is split. None: the rows are the whole step.
     """
     fmt = call_format(fmt, tokenizer) if isinstance(fmt, str) else fmt
     device = next(model.parameters()).device
@@ -277,7 +282,7 @@ def run_episodes(
                 break
             # text prompts stop after the closing tag; chat turns at the end-of-turn token
             stops = text_stops if not all(chat[r] for r in range(B) if active[r]) else []
-            new, new_logps, _ = _sample_turn(state, active, params, stop_ids, stops, generator)
+            new, new_logps, _ = _sample_turn(state, active, params, stop_ids, stops, generator, shard)
             jobs, env_chunks = {}, [[] for _ in range(B)]
             for r in range(B):
                 if not active[r]:
@@ -345,14 +350,22 @@ def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, co
     )
 
 
+def episode_sums(episodes: Episodes) -> dict[str, float]:
+    """The sums behind :func:`episode_metrics` (ranks add theirs up, then :func:`metrics_of_sums`)."""
+    return {
+        "turns": float(episodes.turns.sum()), "tool_calls": float(episodes.tool_calls.sum()), "malformed_calls": float(episodes.malformed.sum()),
+        "finished": float(episodes.finished.sum()), "timed_out": float(episodes.timed_out.sum()), "rows": float(episodes.turns.numel()),
+        "assistant_tokens": float(episodes.assistant_mask.sum()), "tokens": float(episodes.rollout.completion_mask.sum()),
+    }
+
+
+def metrics_of_sums(sums: dict[str, float]) -> dict[str, float]:
+    rows = sums["rows"]
+    out = {f"agents/{k}": sums[k] / rows for k in ("turns", "tool_calls", "malformed_calls", "finished", "timed_out")}
+    out["agents/env_tokens_frac"] = 1.0 - sums["assistant_tokens"] / max(sums["tokens"], 1.0)
+    return out
+
+
 def episode_metrics(episodes: Episodes) -> dict[str, float]:
     """agents/turns, tool_calls, malformed_calls (per episode), finished and timed_out (shares), env_tokens_frac."""
-    tokens = episodes.rollout.completion_mask.sum().clamp(min=1)
-    return {
-        "agents/turns": episodes.turns.float().mean().item(),
-        "agents/tool_calls": episodes.tool_calls.float().mean().item(),
-        "agents/malformed_calls": episodes.malformed.float().mean().item(),
-        "agents/finished": episodes.finished.float().mean().item(),
-        "agents/timed_out": episodes.timed_out.float().mean().item(),
-        "agents/env_tokens_frac": 1.0 - (episodes.assistant_mask.sum() / tokens).item(),
-    }
+    return metrics_of_sums(episode_sums(episodes))

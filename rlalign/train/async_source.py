@@ -358,7 +358,7 @@ def batch_state(batch: ScoredBatch) -> dict:
             "scores": s.scores, "per_term": dict(s.per_term), "failed": dict(s.failed), "term_stats": dict(s.term_stats),
         },
         "token_mask": batch.token_mask, "metrics": dict(batch.metrics), "version": batch.version, "generate_s": batch.generate_s,
-        "score_s": batch.score_s, "data_position": batch.data_position,
+        "score_s": batch.score_s, "data_position": batch.data_position, "row_episode": batch.row_episode, "row_weight": batch.row_weight,
     }
 
 
@@ -366,5 +366,5 @@ def batch_from_state(state: dict) -> ScoredBatch:
     examples = [PromptExample(ex["prompt"], ex["metadata"]) for ex in state["examples"]]
     return ScoredBatch(
         examples, Rollout(**state["rollout"]), ScoredRollout(**state["scored"]), state["token_mask"], dict(state["metrics"]), state["version"],
-        state["generate_s"], state["score_s"], state["data_position"],
+        state["generate_s"], state["score_s"], state["data_position"], state.get("row_episode"), state.get("row_weight"),
     )

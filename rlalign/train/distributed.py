@@ -271,10 +271,16 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         optimizer.load_state_dict(state)
 
 
-def gather_rows(x: Tensor, world: World) -> Tensor:
-    """Concatenate every rank's ``x`` along dim 0, in rank order (equal shapes on every rank)."""
+def gather_rows(x: Tensor, world: World, uneven: bool = False) -> Tensor:
+    """Concatenate every rank's ``x`` along dim 0, in rank order: equal shapes on every rank, or with
+    ``uneven`` any number of rows (their counts are gathered first: one more collective)."""
     if not world.distributed:
         return x
+    if uneven:
+        counts = gather_rows(torch.tensor([x.shape[0]]), world).tolist()
+        padded = torch.zeros((max(counts), *x.shape[1:]), dtype=x.dtype)
+        padded[: x.shape[0]] = x
+        return torch.cat([part[:n] for part, n in zip(gather_rows(padded, world).split(max(counts)), counts)])
     parts = [torch.empty_like(x) for _ in range(world.size)]
     dist.all_gather(parts, x.contiguous(), group=world.group)
     return torch.cat(parts)

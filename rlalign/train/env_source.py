@@ -28,7 +28,7 @@ import torch
 
 from rlalign.agents.env_config import EnvironmentConfig
 from rlalign.agents.environment import environment_factory
-from rlalign.agents.episodes import Episodes, episode_metrics, run_episodes
+from rlalign.agents.episodes import Episodes, episode_metrics, episode_sums, metrics_of_sums, run_episodes
 from rlalign.lm.data import PromptExample
 from rlalign.lm.decode import SamplingParams
 from rlalign.lm.model_modes import attention_kernel, evaluating
@@ -38,7 +38,7 @@ from rlalign.train.rl_eval import pass_at_ks
 from rlalign.train.rollouts import RewardTerm, prompt_batch, score_shard
 from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_generator
 
-__all__ = ["EnvironmentSource", "make_environment_source", "sample_episodes", "evaluate_episodes", "episode_evaluator"]
+__all__ = ["EnvironmentSource", "make_environment_source", "sample_episodes", "global_episode_metrics", "evaluate_episodes", "episode_evaluator"]
 
 
 def _records(examples: Sequence[PromptExample]) -> list[dict[str, Any]]:
@@ -46,15 +46,25 @@ def _records(examples: Sequence[PromptExample]) -> list[dict[str, Any]]:
 
 
 def sample_episodes(updater, tokenizer, records, env: Callable[[], Any], env_cfg: EnvironmentConfig, params: SamplingParams, model_cfg,
-                    attn_implementation, group_size: int, generator: torch.Generator) -> Episodes:
-    """:func:`run_episodes` by ``updater``'s policy (or its sampling copy), in eval mode, one process."""
+                    attn_implementation, group_size: int, generator: torch.Generator, world: distributed.World = distributed.World()) -> Episodes:
+    """:func:`run_episodes` of this rank's share of a step's ``records`` by ``updater``'s policy (or its
+    sampling copy), in eval mode; the rows' tokens do not depend on the world size."""
+    share = world.shard(len(records), "prompts_per_step")
+    records, rows = list(records[share]), slice(share.start * group_size, share.stop * group_size)
     policy, sampler = updater.module, updater.sampler()
     precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()
     with distributed.gathered(policy), precision, evaluating(sampler), attention_kernel(sampler, attn_implementation):
         return run_episodes(
             sampler, tokenizer, records, env, params, group_size=group_size, max_turns=env_cfg.max_turns, fmt=env_cfg.tool_format, generator=generator,
-            timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
+            timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars, shard=(rows, len(records) * group_size * world.size),
         )
+
+
+def global_episode_metrics(episodes: Episodes, world: distributed.World = distributed.World()) -> dict[str, float]:
+    """:func:`rlalign.agents.episodes.episode_metrics` over every rank's rows."""
+    sums = episode_sums(episodes)
+    totals = distributed.all_sum(torch.tensor(list(sums.values()), dtype=torch.float64), world).tolist()
+    return metrics_of_sums(dict(zip(sums, totals)))
 
 
 def _turn_params(sampling, env_cfg: EnvironmentConfig) -> SamplingParams:
@@ -81,11 +91,11 @@ class EnvironmentSource(SampledSource):
         examples = prompt_batch(self.prompts, state.step, self.n, self.seed)
         episodes = sample_episodes(
             self.sampler, self.scorer.tokenizer, _records(examples), environment_factory(self.env), self.env_cfg, _turn_params(self.sampling, self.env_cfg),
-            self.model_cfg, self.sampling.attn_implementation, self.scorer.group_size, sampling_generator(self.seed, state.step),
+            self.model_cfg, self.sampling.attn_implementation, self.scorer.group_size, sampling_generator(self.seed, state.step), self.scorer.world,
         )
         return Sampled(
             state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
-            episode_metrics(episodes),
+            global_episode_metrics(episodes, self.scorer.world),
         )
 
 
@@ -137,7 +147,5 @@ def episode_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], 
 def make_environment_source(cfg, sampler, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], world: distributed.World,
                             environment: Any = None) -> EnvironmentSource:
     """The source of a GRPO or PPO config with an ``environment:`` section; ``environment``: the object given to ``train`` (else the config's class)."""
-    if world.size > 1:
-        raise ValueError("environment: episodes run in one process (world size 1)")
     scorer = make_scorer(cfg, tokenizer, rewards, world)
     return EnvironmentSource(sampler, scorer, prompts, cfg.prompts_per_step, cfg.seed, cfg.sampling, cfg.model, env=environment, env_cfg=cfg.environment)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import itertools
 import json
 import os
 import threading
@@ -64,11 +65,15 @@ def producer_of(step: int, shard: int, learners: int, producers: int) -> int:
     return (step * learners + shard) % producers
 
 
+_RUNS = itertools.count()  # runs of this process group so far: every rank opens its sources in the same order
+
+
 def _store() -> dist.Store:
-    """The run's c10d store, under a prefix of this attempt (a torchrun restart starts clean)."""
+    """The job's c10d store, under a prefix of this attempt (a torchrun restart starts clean) and this run
+    (a script may train several times in one launch)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
-    return dist.PrefixStore(f"rlalign/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", _get_default_store())
+    return dist.PrefixStore(f"rlalign/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_RUNS)}/", _get_default_store())
 
 
 class _Flat:
@@ -149,6 +154,16 @@ class _Control:
         return True
 
 
+def _over_learners(metrics: dict[str, float], world: distributed.World) -> dict[str, float]:
+    """A source's metrics of each learner's shard -> of the step: maxima (``*_max``, ``*/max``) the largest,
+    the rest (means over rows of equal shards) their mean."""
+    names = sorted(metrics)
+    out = {n: distributed.all_max(metrics[n], world) for n in names if n.endswith(("_max", "/max"))}
+    means = [n for n in names if n not in out]
+    values = distributed.all_sum(torch.tensor([metrics[n] for n in means], dtype=torch.float64), world) / world.size
+    return {**out, **dict(zip(means, values.tolist()))}
+
+
 class RankSource:
     """A learner's side: its shard of each step from the producer that makes it (module docstring)."""
 
@@ -189,9 +204,7 @@ class RankSource:
         batch.scored = gather_scores(batch.scored, self.world)
         staleness = float(state.step - batch.version)
         batch.metrics.update({"staleness/mean": staleness, "staleness/max": staleness, "time/queue_wait": time.perf_counter() - start})
-        names = sorted(batch.metrics)  # the source's metrics of this shard -> means over the learners' equal shards
-        means = distributed.all_sum(torch.tensor([batch.metrics[n] for n in names], dtype=torch.float64), self.world) / self.world.size
-        batch.metrics = dict(zip(names, means.tolist()))
+        batch.metrics = _over_learners(batch.metrics, self.world)
         return batch
 
     def publish(self, policy: nn.Module, version: int) -> float:

@@ -417,8 +417,8 @@ def scored_stats(scored: ScoredRollout) -> dict[str, float]:
 
 def completion_stats(rollout: Rollout, world: distributed.World = distributed.World()) -> dict[str, float]:
     """completion_len/mean, completion_len/max, completion_len/clipped_frac (share without EOS), over every rank's rows."""
-    lengths = distributed.gather_rows(rollout.completion_lengths().float(), world)  # (B global,)
-    truncated = distributed.gather_rows(rollout.truncated.float(), world)  # (B global,)
+    lengths = distributed.gather_rows(rollout.completion_lengths().float(), world, uneven=True)  # (B global,); an agent's ranks hold unequal rows
+    truncated = distributed.gather_rows(rollout.truncated.float(), world, uneven=True)  # (B global,)
     return {
         "completion_len/mean": lengths.mean().item(),
         "completion_len/max": lengths.max().item(),

@@ -269,22 +269,22 @@ class ToolSource(SampledSource):
         records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples]
         episodes = sample_tool_shard(
             self.sampler, self.scorer.tokenizer, records, self.sampling, self.model_cfg, self.scorer.group_size, sampling_generator(self.seed, state.step),
-            self.tools, self.registry,
+            self.tools, self.registry, self.scorer.world,
         )
         return Sampled(
             state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
-            tool_metrics(episodes),
+            tool_metrics(episodes, self.scorer.world),
         )
 
 
-def tool_metrics(episodes: ToolRollout) -> dict[str, float]:
-    """tools/turns (assistant turns per completion), tools/messages (tool results per completion), tools/tokens_frac (share of tool tokens)."""
-    tokens = episodes.rollout.completion_mask.sum().clamp(min=1)
-    return {
-        "tools/turns": episodes.turns.float().mean().item(),
-        "tools/messages": episodes.tool_messages.float().mean().item(),
-        "tools/tokens_frac": 1.0 - (episodes.assistant_mask.sum() / tokens).item(),
-    }
+def tool_metrics(episodes: ToolRollout, world: distributed.World = distributed.World()) -> dict[str, float]:
+    """tools/turns (assistant turns per completion), tools/messages (tool results per completion), tools/tokens_frac (share of tool
+    tokens), over every rank's rows."""
+    sums = torch.stack([
+        episodes.turns.sum(), episodes.tool_messages.sum(), torch.tensor(episodes.turns.numel()), episodes.assistant_mask.sum(), episodes.rollout.completion_mask.sum(),
+    ]).double()  # (5,)
+    turns, messages, rows, assistant, tokens = distributed.all_sum(sums, world).tolist()
+    return {"tools/turns": turns / rows, "tools/messages": messages / rows, "tools/tokens_frac": 1.0 - assistant / max(tokens, 1.0)}
 
 
 def data_completions(examples: Sequence[PromptExample], where: str) -> list:

@@ -124,7 +124,7 @@ def _cut_after_close(tokenizer, ids: list[int], close: str) -> int | None:
 @torch.no_grad()
 def tool_rollout(
     model: nn.Module, tokenizer, records: Sequence[Mapping[str, Any]], make_env: Callable[[], Environment], fmt: ToolFormat, params: SamplingParams,
-    group_size: int = 1, max_turns: int = 3, generator: torch.Generator | None = None,
+    group_size: int = 1, max_turns: int = 3, generator: torch.Generator | None = None, shard: tuple[slice, int] | None = None,
 ) -> ToolRollout:
     """Sample ``group_size`` multi-turn episodes per record (rows of a group adjacent), each with its own
     environment from ``make_env``, at most ``max_turns`` assistant turns (the environment may end sooner).
@@ -132,6 +132,9 @@ def tool_rollout(
     Args:
         records: prompt records; ``env.reset(record)`` gives each row's prompt (text or chat messages).
         params: sampling parameters of one turn (``max_new_tokens`` per turn).
+        shard: (rows, total): these episodes are rows ``rows`` of a step of ``total`` rows (a rank's
+            share); each turn draws the uniforms of all ``total`` rows from ``generator`` and takes
+            its own, so a row's tokens do not depend on how the step is split. None: its own draws.
     Returns:
         :class:`ToolRollout`, tensors on the CPU.
     """
@@ -151,7 +154,11 @@ def tool_rollout(
         active = [r for r in range(B) if not done[r]]
         if not active:
             break
-        out = sample(model, [prompts[r] + ids[r] for r in active], params, pad, stop, 1, generator)
+        if shard is None:
+            out = sample(model, [prompts[r] + ids[r] for r in active], params, pad, stop, 1, generator)
+        else:
+            noise = torch.rand((params.max_new_tokens, shard[1]), generator=generator)[:, shard[0]]  # (N, B): this shard's columns
+            out = sample(model, [prompts[r] + ids[r] for r in active], params, pad, stop, 1, noise=noise[:, active])
         for i, r in enumerate(active):
             new = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
             logp = out.logprobs[i][: len(new)].tolist()
@@ -192,15 +199,19 @@ def tool_rollout(
 
 
 def sample_tool_shard(updater, tokenizer, records: Sequence[Mapping[str, Any]], sampling, model_cfg, group_size: int, generator: torch.Generator,
-                      cfg: ToolsConfig, registry: ToolRegistry) -> ToolRollout:
-    """:func:`tool_rollout` of a GRPO step's prompt records by ``updater``'s policy (or its sampling
-    copy), in the contexts ``rlalign.train.rollouts.sample_shard`` samples in; one process only."""
+                      cfg: ToolsConfig, registry: ToolRegistry, world: distributed.World = distributed.World()) -> ToolRollout:
+    """:func:`tool_rollout` of this rank's share of a step's prompt ``records`` (all of them, as
+    ``rlalign.train.rollouts.sample_shard`` takes them) by ``updater``'s policy (or its sampling
+    copy), in the contexts ``sample_shard`` samples in; the rows' tokens do not depend on the world size."""
+    share = world.shard(len(records), "prompts_per_step")
+    records = list(records[share])
+    rows = slice(share.start * group_size, share.stop * group_size)
     fmt = format_for(cfg.format, tokenizer)
     policy, sampler = updater.module, updater.sampler()
     precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()
     with distributed.gathered(policy), precision, evaluating(sampler), attention_kernel(sampler, sampling.attn_implementation):
         return tool_rollout(
             sampler, tokenizer, records, lambda: ToolEnvironment(registry, fmt, cfg.max_turns, cfg.max_result_chars), fmt, sampling.params(),
-            group_size, cfg.max_turns, generator,
+            group_size, cfg.max_turns, generator, (rows, len(records) * group_size * world.size),
         )
 

@@ -177,7 +177,7 @@ def test_multi_turn_tool_rollouts_run_in_the_producer(k, tiny_path, tmp_path, mo
 
     tokenizer = load_tokenizer(tiny_path)
 
-    def script(model, prompts, params, pad, stop, group_size, generator):  # a call first, then the result's answer
+    def script(model, prompts, params, pad, stop, group_size, generator=None, noise=None):  # a call first, then the result's answer
         texts = ["42<eos>" if "<result>" in tokenizer.decode(p) else "<tool>calculator: 6*7</tool>" for p in prompts]
         return scripted_sampler(tokenizer, [texts])(model, prompts, params, pad, stop, group_size, generator)
 

@@ -34,7 +34,7 @@ def scripted_sampler(tokenizer, turns: list[list[str]]):
     is the EOS token), with log-prob -0.5 on every token."""
     calls = iter(turns)
 
-    def fake_sample(model, prompts, params, pad, stop, group_size, generator):
+    def fake_sample(model, prompts, params, pad, stop, group_size, generator=None, noise=None):
         texts = next(calls)
         assert len(texts) == len(prompts)
         rows = [tokenizer(t.removesuffix("<eos>"), add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if t.endswith("<eos>") else []) for t in texts]
@@ -159,7 +159,7 @@ def make_cfg(tiny_path, tmp_path, **overrides) -> grpo.GRPOConfig:
 
 
 def test_grpo_with_tools_scores_the_last_turn_and_leaves_tool_tokens_out_of_the_loss(tiny_path, tmp_path, tokenizer, monkeypatch):
-    def script(model, prompts, params, pad, stop, group_size, generator):  # a call first, then the answer copied from the result
+    def script(model, prompts, params, pad, stop, group_size, generator=None, noise=None):  # a call first, then the answer copied from the result
         texts = ["42<eos>" if "<result>" in tokenizer.decode(p) else "<tool>calculator: 6*7</tool>" for p in prompts]
         return scripted_sampler(tokenizer, [texts])(model, prompts, params, pad, stop, group_size, generator)
 
@@ -193,7 +193,7 @@ def test_grpo_with_tools_scores_the_last_turn_and_leaves_tool_tokens_out_of_the_
 def test_a_run_with_tools_is_evaluated_on_held_out_episodes_by_hand(tiny_path, tmp_path, tokenizer, monkeypatch):
     # every episode calls the calculator on its prompt's sum, then answers the result: "6*7=" episodes answer 42 (reward 1),
     # "1+1=" episodes 2 (reward 0), so success = pass@1 = pass@2 = 1/2, two turns and one tool message per episode
-    def script(model, prompts, params, pad, stop, group_size, generator):
+    def script(model, prompts, params, pad, stop, group_size, generator=None, noise=None):
         texts = []
         for p in prompts:
             text = tokenizer.decode(p, skip_special_tokens=True)
