@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/async_rollouts.py speed                  # the demo's GRPO task, rewards (a), (b), (c)
     .venv/bin/python benchmarks/async_rollouts.py speed --smollm2        # and SmolLM2-135M-Instruct (make bench-deps)
     .venv/bin/python benchmarks/async_rollouts.py learning --seeds 0 1 2 # k = 0, 1, 2 on the demo's GRPO task
+    .venv/bin/python benchmarks/async_rollouts.py ranks --producers 1 2 3 # 1 learner + P producer ranks (torchrun, gloo)
 
 speed: each case runs GRPO from the same start, one run after the other in one script run:
 synchronous with 2 torch threads (``--sync-threads``) (sampling, scoring and learning in turn), and asynchronous with
@@ -144,6 +145,58 @@ def speed(args) -> None:
         print(f"| {r['case']} | {r['k']} | {r['sync_step_s']:.3f} | {r['async_step_s']:.3f} | {r['speedup']:.2f}x | {r['async_queue_wait_s']:.3f} | {hidden} |")
 
 
+def ranks(args) -> None:
+    """Producer ranks: the demo's GRPO task under torchrun with 1 learner and P producer ranks (gloo),
+    ``async_rollouts.max_staleness`` = P (P producers make P steps at once only when k >= P - 1),
+    against the synchronous one-process run, one run after the other. Reported: the learner's seconds
+    per step after the warm-up (steps over their total time), the ratio of steps per second, and the
+    model of RESULTS.md ("Producers and learners as ranks") from the synchronous run's measured
+    generate + score (g) and the rank runs' measured update (u) and weight-sync (w) times."""
+    import os
+    import subprocess
+    import sys
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="async_ranks_"))
+    steps = args.warmup + args.steps
+    model = sft_start(out, args.sft_steps, 0)
+    rewards = [{"function": "arithmetic"}] + ([{"function": "async_rollouts:wait_one_second"}] if args.wait else [])
+    base = demo_grpo(model, out / "sync", steps, 0, **{"prompts_per_step": args.prompts, "group_size": 8, "rewards": rewards, "num_threads": 1})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+
+    def learner_steps(run_dir: Path) -> tuple[float, dict[str, float]]:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steady = [r for r in rows if r["step"] >= args.warmup]
+        mean = {key: statistics.mean(r.get(key, 0.0) for r in steady) for key in ("time/generate", "time/score", "time/update", "time/reference",
+                                                                                   "time/old_logp", "time/weight_sync", "time/queue_wait")}
+        return statistics.mean(r["time/rollout"] + r["time/train"] for r in steady), mean
+
+    def launch(processes: int, overrides: dict, run_dir: Path) -> None:
+        argv = [f"{key}={json.dumps(value)}" for key, value in {**base, **overrides, "output_dir": str(run_dir)}.items()]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), "-m", "rlalign", "grpo", *argv]
+        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+
+    launch(1, {}, out / "sync")
+    sync_s, sync_t = learner_steps(out / "sync")
+    g = sync_t["time/generate"] + sync_t["time/score"]  # one process making a whole step
+    print(json.dumps({"case": "sync", "step_s": sync_s, **sync_t}), flush=True)
+    rows = []
+    for p in args.producers:
+        k = p
+        launch(1 + p, {"async_rollouts.enabled": True, "async_rollouts.producers": p, "async_rollouts.max_staleness": k, "tis_cap": 2.0}, out / f"p{p}")
+        step_s, t = learner_steps(out / f"p{p}")
+        u = step_s - t["time/queue_wait"] - t["time/weight_sync"]  # the learner's own work a step
+        w = t["time/weight_sync"]
+        model_s = max(g / p, u + w, (u + w + g) / (k + 1))  # 1 learner: the producers' capacity, the learner's, or the staleness window
+        rows.append({"producers": p, "k": k, "step_s": step_s, "speedup": sync_s / step_s, "model_step_s": model_s, "g": g, "u": u, **t})
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\nsynchronous, one process: {sync_s:.3f} s a step (generate + score {g:.3f} s)")
+    print("| learner + producers | k | s/step | async/sync steps/s | learner's wait | weight sync | update (u) | model: max(g/P, u + w, (u + w + g)/(k + 1)) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| 1 + {r['producers']} | {r['k']} | {r['step_s']:.3f} | {r['speedup']:.2f}x | {r['time/queue_wait']:.3f} | {r['time/weight_sync']:.4f} | "
+              f"{r['u']:.3f} | {r['model_step_s']:.3f} |")
+
+
 def learning(args) -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="async_learning_"))
     results: dict[int, list[dict]] = {}
@@ -201,6 +254,15 @@ def main() -> None:
     s.add_argument("--rewards", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"], help="which of the reward cases to run")
     s.add_argument("--out", default=None)
     s.set_defaults(run=speed)
+    r = sub.add_parser("ranks")
+    r.add_argument("--producers", type=int, nargs="+", default=[1, 2, 3], help="producer ranks beside one learner, one run each")
+    r.add_argument("--steps", type=int, default=8, help="timed steps per run, after the warm-up")
+    r.add_argument("--warmup", type=int, default=2, help="steps left out")
+    r.add_argument("--prompts", type=int, default=64, help="prompts per step on the demo task (x 8 completions)")
+    r.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the demo model's start")
+    r.add_argument("--wait", action="store_true", help="add reward (b): a term that waits 1 s per batch")
+    r.add_argument("--out", default=None)
+    r.set_defaults(run=ranks)
     le = sub.add_parser("learning")
     le.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     le.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])

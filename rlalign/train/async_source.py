@@ -58,20 +58,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from rlalign.config import ConfigError
-from rlalign.errors import RLAlignError
-from rlalign.lm.data import PromptExample
-from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
-from rlalign.train.rollouts import ScoredRollout
+from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, to_bytes, trainable
 from rlalign.train.sources import RolloutSource, ScoredBatch, make_source
 
 __all__ = ["AsyncSource", "RolloutProducerError", "open_source", "source_builder", "check_one_process"]
 
 _STATUS_BYTES = 240
-
-
-class RolloutProducerError(RLAlignError, RuntimeError):
-    """The rollout producer raised or died; the message names the step and what it was doing."""
 
 
 def check_one_process(cfg, world: distributed.World) -> None:
@@ -189,10 +182,10 @@ class _Producer:
                 idle = time.perf_counter() - idle_from  # waiting for the learner's weights
                 self.say(f"sampling step {step} with the weights of version {version}")
                 if getattr(self.inner, "pipelined", False):  # scored on a worker thread while the next step samples
-                    future = scoring.submit(self.score, self.inner.sample(_StepState(step)))
+                    future = scoring.submit(self.score, self.inner.sample(StepState(step)))
                 else:
                     future = concurrent.futures.Future()
-                    future.set_result(self.inner.next(_StepState(step)))
+                    future.set_result(self.inner.next(StepState(step)))
                 pending.put((step, version, idle, future))
             self.say("done sampling")
             pending.put(None)
@@ -213,20 +206,13 @@ class _Producer:
                 return
             batch.version = version
             batch.metrics["time/producer_idle"] = idle
-            self.out.put(("batch", step, _to_bytes(batch_state(batch))))
+            self.out.put(("batch", step, to_bytes(batch_state(batch))))
 
     def load(self, version: int) -> None:
         with torch.no_grad():
-            for name, param in _trainable(self.holder.module):
+            for name, param in trainable(self.holder.module):
                 param.copy_(self.slots[version % len(self.slots)][name])
         self.holder.updates += 1  # a sampling copy in another dtype refreshes from the new weights
-
-
-@dataclass
-class _StepState:
-    """What a source reads of the trainer's state in the producer: the step."""
-
-    step: int
 
 
 def _die_with_parent() -> None:
@@ -241,10 +227,6 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _trainable(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-
-
 class AsyncSource:
     """The learner's side of an asynchronous source (module docstring)."""
 
@@ -253,7 +235,7 @@ class AsyncSource:
         self.buffer: dict[int, ScoredBatch] = {first_step + i: batch for i, batch in enumerate(restored)}  # step -> batch, in hand
         torch.set_num_threads(cfg.learner_threads)
         module = updater.module
-        self.slots = [{name: p.detach().clone().share_memory_() for name, p in _trainable(module)} for _ in range(self.k + 1)]
+        self.slots = [{name: p.detach().clone().share_memory_() for name, p in trainable(module)} for _ in range(self.k + 1)]
         ctx = mp.get_context("fork")
         self.versions, self.out = ctx.Queue(), ctx.Queue(maxsize=self.k + 1)
         self.status = ctx.Array("c", _STATUS_BYTES, lock=False)
@@ -302,7 +284,7 @@ class AsyncSource:
         if version < self.total_steps:  # the last weights sample nothing
             with torch.no_grad():
                 slot = self.slots[version % len(self.slots)]
-                for name, p in _trainable(policy):
+                for name, p in trainable(policy):
                     slot[name].copy_(p)
             self.versions.put(version)
         return time.perf_counter() - start
@@ -332,39 +314,3 @@ class AsyncSource:
         for q in (self.versions, self.out):
             q.cancel_join_thread()
             q.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# Batches as plain tensors and containers (queues, and checkpoints read with weights_only=True)
-# ----------------------------------------------------------------------------------------------
-
-_ROLLOUT_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs", "group_index", "truncated")
-
-
-def _to_bytes(state: dict) -> bytes:
-    """A batch as bytes on the queue: its tensors travel in the message, not as shared-memory handles of a process that may be gone."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def batch_state(batch: ScoredBatch) -> dict:
-    s = batch.scored
-    return {
-        "examples": [{"prompt": ex.prompt, "metadata": dict(ex.metadata)} for ex in batch.examples],
-        "rollout": {name: getattr(batch.rollout, name) for name in _ROLLOUT_FIELDS},
-        "scored": {
-            "prompts": list(s.prompts), "completions": list(s.completions), "local_scores": s.local_scores, "local_per_term": dict(s.local_per_term),
-            "scores": s.scores, "per_term": dict(s.per_term), "failed": dict(s.failed), "term_stats": dict(s.term_stats),
-        },
-        "token_mask": batch.token_mask, "metrics": dict(batch.metrics), "version": batch.version, "generate_s": batch.generate_s,
-        "score_s": batch.score_s, "data_position": batch.data_position, "row_episode": batch.row_episode, "row_weight": batch.row_weight,
-    }
-
-
-def batch_from_state(state: dict) -> ScoredBatch:
-    examples = [PromptExample(ex["prompt"], ex["metadata"]) for ex in state["examples"]]
-    return ScoredBatch(
-        examples, Rollout(**state["rollout"]), ScoredRollout(**state["scored"]), state["token_mask"], dict(state["metrics"]), state["version"],
-        state["generate_s"], state["score_s"], state["data_position"], state.get("row_episode"), state.get("row_weight"),
-    )

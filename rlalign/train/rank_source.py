@@ -49,7 +49,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rlalign.config import ConfigError
 from rlalign.train import distributed
-from rlalign.train.async_source import RolloutProducerError, _StepState, _trainable, _to_bytes, batch_from_state, batch_state
+from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, to_bytes, trainable
 from rlalign.train.rollouts import gather_scores
 from rlalign.train.sources import RolloutSource, ScoredBatch
 
@@ -80,7 +80,7 @@ class _Flat:
     """A module's trainable tensors as one flat buffer per dtype (the unit of a broadcast)."""
 
     def __init__(self, module: nn.Module):
-        self.params = [p for _, p in _trainable(module)]
+        self.params = [p for _, p in trainable(module)]
         self.dtypes = sorted({p.dtype for p in self.params}, key=str)
         self.sharded = any(hasattr(p, "full_tensor") for p in self.params)  # FSDP2's DTensors
 
@@ -315,10 +315,10 @@ class RankProducer:
                     return
                 idle = time.perf_counter() - idle_from
                 self.say(f"sampling and scoring step {step} for learner rank {shard} with the weights of version {self.version}")
-                batch = self.sources[shard].next(_StepState(step))
+                batch = self.sources[shard].next(StepState(step))
                 batch.version = self.version
                 batch.metrics["time/producer_idle"] = idle
-                payload = torch.frombuffer(bytearray(_to_bytes(batch_state(batch))), dtype=torch.uint8)
+                payload = torch.frombuffer(bytearray(to_bytes(batch_state(batch))), dtype=torch.uint8)
                 self.sends.append(dist.isend(payload, dst=shard, group=self.rollout_group))
                 self.control.store.set(f"batch/{step}/{shard}", str(payload.numel()))
             self.step = self.total_steps
