@@ -119,8 +119,10 @@ class World:
             dist.barrier()
 
     def device(self, requested: str) -> str:
-        """The device of this rank: ``cuda`` becomes ``cuda:<local_rank>`` under torchrun."""
-        return f"cuda:{self.local_rank}" if dist.is_available() and dist.is_initialized() and requested == "cuda" else requested
+        """The device of this rank: ``cuda`` becomes ``cuda:<local_rank>`` under torchrun (mod the GPUs: producer ranks may share them)."""
+        if dist.is_available() and dist.is_initialized() and requested == "cuda":
+            return f"cuda:{self.local_rank % torch.cuda.device_count()}"  # producer ranks past the GPUs share them
+        return requested
 
 
 _WORLDS: dict[tuple[int, int], World] = {}  # (global rank, producers) -> this process's World, once the groups exist
@@ -130,7 +132,9 @@ def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> 
     """The World of this process; joins the process group when launched by torchrun (WORLD_SIZE > 1).
 
     Backend: NCCL when ``device`` is CUDA, gloo otherwise. ``producers``: the last ``producers``
-    ranks sample for the others (the learners, who get a process group of their own). Idempotent.
+    ranks sample for the others (the learners, who get a process group of their own). With more
+    ranks on a node than GPUs (a producer rank sharing a learner's GPU) the default group is gloo and
+    the learners' group NCCL, since NCCL takes one rank a GPU. Idempotent.
 
     Raises:
         ConfigError: producers without torchrun, or with no rank left to learn.
@@ -146,16 +150,21 @@ def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if (rank, producers) in _WORLDS:
         return _WORLDS[rank, producers]
+    learners, cuda = size - producers, device.startswith("cuda")
+    backend = "nccl" if cuda else "gloo"
+    if cuda:  # a rank per GPU; producer ranks past the GPUs share them (local rank mod GPUs)
+        gpus = torch.cuda.device_count()
+        if rank < learners and local_rank >= gpus:
+            raise ConfigError(f"learner rank {rank} has no GPU of its own ({gpus} on this node): launch at most {gpus} learners a node")
+        torch.cuda.set_device(local_rank % gpus)
+        if int(os.environ.get("LOCAL_WORLD_SIZE", size)) > gpus:
+            backend = "gloo"  # NCCL takes one rank a GPU: the default group is gloo, the learners get an NCCL group of their own
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    learners = size - producers
     if not producers:
         world = World(rank=rank, size=size, local_rank=local_rank, learners=size)
-    else:
-        group = dist.new_group(list(range(learners)), timeout=datetime.timedelta(seconds=timeout_s))  # every rank takes part in making it
+    else:  # every rank takes part in making the learners' group
+        group = dist.new_group(list(range(learners)), timeout=datetime.timedelta(seconds=timeout_s), backend="nccl" if cuda else None)
         if rank < learners:
             world = World(rank=rank, size=learners, local_rank=local_rank, group=group, learners=learners, producers=producers)
         else:
@@ -195,7 +204,8 @@ def wrap(model: nn.Module, world: World, sharding: str = "ddp") -> nn.Module:
         raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
     if sharding == "fsdp":
         return _fully_shard(model, world)
-    device_ids = [world.local_rank] if next(model.parameters()).is_cuda else None
+    device = next(model.parameters()).device
+    device_ids = [device.index] if device.type == "cuda" else None
     ddp = nn.parallel.DistributedDataParallel
     no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters else {"broadcast_buffers": False}
     return ddp(model, device_ids=device_ids, process_group=world.group, **no_buffer_sync)

@@ -12,17 +12,17 @@ as L synchronous processes would at k = 0, and as one asynchronous process would
 
 What travels, and how (torch.distributed only; no sockets or queues of our own):
 
-- Weights: learner rank 0 broadcasts the trainable tensors (one flat buffer per dtype) in a group of
-  its own with every producer (NCCL on GPUs), asynchronously, from k + 1 slots, so the learner never
-  waits for a producer that is still sampling; it waits only before reusing a slot, whose version
-  every producer has received by then (a producer receives every version in order, up to the one
-  its next task needs). Under FSDP2 every learner gathers the full tensors first (a collective).
+- Weights (:mod:`rlalign.train.weight_sync`): learner rank 0 writes each version to one of k + 1
+  slots, so it never waits for a producer that is still sampling, only before reusing a slot, whose
+  version every producer is done with by then. Producers on its host map the slots (shared memory;
+  CUDA IPC on a GPU); others get each version by an asynchronous broadcast (NCCL on GPUs).
 - Rollouts: a producer sends each scored shard, serialised, by point-to-point send to the learner
   that trains it, in a gloo group of every rank (CPU tensors, as rollouts leave the sampler).
 - Control: the run's c10d store (the one torchrun rendezvoused on) carries the small things: "shard
   (s, l) is ready", "version v is out", each producer's heartbeat and what it is doing, its error,
   and "stop". Every wait on it polls, has a time limit (``async_rollouts.timeout_s``), and about
-  once a second the learner checks the producers' errors and heartbeats, so no rank hangs and the error names the rank, the step and what it was doing.
+  once a second the learner checks the producers' errors and heartbeats, so no rank hangs and the
+  error names the rank, the step and what it was doing.
 
 The scores a producer computes are its shard's; the learner that receives the shard gathers every
 learner's (:func:`rlalign.train.rollouts.gather_scores`), so advantages and metrics are global.
@@ -44,14 +44,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch import nn
 
 from rlalign.config import ConfigError
 from rlalign.train import distributed
-from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, to_bytes, trainable
+from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, to_bytes
 from rlalign.train.rollouts import gather_scores
 from rlalign.train.sources import RolloutSource, ScoredBatch
+from rlalign.train.weight_sync import open_weights
 
 __all__ = ["RankSource", "RankProducer", "producer_of", "open_rank_source"]
 
@@ -68,40 +68,23 @@ def producer_of(step: int, shard: int, learners: int, producers: int) -> int:
 _RUNS = itertools.count()  # runs of this process group so far: every rank opens its sources in the same order
 
 
-def _store() -> dist.Store:
+def _store(run: int) -> dist.Store:
     """The job's c10d store, under a prefix of this attempt (a torchrun restart starts clean) and this run
     (a script may train several times in one launch)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
-    return dist.PrefixStore(f"rlalign/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_RUNS)}/", _get_default_store())
-
-
-class _Flat:
-    """A module's trainable tensors as one flat buffer per dtype (the unit of a broadcast)."""
-
-    def __init__(self, module: nn.Module):
-        self.params = [p for _, p in trainable(module)]
-        self.dtypes = sorted({p.dtype for p in self.params}, key=str)
-        self.sharded = any(hasattr(p, "full_tensor") for p in self.params)  # FSDP2's DTensors
-
-    def full(self) -> list[Tensor]:
-        """The full tensors, by dtype, flattened (under FSDP2 a collective of every learner)."""
-        values = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.params]
-        return [_flatten_dense_tensors([v.detach() for v in values if v.dtype == dtype]) for dtype in self.dtypes]
-
-    def load(self, flats: list[Tensor]) -> None:
-        with torch.no_grad():
-            for dtype, flat in zip(self.dtypes, flats):
-                params = [p for p in self.params if p.dtype == dtype]
-                for p, value in zip(params, _unflatten_dense_tensors(flat, params)):
-                    p.copy_(value)
+    return dist.PrefixStore(f"rlalign/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{run}/", _get_default_store())
 
 
 class _Control:
     """The store's keys of one run, and waits on them with a time limit and a check about once a second."""
 
     def __init__(self, world: distributed.World, timeout_s: float):
-        self.store, self.world, self.timeout_s = _store(), world, timeout_s
+        self.run = next(_RUNS)
+        self.store, self.world, self.timeout_s = _store(self.run), world, timeout_s
+
+    def timed_out(self, what: str) -> RolloutProducerError:
+        return RolloutProducerError(f"{what}: not done in {self.timeout_s:.0f} s (async_rollouts.timeout_s)")
 
     def producer_rank(self, producer: int) -> int:
         return self.world.learners + producer
@@ -171,12 +154,9 @@ class RankSource:
         self.world, self.k, self.total_steps = world, cfg.max_staleness, total_steps
         self.control = _Control(world, cfg.timeout_s)
         self.rollout_group = dist.new_group(list(range(world.learners + world.producers)), backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        self.weight_group = dist.new_group([0, *range(world.learners, world.learners + world.producers)], timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.weights = open_weights(world, updater.module, self.k, first_step, total_steps - 1 - self.k, self.control, cfg.weight_transport, cfg.timeout_s,
+                                    self.rollout_group)  # the versions the producers sample with: first_step .. total - 1 - k
         self.buffer: dict[int, ScoredBatch] = {first_step + i: batch for i, batch in enumerate(restored)}  # step -> this learner's shard
-        self.first_version, self.last_version = first_step, total_steps - 1 - self.k  # the versions the producers sample with
-        self.flat = _Flat(updater.module)
-        self.slots: list[list[Tensor] | None] = [None] * (self.k + 1)
-        self.works: list[list] = [[] for _ in range(self.k + 1)]
         self.next_step = first_step
         self.publish(updater.module, first_step)  # the producers start from the learner's weights, whatever they loaded
 
@@ -208,35 +188,8 @@ class RankSource:
         return batch
 
     def publish(self, policy: nn.Module, version: int) -> float:
-        """Learner rank 0 broadcasts the weights of ``version`` to every producer (asynchronously)."""
-        start = time.perf_counter()
-        if not self.first_version <= version <= self.last_version:
-            return 0.0
-        if not self.world.is_main:
-            if self.flat.sharded:
-                self.flat.full()  # under FSDP2 every learner takes part in gathering the full tensors
-            return time.perf_counter() - start
-        flats = self.flat.full()
-        slot = version % (self.k + 1)
-        self._finish(slot, f"learner rank 0 waiting for every producer to receive the weights of version {version - self.k - 1}")
-        if self.slots[slot] is None:
-            self.slots[slot] = [torch.empty_like(f) for f in flats]
-        for buffer, flat in zip(self.slots[slot], flats):
-            buffer.copy_(flat)
-        self.works[slot] = [dist.broadcast(buffer, src=0, group=self.weight_group, async_op=True) for buffer in self.slots[slot]]
-        self.control.store.set(f"weights/{version}", "1")
-        return time.perf_counter() - start
-
-    def _finish(self, slot: int, what: str) -> None:
-        deadline = time.monotonic() + self.control.timeout_s
-        while not all(work.is_completed() for work in self.works[slot]):
-            self._check()
-            if time.monotonic() > deadline:
-                raise RolloutProducerError(f"{what}: not done in {self.control.timeout_s:.0f} s (async_rollouts.timeout_s)")
-            time.sleep(0.001)
-        for work in self.works[slot]:
-            work.wait()
-        self.works[slot] = []
+        """The weights of ``version`` to every producer (:mod:`rlalign.train.weight_sync`)."""
+        return self.weights.publish(version, self._check)
 
     def state_dict(self) -> dict:
         """Every learner's rollouts in flight (steps next..next + k - 1), gathered for rank 0's checkpoint."""
@@ -255,10 +208,8 @@ class RankSource:
     def close(self) -> None:
         """Tell the producers to stop (a normal end, or an error on this side) and let them go."""
         self.control.store.set("stop", "1")
-        if self.world.is_main:
-            for slot in range(self.k + 1):
-                if all(work.is_completed() for work in self.works[slot]):
-                    self.works[slot] = []
+        if hasattr(self.weights, "close"):
+            self.weights.close()
 
 
 class RankProducer:
@@ -270,13 +221,12 @@ class RankProducer:
         self.world, self.updater, self.k, self.total_steps = world, updater, cfg.max_staleness, total_steps
         self.control = _Control(world, cfg.timeout_s)
         self.rollout_group = dist.new_group(list(range(world.learners + world.producers)), backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        self.weight_group = dist.new_group([0, *range(world.learners, world.learners + world.producers)], timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self.weights = open_weights(world, updater.module, self.k, first_step, total_steps - 1 - self.k, self.control, cfg.weight_transport, cfg.timeout_s,
+                                    self.rollout_group)
         self.sources = [build(world.view_of(rank)) for rank in range(world.learners)]  # each learner shard's source
-        self.first_version, self.last_version = first_step, total_steps - 1 - self.k
-        self.version = first_step - 1  # the next broadcast brings first_step
+        self.first_version = first_step
         first_to_make = first_step + restored_steps
         self.tasks = [(s, r) for s in range(first_to_make, total_steps) for r in range(world.learners) if producer_of(s, r, world.learners, world.producers) == world.producer]
-        self.flat, self.buffers = _Flat(updater.module), None
         self.activity, self.sends = "starting", []
         self.step = first_to_make
 
@@ -288,19 +238,14 @@ class RankProducer:
         while not done.wait(_HEARTBEAT_S):
             self.control.say(self.world.producer, self.activity)
 
-    def _receive_until(self, need: int) -> bool:
-        """Receive every version up to ``need``, in order; False when the learners stopped the run."""
-        while self.version < need:
-            v = self.version + 1
-            self.say(f"waiting for the weights of version {v} to sample step {self.step}")
-            if not self.control.wait(f"weights/{v}", f"producer rank {self.world.global_rank} waiting for the weights of version {v}", lambda: None):
-                return False
-            self.buffers = self.buffers or [torch.empty_like(f) for f in self.flat.full()]
-            for buffer in self.buffers:
-                dist.broadcast(buffer, src=0, group=self.weight_group)
-            self.flat.load(self.buffers)
+    def _load(self, need: int) -> bool:
+        """The weights of version ``need`` in this producer's policy; False when the learners stopped the run."""
+        before = self.weights.version
+        self.say(f"waiting for the weights of version {need} to sample step {self.step}")
+        if not self.weights.bring_to(need, f"producer rank {self.world.global_rank}"):
+            return False
+        if self.weights.version != before:
             self.updater.updates += 1  # a sampling copy in another dtype refreshes from the new weights
-            self.version = v
         return True
 
     def produce(self) -> None:
@@ -311,18 +256,18 @@ class RankProducer:
             for step, shard in self.tasks:
                 self.step = step
                 idle_from = time.perf_counter()
-                if not self._receive_until(max(0, step - self.k, self.first_version)):
+                if not self._load(max(0, step - self.k, self.first_version)):
                     return
                 idle = time.perf_counter() - idle_from
-                self.say(f"sampling and scoring step {step} for learner rank {shard} with the weights of version {self.version}")
+                self.say(f"sampling and scoring step {step} for learner rank {shard} with the weights of version {self.weights.version}")
                 batch = self.sources[shard].next(StepState(step))
-                batch.version = self.version
+                batch.version = self.weights.version
                 batch.metrics["time/producer_idle"] = idle
                 payload = torch.frombuffer(bytearray(to_bytes(batch_state(batch))), dtype=torch.uint8)
                 self.sends.append(dist.isend(payload, dst=shard, group=self.rollout_group))
                 self.control.store.set(f"batch/{step}/{shard}", str(payload.numel()))
             self.step = self.total_steps
-            if self.last_version >= self.first_version and not self._receive_until(self.last_version):
+            if not self.weights.drain(f"producer rank {self.world.global_rank} after its last step"):
                 return
             self.say("done: waiting for the learners to receive the last rollouts")
             for work in self.sends:

@@ -296,6 +296,10 @@ class AsyncConfig(Config):
     )
     learner_threads: int = Field(1, ge=1, description="torch threads of the learner process")
     producer_threads: int = Field(1, ge=1, description="torch threads of the producer process")
+    weight_transport: Literal["auto", "broadcast", "shared"] = Field(
+        "auto", description="producer ranks: how the learner's weights reach them (rlalign.train.weight_sync): broadcast (any node), shared "
+        "(producers on learner rank 0's host map its slots: shared memory, CUDA IPC on GPUs), auto: shared when every producer is on that host"
+    )
     timeout_s: float = Field(600.0, gt=0, description="longest wait for one rollout or weight transfer before the run stops, naming what the producer was doing")
 
 

@@ -200,3 +200,32 @@ def test_the_chunked_lm_head_on_cuda_equals_the_logits_path_and_holds_less(dtype
     for ours, theirs in zip(*results):
         assert (ours.float() - theirs.float()).abs().max() <= tolerance * theirs.float().abs().max()
     assert peaks[0] < 0.5 * peaks[1], peaks  # no logits, nor their gradient, held whole
+
+
+def test_a_producer_rank_sharing_the_learners_gpu_trains_as_one_process(tiny_path, tmp_path):
+    # torchrun, 2 ranks on one GPU: a learner and a producer rank (gloo default group, CUDA IPC weight
+    # slots: device to device), k = 0, against the same run in one process on that GPU
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parents[2]
+    runs = root / "tests" / "train" / "rank_runs.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(runs), str(tmp_path / "ranks"), str(tiny_path), "k0"]
+    done = subprocess.run([*cmd], env={**env, "RLALIGN_RANK_RUNS_PRODUCERS": "1", "RLALIGN_RANK_RUNS_DEVICE": "cuda"}, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "shared slots on this host" in done.stdout
+    one = subprocess.run([sys.executable, str(runs), str(tmp_path / "one"), str(tiny_path), "k0"], env={**env, "RLALIGN_RANK_RUNS_DEVICE": "cuda"},
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert one.returncode == 0, one.stderr[-5000:]
+    a, b = load_file(str(tmp_path / "one" / "k0" / "final" / "model.safetensors")), load_file(str(tmp_path / "ranks" / "k0" / "final" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-4)
+    rows = [json.loads(line) for line in (tmp_path / "ranks" / "k0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [-1, 0, 1, 2]

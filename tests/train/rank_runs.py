@@ -1,6 +1,7 @@
 """The runs of tests/train/test_rank_producers.py, through the real CLI.
 
     torchrun --standalone --nproc-per-node 4 tests/train/rank_runs.py OUT TINY_MODEL RUN...   (2 learners + 2 producers)
+    (RLALIGN_RANK_RUNS_PRODUCERS: producer ranks, default 2; RLALIGN_RANK_RUNS_DEVICE: model.device, default cpu)
     python tests/train/rank_runs.py OUT TINY_MODEL RUN...                                      (the same runs in one process)
 
 RUN names a run of :func:`commands`; under torchrun the runs take ``async_rollouts.producers=2``.
@@ -30,17 +31,20 @@ def dies_at_step_2(completions, trainer_state, **kwargs):
     return [0.0] * len(completions)
 
 
-def commands(out: str, tiny: str, producers: int) -> dict[str, list[str]]:
-    """The runs by name, each in ``<out>/<name>``."""
+def commands(out: str, tiny: str, producers: int, device: str = "cpu") -> dict[str, list[str]]:
+    """The runs by name, each in ``<out>/<name>`` (on ``device``; tests/gpu runs one on a GPU)."""
     ranks = [f"async_rollouts.producers={producers}"] if producers else []
     grpo = ["grpo", f"model.path={tiny}", "data.task=arithmetic", "data.num_prompts=64", "sampling.max_new_tokens=6", "optim.lr=3e-3",
             "progress=false", "plots=false", "num_threads=1", "steps=3", "prompts_per_step=4", "group_size=4", "beta=0.1", "mu=2",
-            "num_minibatches=2", "advantage=batch", "aggregation=token-mean", "save_every=1", "keep_last=5", "async_rollouts.enabled=true",
-            "async_rollouts.timeout_s=120", *ranks]
+            "num_minibatches=2", "advantage=batch", "aggregation=token-mean", "save_every=1", "keep_last=5",
+            f"async_rollouts.enabled={str(bool(producers) or device == 'cpu').lower()}",  # one process on a GPU: synchronous (= k 0)
+            "async_rollouts.timeout_s=120", f"model.device={device}", *ranks]
     reward = "rewards=[{function: preference}]"
     stale = ["async_rollouts.max_staleness=1", "tis_cap=2.0"]
     return {
         "k0": [*grpo, reward, "async_rollouts.max_staleness=0", f"output_dir={out}/k0"],
+        "k0_broadcast": [*grpo, reward, "async_rollouts.max_staleness=0", f"output_dir={out}/k0_broadcast", *(["async_rollouts.weight_transport=broadcast"] if producers else [])],
+        "k1_broadcast": [*grpo, reward, *stale, f"output_dir={out}/k1_broadcast", *(["async_rollouts.weight_transport=broadcast"] if producers else [])],
         "k0_fsdp": [*grpo, reward, "async_rollouts.max_staleness=0", "model.sharding=fsdp", f"output_dir={out}/k0_fsdp"],
         "k1": [*grpo, reward, *stale, f"output_dir={out}/k1"],
         "k1_resumed": [*grpo, reward, *stale, f"output_dir={out}/k1_resumed", "--resume", f"{out}/k1/checkpoints/step_00000001"],
@@ -52,8 +56,8 @@ def commands(out: str, tiny: str, producers: int) -> dict[str, list[str]]:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    producers = 2 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
-    runs = commands(sys.argv[1], sys.argv[2], producers)
+    producers = int(os.environ.get("RLALIGN_RANK_RUNS_PRODUCERS", "2")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    runs = commands(sys.argv[1], sys.argv[2], producers, os.environ.get("RLALIGN_RANK_RUNS_DEVICE", "cpu"))
     for name in sys.argv[3:]:
         if main(runs[name]) != 0:
             sys.exit(f"rlalign {' '.join(runs[name])} failed")
