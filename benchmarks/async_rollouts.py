@@ -150,8 +150,8 @@ def ranks(args) -> None:
     ``async_rollouts.max_staleness`` = P (P producers make P steps at once only when k >= P - 1),
     against the synchronous one-process run, one run after the other. Reported: the learner's seconds
     per step after the warm-up (steps over their total time), the ratio of steps per second, and the
-    model of RESULTS.md ("Producers and learners as ranks") from the synchronous run's measured
-    generate + score (g) and the rank runs' measured update (u) and weight-sync (w) times."""
+    model of RESULTS.md ("Producers and learners as ranks") from each rank run's measured generate +
+    score (g, as the producers measured it), the learner's own work (u) and weight-sync (w) times."""
     import os
     import subprocess
     import sys
@@ -173,7 +173,9 @@ def ranks(args) -> None:
     def launch(processes: int, overrides: dict, run_dir: Path) -> None:
         argv = [f"{key}={json.dumps(value)}" for key, value in {**base, **overrides, "output_dir": str(run_dir)}.items()]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes), "-m", "rlalign", "grpo", *argv]
-        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-6000:]}")
 
     launch(1, {}, out / "sync")
     sync_s, sync_t = learner_steps(out / "sync")
@@ -185,16 +187,17 @@ def ranks(args) -> None:
         launch(1 + p, {"async_rollouts.enabled": True, "async_rollouts.producers": p, "async_rollouts.max_staleness": k, "tis_cap": 2.0}, out / f"p{p}")
         step_s, t = learner_steps(out / f"p{p}")
         u = step_s - t["time/queue_wait"] - t["time/weight_sync"]  # the learner's own work a step
-        w = t["time/weight_sync"]
-        model_s = max(g / p, u + w, (u + w + g) / (k + 1))  # 1 learner: the producers' capacity, the learner's, or the staleness window
-        rows.append({"producers": p, "k": k, "step_s": step_s, "speedup": sync_s / step_s, "model_step_s": model_s, "g": g, "u": u, **t})
+        w, gp = t["time/weight_sync"], t["time/generate"] + t["time/score"]  # gp: a step's generate + score as the producers measured it
+        model_s = max(gp / p, u + w, (u + w + gp) / (k + 1))  # 1 learner: the producers' capacity, the learner's, or the staleness window
+        rows.append({"producers": p, "k": k, "step_s": step_s, "speedup": sync_s / step_s, "model_step_s": model_s, "g": g, "gp": gp, "u": u, **t})
         print(json.dumps(rows[-1]), flush=True)
     print(f"\nsynchronous, one process: {sync_s:.3f} s a step (generate + score {g:.3f} s)")
-    print("| learner + producers | k | s/step | async/sync steps/s | learner's wait | weight sync | update (u) | model: max(g/P, u + w, (u + w + g)/(k + 1)) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| learner + producers | k | s/step | async/sync steps/s | learner's wait | weight sync (w) | learner's work (u) | producer's g | "
+          "model: max(g/P, u + w, (u + w + g)/(k + 1)) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| 1 + {r['producers']} | {r['k']} | {r['step_s']:.3f} | {r['speedup']:.2f}x | {r['time/queue_wait']:.3f} | {r['time/weight_sync']:.4f} | "
-              f"{r['u']:.3f} | {r['model_step_s']:.3f} |")
+              f"{r['u']:.3f} | {r['gp']:.3f} | {r['model_step_s']:.3f} |")
 
 
 def learning(args) -> None:

@@ -50,17 +50,25 @@ from rlalign.core.masks import position_ids_from_mask
 from rlalign.lm.model_modes import is_checkpointing
 from rlalign.lm.models import cache_argument
 
-__all__ = ["completion_positions", "completion_logits", "completion_hidden", "lm_head_of", "HEAD_LAST_MODEL_TYPES", "completion_logprobs", "rollout_logprobs"]
+__all__ = ["completion_positions", "completion_logits", "completion_hidden", "lm_head_of", "wrapped_across_processes", "HEAD_LAST_MODEL_TYPES", "completion_logprobs", "rollout_logprobs"]
 
 # Architectures whose logits are exactly lm_head(last hidden state): nothing (a soft cap, a scale, a
 # multiplier) is applied after the head in their transformers forward.
 HEAD_LAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gpt2", "phi3", "olmo2"})
 
 
+def wrapped_across_processes(model: nn.Module) -> bool:
+    """Whether ``model`` is in DistributedDataParallel or sharded by FSDP2: then every forward must be
+    the wrapper's own, one a backward, with every parameter used inside it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, nn.parallel.DistributedDataParallel) or any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def lm_head_of(model: nn.Module) -> nn.Linear | None:
     """The LM head of ``model`` when its logits are exactly ``head(hidden)`` and it is a plain
-    ``nn.Linear`` (not a LoRA-wrapped or sharded one) in one process; else None (use the logits)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    ``nn.Linear`` (not a LoRA-wrapped or sharded one), outside DDP and FSDP2; else None (use the logits)."""
+    if wrapped_across_processes(model):
         return None  # DDP and FSDP2 expect every parameter used inside their forward
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in HEAD_LAST_MODEL_TYPES or not callable(getattr(model, "get_output_embeddings", None)):

@@ -117,11 +117,11 @@ class Pair(NamedTuple):
 
 def sequence_logps(model: nn.Module, batch: PreferenceCompletionBatch) -> tuple[Tensor, Tensor]:
     """(log pi(y | x) summed over each response's tokens, response lengths |y|) of the 2B rows,
-    chosen first; each pair's prompt runs once in one process (:func:`rlalign.train.passes.share_prompts`).
+    chosen first; each pair's prompt runs once outside DDP and FSDP2 (:func:`rlalign.train.passes.share_prompts`).
     ``model`` may be DDP-wrapped (the forward goes through it). Shape: (2B,), (2B,)."""
     device = next(model.parameters()).device
     mask = batch.completion_mask.to(device)  # (2B, C)
-    pair_index = torch.arange(batch.num_pairs, device=device).repeat(2) if share_prompts() else None  # (2B,): row b and row B + b share a prompt
+    pair_index = torch.arange(batch.num_pairs, device=device).repeat(2) if share_prompts(model) else None  # (2B,): row b and row B + b share a prompt
     logp = completion_logprobs(model, batch.prompt_ids.to(device), batch.prompt_mask.to(device), batch.completion_ids.to(device), mask, 1.0, pair_index)  # (2B, C)
     return logp.sum(-1), mask.sum(-1).to(logp.dtype)
 

@@ -28,7 +28,7 @@ from rlalign.core.kl import entropy_from_logits
 from rlalign.core.linear_logprobs import EntropyMode, linear_token_logprobs
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.lm import private
-from rlalign.lm.logprobs import completion_hidden, lm_head_of
+from rlalign.lm.logprobs import completion_hidden, lm_head_of, wrapped_across_processes
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.models import reference_policy
@@ -68,14 +68,14 @@ def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False
 
         with releasing_compiler_caches():
             return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts() else None)
+    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts(model) else None)
 
 
-def share_prompts() -> bool:
-    """Whether the training and reference passes run each group's prompt once (rlalign.lm.logprobs):
-    in one process. Under torchrun they make one forward per pass, since DDP and FSDP2 expect one
-    forward per backward; the logits are the same to float round-off either way."""
-    return not torch.distributed.is_initialized()
+def share_prompts(model: nn.Module) -> bool:
+    """Whether a pass of ``model`` runs each group's prompt once (rlalign.lm.logprobs): unless it is in
+    DDP or FSDP2, which expect one forward per backward (:func:`rlalign.lm.logprobs.wrapped_across_processes`);
+    the logits are the same to float round-off either way."""
+    return not wrapped_across_processes(model)
 
 
 @functools.cache
@@ -112,7 +112,7 @@ def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, 
             return token_logprobs(logits, rollout.completion_ids.to(logits.device), temperature), None
         return logprobs_and_entropy(logits, rollout.completion_ids.to(logits.device), temperature, entropy == "gradient")
     r = rollout.to(head.weight.device)
-    hidden = completion_hidden(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts() else None)  # (B, C, H)
+    hidden = completion_hidden(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts(model) else None)  # (B, C, H)
     return linear_token_logprobs(hidden, head.weight, r.completion_ids, temperature, head.bias, entropy)
 
 

@@ -68,12 +68,32 @@ def producer_of(step: int, shard: int, learners: int, producers: int) -> int:
 _RUNS = itertools.count()  # runs of this process group so far: every rank opens its sources in the same order
 
 
-def _store(run: int) -> dist.Store:
+class _Store:
     """The job's c10d store, under a prefix of this attempt (a torchrun restart starts clean) and this run
-    (a script may train several times in one launch)."""
-    from torch.distributed.distributed_c10d import _get_default_store
+    (a script may train several times in one launch), one call at a time (a producer's heartbeat thread
+    shares the client with its main thread)."""
 
-    return dist.PrefixStore(f"rlalign/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{run}/", _get_default_store())
+    def __init__(self, run: int):
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self._store = dist.PrefixStore(f"rlalign/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{run}/", _get_default_store())
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._store.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return self._store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            return self._store.add(key, amount)
 
 
 class _Control:
@@ -81,7 +101,7 @@ class _Control:
 
     def __init__(self, world: distributed.World, timeout_s: float):
         self.run = next(_RUNS)
-        self.store, self.world, self.timeout_s = _store(self.run), world, timeout_s
+        self.store, self.world, self.timeout_s = _Store(self.run), world, timeout_s
 
     def timed_out(self, what: str) -> RolloutProducerError:
         return RolloutProducerError(f"{what}: not done in {self.timeout_s:.0f} s (async_rollouts.timeout_s)")
@@ -251,7 +271,8 @@ class RankProducer:
     def produce(self) -> None:
         """Make every task, then receive the versions left (every producer takes part in every broadcast)."""
         done = threading.Event()
-        threading.Thread(target=self._heartbeat, args=(done,), name="rlalign-heartbeat", daemon=True).start()
+        heartbeat = threading.Thread(target=self._heartbeat, args=(done,), name="rlalign-heartbeat", daemon=True)
+        heartbeat.start()
         try:
             for step, shard in self.tasks:
                 self.step = step
@@ -281,6 +302,7 @@ class RankProducer:
             raise RolloutProducerError(f"producer rank {self.world.global_rank} failed at step {self.step} while {self.activity}") from err
         finally:
             done.set()
+            heartbeat.join(timeout=5.0)  # not inside a store call when the process ends
 
     # a producer rank hands out nothing to train on: the lifecycle runs produce() instead of the steps
     def next(self, state) -> ScoredBatch:

@@ -166,7 +166,7 @@ class SharedWeights(_Weights):
         bytes come from learner rank 0 of this launch."""
         slots = []
         for slot in range(self.k + 1):
-            self.control.store.wait([f"slot/{slot}"], datetime.timedelta(seconds=self.control.timeout_s))
+            self.control.wait(f"slot/{slot}", "a producer waiting for learner rank 0's weight slots", lambda: None)
             buffers = []
             for kind, handle in pickle.loads(self.control.store.get(f"slot/{slot}")):
                 if kind == "cuda":
@@ -240,5 +240,5 @@ def _job_name(control, world: distributed.World) -> str:
     """A name for this run's shared-memory files, unique on the host: learner rank 0's pid and a run counter, told to every rank."""
     if world.is_main:
         control.store.set("job", f"{os.getpid()}-{control.run}")
-    control.store.wait(["job"], datetime.timedelta(seconds=control.timeout_s))
+    control.wait("job", "waiting for learner rank 0 to name the shared weight slots", lambda: None)
     return control.store.get("job").decode()

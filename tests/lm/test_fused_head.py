@@ -208,3 +208,24 @@ def test_gkd_is_the_same_from_both_models_hidden_states_as_from_their_logits(mon
     assert chunked == [1]
     assert_same(*runs)
     assert all(p.grad is None for p in teacher.parameters())  # the teacher is a constant
+
+
+def test_a_model_in_ddp_or_fsdp2_takes_the_logits_path_with_one_forward_a_pass():
+    # DDP and FSDP2 expect one forward a backward with every parameter inside it: no fused head, no shared prompts;
+    # the same model outside them (a learner alone, a producer rank under torchrun) takes both
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from rlalign.train.passes import share_prompts
+
+    llama = make_llama(VOCAB)
+    assert lm_head_of(llama) is llama.lm_head and share_prompts(llama)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(make_llama(VOCAB))
+        assert lm_head_of(ddp) is None and not share_prompts(ddp)
+        sharded = fully_shard(make_llama(VOCAB))
+        assert lm_head_of(sharded) is None and not share_prompts(sharded)
+        assert lm_head_of(llama) is llama.lm_head and share_prompts(llama)  # a process group alone changes nothing
+    finally:
+        dist.destroy_process_group()

@@ -40,6 +40,8 @@ def commands(out: str, tiny: str, producers: int, device: str = "cpu") -> dict[s
             f"async_rollouts.enabled={str(bool(producers) or device == 'cpu').lower()}",  # one process on a GPU: synchronous (= k 0)
             "async_rollouts.timeout_s=120", f"model.device={device}", *ranks]
     reward = "rewards=[{function: preference}]"
+    ppo = ["ppo", *grpo[1:grpo.index("prompts_per_step=4")], "prompts_per_step=8", "ppo_epochs=2", "num_minibatches=4", "critic.optim.lr=3e-3",
+           "kl_coef=0.05", "aggregation=seq-mean-token-mean", *grpo[grpo.index("save_every=1"):]]
     stale = ["async_rollouts.max_staleness=1", "tis_cap=2.0"]
     return {
         "k0": [*grpo, reward, "async_rollouts.max_staleness=0", f"output_dir={out}/k0"],
@@ -47,6 +49,7 @@ def commands(out: str, tiny: str, producers: int, device: str = "cpu") -> dict[s
         "k1_broadcast": [*grpo, reward, *stale, f"output_dir={out}/k1_broadcast", *(["async_rollouts.weight_transport=broadcast"] if producers else [])],
         "k0_fsdp": [*grpo, reward, "async_rollouts.max_staleness=0", "model.sharding=fsdp", f"output_dir={out}/k0_fsdp"],
         "k1": [*grpo, reward, *stale, f"output_dir={out}/k1"],
+        "ppo_k1": [*ppo, reward, *stale, f"output_dir={out}/ppo_k1"],
         "k1_resumed": [*grpo, reward, *stale, f"output_dir={out}/k1_resumed", "--resume", f"{out}/k1/checkpoints/step_00000001"],
         "raises": [*grpo, "rewards=[{function: preference}, {function: 'tests.train.rank_runs:raises_at_step_2'}]", *stale,
                    f"output_dir={out}/raises"],

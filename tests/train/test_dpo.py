@@ -143,7 +143,7 @@ def test_sequence_logps_without_sharing_prompts_are_the_same(tiny_path, monkeypa
     tokenizer, policy = load_tokenizer(tiny_path), load_policy(tiny_path)
     batch = collate_preference_completions(tokenizer, examples())
     shared, lengths = dpo.sequence_logps(policy, batch)
-    monkeypatch.setattr(dpo, "share_prompts", lambda: False)
+    monkeypatch.setattr(dpo, "share_prompts", lambda model: False)
     full, _ = dpo.sequence_logps(policy, batch)
     torch.testing.assert_close(shared, full, rtol=0, atol=1e-5)
     assert lengths.tolist() == [2, 4, 3, 6, 2, 3]  # chosen "3", "abc", "56", then rejected "45678", "x", "65", each + EOS

@@ -1,7 +1,7 @@
 """Producers and learners as ranks (rlalign.train.rank_source), four processes under torchrun (gloo, CPU).
 
 Two learners (DDP, and FSDP2) and two producers (``async_rollouts.producers=2``) run GRPO through the
-real CLI, the weights through shared slots (the default on one host) and by broadcast. At k = 0 they end with the weights of a one-process synchronous run of the same global
+real CLI, the weights through shared slots (the default on one host) and by broadcast; PPO too. At k = 0 they end with the weights of a one-process synchronous run of the same global
 batch and seed, to float32 round-off; at k = 1 they log the metrics of a one-process asynchronous run
 (a producer process beside the learner) and end with its weights; a run resumed from their step-1
 checkpoint (rollouts in flight included) ends bit-identical to the uninterrupted one. A producer rank
@@ -60,22 +60,22 @@ def _torchrun(root: Path, tiny: Path, *runs: str) -> subprocess.CompletedProcess
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks")
     tiny = build_tiny_checkpoint(root / "tiny", TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64), seed=0)
-    done = _torchrun(root, tiny, "k0", "k0_broadcast", "k0_fsdp", "k1", "k1_broadcast", "k1_resumed")
+    done = _torchrun(root, tiny, "k0", "k0_broadcast", "k0_fsdp", "k1", "k1_broadcast", "k1_resumed", "ppo_k1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     said = [line for line in done.stdout.splitlines() if line.startswith("weights to the 2 producer rank(s)")]
     shared, broadcast = (f"weights to the 2 producer rank(s): {how}" for how in ("shared slots on this host (weight_transport: shared)",
                                                                                 "broadcast (weight_transport: broadcast)"))
-    assert said == [shared, broadcast, shared, shared, broadcast, shared]  # auto picks shared on one host
+    assert said == [shared, broadcast, shared, shared, broadcast, shared, shared]  # auto picks shared on one host
     assert not list(Path("/dev/shm").glob("rlalign-*"))  # the shared slots are gone with their runs
     from rlalign.cli import main
 
     for name, argv in _load_runs().commands(str(root / "one"), str(tiny), 0).items():
-        if name in ("k0", "k1"):
+        if name in ("k0", "k1", "ppo_k1"):
             assert main(argv) == 0, argv
     return root, tiny
 
 
-@pytest.mark.parametrize("run, one", [("k0", "k0"), ("k0_broadcast", "k0"), ("k0_fsdp", "k0"), ("k1", "k1"), ("k1_broadcast", "k1")])
+@pytest.mark.parametrize("run, one", [("k0", "k0"), ("k0_broadcast", "k0"), ("k0_fsdp", "k0"), ("k1", "k1"), ("k1_broadcast", "k1"), ("ppo_k1", "ppo_k1")])
 def test_two_learners_and_two_producers_train_as_one_process(runs, run, one):
     root, tiny = runs
     ref, got = _weights(root / "one" / one / "final"), _weights(root / "ranks" / run / "final")
@@ -90,7 +90,7 @@ def test_two_learners_and_two_producers_train_as_one_process(runs, run, one):
     for r1, r2 in zip(m1, m2):
         for key in set(r1) - {"time/producer_idle"}:
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-5), (run, r1["step"], key)
-    if run == "k1":  # the schedule: step s sampled by version max(0, s - 1)
+    if run in ("k1", "ppo_k1"):  # the schedule: step s sampled by version max(0, s - 1)
         assert [r.get("staleness/mean") for r in m2[1:]] == [0.0, 1.0, 1.0]
 
 
