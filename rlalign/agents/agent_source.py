@@ -240,7 +240,7 @@ class AgentSource:
         rollout, row_episode = episode_rows(episodes, pad)
         t1 = time.perf_counter()
         scored = self.scorer(examples, _last_calls(episodes, G, pad), [ep.answer for ep in episodes], state.step)
-        if any(ep.reward is not None for ep in episodes):
+        if distributed.any_rank(any(ep.reward is not None for ep in episodes), self.scorer.world):  # the agent's own reward: the term "agent"
             scored = add_score_term(scored, "agent", torch.tensor([ep.reward or 0.0 for ep in episodes]), self.scorer.world)
         calls = [len(ep.calls) for ep in episodes]
         sums = torch.tensor([sum(calls), sum(ep.error is not None for ep in episodes), sum(ep.seconds for ep in episodes), len(episodes),
@@ -253,6 +253,8 @@ class AgentSource:
             "agent/seconds": seconds / n_episodes,
             "agent/calls_per_batch": n_calls / n_batches,  # requests an endpoint sampled together
         }
+        if world.view:  # a producer's view of a learner's share: the learner weighs the shards' ratio by its batches
+            metrics["weight/agent/calls_per_batch"] = n_batches
         return ScoredBatch(
             examples, rollout, scored, rollout.completion_mask.clone(), metrics, state.step, t1 - t0, time.perf_counter() - t1,
             row_episode=row_episode, row_weight=row_weights(calls, self.aggregation),

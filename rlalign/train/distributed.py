@@ -54,7 +54,7 @@ from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
     "World", "init", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
-    "gather_rows", "all_sum", "all_max", "aggregation_count", "loss_scale", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
+    "gather_rows", "all_sum", "all_max", "any_rank", "aggregation_count", "loss_scale", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
 ]
 
 
@@ -131,7 +131,7 @@ _WORLDS: dict[tuple[int, int], World] = {}  # (global rank, producers) -> this p
 def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> World:
     """The World of this process; joins the process group when launched by torchrun (WORLD_SIZE > 1).
 
-    Backend: NCCL when ``device`` is CUDA, gloo otherwise. ``producers``: the last ``producers``
+    Backend: gloo for CPU tensors and NCCL for CUDA tensors when ``device`` is CUDA, gloo otherwise. ``producers``: the last ``producers``
     ranks sample for the others (the learners, who get a process group of their own). With more
     ranks on a node than GPUs (a producer rank sharing a learner's GPU) the default group is gloo and
     the learners' group NCCL, since NCCL takes one rank a GPU. Idempotent.
@@ -151,20 +151,20 @@ def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> 
     if (rank, producers) in _WORLDS:
         return _WORLDS[rank, producers]
     learners, cuda = size - producers, device.startswith("cuda")
-    backend = "nccl" if cuda else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"  # CPU tensors (scores, counts) by gloo, CUDA tensors by NCCL
     if cuda:  # a rank per GPU; producer ranks past the GPUs share them (local rank mod GPUs)
         gpus = torch.cuda.device_count()
         if rank < learners and local_rank >= gpus:
             raise ConfigError(f"learner rank {rank} has no GPU of its own ({gpus} on this node): launch at most {gpus} learners a node")
         torch.cuda.set_device(local_rank % gpus)
         if int(os.environ.get("LOCAL_WORLD_SIZE", size)) > gpus:
-            backend = "gloo"  # NCCL takes one rank a GPU: the default group is gloo, the learners get an NCCL group of their own
+            backend = "gloo"  # NCCL takes one rank a GPU: the default group is gloo, the learners get a group of their own with NCCL
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     if not producers:
         world = World(rank=rank, size=size, local_rank=local_rank, learners=size)
     else:  # every rank takes part in making the learners' group
-        group = dist.new_group(list(range(learners)), timeout=datetime.timedelta(seconds=timeout_s), backend="nccl" if cuda else None)
+        group = dist.new_group(list(range(learners)), timeout=datetime.timedelta(seconds=timeout_s), backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
         if rank < learners:
             world = World(rank=rank, size=learners, local_rank=local_rank, group=group, learners=learners, producers=producers)
         else:
@@ -288,7 +288,7 @@ def gather_rows(x: Tensor, world: World, uneven: bool = False) -> Tensor:
         return x
     if uneven:
         counts = gather_rows(torch.tensor([x.shape[0]]), world).tolist()
-        padded = torch.zeros((max(counts), *x.shape[1:]), dtype=x.dtype)
+        padded = torch.zeros((max(counts), *x.shape[1:]), dtype=x.dtype, device=x.device)
         padded[: x.shape[0]] = x
         return torch.cat([part[:n] for part, n in zip(gather_rows(padded, world).split(max(counts)), counts)])
     parts = [torch.empty_like(x) for _ in range(world.size)]
@@ -327,6 +327,11 @@ def all_max(value: float, world: World) -> float:
     out = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=world.group)
     return float(out)
+
+
+def any_rank(flag: bool, world: World) -> bool:
+    """Whether ``flag`` holds on any rank (every rank then takes the same branch: e.g. adds the same score term)."""
+    return all_max(float(flag), world) > 0
 
 
 def loss_scale(local_count: Tensor | float, world: World) -> float:

@@ -63,8 +63,8 @@ def sample_episodes(updater, tokenizer, records, env: Callable[[], Any], env_cfg
 def global_episode_metrics(episodes: Episodes, world: distributed.World = distributed.World()) -> dict[str, float]:
     """:func:`rlalign.agents.episodes.episode_metrics` over every rank's rows."""
     sums = episode_sums(episodes)
-    totals = distributed.all_sum(torch.tensor(list(sums.values()), dtype=torch.float64), world).tolist()
-    return metrics_of_sums(dict(zip(sums, totals)))
+    totals = dict(zip(sums, distributed.all_sum(torch.tensor(list(sums.values()), dtype=torch.float64), world).tolist()))
+    return metrics_of_sums(totals) | ({"weight/agents/env_tokens_frac": totals["tokens"]} if world.view else {})  # a view: weighed by the learner
 
 
 def _turn_params(sampling, env_cfg: EnvironmentConfig) -> SamplingParams:

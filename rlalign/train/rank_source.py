@@ -20,9 +20,9 @@ What travels, and how (torch.distributed only; no sockets or queues of our own):
   that trains it, in a gloo group of every rank (CPU tensors, as rollouts leave the sampler).
 - Control: the run's c10d store (the one torchrun rendezvoused on) carries the small things: "shard
   (s, l) is ready", "version v is out", each producer's heartbeat and what it is doing, its error,
-  and "stop". Every wait on it polls, has a time limit (``async_rollouts.timeout_s``), and about
-  once a second the learner checks the producers' errors and heartbeats, so no rank hangs and the
-  error names the rank, the step and what it was doing.
+  and "stop". Every wait on it polls, has a time limit (``async_rollouts.timeout_s``), and five
+  times a second the learner checks the producers' errors, heartbeats and (on its host) processes,
+  so no rank hangs and the error names the rank, the step and what it was doing.
 
 The scores a producer computes are its shard's; the learner that receives the shard gathers every
 learner's (:func:`rlalign.train.rollouts.gather_scores`), so advantages and metrics are global.
@@ -37,6 +37,8 @@ import io
 import itertools
 import json
 import os
+import signal
+import socket
 import threading
 import time
 import traceback
@@ -55,9 +57,9 @@ from rlalign.train.weight_sync import open_weights
 
 __all__ = ["RankSource", "RankProducer", "producer_of", "open_rank_source"]
 
-_CHECK_S = 1.0  # seconds between checks of the producers while a learner waits
+_CHECK_S = 0.2  # seconds between checks of the producers while a learner waits
 _HEARTBEAT_S = 1.0
-_SILENT_S = 10.0  # a producer silent this long has stopped answering (well inside the 30 s torchrun gives the others between SIGTERM and SIGKILL)
+_SILENT_S = 60.0  # a producer on another host silent this long has stopped answering (on this host its process is checked)
 
 
 def producer_of(step: int, shard: int, learners: int, producers: int) -> int:
@@ -96,12 +98,25 @@ class _Store:
             return self._store.add(key, amount)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (not gone, not a zombie waiting for torchrun to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:
+        return True  # no /proc to read: trust the heartbeat
+
+
 class _Control:
-    """The store's keys of one run, and waits on them with a time limit and a check about once a second."""
+    """The store's keys of one run, and waits on them with a time limit and a check five times a second."""
 
     def __init__(self, world: distributed.World, timeout_s: float):
         self.run = next(_RUNS)
         self.store, self.world, self.timeout_s = _Store(self.run), world, timeout_s
+        self.beats = 0  # a producer's heartbeats so far
+        self.heard: dict[int, tuple[int, float]] = {}  # a learner's: producer -> (its last beat seen, when, on this clock)
 
     def timed_out(self, what: str) -> RolloutProducerError:
         return RolloutProducerError(f"{what}: not done in {self.timeout_s:.0f} s (async_rollouts.timeout_s)")
@@ -110,14 +125,22 @@ class _Control:
         return self.world.learners + producer
 
     def say(self, producer: int, text: str) -> None:
-        self.store.set(f"status/{producer}", json.dumps({"t": time.time(), "doing": text}))
+        self.beats += 1
+        self.store.set(f"status/{producer}", json.dumps({"beat": self.beats, "doing": text, "host": socket.gethostname(), "pid": os.getpid()}))
 
-    def doing(self, producer: int) -> tuple[str, float]:
-        """What producer ``producer`` last said it was doing, and how many seconds ago."""
+    def doing(self, producer: int) -> tuple[str, float, bool]:
+        """What producer ``producer`` last said it was doing, for how many seconds of this process's clock nothing new
+        came from it (no clock is compared across hosts), and whether its process is known to be gone (on this host:
+        no such process, or a zombie)."""
+        now = time.monotonic()
         if not self.store.check([f"status/{producer}"]):
-            return "starting", 0.0
+            return "starting", 0.0, False
         said = json.loads(self.store.get(f"status/{producer}"))
-        return said["doing"], time.time() - said["t"]
+        beat, since = self.heard.get(producer, (-1, now))
+        if said["beat"] != beat:
+            beat, since = said["beat"], now
+        self.heard[producer] = (beat, since)
+        return said["doing"], now - since, said["host"] == socket.gethostname() and not _alive(said["pid"])
 
     def fail(self, producer: int, step: int, doing: str, error: str) -> None:
         self.store.set(f"error/{producer}", json.dumps({"step": step, "doing": doing, "error": error}))
@@ -131,7 +154,12 @@ class _Control:
                     f"producer rank {self.producer_rank(p)} failed at step {e['step']} while {e['doing']}; the learners wrote nothing for "
                     f"that step, so their last checkpoint is whole:\n{e['error']}"
                 )
-            doing, ago = self.doing(p)
+            doing, ago, gone = self.doing(p)
+            if gone:
+                raise RolloutProducerError(
+                    f"producer rank {self.producer_rank(p)} died (its process is gone); its last word: {doing}. "
+                    "The learners' last checkpoint is whole"
+                )
             if ago > _SILENT_S:
                 raise RolloutProducerError(
                     f"producer rank {self.producer_rank(p)} stopped answering: no heartbeat for {ago:.0f} s; its last word: {doing}. "
@@ -139,16 +167,16 @@ class _Control:
                 )
 
     def wait(self, key: str, what: str, check: Callable[[], None]) -> bool:
-        """Wait for ``key`` (``what``: the wait's name in the error), calling ``check`` about once a second.
+        """Wait for ``key`` (``what``: the wait's name in the error), calling ``check`` five times a second.
         Returns False when the learners asked to stop first."""
         start = last_check = time.monotonic()
         pause = 0.0005
         while not self.store.check([key]):
             now = time.monotonic()
             if now - last_check >= _CHECK_S:
+                check()  # first: a learner that stopped the run for a producer's fault set "stop" too
                 if self.store.check(["stop"]):
                     return False
-                check()
                 last_check = now
             if now - start > self.timeout_s:
                 raise RolloutProducerError(f"{what}: nothing in {self.timeout_s:.0f} s (async_rollouts.timeout_s)")
@@ -158,13 +186,15 @@ class _Control:
 
 
 def _over_learners(metrics: dict[str, float], world: distributed.World) -> dict[str, float]:
-    """A source's metrics of each learner's shard -> of the step: maxima (``*_max``, ``*/max``) the largest,
-    the rest (means over rows of equal shards) their mean."""
-    names = sorted(metrics)
+    """A source's metrics of each learner's shard -> of the step: maxima (``*_max``, ``*/max``) the largest; a ratio
+    that comes with its denominator (``weight/<name>``, from a producer's view) the mean weighted by it (the
+    ratio of the sums); the rest (means over rows of equal shards) their mean."""
+    names = sorted(n for n in metrics if not n.startswith("weight/"))
     out = {n: distributed.all_max(metrics[n], world) for n in names if n.endswith(("_max", "/max"))}
     means = [n for n in names if n not in out]
-    values = distributed.all_sum(torch.tensor([metrics[n] for n in means], dtype=torch.float64), world) / world.size
-    return {**out, **dict(zip(means, values.tolist()))}
+    weights = [metrics.get(f"weight/{n}", 1.0) for n in means]
+    sums = distributed.all_sum(torch.tensor([metrics[n] * w for n, w in zip(means, weights)] + weights, dtype=torch.float64), world).tolist()
+    return {**out, **{n: total / max(weight, 1e-12) for n, total, weight in zip(means, sums[: len(means)], sums[len(means):])}}
 
 
 class RankSource:
@@ -191,7 +221,13 @@ class RankSource:
         if not self.control.wait(key, f"learner rank {w.rank} waiting for step {step} from producer rank {self.control.producer_rank(p)}", self._check):
             raise RolloutProducerError(f"the run was stopped while learner rank {w.rank} waited for step {step}")
         payload = torch.empty(int(self.control.store.get(key)), dtype=torch.uint8)
-        dist.recv(payload, src=self.control.producer_rank(p), group=self.rollout_group)
+        try:
+            dist.recv(payload, src=self.control.producer_rank(p), group=self.rollout_group)
+        except RuntimeError as err:  # the producer went away with the rollout still unsent: say which and why, if it can be told
+            self._check()
+            raise RolloutProducerError(
+                f"learner rank {w.rank} lost step {step}'s rollout from producer rank {self.control.producer_rank(p)} in transfer: {err}"
+            ) from None
         batch = batch_from_state(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
         self.buffer[step] = batch
 
@@ -243,7 +279,11 @@ class RankProducer:
         self.rollout_group = dist.new_group(list(range(world.learners + world.producers)), backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
         self.weights = open_weights(world, updater.module, self.k, first_step, total_steps - 1 - self.k, self.control, cfg.weight_transport, cfg.timeout_s,
                                     self.rollout_group)
-        self.sources = [build(world.view_of(rank)) for rank in range(world.learners)]  # each learner shard's source
+        try:
+            self.sources = [build(world.view_of(rank)) for rank in range(world.learners)]  # each learner shard's source
+        except BaseException:
+            self.control.fail(world.producer, first_step, "building its rollout sources", traceback.format_exc(limit=8))
+            raise
         self.first_version = first_step
         first_to_make = first_step + restored_steps
         self.tasks = [(s, r) for s in range(first_to_make, total_steps) for r in range(world.learners) if producer_of(s, r, world.learners, world.producers) == world.producer]
@@ -273,6 +313,9 @@ class RankProducer:
         done = threading.Event()
         heartbeat = threading.Thread(target=self._heartbeat, args=(done,), name="rlalign-heartbeat", daemon=True)
         heartbeat.start()
+        # SIGINT and SIGTERM are the learners' to act on: they stop at the end of a step and checkpoint, which needs the
+        # rollouts in flight from us, then say stop
+        handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for step, shard in self.tasks:
                 self.step = step
@@ -303,6 +346,8 @@ class RankProducer:
         finally:
             done.set()
             heartbeat.join(timeout=5.0)  # not inside a store call when the process ends
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
     # a producer rank hands out nothing to train on: the lifecycle runs produce() instead of the steps
     def next(self, state) -> ScoredBatch:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from rlalign.config import ConfigError
@@ -341,11 +342,19 @@ def score_shard(
 
 def gather_scores(scored: ScoredRollout, world: distributed.World) -> ScoredRollout:
     """``scored`` of this rank's rows, scored without the other ranks (a producer rank's view, its
-    ``scores``, ``per_term`` and ``failed`` this rank's rows only), with those of every rank gathered."""
+    ``scores``, ``per_term`` and ``failed`` this rank's rows only), with those of every rank gathered.
+    A term some shards lack (an environment's reward that only some shards' episodes gave) is 0 on them."""
+    names = sorted(scored.local_per_term)
+    if world.distributed:
+        everyone: list = [None] * world.size
+        dist.all_gather_object(everyone, names, group=world.group)
+        names = sorted(set().union(*everyone))
+    local = {name: scored.local_per_term.get(name, torch.zeros_like(scored.local_scores)) for name in names}
+    failed_names = sorted(scored.failed)
     return ScoredRollout(
-        scored.prompts, scored.completions, scored.local_scores, scored.local_per_term, distributed.gather_rows(scored.local_scores, world),
-        {name: distributed.gather_rows(values, world) for name, values in scored.local_per_term.items()},
-        {name: distributed.gather_rows(rows_failed.float(), world).bool() for name, rows_failed in scored.failed.items()}, scored.term_stats,
+        scored.prompts, scored.completions, scored.local_scores, local, distributed.gather_rows(scored.local_scores, world),
+        {name: distributed.gather_rows(values, world) for name, values in local.items()},
+        {name: distributed.gather_rows(scored.failed[name].float(), world).bool() for name in failed_names}, scored.term_stats,
     )
 
 

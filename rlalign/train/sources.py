@@ -123,7 +123,7 @@ class Scorer:
 
     def __call__(self, examples: list[PromptExample], rollout: Rollout, completions: list[str], step: int, env_rewards: Sequence[float | None] | None = None) -> ScoredRollout:
         scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step)
-        if env_rewards is not None and any(r is not None for r in env_rewards):  # a tool environment's own reward: the term "environment"
+        if env_rewards is not None and distributed.any_rank(any(r is not None for r in env_rewards), self.world):  # an environment's own reward
             scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in env_rewards]), self.world)
         if self.overlong is not None:
             buffer, penalty, max_new_tokens = self.overlong
@@ -284,7 +284,8 @@ def tool_metrics(episodes: ToolRollout, world: distributed.World = distributed.W
         episodes.turns.sum(), episodes.tool_messages.sum(), torch.tensor(episodes.turns.numel()), episodes.assistant_mask.sum(), episodes.rollout.completion_mask.sum(),
     ]).double()  # (5,)
     turns, messages, rows, assistant, tokens = distributed.all_sum(sums, world).tolist()
-    return {"tools/turns": turns / rows, "tools/messages": messages / rows, "tools/tokens_frac": 1.0 - assistant / max(tokens, 1.0)}
+    metrics = {"tools/turns": turns / rows, "tools/messages": messages / rows, "tools/tokens_frac": 1.0 - assistant / max(tokens, 1.0)}
+    return metrics | ({"weight/tools/tokens_frac": tokens} if world.view else {})  # a producer's view: the learner weighs the shards' ratios
 
 
 def data_completions(examples: Sequence[PromptExample], where: str) -> list:

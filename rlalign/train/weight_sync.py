@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rlalign.config import ConfigError
 from rlalign.train import distributed
-from rlalign.train.batches import trainable
+from rlalign.train.batches import RolloutProducerError, trainable
 
 __all__ = ["Flat", "BroadcastWeights", "SharedWeights", "open_weights", "WEIGHT_TRANSPORTS"]
 
@@ -158,12 +159,25 @@ class SharedWeights(_Weights):
                     buffers.append(buffer)
                 self.slots.append(buffers)
                 control.store.set(f"slot/{slot}", pickle.dumps(handles))
+            if device.type != "cuda":  # a producer checks it sees these very files (a host name may be shared by containers)
+                token = secrets.token_hex(16)
+                path = f"/dev/shm/rlalign-{job}-token"
+                with open(path, "w") as f:
+                    f.write(token)
+                self.files.append(path)
+                control.store.set("shm_token", f"{path} {token}")
         else:
             self.slots, self.files = None, []
+        self.marked = first - 1  # a producer's: the versions up to this one are said done with
 
     def _open(self) -> list[list[Tensor]]:
         """Producer side: the learner's slots, mapped (files) or opened (CUDA IPC handles). The store is the job's own: its
-        bytes come from learner rank 0 of this launch."""
+        bytes come from learner rank 0 of this launch.
+
+        Raises:
+            RolloutProducerError: this producer does not see learner rank 0's shared-memory files (another machine or
+                container under the same host name).
+        """
         slots = []
         for slot in range(self.k + 1):
             self.control.wait(f"slot/{slot}", "a producer waiting for learner rank 0's weight slots", lambda: None)
@@ -174,11 +188,28 @@ class SharedWeights(_Weights):
                     buffers.append(rebuild(*args))
                 else:
                     path, numel, dtype = handle
+                    self._check_sees(path)
                     buffers.append(torch.from_file(path, shared=True, size=numel, dtype=dtype))
             slots.append(buffers)
+        self.control.store.add("opened", 1)
         return slots
 
+    def _check_sees(self, path: str) -> None:
+        token_path, token = self.control.store.get("shm_token").decode().split(" ")
+        try:
+            with open(token_path) as f:
+                seen = f.read()
+        except FileNotFoundError:
+            seen = None
+        if seen != token or not os.path.exists(path):
+            raise RolloutProducerError(
+                f"producer rank {self.world.global_rank} does not see learner rank 0's shared memory ({path}): it runs on another machine "
+                "or container under the same host name; set async_rollouts.weight_transport: broadcast"
+            )
+
     def _send(self, version: int, flats: list[Tensor], check: Callable[[], None]) -> None:
+        if self.files and self.control.store.add("opened", 0) >= self.world.producers:
+            self.close()  # every producer has mapped the files: their names can go (the mappings stay), so nothing is left behind
         if version - self.k - 1 >= self.first:  # the slot's previous version: every producer said it is done with it
             key = f"read/{version - self.k - 1}"
             deadline = time.monotonic() + self.control.timeout_s
@@ -192,23 +223,32 @@ class SharedWeights(_Weights):
         if flats and flats[0].is_cuda:
             torch.cuda.current_stream(flats[0].device).synchronize()  # the copy is done before a producer reads the slot
 
+    def _done_with(self, last: int) -> None:
+        """Say this producer is done with every version up to ``last`` (each counted once): the learner reuses a slot
+        when every producer is done with its version, read or skipped."""
+        for v in range(max(self.marked + 1, self.first), last + 1):
+            self.control.store.add(f"read/{v}", 1)
+        self.marked = max(self.marked, last)
+
     def bring_to(self, need: int, what: str) -> bool:
-        """Producer side: load version ``need`` from its slot; the versions skipped and this one are done with."""
+        """Producer side: load version ``need`` from its slot. The versions before it are skipped, and said so before the
+        wait (the learner may need their slots to publish ``need``); ``need`` itself once it is loaded."""
         if self.version >= need:
             return True
+        self._done_with(need - 1)
         if not self._wait_for(need, f"{what}: waiting for the weights of version {need}"):
             return False
         self.slots = self.slots or self._open()
         self.flat.load(self.slots[need % (self.k + 1)])
         if self.slots[0] and self.slots[0][0].is_cuda:
             torch.cuda.current_stream(self.slots[0][0].device).synchronize()  # read before saying so
-        for v in range(max(self.version + 1, self.first), need + 1):
-            self.control.store.add(f"read/{v}", 1)
+        self._done_with(need)
         self.version = need
         return True
 
     def drain(self, what: str) -> bool:
-        return True  # no collective: nothing is waiting for this producer
+        self._done_with(self.last)  # no collective; the learner may still wait for these versions to reuse their slots
+        return True
 
     def close(self) -> None:
         for path in self.files:
