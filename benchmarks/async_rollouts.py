@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/async_rollouts.py speed --smollm2        # and SmolLM2-135M-Instruct (make bench-deps)
     .venv/bin/python benchmarks/async_rollouts.py learning --seeds 0 1 2 # k = 0, 1, 2 on the demo's GRPO task
     .venv/bin/python benchmarks/async_rollouts.py ranks --producers 1 2 3 # 1 learner + P producer ranks (torchrun, gloo)
+    python benchmarks/async_rollouts.py ranks --device cuda --shape llama-1b --prompts 8 --producers 1   # one GPU, learner + producer
 
 speed: each case runs GRPO from the same start, one run after the other in one script run:
 synchronous with 2 torch threads (``--sync-threads``) (sampling, scoring and learning in turn), and asynchronous with
@@ -158,9 +159,18 @@ def ranks(args) -> None:
 
     out = Path(args.out or tempfile.mkdtemp(prefix="async_ranks_"))
     steps = args.warmup + args.steps
-    model = sft_start(out, args.sft_steps, 0)
     rewards = [{"function": "arithmetic"}] + ([{"function": "async_rollouts:wait_one_second"}] if args.wait else [])
-    base = demo_grpo(model, out / "sync", steps, 0, **{"prompts_per_step": args.prompts, "group_size": 8, "rewards": rewards, "num_threads": 1})
+    if args.shape is None:  # the demo's model and task
+        model = sft_start(out, args.sft_steps, 0)
+        base = demo_grpo(model, out / "sync", steps, 0, **{"prompts_per_step": args.prompts, "group_size": 8, "rewards": rewards, "num_threads": 1})
+    else:  # a random-weight Llama of that shape, as grpo_vs_trl.py's rlalign-bf16-copy-graphs side runs it
+        from _lm_bench import random_checkpoint  # benchmarks/ is on the path when this script runs
+
+        base = demo_grpo(random_checkpoint(args.shape), out / "sync", steps, 0, **{
+            "prompts_per_step": args.prompts, "group_size": 8, "rewards": rewards, "sampling.max_new_tokens": args.new_tokens,
+            "model.device": args.device, "model.autocast": "bfloat16", "sampling.dtype": "bfloat16", "sampling.compile": True,
+            "sampling.cuda_graphs": args.device == "cuda", "optim.lr": 1e-6,
+        })
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
 
     def learner_steps(run_dir: Path) -> tuple[float, dict[str, float]]:
@@ -264,6 +274,9 @@ def main() -> None:
     r.add_argument("--prompts", type=int, default=64, help="prompts per step on the demo task (x 8 completions)")
     r.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the demo model's start")
     r.add_argument("--wait", action="store_true", help="add reward (b): a term that waits 1 s per batch")
+    r.add_argument("--shape", choices=["smollm2", "llama-1b"], default=None, help="a random-weight Llama of this shape instead of the demo's model")
+    r.add_argument("--device", default="cpu", help="model.device (cuda: every rank on the GPU of its local rank mod the GPUs)")
+    r.add_argument("--new-tokens", type=int, default=256, help="new tokens per completion with --shape")
     r.add_argument("--out", default=None)
     r.set_defaults(run=ranks)
     le = sub.add_parser("learning")

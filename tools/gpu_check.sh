@@ -25,6 +25,8 @@
 #      tokens, with rlalign's update MFU against the measured bfloat16 peak (stopped at its time
 #      limit, the benchmark still prints the table of the steps it ran)
 #   4. benchmarks/mfu.py --device cuda on the 1B model, if its time limit allows
+#   5. benchmarks/async_rollouts.py ranks on the 1B model: one GPU shared by a learner rank and a producer
+#      rank (k = 1) against the synchronous run ($LIMIT_ASYNC s, default 150; 0 skips it)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
 #
@@ -148,6 +150,17 @@ if [ "$LIMIT_MFU" -gt 0 ]; then
   say ""
   say "mfu llama-1b: rc=$rc $(( $(date +%s) - start ))s"
   sed -n '/^MFU of one/,$p' "$LOGS/mfu_llama-1b.log" >> "$SUMMARY"
+fi
+# ---- 5. One GPU shared by a learner rank and a producer rank, against the synchronous run (optional) -------
+if [ "${LIMIT_ASYNC:-150}" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -k 10 "${LIMIT_ASYNC:-150}" "$PY" benchmarks/async_rollouts.py ranks --device cuda --shape llama-1b --prompts 8 --producers 1 \
+    --steps 3 --warmup 1 --out "$LOGS/async_ranks" > "$LOGS/async_ranks.log" 2>&1
+  rc=$?
+  say ""
+  say "async ranks llama-1b, one GPU: rc=$rc $(( $(date +%s) - start ))s"
+  sed -n '/^synchronous, one process/,$p' "$LOGS/async_ranks.log" >> "$SUMMARY"
+  [ $rc -ne 0 ] && tail -n 20 "$LOGS/async_ranks.log" >> "$SUMMARY"
 fi
 say ""
 say "total $(( $(date +%s) - T0 ))s"
