@@ -363,7 +363,7 @@ class RLConfig(RunConfig):
     max_sampling_rounds: int = Field(4, ge=1, description="dynamic sampling: at most this many draws of prompts_per_step prompts per step; then tied groups fill the step")
     tools: ToolsConfig | None = Field(
         None, description="multi-turn tool use (rlalign.train.tool_rollout): tool results appended between turns and left out of the loss; "
-        "rewards score the last turn; one process only; null = single-turn"
+        "rewards score the last turn; under torchrun each rank runs its share; null = single-turn"
     )
     environment: EnvironmentConfig | None = Field(
         None, description="multi-turn episodes against a Python environment (rlalign.train.env_source): chat-template tool calls, token-exact, "
@@ -371,7 +371,7 @@ class RLConfig(RunConfig):
     )
     agent: AgentConfig | None = Field(
         None, description="rollouts by agent code written against the openai client, served the policy at a local OpenAI-compatible endpoint "
-        "(rlalign.agents.agent_source): each call is a row, an episode's rows share its advantage and count once; one process only; null = off"
+        "(rlalign.agents.agent_source): each call is a row, an episode's rows share its advantage and count once; under torchrun GRPO with DDP only; null = off"
     )
     async_rollouts: AsyncConfig = Field(default_factory=AsyncConfig, description="asynchronous rollout producer with bounded staleness")
 

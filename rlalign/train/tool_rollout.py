@@ -27,11 +27,11 @@ closing tag and what was drawn after it dropped), or at ``max_new_tokens``. Ever
 ``max_new_tokens`` inside a call gets the "malformed call" error); a row that ends without EOS
 (the environment said done, or ``max_turns``) is ``truncated``. Each turn after the first is sampled with the
 row's prompt plus its completion so far as the prompt (prefilled again: no KV cache is kept across
-turns), one row per prompt; each turn draws its uniforms from ``generator``.
+turns), one row per prompt; each turn draws its uniforms from ``generator`` (with ``shard``: those of the
+whole step, so under torchrun each rank runs its share and draws what one process would).
 
 Deliberate simplifications: sampling is eager (``sampling.compile`` is not used: every turn has
-new shapes); one process only (under torchrun the ranks would take different
-numbers of turns); tool results are written by the format's result tags as plain text, not by the
+new shapes); tool results are written by the format's result tags as plain text, not by the
 chat template; a row's completion may grow to max_turns x (max_new_tokens + result length).
 """
 

@@ -4,7 +4,7 @@ Pinned: k = 0 is the synchronous run (same weights, same metrics); for k = 1 and
 step s was sampled by exactly the weights after max(0, s - k) updates (its sampler log-probs are
 those weights' log-probs of its tokens, not the learner's); a resumed asynchronous run ends with
 the uninterrupted run's weights; a producer that raises or dies stops the run naming what it was
-doing; torchrun is a config error. The decoupled objective's value and gradient are pinned in
+doing; under torchrun the producers must be ranks (tests/train/test_rank_producers.py). The decoupled objective's value and gradient are pinned in
 tests/train/test_rl_composed.py."""
 
 from __future__ import annotations
