@@ -321,6 +321,7 @@ class RankProducer:
                 self.step = step
                 idle_from = time.perf_counter()
                 if not self._load(max(0, step - self.k, self.first_version)):
+                    self.weights.release()  # the learners stopped the run
                     return
                 idle = time.perf_counter() - idle_from
                 self.say(f"sampling and scoring step {step} for learner rank {shard} with the weights of version {self.weights.version}")
@@ -332,6 +333,7 @@ class RankProducer:
                 self.control.store.set(f"batch/{step}/{shard}", str(payload.numel()))
             self.step = self.total_steps
             if not self.weights.drain(f"producer rank {self.world.global_rank} after its last step"):
+                self.weights.release()
                 return
             self.say("done: waiting for the learners to receive the last rollouts")
             for work in self.sends:
@@ -340,7 +342,8 @@ class RankProducer:
             self.control.fail(self.world.producer, self.step, self.activity, traceback.format_exc(limit=8))
             try:  # let the learners say it first: they stop the run when they read the error
                 self.control.wait("stop", "the learners reading this producer's error", lambda: None)
-            except RolloutProducerError:
+                self.weights.release()
+            except (RolloutProducerError, RuntimeError):
                 pass
             raise RolloutProducerError(f"producer rank {self.world.global_rank} failed at step {self.step} while {self.activity}") from err
         finally:

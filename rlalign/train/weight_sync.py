@@ -135,6 +135,15 @@ class BroadcastWeights(_Weights):
         """Producer side, after its last step: take part in the broadcasts left (they are collectives)."""
         return self.last < self.first or self.bring_to(self.last, what)
 
+    def release(self) -> None:
+        """Producer side, when the run stopped early: receive the versions already sent, so that no broadcast of
+        learner rank 0 is left waiting for this producer (its process could not end before it times out)."""
+        while self.control.store.check([f"weights/{self.version + 1}"]):
+            self.buffers = self.buffers or [torch.empty_like(f) for f in self.flat.full()]
+            for buffer in self.buffers:
+                dist.broadcast(buffer, src=0, group=self.group)
+            self.version += 1
+
 
 class SharedWeights(_Weights):
     """Slots every producer on learner rank 0's host maps: shared memory on CPU, CUDA IPC on GPUs."""
@@ -249,6 +258,9 @@ class SharedWeights(_Weights):
     def drain(self, what: str) -> bool:
         self._done_with(self.last)  # no collective; the learner may still wait for these versions to reuse their slots
         return True
+
+    def release(self) -> None:
+        """Producer side, when the run stopped early: nothing waits on a producer here."""
 
     def close(self) -> None:
         for path in self.files:

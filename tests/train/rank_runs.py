@@ -53,6 +53,8 @@ def commands(out: str, tiny: str, producers: int, device: str = "cpu") -> dict[s
         "k1_resumed": [*grpo, reward, *stale, f"output_dir={out}/k1_resumed", "--resume", f"{out}/k1/checkpoints/step_00000001"],
         "raises": [*grpo, "rewards=[{function: preference}, {function: 'tests.train.rank_runs:raises_at_step_2'}]", *stale,
                    f"output_dir={out}/raises"],
+        "raises_broadcast": [*grpo, "rewards=[{function: preference}, {function: 'tests.train.rank_runs:raises_at_step_2'}]", *stale,
+                             f"output_dir={out}/raises_broadcast", *(["async_rollouts.weight_transport=broadcast"] if producers else [])],
         "dies": [*grpo, "rewards=[{function: preference}, {function: 'tests.train.rank_runs:dies_at_step_2'}]", *stale, f"output_dir={out}/dies"],
     }
 

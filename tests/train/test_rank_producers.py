@@ -118,6 +118,7 @@ def test_a_resumed_run_ends_bit_identical_with_the_rollouts_in_flight(runs):
 
 @pytest.mark.parametrize("fault, says", [
     ("raises", r"producer rank [23] failed at step 2 while sampling and scoring step 2 for learner rank [01] with the weights of version 1.*the reward service is down"),
+    ("raises_broadcast", r"producer rank [23] failed at step 2 while sampling and scoring step 2 for learner rank [01] with the weights of version 1.*the reward service is down"),
     ("dies", r"producer rank [23] died \(its process is gone\); its last word: sampling and scoring step 2"),
 ])
 def test_a_producer_rank_that_fails_stops_every_rank_with_one_named_message(runs, fault, says):
