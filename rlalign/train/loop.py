@@ -505,9 +505,10 @@ class RLResult:
     critic: nn.Module | None = None  # PPO's value model
 
     def summary(self, keys: Sequence[str]) -> str:
-        """One JSON line: the run and final directories, the steps run, and the last step's ``keys``."""
+        """One JSON line: the run and final directories, the steps run, and the last step's ``keys`` (a producer rank
+        trains nothing: no final directory, no steps)."""
         last = self.history[-1] if self.history else {}
-        summary = {"output_dir": str(self.output_dir), "final": str(self.final_dir), "steps_run": len(self.history)}
+        summary = {"output_dir": str(self.output_dir), "final": str(self.final_dir) if self.final_dir else None, "steps_run": len(self.history)}
         summary.update({k: round(last[k], 4) if math.isfinite(last[k]) else None for k in keys if k in last})
         return json.dumps(summary, allow_nan=False)
 
