@@ -166,23 +166,27 @@ class _Control:
                     "The learners' last checkpoint is whole"
                 )
 
-    def wait(self, key: str, what: str, check: Callable[[], None]) -> bool:
-        """Wait for ``key`` (``what``: the wait's name in the error), calling ``check`` five times a second.
-        Returns False when the learners asked to stop first."""
+    def poll(self, done: Callable[[], bool], what: str, check: Callable[[], None], stoppable: bool = True) -> bool:
+        """Wait until ``done()`` (``what``: the wait's name in the error), calling ``check`` five times a second,
+        within ``timeout_s``. Returns False when ``stoppable`` and the learners asked to stop first."""
         start = last_check = time.monotonic()
         pause = 0.0005
-        while not self.store.check([key]):
+        while not done():
             now = time.monotonic()
             if now - last_check >= _CHECK_S:
                 check()  # first: a learner that stopped the run for a producer's fault set "stop" too
-                if self.store.check(["stop"]):
+                if stoppable and self.store.check(["stop"]):
                     return False
                 last_check = now
             if now - start > self.timeout_s:
-                raise RolloutProducerError(f"{what}: nothing in {self.timeout_s:.0f} s (async_rollouts.timeout_s)")
+                raise self.timed_out(what)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         return True
+
+    def wait(self, key: str, what: str, check: Callable[[], None]) -> bool:
+        """:meth:`poll` until ``key`` is in the store."""
+        return self.poll(lambda: self.store.check([key]), what, check)
 
 
 def _over_learners(metrics: dict[str, float], world: distributed.World) -> dict[str, float]:

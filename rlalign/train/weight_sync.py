@@ -104,12 +104,8 @@ class BroadcastWeights(_Weights):
 
     def _send(self, version: int, flats: list[Tensor], check: Callable[[], None]) -> None:
         slot = version % (self.k + 1)
-        deadline = time.monotonic() + self.control.timeout_s
-        while not all(work.is_completed() for work in self.works[slot]):  # every producer has version - k - 1
-            check()
-            if time.monotonic() > deadline:
-                raise self.control.timed_out(f"learner rank 0 waiting for every producer to receive the weights of version {version - self.k - 1}")
-            time.sleep(0.001)
+        self.control.poll(lambda: all(work.is_completed() for work in self.works[slot]),  # every producer has version - k - 1
+                          f"learner rank 0 waiting for every producer to receive the weights of version {version - self.k - 1}", check, stoppable=False)
         for work in self.works[slot]:
             work.wait()
         if self.slots[slot] is None:
@@ -221,12 +217,8 @@ class SharedWeights(_Weights):
             self.close()  # every producer has mapped the files: their names can go (the mappings stay), so nothing is left behind
         if version - self.k - 1 >= self.first:  # the slot's previous version: every producer said it is done with it
             key = f"read/{version - self.k - 1}"
-            deadline = time.monotonic() + self.control.timeout_s
-            while self.control.store.add(key, 0) < self.world.producers:
-                check()
-                if time.monotonic() > deadline:
-                    raise self.control.timed_out(f"learner rank 0 waiting for every producer to be done with the weights of version {version - self.k - 1}")
-                time.sleep(0.0005)
+            self.control.poll(lambda: self.control.store.add(key, 0) >= self.world.producers,
+                              f"learner rank 0 waiting for every producer to be done with the weights of version {version - self.k - 1}", check, stoppable=False)
         for buffer, flat in zip(self.slots[version % (self.k + 1)], flats):
             buffer.copy_(flat)
         if flats and flats[0].is_cuda:
