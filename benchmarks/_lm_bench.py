@@ -61,7 +61,23 @@ LLAMA_1B_SHAPE = dict(
     head_dim=64,
     rope_theta=500000.0,
 )
-RANDOM_SHAPES = {"smollm2": SMOLLM2_SHAPE, "llama-1b": LLAMA_1B_SHAPE}
+# Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query and 2 key-value heads, MLP 4864, biased q/k/v)
+# with its 151,936-token vocabulary as a Llama, the LM head tied: the large-vocabulary memory case. Its
+# ids past SmolLM2's 49,152 are never fed, only scored; that changes nothing in what a pass holds.
+QWEN_05B_SHAPE = dict(
+    SMOLLM2_SHAPE,
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    attention_bias=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
+RANDOM_SHAPES = {"smollm2": SMOLLM2_SHAPE, "llama-1b": LLAMA_1B_SHAPE, "qwen-0.5b": QWEN_05B_SHAPE}
 
 
 # ----------------------------------------------------------------------------------------------

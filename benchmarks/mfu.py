@@ -216,9 +216,11 @@ def run(args) -> dict:
                           attn_implementation="sdpa" if args.fast else None, dtype="bfloat16" if args.fast or args.bf16_sampler else None),
             optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
             steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size, beta=args.beta, progress=False, plots=False,
-            compile=args.compile,
+            compile=args.compile, micro_batch_size=None if args.micro_batch_size == "null" else args.micro_batch_size,
         )
     )
+    if args.memory_cap_gb and args.device.startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / torch.cuda.mem_get_info()[1]))
     setup = lb.GRPOSetup(cfg, records, reward)  # grpo.train()'s setup, without its outer loop
     dims = model_dims(setup.policy.config)
 
@@ -248,8 +250,11 @@ def run(args) -> dict:
         steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
                       "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"], "flops": flops,
                       "t_update": metrics["time/update"], "flops_full_forward": flops_full,
-                      "ratio_dev_first": metrics["ratio_dev/first"], "logprob_mismatch": metrics.get("logprob_mismatch"), "kl": metrics.get("kl")})
+                      "ratio_dev_first": metrics["ratio_dev/first"], "logprob_mismatch": metrics.get("logprob_mismatch"), "kl": metrics.get("kl"),
+                      "peak_gpu_mb": metrics.get("memory/peak_mb"), "micro_rows": metrics.get("memory/micro_rows"), "pass_rows": metrics.get("memory/pass_rows")})
         print(f"step {len(steps)}: {dt:.2f} s (generate {metrics['time/generate']:.2f}, ref + train {metrics['time/train']:.2f}), P={prompt_len}, C={completion_len}, "
+              f"rows per update forward {metrics.get('memory/micro_rows')}, per no-grad pass {metrics.get('memory/pass_rows')}, "
+              f"peak GPU memory {metrics.get('memory/peak_mb')} MB, "
               f"max |ratio - 1| before the update {metrics['ratio_dev/first']:.2e}, sampler-vs-training log-prob mismatch {metrics.get('logprob_mismatch')}",
               file=sys.stderr)
 
@@ -268,7 +273,8 @@ def run(args) -> dict:
         "steps": steps, "median_step_s": med("time"), "median_generate_s": med("t_generate"), "median_ref_train_s": med("t_train"),
         "median_update_s": med("t_update"), "flops_update": flops_update,
         "flops_generate": flops_gen, "flops_ref_train": flops_train, "flops_step": flops_total,
-        "torch": torch.__version__, "rlalign_commit": lb.code_version(),
+        "torch": torch.__version__, "rlalign_commit": lb.code_version(), "micro_batch_size": args.micro_batch_size,
+        "memory_cap_gb": args.memory_cap_gb, "peak_gpu_mb": max((s["peak_gpu_mb"] or 0.0) for s in steps) or None,
     }
     if args.ceiling:
         prompt_len = next_prompt_len()
@@ -293,7 +299,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=["smollm2", "llama-1b", "tiny"], default="smollm2")
+    parser.add_argument("--shape", choices=["smollm2", "llama-1b", "qwen-0.5b", "tiny"], default="smollm2")
     parser.add_argument("--device", default="cpu", help="model.device of the step and the device of the peak matmuls: cpu or cuda")
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
     parser.add_argument("--threads", type=int, default=1)
@@ -309,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=None, help="matmul size of the peak measurement (default 2048 on the CPU, 8192 on a GPU)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--ceiling", action="store_true", help="one more step: replay its matmuls alone and time clipping + AdamW (see 4. above)")
+    parser.add_argument("--micro-batch-size", default="auto", help="the trainer's micro_batch_size: auto (rows from the memory budget), null, or rows")
+    parser.add_argument("--memory-cap-gb", type=float, help="CUDA: hold this process to that much of the card (set_per_process_memory_fraction), "
+                        "e.g. 80 for an 80 GB GPU's budget on a larger one")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.ceiling and args.device != "cpu":
@@ -332,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         ("whole step", r["flops_step"], r["median_step_s"], g["step"]),
     ):
         print(f"| {name} | {flops / 1e9:.1f} | {secs:.2f} | {rate:.1f} | {rate / r['peak_gflops']['float32']:.1%} | {rate / r['peak_gflops']['bfloat16']:.1%} |")
+    rows = sorted({(s["micro_rows"], s["pass_rows"]) for s in r["steps"]})
+    print(f"\nmemory: micro_batch_size {r['micro_batch_size']}, rows per update forward / per no-grad pass {rows}, "
+          f"peak GPU memory of a step {r['peak_gpu_mb']} MB" + (f" (process capped at {r['memory_cap_gb']} GB)" if r["memory_cap_gb"] else ""))
     print("\nA float32 step's ceiling is the float32 peak; under bfloat16 autocast or bfloat16 weights the matmuls run in bfloat16, so the "
           "bfloat16 column is the one that applies (the float32 column can then pass 100%).")
     if "ceiling" in r:

@@ -27,6 +27,10 @@
 #   4. benchmarks/mfu.py --device cuda on the 1B model, if its time limit allows
 #   5. benchmarks/async_rollouts.py ranks on the 1B model: one GPU shared by a learner rank and a producer
 #      rank (k = 1) against the synchronous run ($LIMIT_ASYNC s, default 150; 0 skips it)
+#   6. memory at real batch sizes with the default micro_batch_size (auto), the process held to 80 GB:
+#      the 1B model at 16 x G 16 x 256 new tokens (256 rows x ~290 tokens) and a Qwen2.5-0.5B-shaped
+#      model (151,936-token vocabulary) at 4 x G 16 x 1000 (64 rows x ~1030 tokens); the rows chosen and
+#      each step's peak ($LIMIT_MEMORY s for each, default 0: skipped; 240 fits both)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
 #
@@ -161,6 +165,20 @@ if [ "${LIMIT_ASYNC:-150}" -gt 0 ]; then
   say "async ranks llama-1b, one GPU: rc=$rc $(( $(date +%s) - start ))s"
   sed -n '/^synchronous, one process/,$p' "$LOGS/async_ranks.log" >> "$SUMMARY"
   [ $rc -ne 0 ] && tail -n 20 "$LOGS/async_ranks.log" >> "$SUMMARY"
+fi
+# ---- 6. Memory at real batch sizes, micro_batch_size auto, 80 GB (optional) ----------------------------------
+if [ "${LIMIT_MEMORY:-0}" -gt 0 ]; then
+  for run in "llama-1b 16 256" "qwen-0.5b 4 1000"; do
+    set -- $run
+    start=$(date +%s)
+    timeout -k 10 "$LIMIT_MEMORY" "$PY" benchmarks/mfu.py --device cuda --shape "$1" --autocast --bf16-sampler --prompts "$2" --group-size 16 \
+      --new-tokens "$3" --steps 2 --memory-cap-gb 80 --out "$LOGS/memory_$1.json" > "$LOGS/memory_$1.log" 2>&1
+    rc=$?
+    say ""
+    say "memory $1, $2 x 16 x $3, auto micro-batches, 80 GB: rc=$rc $(( $(date +%s) - start ))s"
+    grep -E "^step |^memory:|^\| (generate|whole)" "$LOGS/memory_$1.log" >> "$SUMMARY"
+    [ $rc -ne 0 ] && tail -n 20 "$LOGS/memory_$1.log" >> "$SUMMARY"
+  done
 fi
 say ""
 say "total $(( $(date +%s) - T0 ))s"

@@ -294,14 +294,13 @@ def make_agent_source(
     against an endpoint of its own; the ranks then hold different numbers of rows (calls).
 
     Raises:
-        ConfigError: under torchrun with PPO, FSDP2 or micro-batches (they need equal rows on every rank), or when the agent cannot be imported.
+        ConfigError: under torchrun with PPO or FSDP2 (they need equal rows on every rank), or when the agent cannot be imported.
     """
     if world.size > 1:
-        unequal = [name for name, on in (("PPO", getattr(cfg, "critic", None) is not None), ("model.sharding: fsdp", cfg.model.sharding == "fsdp"),
-                                         ("micro_batch_size", cfg.micro_batch_size is not None)) if on]
+        unequal = [name for name, on in (("PPO", getattr(cfg, "critic", None) is not None), ("model.sharding: fsdp", cfg.model.sharding == "fsdp")) if on]
         if unequal:
             raise ConfigError(f"agent under torchrun: each rank trains its own number of calls, which {', '.join(unequal)} cannot take "
-                              "(they need equal rows on every rank); run GRPO with DDP and micro_batch_size: null, or one process")
+                              "(they need equal rows on every rank); run GRPO with DDP, or one process")
     agent_cfg: AgentConfig = cfg.agent
     model_config = getattr(sampler.module, "config", None)
     context = getattr(model_config, "max_position_embeddings", None)

@@ -56,8 +56,9 @@ def memory_named(what: str, rows: int, tokens: int):
         detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         raise OutOfMemory(
             f"out of memory in {what} ({rows} rows x {tokens} completion tokens at once): set micro_batch_size below {rows} (rows per "
-            "forward and backward; the same update), or model.gradient_checkpointing: true, or a lower model.logits_limit_mb "
-            f"(the LM head in chunks instead of the logits) ({detail})"
+            "forward and backward; the same update; with micro_batch_size: auto, a lower model.memory_fraction), or "
+            "model.gradient_checkpointing: true, or a lower model.logits_limit_mb (the LM head in chunks instead of the logits) "
+            f"({detail})"
         ) from None
 
 

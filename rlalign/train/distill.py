@@ -68,6 +68,7 @@ from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import autocast_context, forward_precision
+from rlalign.train.memory_plan import Pass, plan_rows
 from rlalign.train.objectives import sampler_weights
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, completion_logprobs, logprobs_and_entropy, micro_batches, reference_logprobs
@@ -243,9 +244,10 @@ def distill_step(updater: Updater, teacher: nn.Module, source: RolloutSource, st
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     teacher_logp = None
+    passes = [Pass(updater.module, updater.optimizer)] + ([Pass(teacher, None)] if cfg.objective == "gkd" else [])  # gkd: the teacher in each micro-batch
+    rows = plan_rows(passes, rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs)
     if cfg.objective == "reverse_kl":
-        rows = cfg.micro_batch_size or rollout.batch_size // m
-        teacher_logp = reference_logprobs(updater.module, teacher, rollout, cfg.sampling.temperature, rows, cfg.model.autocast, cfg.compile,
+        teacher_logp = reference_logprobs(updater.module, teacher, rollout, cfg.sampling.temperature, rows.no_grad, cfg.model.autocast, cfg.compile,
                                           cfg.model.logits_limit_mb)  # (B, C)
     t_ref = time.perf_counter()
 
@@ -255,13 +257,14 @@ def distill_step(updater: Updater, teacher: nn.Module, source: RolloutSource, st
         def loss_of(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
             return distill_loss(updater.model, teacher, rollout.select(micro), mask[micro], None if teacher_logp is None else teacher_logp[micro], cfg, on_policy)
 
-        micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)
+        micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], rows.update)
         stats, grad_norm = minibatch_step(updater, loss_of, micro_rows, mask, cfg.aggregation, world)
         updates.add({**stats, "grad_norm": grad_norm})
     sync_s = source.publish(updater.module, state.step + 1)  # the student after this step's updates
     t3 = time.perf_counter()
 
     metrics = updates.means()
+    metrics.update(rows.metrics())
     metrics.update(batch.metrics)
     metrics["on_policy"] = float(on_policy)
     if on_policy:  # the reward terms judge the student's samples, not the data's completions

@@ -54,7 +54,7 @@ from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
     "World", "init", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
-    "gather_rows", "all_sum", "all_max", "any_rank", "aggregation_count", "loss_scale", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
+    "gather_rows", "all_sum", "all_max", "any_rank", "aggregation_count", "loss_scale", "loss_share", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
 ]
 
 
@@ -346,6 +346,17 @@ def loss_scale(local_count: Tensor | float, world: World) -> float:
     local = torch.as_tensor(local_count).detach().double().cpu()
     total = all_sum(local, world)
     return 0.0 if total <= 0 else float(local * world.size / total)
+
+
+def loss_share(local_count: Tensor | float, world: World) -> float:
+    """W / sum_s n_s, the same on every rank: the factor that turns a rank's gradient of its summed,
+    count-weighted micro-batch losses (sum_k n_k * mean_k) into its share of the global loss's after
+    DDP or FSDP2 average the ranks' gradients; 0 when no rank counts anything. One process: 1 / n.
+    (``loss_scale`` of n is this times n, which is 0 on a rank that counts nothing: a factor that
+    must be the same on every rank, for gradients already averaged, cannot come from it.)"""
+    local = torch.as_tensor(local_count).detach().double().cpu()
+    total = all_sum(local, world) if world.distributed else local
+    return 0.0 if total <= 0 else float(world.size / total) if world.distributed else float(1.0 / total)
 
 
 MAX_STATS = ("ratio_dev", "logprob_mismatch")  # reduced with max; loss/* are summed shares; the rest are token-weighted means

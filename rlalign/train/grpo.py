@@ -79,6 +79,7 @@ from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.memory_plan import Pass, plan_rows
 from rlalign.train.objectives import policy_objective, sampler_weights
 from rlalign.train.passes import completion_logprobs, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig
@@ -220,13 +221,14 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
-    ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, cfg.micro_batch_size or rollout.batch_size // m, autocast, cfg.compile,
+    rows = plan_rows([Pass(updater.module, updater.optimizer)], rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs)
+    ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, rows.no_grad, autocast, cfg.compile,
                                   cfg.model.logits_limit_mb) if cfg.beta > 0 else None
     t_ref = time.perf_counter()
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated (the proximal policy), no pass needed for it
     mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's (behaviour policy's) log-probs
     if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics, or an older policy, are not the training forward's
-        update_rows = [rows for mb in minibatches for rows in micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)]
+        update_rows = [micro for mb in minibatches for micro in micro_batches(torch.arange(rollout.batch_size)[mb], rows.update)]
         old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C), on the updates' row batches
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
@@ -247,7 +249,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     mask = mask * batch.row_values(trusted[shard.start * G : shard.stop * G].float())[:, None]  # (B, C)
 
     # 5. mu passes x minibatches of clipped-surrogate updates against log pi_old
-    #    (each one's gradient accumulated over micro-batches of cfg.micro_batch_size rows: the same update, less memory)
+    #    (each one's gradient accumulated over micro-batches of rows.update rows: the same update, less memory)
     updates = UpdateMeans()
     for _ in range(cfg.mu):
         for mb in minibatches:
@@ -255,7 +257,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
                 ref = None if ref_logp is None else ref_logp[micro]
                 return grpo_loss(updater.model, rollout.select(micro), advantages[micro], mask[micro], ref, cfg, on_policy, sampler_logp[micro], sampled_mask[micro])
 
-            micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], cfg.micro_batch_size)
+            micro_rows = micro_batches(torch.arange(rollout.batch_size)[mb], rows.update)
             stats, grad_norm = minibatch_step(updater, loss_of, micro_rows, mask, cfg.aggregation, world)
             updates.add({**stats, "grad_norm": grad_norm})
     sync_s = source.publish(updater.module, state.step + 1)  # the weights after this step's updates
@@ -263,6 +265,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
 
     metrics = updates.means()
     metrics.update(kl_metrics)
+    metrics.update(rows.metrics())
     metrics.update(batch.metrics)
     metrics.update(scored_stats(scored))
     metrics.update(completion_stats(rollout, world))

@@ -387,9 +387,14 @@ def _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_si
             first_record = {**(first_record or {}), **evaluation(-1, log)}
         if first_record is not None:
             log.log(state.step - 1, first_record)
+        cuda = torch.device(cfg.model.device).type == "cuda"
         while state.step < total_steps:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             try:
                 metrics, samples = step_fn(state)
+                if cuda:  # the step's peak on this process's GPU: sampling, passes and updates
+                    metrics["memory/peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
             except NonFiniteError as err:
                 last = latest_checkpoint(run.run_dir)
                 raise NonFiniteError(

@@ -63,6 +63,7 @@ from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.memory_plan import Pass, plan_rows
 from rlalign.train.objectives import policy_objective, sampler_weights
 from rlalign.train.passes import completion_logprobs, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
@@ -237,7 +238,9 @@ def ppo_step(
     n = len(batch.examples) if batch.row_episode is None else rollout.batch_size  # global rows (an agent's calls: one process)
     minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
-    pass_rows = cfg.micro_batch_size or minibatch  # rows per no-grad forward
+    passes = [Pass(policy.module, policy.optimizer), Pass(critic.module, critic.optimizer, critic_values)]
+    rows_plan = plan_rows(passes, rollout, cfg.micro_batch_size, minibatch, cfg.model, world, policy.row_costs)
+    pass_rows = rows_plan.no_grad  # rows per no-grad forward
     ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, pass_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(pass_rows)])  # (B, C)
@@ -266,7 +269,7 @@ def ppo_step(
             rows = distributed.rows_of(order[start : start + minibatch], shard)  # this rank's rows of the minibatch
             present = float(rows.numel() > 0)
             rows = rows if present else torch.zeros(1, dtype=torch.long)
-            micro_rows = micro_batches(rows, cfg.micro_batch_size)  # each update accumulates its gradient over these
+            micro_rows = micro_batches(rows, rows_plan.update)  # each update accumulates its gradient over these
             mb_mask = batch.weighted(sampled) * present  # (B, C); an agent's k calls weigh 1/k each
 
             def actor_loss(micro: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -288,6 +291,7 @@ def ppo_step(
     kl_ctl.update(seq_kl.mean().item(), n)
 
     metrics = updates.means()
+    metrics.update(rows_plan.metrics())
     metrics.update(batch.metrics)
     metrics.update(scored_stats(scored))
     metrics.update(completion_stats(rollout, world))

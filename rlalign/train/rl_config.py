@@ -8,7 +8,7 @@ line as ``key.sub=value``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -318,9 +318,10 @@ class RLConfig(RunConfig):
     steps: int = Field(100, ge=1, description="RL steps (one rollout each)")
     prompts_per_step: int = Field(8, ge=1, description="prompts per rollout")
     num_minibatches: int = Field(1, ge=1, description="optimiser steps per pass over the rollout")
-    micro_batch_size: int | None = Field(
-        None, ge=1, description="rows per forward and backward: each optimiser step accumulates its minibatch's gradient over micro-batches "
-        "of this many rows (the same update, less memory); also the rows per reference and pi_old pass; null = the whole minibatch"
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto", description="rows per forward and backward: each optimiser step accumulates its minibatch's gradient over micro-batches "
+        "of this many rows (the same update, less memory); also the rows per reference and pi_old pass; null = the whole minibatch; auto = "
+        "as many as the memory budget holds (model.memory_fraction of the device; rlalign.train.memory_plan measures what a row keeps)"
     )
     aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on held-out prompts (eval/* metrics, eval_samples.jsonl)")

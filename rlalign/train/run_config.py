@@ -72,6 +72,10 @@ class ModelConfig(Config):
         "or distillation pass makes; above it the log-probs come from the last hidden states and the LM head in chunks, with no logits (one more head "
         "matmul in backward; Llama, Qwen2/3, Mistral, GPT-2, Phi-3, OLMo-2 heads in one process); 0 = always",
     )
+    memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="the share of the device's memory (of what is available, on a CPU) that micro_batch_size: auto plans "
+        "each pass's rows to stay within, the rest left for the allocator's slack and other work"
+    )
     gradient_checkpointing: bool = Field(
         False, description="recompute each layer's activations in backward instead of storing them: the same gradients, less memory, about a third more compute"
     )

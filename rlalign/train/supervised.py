@@ -134,7 +134,8 @@ def supervised_loop(
 
         # the step's gradient accumulated over micro-batches of cfg.micro_batch_size examples (the same update, less memory)
         micro_batches = [micro_loss(examples[s : s + size]) for s in range(0, len(examples), size)]
-        grad_norm, scale = updater.accumulated_step(micro_batches, partial(distributed.loss_scale, world=world))  # the mean over every rank's count
+        grad_norm, scale = updater.accumulated_step(micro_batches, partial(distributed.loss_scale, world=world),
+                                                    partial(distributed.loss_share, world=world))  # the mean over every rank's count
         count = sum(c for _, _, c in parts)
         metrics = distributed.reduce_stats(distributed.merge_micro_stats(parts), count, scale, world)
         metrics.update({

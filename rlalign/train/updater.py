@@ -2,7 +2,7 @@
 
     updater = Updater.create(policy, cfg.optim, total_updates, world, sharding)
     grad_norm = updater.step(loss)          # zero_grad, backward, clip, AdamW, schedule
-    grad_norm, _ = updater.accumulated_step([lambda: (loss_k, count_k), ...], loss_scale)   # the same update from micro-batches
+    grad_norm, _ = updater.accumulated_step([lambda: (loss_k, count_k), ...], loss_scale, loss_share)   # the same update from micro-batches
     updater.sampler()                       # the model the decode loop runs on (maybe a bfloat16 copy)
 
 Every trainer (SFT, reward model, GRPO, PPO's policy and critic) updates its models through one.
@@ -46,6 +46,7 @@ class Updater:
     updates: int = 0
     _sampling_copy: nn.Module | None = field(default=None, repr=False)
     _copy_at: int = -1  # the value of ``updates`` when the copy was last refreshed
+    row_costs: dict = field(default_factory=dict, repr=False)  # micro_batch_size auto: what a row of each probed shape keeps (rlalign.train.memory_plan)
 
     @classmethod
     def create(
@@ -104,14 +105,17 @@ class Updater:
         loss.backward()
         return self._apply(float(loss.detach()))
 
-    def accumulated_step(self, micro_losses: Iterable[Callable[[], tuple[Tensor, float]]], scale: Callable[[float], float]) -> tuple[float, float]:
+    def accumulated_step(self, micro_losses: Iterable[Callable[[], tuple[Tensor, float]]], scale: Callable[[float], float],
+                         share: Callable[[float], float]) -> tuple[float, float]:
         """One update from micro-batches: each ``micro_losses`` call runs one micro-batch's forward and
         returns (its mean loss, the count the mean is over); its backward adds ``loss * count`` to the
         gradients (under DDP the ranks sync on the last one only), then the summed gradient is
-        multiplied by ``scale(total count) / total count``, the gradient of the loss of the whole batch
-        (``scale``: :func:`rlalign.train.distributed.loss_scale` of the total, 1 in one process).
-        One micro-batch is the plain update ``step(loss * scale(count))``. Returns (the gradient norm
-        before clipping, as :meth:`step`; ``scale(total count)``).
+        multiplied by ``share(total count)``, the same on every rank, which makes it the gradient of
+        the loss of the whole batch (:func:`rlalign.train.distributed.loss_share`: 1 / total in one
+        process, W / the total over ranks under torchrun). One micro-batch is the plain update
+        ``step(loss * scale(count))`` (:func:`rlalign.train.distributed.loss_scale`, 1 in one process).
+        Under torchrun every rank must make as many calls. Returns (the gradient norm before
+        clipping, as :meth:`step`; this rank's scale, ``share(total) * total``).
 
         Raises:
             NonFiniteError: as :meth:`step`.
@@ -129,11 +133,11 @@ class Updater:
                 loss, count = call()
                 (loss * count).backward()
             loss_sum, total = loss_sum + float(loss.detach()) * count, total + count
-        factor = scale(total)
+        multiplier = share(total)
         for p in self.model.parameters():
             if p.grad is not None:
-                p.grad.mul_(factor / total if total > 0 else 0.0)
-        return self._apply(loss_sum / total if total > 0 else 0.0), factor
+                p.grad.mul_(multiplier)
+        return self._apply(loss_sum / total if total > 0 else 0.0), multiplier * total
 
     def _apply(self, loss_value: float) -> float:
         """Clip the gradients in place and step, or raise :class:`NonFiniteError` and leave everything as it was."""
@@ -174,16 +178,20 @@ def minibatch_step(
     """
     parts: list[tuple[dict[str, float], float, float]] = []  # (stats, counted tokens, loss count) per micro-batch
 
-    def micro_loss(rows: Tensor) -> Callable[[], tuple[Tensor, float]]:
+    def micro_loss(rows: Tensor, weight: float) -> Callable[[], tuple[Tensor, float]]:
         def run() -> tuple[Tensor, float]:
             loss, stats = loss_of(rows)
-            count = float(distributed.aggregation_count(mask[rows], aggregation)) * present
-            parts.append(({key: float(v) for key, v in stats.items()}, float(mask[rows].sum()) * present, count))
+            count = float(distributed.aggregation_count(mask[rows], aggregation)) * weight
+            parts.append(({key: float(v) for key, v in stats.items()}, float(mask[rows].sum()) * weight, count))
             return loss, count
 
         return run
 
+    # every rank runs as many forwards and backwards (DDP's and FSDP2's collectives pair up), a rank with
+    # fewer micro-batches (fewer rows: PPO's shuffled minibatches, an agent's calls) one more row weighted 0
+    calls = [micro_loss(rows, present) for rows in micro_rows]
+    calls += [micro_loss(micro_rows[0][:1], 0.0)] * (int(distributed.all_max(len(calls), world)) - len(calls))
     with memory_named("the update's forward and backward", max(len(rows) for rows in micro_rows), mask.shape[1]):
-        grad_norm, scale = updater.accumulated_step([micro_loss(rows) for rows in micro_rows], partial(distributed.loss_scale, world=world))
+        grad_norm, scale = updater.accumulated_step(calls, partial(distributed.loss_scale, world=world), partial(distributed.loss_share, world=world))
     stats = distributed.reduce_stats(distributed.merge_micro_stats(parts), sum(tokens for _, tokens, _ in parts), scale, world)
     return stats, grad_norm

@@ -34,7 +34,8 @@ def commands(out: str, tiny: str, sharding: str = "ddp") -> list[list[str]]:
         ["rm", *TINY, f"model.sharding={sharding}", f"output_dir={out_rm}", "data.num_train=64", "data.num_eval=8", "batch_size=8", "max_steps=3", "eval_every=3", "center_coef=0.01"],
         [*grpo, f"output_dir={out_grpo}"],
         [*grpo, f"output_dir={out_grpo}_resumed", "--resume", f"{out_grpo}/checkpoints/step_00000002"],
-        ["ppo", *rl, f"output_dir={out_ppo}", "steps=2", "prompts_per_step=8", "ppo_epochs=2", "num_minibatches=4", "critic.optim.lr=3e-3",
+        # micro-batches of one row: a rank's rows of a shuffled minibatch vary (0 to 2), and a rank with fewer runs a row weighted 0 to match
+        ["ppo", *rl, f"output_dir={out_ppo}", "steps=2", "prompts_per_step=8", "ppo_epochs=2", "num_minibatches=4", "micro_batch_size=1", "critic.optim.lr=3e-3",
          "kl_coef=0.05", "kl_target=1.0", "kl_horizon=100", "aggregation=seq-mean-token-mean"],
     ]
 

@@ -7,6 +7,8 @@ Tiny Llama (hidden 64, 2 layers) and tiny GPT-2, one torch thread.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -94,7 +96,8 @@ def test_accumulated_step_equals_the_step_on_the_whole_batch():
     whole, accumulated = make(), make()
     norm_whole = whole.step(loss_of(whole.model, torch.arange(7))[0])
     chunks = torch.arange(7).split(3)
-    norm_acc, scale = accumulated.accumulated_step([lambda rows=rows: loss_of(accumulated.model, rows) for rows in chunks], lambda total: 1.0)
+    norm_acc, scale = accumulated.accumulated_step([lambda rows=rows: loss_of(accumulated.model, rows) for rows in chunks], lambda total: 1.0,
+                                                   partial(distributed.loss_share, world=distributed.World()))
     assert scale == 1.0 and norm_acc == pytest.approx(norm_whole, rel=1e-6)
     for p, q in zip(whole.model.parameters(), accumulated.model.parameters()):
         torch.testing.assert_close(q, p, atol=1e-7, rtol=0)
@@ -109,8 +112,8 @@ def test_micro_batches_with_nothing_counted_make_a_zero_gradient_not_a_division_
     def nothing_counted():
         return (updater.model(x) ** 2).sum() * 0.0, 0.0
 
-    norm, scale = updater.accumulated_step([nothing_counted, nothing_counted], lambda total: 1.0)
-    assert norm == 0.0 and scale == 1.0
+    norm, scale = updater.accumulated_step([nothing_counted, nothing_counted], lambda total: 1.0, partial(distributed.loss_share, world=distributed.World()))
+    assert norm == 0.0 and scale == 0.0
     assert all(p.grad is not None and not p.grad.any() for p in updater.model.parameters())
 
 

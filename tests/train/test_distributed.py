@@ -28,7 +28,7 @@ from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import distributed
 
 RUNS = Path(__file__).with_name("distributed_runs.py")
-NOT_COMPARED = ("time", "tokens_per_s")  # wall-clock metrics
+NOT_COMPARED = ("time", "tokens_per_s", "memory/")  # wall-clock metrics; rows per forward (a process's own)
 
 
 def _load_runs():

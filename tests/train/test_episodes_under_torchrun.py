@@ -30,7 +30,7 @@ from rlalign.train import tool_rollout as tr
 
 RUNS = Path(__file__).with_name("episode_runs.py")
 ROOT = Path(__file__).resolve().parents[2]
-NOT_COMPARED = ("time", "tokens_per_s", "agent/seconds", "agent/calls_per_batch")  # wall clock; how requests happened to batch
+NOT_COMPARED = ("time", "tokens_per_s", "agent/seconds", "agent/calls_per_batch", "memory/")  # wall clock; how requests happened to batch; rows per forward
 
 
 def _metrics(run: Path) -> list[dict[str, float]]:

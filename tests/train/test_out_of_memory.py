@@ -24,7 +24,7 @@ def test_an_out_of_memory_error_names_the_pass_and_the_settings():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 37.25 GiB.\nmore lines of the allocator's report")
     message = str(caught.value)
     assert message.startswith("out of memory in the update's forward and backward (64 rows x 1024 completion tokens at once): set micro_batch_size below 64")
-    assert "model.gradient_checkpointing: true" in message and "model.logits_limit_mb" in message
+    assert "model.gradient_checkpointing: true" in message and "model.logits_limit_mb" in message and "model.memory_fraction" in message
     assert message.endswith("(CUDA out of memory. Tried to allocate 37.25 GiB.)") and isinstance(caught.value, MemoryError)
     with pytest.raises(ValueError):  # any other error passes through as it is
         with memory_named("a pass", 1, 1):

@@ -32,7 +32,7 @@ from rlalign.train.checkpoints import load_checkpoint
 from rlalign.train.rank_source import producer_of
 
 RUNS = Path(__file__).with_name("rank_runs.py")
-NOT_COMPARED = ("time", "tokens_per_s")  # wall-clock metrics
+NOT_COMPARED = ("time", "tokens_per_s", "memory/")  # wall-clock metrics; rows per forward (a process's own)
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -434,3 +434,16 @@ def test_loss_scale_is_zero_when_no_rank_has_anything_to_count(monkeypatch):
     # global count is 0, so each rank's (zero) loss is scaled by 0, never by 0 / 0 = NaN
     monkeypatch.setattr(distributed, "all_sum", lambda x, world: torch.zeros((), dtype=torch.float64))
     assert distributed.loss_scale(0.0, distributed.World(rank=0, size=2)) == 0.0
+
+
+def test_loss_share_is_the_same_on_every_rank_even_one_that_counts_nothing(monkeypatch):
+    # counts 0 (a rank whose rows of a PPO minibatch are all elsewhere), 3 and 5 over 3 ranks: every rank's
+    # accumulated gradient is multiplied by W / N = 3 / 8, the one factor that, after the ranks' gradients are
+    # averaged, gives the gradient of the global loss; loss_scale's n W / N per rank would zero the first's
+    monkeypatch.setattr(distributed, "all_sum", lambda x, world: torch.tensor(8.0, dtype=torch.float64))
+    shares = [distributed.loss_share(n, distributed.World(rank=r, size=3)) for r, n in enumerate((0.0, 3.0, 5.0))]
+    assert shares == [3 / 8, 3 / 8, 3 / 8]
+    assert [distributed.loss_scale(n, distributed.World(rank=r, size=3)) for r, n in enumerate((0.0, 3.0, 5.0))] == [0.0, 9 / 8, 15 / 8]
+    monkeypatch.setattr(distributed, "all_sum", lambda x, world: torch.zeros((), dtype=torch.float64))
+    assert distributed.loss_share(0.0, distributed.World(rank=0, size=2)) == 0.0  # nothing counted anywhere: 0, not 2 / 0
+    assert distributed.loss_share(4.0, distributed.World()) == 0.25 and distributed.loss_share(0.0, distributed.World()) == 0.0  # one process: 1 / n

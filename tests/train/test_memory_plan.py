@@ -1,0 +1,217 @@
+"""``micro_batch_size: auto``: rows per forward from a memory budget (rlalign.train.memory_plan).
+
+What a row keeps is measured by the bytes autograd saves for backward; the tests pin that count by
+hand, check that it is linear in rows and bounds what a real training forward keeps (Llama, GPT-2,
+Qwen2; float32 and bfloat16 autocast), derive the plan's rows by hand from a budget, and run whole
+GRPO and PPO runs whose planned micro-batches give the run of the same explicit ``micro_batch_size``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.pytorch_utils import Conv1D
+
+from rlalign.config import load_config
+from rlalign.lm.model_modes import evaluating
+from rlalign.lm.rollout import Rollout
+from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
+from rlalign.train import grpo, memory_plan, ppo
+from rlalign.train.memory_plan import SLACK, Pass, RowCost, device_budget, plan_rows, policy_forward, row_cost, rows_within, saved_bytes
+from rlalign.train.common import autocast_context
+from rlalign.train.passes import completion_logprobs
+from rlalign.train.run_config import ModelConfig
+from tests.lm.conftest import make_gpt2, make_llama
+from tests.train.test_accumulation import assert_same_run, char_code_reward, weights
+
+MB = 2**20
+HEAD = max(3 * 8 * 14 * 100 * 4, 16 * 8 * 14 * 100)  # a minibatch of 8 rows x 14 tokens, vocabulary 100: its float32 logits x 3, or a chunk x 16 bytes
+
+
+def make_qwen2(vocab: int = 100) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)).eval()
+
+
+MODELS = {"llama": make_llama, "gpt2": make_gpt2, "qwen2": make_qwen2}
+
+
+def test_saved_bytes_counts_each_kept_storage_once_and_leaves_out_the_weights():
+    x = torch.randn(3, 4, requires_grad=True)  # 12 floats: 48 bytes
+    w = torch.nn.Parameter(torch.randn(4))
+
+    def forward():
+        a = torch.exp(x)  # keeps its result: 48
+        b = x * w  # keeps x (48) and w (left out)
+        c = torch.sin(x)  # keeps x again: the same storage, not counted twice
+        return a + b + c
+
+    assert saved_bytes(forward, [w]) == 48 + 48
+    assert saved_bytes(forward) == 48 + 48 + 16  # with w: 4 floats more
+    with torch.no_grad():
+        assert saved_bytes(forward) == 0  # nothing kept without grad
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("autocast", ["none", "bfloat16"])
+def test_what_a_forward_keeps_is_fixed_plus_rows_times_a_row(arch, autocast):
+    model = MODELS[arch]()
+    cost = row_cost(model, policy_forward, 7, 12, autocast)
+    assert cost.per_row > 0
+    for rows in (3, 5):
+        probe = memory_plan.probe_rollout(rows, 7, 12, torch.device("cpu"))
+        with torch.enable_grad(), evaluating(model), autocast_context(autocast, model):
+            measured = saved_bytes(lambda: policy_forward(model, probe), list(model.parameters()))
+        assert measured == pytest.approx(cost.fixed + rows * cost.per_row, rel=0.01)
+    linear_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    if autocast == "bfloat16":  # the bfloat16 copies of the linear layers' weights, once whatever the rows
+        assert linear_bytes * 0.9 <= cost.fixed <= linear_bytes * 1.1 + 1024
+    else:  # a few constants (positions)
+        assert cost.fixed < 1024
+
+
+def grouped_rollout(groups: int, size: int, prompt_len: int, completion_len: int, vocab: int) -> Rollout:
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (groups, prompt_len), generator=generator).repeat_interleave(size, 0)
+    completions = torch.randint(3, vocab, (groups * size, completion_len), generator=generator)
+    completion_mask = torch.ones_like(completions)
+    completion_mask[0, completion_len // 2 :] = 0  # one shorter completion
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[:size, :2] = 0  # the first group's prompt left-padded
+    rows = groups * size
+    return Rollout(prompts, prompt_mask, completions, completion_mask, torch.zeros(rows, completion_len), torch.arange(groups).repeat_interleave(size),
+                   torch.zeros(rows, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("autocast", ["none", "bfloat16"])
+def test_the_planned_cost_bounds_what_a_training_forward_keeps(arch, autocast):
+    # the real pass: train mode, shared prompts, log-probs and an entropy with its gradient through the logits
+    model = MODELS[arch]().train()
+    rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
+    cfg = ModelConfig(autocast=autocast)
+    with autocast_context(autocast, model):
+        kept = saved_bytes(lambda: completion_logprobs(model, rollout, 0.7, "gradient", logits_limit_mb=cfg.logits_limit_mb), list(model.parameters()))
+    cost = row_cost(model, policy_forward, 32, 32, autocast)  # the probe's shape: 9 and 14 rounded up to 32
+    head = 3 * 8 * 14 * 100 * 4  # logits, log-softmax and gradient of 8 rows (below logits_limit_mb: the logits path)
+    planned = cost.fixed + 8 * cost.per_row * SLACK + head
+    assert kept <= planned
+    exact = row_cost(model, policy_forward, 9, 14, autocast)
+    assert kept >= 0.5 * (exact.fixed + 8 * exact.per_row)  # a bound, not a guess orders of magnitude off
+
+
+def test_the_budget_on_a_cpu_is_a_share_of_the_available_memory(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
+    assert device_budget(torch.device("cpu"), 0.5, str(meminfo)) == 4_000_000 * 1024
+    assert device_budget(torch.device("cpu"), 0.9, "/proc/meminfo") > 0
+
+
+def test_the_budget_on_a_gpu_counts_the_allocators_free_blocks_and_leaves_a_share_of_the_card(monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gib, 80 * gib))  # free on the card, total
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib)  # held by this process's allocator
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 20 * gib)  # of which in use: 10 GiB free blocks
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    assert device_budget(torch.device("cuda", 0), 0.75) == (30 + 10) * gib - 20 * gib  # the card's 40 free, a quarter of 80 left aside
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5)  # this process may hold 40 GiB of the 80
+    assert device_budget(torch.device("cuda", 0), 0.75) == (40 - 20) * gib - 10 * gib
+
+
+def test_rows_within_takes_what_fits_at_least_one_at_most_the_limit():
+    assert rows_within(1000, 100, 200.0, 64) == 4  # floor(900 / 200)
+    assert rows_within(1000, 100, 200.0, 3) == 3
+    assert rows_within(50, 100, 200.0, 64) == 1  # nothing fits: one row, and an out-of-memory names the setting
+    assert rows_within(10**12, 0, 1.0, 8) == 8
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_plan_from_a_budget_by_hand(monkeypatch, checkpointing):
+    model = make_llama(vocab=100)  # 2 layers, width 64
+    optimizer = torch.optim.AdamW(model.parameters())
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    rollout = grouped_rollout(groups=4, size=4, prompt_len=9, completion_len=14, vocab=100)  # 16 rows, 23 tokens
+    monkeypatch.setattr(memory_plan, "row_cost", lambda *args: RowCost(fixed=1000, per_row=400_000))
+    budget = 3 * weight_bytes + 1000 + HEAD + 5 * MB  # grads and AdamW's moments to come, the fixed part, the LM head's
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: budget)
+    cfg = ModelConfig(gradient_checkpointing=checkpointing)
+    plan = plan_rows([Pass(model, optimizer)], rollout, "auto", 8, cfg)
+    per_row = math.ceil(400_000 * 23 / 64)  # probed at 32 + 32 tokens; the rows have 9 + 14
+    row = SLACK * (per_row / 2 + 2 * 23 * 64 * 4) if checkpointing else SLACK * per_row  # a layer's recompute and every layer's input; or all
+    assert plan.update == min(8, int(5 * MB // row))
+    assert plan.no_grad == min(16, int(5 * MB // (per_row * min(1, 4 / 2))))  # two layers in flight of 2: all of it
+    assert plan.metrics() == {"memory/micro_rows": plan.update, "memory/pass_rows": plan.no_grad}
+    # fixed settings pass through: an int for every pass; null the whole minibatch
+    assert (plan_rows([Pass(model, optimizer)], rollout, 3, 8, cfg).update, plan_rows([Pass(model, optimizer)], rollout, None, 8, cfg).no_grad) == (3, 8)
+
+
+def test_a_frozen_model_in_each_micro_batch_and_a_first_step_count_in_the_plan(monkeypatch):
+    student, teacher = make_llama(vocab=100), make_llama(vocab=100, seed=1).requires_grad_(False)
+    optimizer = torch.optim.AdamW(student.parameters())
+    rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
+    monkeypatch.setattr(memory_plan, "row_cost", lambda *args: RowCost(fixed=0, per_row=MB * 64 // 23))  # MB a row of 9 + 14 tokens
+    pending = 3 * sum(p.numel() * 4 for p in student.parameters())  # the teacher's weights are frozen: nothing pending
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + 2 * HEAD + 10 * MB)
+    plan = plan_rows([Pass(student, optimizer), Pass(teacher, None)], rollout, "auto", 8, ModelConfig())
+    assert plan.update == int(10 * MB // (SLACK * MB + MB))  # the student's row kept for backward, the teacher's row in flight: 4
+    student(torch.ones(1, 3, dtype=torch.long)).logits.sum().backward()
+    optimizer.step()  # gradients and moments now exist: no longer pending, the same budget holds more
+    again = plan_rows([Pass(student, optimizer), Pass(teacher, None)], rollout, "auto", 8, ModelConfig())
+    assert again.update == int((pending + 10 * MB) // (SLACK * MB + MB))
+
+
+def test_a_run_probes_again_only_when_its_rows_grow_longer(monkeypatch):
+    model = make_llama(vocab=100)
+    probes = []
+
+    def counted(*args):
+        probes.append(args[2:4])
+        return RowCost(fixed=0, per_row=1000)
+
+    monkeypatch.setattr(memory_plan, "row_cost", counted)
+    cache = {}
+    for prompt_len, completion_len in ((9, 14), (30, 30), (9, 40), (20, 10)):  # 64 tokens probed; 60 fits; 9 + 40 -> 32 + 64: longer
+        plan_rows([Pass(model, None)], grouped_rollout(1, 4, prompt_len, completion_len, 100), "auto", 4, ModelConfig(), cache=cache)
+    assert probes == [(32, 32), (32, 64)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole runs: the planned rows give the run of the same explicit micro_batch_size
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), TinyModelSpec(hidden_size=32, num_layers=2, intermediate_size=64), seed=0)
+
+
+def run_cfg(cls, tiny_path, out, **overrides):
+    base = {"model.path": str(tiny_path), "output_dir": str(out), "data.task": "arithmetic", "data.num_prompts": 64, "steps": 2,
+            "sampling.max_new_tokens": 6, "optim.lr": 3e-3, "progress": False, "plots": False}
+    base.update({"prompts_per_step": 2, "group_size": 4, "beta": 0.1, "mu": 2, "num_minibatches": 2} if cls is grpo.GRPOConfig else
+                {"prompts_per_step": 8, "num_minibatches": 2, "ppo_epochs": 2, "critic.optim.lr": 3e-3})
+    base.update(overrides)
+    return load_config(cls, None, base)
+
+
+@pytest.mark.parametrize("trainer", [grpo, ppo], ids=["grpo", "ppo"])
+def test_a_run_planned_to_one_row_is_the_run_of_micro_batch_size_one(tiny_path, tmp_path, monkeypatch, trainer):
+    cls = grpo.GRPOConfig if trainer is grpo else ppo.PPOConfig
+    rewards = [trainer.RewardTerm("code", 1.0, char_code_reward)]
+    whole = trainer.train(run_cfg(cls, tiny_path, tmp_path / "whole", micro_batch_size=None), reward_functions=rewards)
+    one = trainer.train(run_cfg(cls, tiny_path, tmp_path / "one", micro_batch_size=1), reward_functions=rewards)
+    with monkeypatch.context() as patch:
+        patch.setattr(memory_plan, "device_budget", lambda device, fraction: 0)  # nothing to spare: one row per forward
+        planned = trainer.train(run_cfg(cls, tiny_path, tmp_path / "auto"), reward_functions=rewards)
+    assert [(h["memory/micro_rows"], h["memory/pass_rows"]) for h in planned.history] == [(1, 1), (1, 1)]
+    for name, w in weights(one.final_dir).items():  # the same forwards in the same order: the same bits
+        assert torch.equal(weights(planned.final_dir)[name], w), name
+    assert_same_run(whole.history, planned.history, whole.final_dir, planned.final_dir)  # and the whole-batch run to round-off
+    roomy = trainer.train(run_cfg(cls, tiny_path, tmp_path / "roomy"), reward_functions=rewards)  # this machine's budget: every row at once
+    assert roomy.history[0]["memory/micro_rows"] == 4  # a minibatch: 8 rows in 2
+    for name, w in weights(whole.final_dir).items():
+        assert torch.equal(weights(roomy.final_dir)[name], w), name
