@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_shared_prompts:
         from rlalign.train import dpo
 
-        dpo.share_prompts = lambda: False
+        dpo.share_prompts = lambda model: False
     noise = args.noise if args.noise is not None else {"tiny": 0.5, "smollm2": 0.05}[args.model]
     path, policy, reference = load_models(args.model, noise, 0, args.sft_steps)
     tokenizer = load_tokenizer(path)

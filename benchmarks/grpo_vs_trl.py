@@ -223,7 +223,7 @@ def _update_flops_counter(setup: lb.GRPOSetup, cfg):
 
         def after_step(metrics: dict) -> float:
             c = int(metrics["completion_len/max"])
-            groups = cfg.prompts_per_step if share_prompts() and not cfg.compile else None
+            groups = cfg.prompts_per_step if share_prompts(setup.updater.model) and not cfg.compile else None
             return mfu.step_flops(dims, cfg.prompts_per_step * cfg.group_size, prompt_len, c, c, groups, cfg.prompts_per_step)["policy_fwd_bwd"]
 
         return after_step

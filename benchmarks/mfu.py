@@ -231,7 +231,7 @@ def run(args) -> dict:
     def counted_flops(prompt_len: int, metrics: dict) -> tuple[dict, dict, int]:
         rows = cfg.prompts_per_step * cfg.group_size
         completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
-        shared = share_prompts() and not cfg.compile  # the compiled training forward runs prompt + completion per row
+        shared = share_prompts(setup.updater.model) and not cfg.compile  # the compiled training forward runs prompt + completion per row
         flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if shared else None, cfg.prompts_per_step)
         flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len)  # had every row run its own prompt
         if cfg.recompute_old_logprobs and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
