@@ -436,6 +436,6 @@ class SFTSetup:
             return call
 
         micro = [micro_loss(examples[s : s + size]) for s in range(0, len(examples), size)]
-        grad_norm, _ = self.updater.accumulated_step(micro, partial(distributed.loss_scale, world=world))
+        grad_norm, _ = self.updater.accumulated_step(micro, partial(distributed.loss_scale, world=world), partial(distributed.loss_share, world=world))
         self.step_index += 1
         return {"grad_norm": grad_norm, "tokens": sum(tokens)}

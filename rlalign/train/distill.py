@@ -244,8 +244,9 @@ def distill_step(updater: Updater, teacher: nn.Module, source: RolloutSource, st
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     teacher_logp = None
-    passes = [Pass(updater.module, updater.optimizer)] + ([Pass(teacher, None)] if cfg.objective == "gkd" else [])  # gkd: the teacher in each micro-batch
-    rows = plan_rows(passes, rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs)
+    gkd = cfg.objective == "gkd"  # the teacher in each micro-batch, both models' full-vocabulary logits; reverse_kl: the teacher in a no-grad pass
+    passes = [Pass(updater.module, updater.optimizer, runner=updater.model, head_copies=9.0 if gkd else 3.0), Pass(teacher, None, group=0 if gkd else None)]
+    rows = plan_rows(passes, rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs, cfg.compile)
     if cfg.objective == "reverse_kl":
         teacher_logp = reference_logprobs(updater.module, teacher, rollout, cfg.sampling.temperature, rows.no_grad, cfg.model.autocast, cfg.compile,
                                           cfg.model.logits_limit_mb)  # (B, C)

@@ -221,7 +221,9 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     m = cfg.num_minibatches
     minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
-    rows = plan_rows([Pass(updater.module, updater.optimizer)], rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs)
+    passes = [Pass(updater.module, updater.optimizer, runner=updater.model, head_copies=5.0 if cfg.entropy_coef > 0 else 3.0)]
+    passes += [Pass(reference, None, group=None)] if reference is not None and cfg.beta > 0 else []  # a reference of its own: no-grad passes
+    rows = plan_rows(passes, rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs, cfg.compile)
     ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, rows.no_grad, autocast, cfg.compile,
                                   cfg.model.logits_limit_mb) if cfg.beta > 0 else None
     t_ref = time.perf_counter()

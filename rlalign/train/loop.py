@@ -387,14 +387,15 @@ def _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_si
             first_record = {**(first_record or {}), **evaluation(-1, log)}
         if first_record is not None:
             log.log(state.step - 1, first_record)
-        cuda = torch.device(cfg.model.device).type == "cuda"
+        gpu = torch.device(cfg.model.device) if torch.device(cfg.model.device).type == "cuda" else None
+        gpu = torch.device("cuda", torch.cuda.current_device()) if gpu is not None and gpu.index is None else gpu  # this rank's (torchrun set it)
         while state.step < total_steps:
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
+            if gpu is not None:
+                torch.cuda.reset_peak_memory_stats(gpu)
             try:
                 metrics, samples = step_fn(state)
-                if cuda:  # the step's peak on this process's GPU: sampling, passes and updates
-                    metrics["memory/peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                if gpu is not None:  # the step's peak on this process's GPU: sampling, passes and updates
+                    metrics["memory/peak_mb"] = torch.cuda.max_memory_allocated(gpu) / 2**20
             except NonFiniteError as err:
                 last = latest_checkpoint(run.run_dir)
                 raise NonFiniteError(

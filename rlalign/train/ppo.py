@@ -238,8 +238,10 @@ def ppo_step(
     n = len(batch.examples) if batch.row_episode is None else rollout.batch_size  # global rows (an agent's calls: one process)
     minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
-    passes = [Pass(policy.module, policy.optimizer), Pass(critic.module, critic.optimizer, critic_values)]
-    rows_plan = plan_rows(passes, rollout, cfg.micro_batch_size, minibatch, cfg.model, world, policy.row_costs)
+    passes = [Pass(policy.module, policy.optimizer, runner=policy.model, head_copies=5.0 if cfg.entropy_coef > 0 else 3.0),
+              Pass(critic.module, critic.optimizer, critic_values, runner=critic.model, group=1)]  # the critic's update after the policy's
+    passes += [Pass(reference, None, group=None)] if reference is not None else []
+    rows_plan = plan_rows(passes, rollout, cfg.micro_batch_size, minibatch, cfg.model, world, policy.row_costs, cfg.compile)
     pass_rows = rows_plan.no_grad  # rows per no-grad forward
     ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, pass_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):

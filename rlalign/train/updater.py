@@ -178,11 +178,12 @@ def minibatch_step(
     """
     parts: list[tuple[dict[str, float], float, float]] = []  # (stats, counted tokens, loss count) per micro-batch
 
-    def micro_loss(rows: Tensor, weight: float) -> Callable[[], tuple[Tensor, float]]:
+    def micro_loss(rows: Tensor, weight: float, padding: bool = False) -> Callable[[], tuple[Tensor, float]]:
         def run() -> tuple[Tensor, float]:
             loss, stats = loss_of(rows)
             count = float(distributed.aggregation_count(mask[rows], aggregation)) * weight
-            parts.append(({key: float(v) for key, v in stats.items()}, float(mask[rows].sum()) * weight, count))
+            if not padding:  # a padding row's statistics (its ratio's max, its weight's min) are not the minibatch's
+                parts.append(({key: float(v) for key, v in stats.items()}, float(mask[rows].sum()) * weight, count))
             return loss, count
 
         return run
@@ -190,7 +191,7 @@ def minibatch_step(
     # every rank runs as many forwards and backwards (DDP's and FSDP2's collectives pair up), a rank with
     # fewer micro-batches (fewer rows: PPO's shuffled minibatches, an agent's calls) one more row weighted 0
     calls = [micro_loss(rows, present) for rows in micro_rows]
-    calls += [micro_loss(micro_rows[0][:1], 0.0)] * (int(distributed.all_max(len(calls), world)) - len(calls))
+    calls += [micro_loss(micro_rows[0][:1], 0.0, padding=True)] * (int(distributed.all_max(len(calls), world)) - len(calls))
     with memory_named("the update's forward and backward", max(len(rows) for rows in micro_rows), mask.shape[1]):
         grad_norm, scale = updater.accumulated_step(calls, partial(distributed.loss_scale, world=world), partial(distributed.loss_share, world=world))
     stats = distributed.reduce_stats(distributed.merge_micro_stats(parts), sum(tokens for _, tokens, _ in parts), scale, world)

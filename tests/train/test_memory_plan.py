@@ -104,11 +104,71 @@ def test_the_planned_cost_bounds_what_a_training_forward_keeps(arch, autocast):
     assert kept >= 0.5 * (exact.fixed + 8 * exact.per_row)  # a bound, not a guess orders of magnitude off
 
 
-def test_the_budget_on_a_cpu_is_a_share_of_the_available_memory(tmp_path):
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("entropy, limit_mb", [("statistic", 1024.0), ("gradient", 1024.0), ("statistic", 0.0)], ids=["logits", "entropy-bonus", "chunked-head"])
+def test_the_rows_planned_for_a_budget_keep_what_the_update_saves_within_it(monkeypatch, arch, entropy, limit_mb):
+    # a large vocabulary (5000), so the LM head's share is real; the budget leaves room for a few of 16 rows
+    model = MODELS[arch](vocab=5000).train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    rollout = grouped_rollout(groups=4, size=4, prompt_len=9, completion_len=14, vocab=5000)
+    pending = 3 * sum(p.numel() * 4 for p in model.parameters())  # gradients and AdamW's moments to come
+    cfg, cache = ModelConfig(logits_limit_mb=limit_mb), {}
+    for extra in range(0, 64 * MB, MB // 8):  # the smallest budget that gives 4 rows or more
+        monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + extra)
+        plan = plan_rows([Pass(model, optimizer, head_copies=5.0 if entropy == "gradient" else 3.0)], rollout, "auto", 16, cfg, cache=cache)
+        if plan.update >= 4:
+            break
+    assert 4 <= plan.update < 16
+    micro = rollout.select(slice(0, plan.update))
+    kept = saved_bytes(lambda: completion_logprobs(model, micro, 0.7, entropy, logits_limit_mb=limit_mb), list(model.parameters()))
+    assert kept <= extra  # what the forward keeps, before backward's transients (the slack above it)
+
+
+def test_a_frozen_model_is_probed_as_if_it_trained():
+    # a teacher or a reference saves nothing for backward; its probe makes its embeddings need a gradient
+    trained, frozen = make_llama(), make_llama().requires_grad_(False)
+    a, b = row_cost(trained, policy_forward, 8, 8, "none"), row_cost(frozen, policy_forward, 8, 8, "none")
+    assert b == a and not any(p.requires_grad for p in frozen.parameters())  # the weights frozen again after it
+
+
+def test_a_head_the_update_cannot_split_off_costs_its_logits_every_row(monkeypatch):
+    # DDP (lm_head_of is None on the wrapper) or a compiled forward: the update keeps the logits whatever logits_limit_mb says
+    model = make_llama(vocab=100)
+    rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
+    monkeypatch.setattr(memory_plan, "row_cost", lambda *args: RowCost(fixed=0, per_row=64 * 1000 // 23))  # 1000 bytes a row of 9 + 14 tokens
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: 3 * sum(p.numel() * 4 for p in model.parameters()) + MB)
+    logits_row = 14 * 100 * 4
+    plan = plan_rows([Pass(model, torch.optim.AdamW(model.parameters()), head_copies=5.0)], rollout, "auto", 8, ModelConfig(), compiled=True)
+    update_row, no_grad_row = SLACK * 1000 + 5 * logits_row, 1000 * min(1, 4 / 2) + 2 * logits_row
+    assert (plan.update, plan.no_grad) == (min(8, int(MB // update_row)), min(8, int(MB // no_grad_row)))
+
+
+def test_models_of_no_grad_passes_only_and_one_after_another_plan_as_they_run(monkeypatch):
+    policy, critic, reference = make_llama(vocab=100), make_llama(vocab=100, seed=1), make_llama(vocab=100, seed=2).requires_grad_(False)
+    rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
+    costs = {id(policy): 1000, id(critic): 1000, id(reference): 40_000}  # a row of 9 + 14 tokens
+    monkeypatch.setattr(memory_plan, "row_cost", lambda model, *args: RowCost(fixed=0, per_row=costs[id(model)] * 64 // 23))
+    pending = 3 * sum(p.numel() * 4 for m in (policy, critic) for p in m.parameters())
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + HEAD + 64_000)
+    optimizers = [torch.optim.AdamW(m.parameters()) for m in (policy, critic)]
+    alone = plan_rows([Pass(policy, optimizers[0])], rollout, "auto", 8, ModelConfig())
+    both = plan_rows([Pass(policy, optimizers[0]), Pass(critic, optimizers[1], group=1), Pass(reference, None, group=None)], rollout, "auto", 8, ModelConfig())
+    assert both.update == alone.update == min(8, int(64_000 // (SLACK * 1000)))  # the critic's update runs after the policy's: not added
+    assert both.no_grad == int(64_000 // (40_000 * min(1, 4 / 2)))  # the reference's pass is the largest of the no-grad passes
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + 2 * HEAD + 10_000)
+    together = plan_rows([Pass(policy, optimizers[0]), Pass(critic, optimizers[1], group=0)], rollout, "auto", 8, ModelConfig())
+    assert together.update == int(10_000 // (2 * SLACK * 1000))  # in the same micro-batch (as GKD's student and teacher): both heads, rows added
+
+
+def test_the_budget_on_a_cpu_is_a_share_of_the_available_memory(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
     assert device_budget(torch.device("cpu"), 0.5, str(meminfo)) == 4_000_000 * 1024
     assert device_budget(torch.device("cpu"), 0.9, "/proc/meminfo") > 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four processes of the run on this host: a quarter each
+    assert device_budget(torch.device("cpu"), 0.5, str(meminfo)) == 1_000_000 * 1024
+    monkeypatch.setattr(memory_plan, "_cgroup_available", lambda: 2**30)  # a container allowed 1 GiB more
+    assert device_budget(torch.device("cpu"), 0.5, "/proc/meminfo") == int(0.5 * min(memory_plan.device_budget.__globals__["_cgroup_available"](), 2**62) / 4)
 
 
 def test_the_budget_on_a_gpu_counts_the_allocators_free_blocks_and_leaves_a_share_of_the_card(monkeypatch):
