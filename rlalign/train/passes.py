@@ -22,6 +22,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlalign.core.kl import entropy_from_logits
@@ -42,6 +43,7 @@ __all__ = [
     "compiled_completion_logits",
     "rollout_token_logprobs",
     "completion_logprobs",
+    "trimmed",
     "logprobs_and_entropy",
     "reference_logprobs",
     "training_logprobs",
@@ -103,7 +105,33 @@ def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, 
     position; float32, on the model's device. From the hidden states and the LM head in chunks when
     the float32 logits would pass ``logits_limit_mb`` and :func:`rlalign.lm.logprobs.lm_head_of`
     allows it and the forward is not compiled (module docstring); else from :func:`completion_logits`
-    (faster: the chunked path computes the head's matmul once more in backward). Shapes: (B, C), (B, C) or None."""
+    (faster: the chunked path computes the head's matmul once more in backward); on :func:`trimmed` columns,
+    padded back with 0. Shapes: (B, C), (B, C) or None."""
+    rollout, width = trimmed(rollout)
+    logp, entropy_values = _completion_logprobs(model, rollout, temperature, entropy, compiled, logits_limit_mb)
+    pad = width - logp.shape[1]  # the trimmed padding columns back, 0 (masked everywhere)
+    return (F.pad(logp, (0, pad)), None if entropy_values is None else F.pad(entropy_values, (0, pad))) if pad else (logp, entropy_values)
+
+
+def trimmed(rollout: Rollout) -> tuple[Rollout, int]:
+    """``rollout`` without the columns that are padding in every row (leading prompt columns, trailing
+    completion columns): a micro-batch of short rows runs at its own width, not the step's longest
+    row's; and the completion width it had. The same logits at every real position (positions come
+    from the masks; padding is masked out of attention) for less work."""
+    width, prompt_width = rollout.completion_ids.shape[1], rollout.prompt_ids.shape[1]
+    real_columns = rollout.completion_mask.any(0).nonzero()
+    keep = int(real_columns[-1]) + 1 if len(real_columns) else 1
+    real_prompt = rollout.prompt_mask.any(0).nonzero()
+    start = min(int(real_prompt[0]), prompt_width - 1) if len(real_prompt) else prompt_width - 1  # the last prompt column stays
+    if keep == width and start == 0:
+        return rollout, width
+    r = rollout
+    return Rollout(r.prompt_ids[:, start:], r.prompt_mask[:, start:], r.completion_ids[:, :keep], r.completion_mask[:, :keep], r.logprobs[:, :keep],
+                   r.group_index, r.truncated), width
+
+
+def _completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, entropy: EntropyMode, compiled: bool,
+                         logits_limit_mb: float) -> tuple[Tensor, Tensor | None]:
     head = lm_head_of(model)
     logits_mb = rollout.completion_ids.numel() * (head.out_features if head is not None else 0) * 4 / 2**20
     if head is None or logits_mb <= logits_limit_mb or (compiled and private.ready("compiled")):

@@ -259,3 +259,36 @@ def test_a_checkpointed_model_samples_in_eval_mode_with_its_cache(make):
     assert model.training  # the mode is restored
     torch.testing.assert_close(checkpointed.completion_ids, plain.completion_ids)
     torch.testing.assert_close(checkpointed.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("entropy", ["statistic", "gradient"])
+def test_a_micro_batch_runs_at_its_own_width_with_the_same_log_probs_and_gradients(entropy):
+    # three rows padded to a step's longer rows: 2 prompt columns and 3 completion columns that are padding in every row.
+    # completion_logprobs runs them trimmed (rlalign.train.passes.trimmed) and pads its output back with 0
+    from rlalign.lm.rollout import Rollout
+    from rlalign.train.passes import completion_logprobs, trimmed
+
+    generator = torch.Generator().manual_seed(0)
+    prompt, completion = torch.randint(3, 100, (3, 4), generator=generator), torch.randint(3, 100, (3, 5), generator=generator)
+    prompt_mask, completion_mask = torch.ones_like(prompt), torch.ones_like(completion)
+    prompt_mask[0, 0], completion_mask[1, 3:] = 0, 0  # a left-padded prompt, a shorter completion
+    tight = Rollout(prompt, prompt_mask, completion, completion_mask, torch.zeros(3, 5), torch.arange(3), torch.zeros(3, dtype=torch.bool))
+    wide = Rollout(torch.nn.functional.pad(prompt, (2, 0)), torch.nn.functional.pad(prompt_mask, (2, 0)), torch.nn.functional.pad(completion, (0, 3)),
+                   torch.nn.functional.pad(completion_mask, (0, 3)), torch.zeros(3, 8), torch.arange(3), torch.zeros(3, dtype=torch.bool))
+    cut, width = trimmed(wide)
+    assert width == 8 and cut.prompt_ids.shape == (3, 4) and torch.equal(cut.completion_ids, completion)
+    results = []
+    for rollout in (tight, wide):
+        model = make_llama(vocab=100).train()
+        embedded = []  # the token positions the model runs
+        model.get_input_embeddings().register_forward_hook(lambda module, args, out: embedded.append(args[0].numel()))
+        logp, ent = completion_logprobs(model, rollout, 0.7, entropy)
+        assert sum(embedded) == 3 * (4 + 5)  # every row its own prompt, 4 + 5 positions: the wide rows trimmed (untrimmed: 6 + 8)
+        ((logp * rollout.completion_mask).sum() + (ent * rollout.completion_mask).sum()).backward() if entropy == "gradient" else (logp * rollout.completion_mask).sum().backward()
+        results.append((logp, ent, {n: p.grad for n, p in model.named_parameters()}))
+    (logp_a, ent_a, grads_a), (logp_b, ent_b, grads_b) = results
+    assert logp_b.shape == (3, 8) and not logp_b[:, 5:].any() and not ent_b[:, 5:].any()
+    torch.testing.assert_close(logp_b[:, :5] * completion_mask, logp_a * completion_mask, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent_b[:, :5] * completion_mask, ent_a * completion_mask, atol=1e-6, rtol=0)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5, msg=name)
