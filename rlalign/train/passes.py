@@ -2,7 +2,7 @@
 prompt run once, or compiled), the reference pass, the pi_old recompute, and the statistics that
 compare log-probs (the sampler's against the training forward's, pi against pi_old).
 
-    ref_logp = reference_logprobs(policy, reference, rollout, temperature, batch_size, autocast)   # (B, C)
+    ref_logp = reference_logprobs(policy, reference, rollout, temperature, batches, autocast)      # (B, C)
     old_logp = training_logprobs(policy, rollout, temperature, minibatches, autocast)               # (B, C)
     logp, entropy = completion_logprobs(policy, minibatch, temperature, "statistic")                 # (B, C) each
     logits = completion_logits(policy, minibatch)                                                    # (B, C, V)
@@ -155,15 +155,22 @@ def logprobs_and_entropy(logits: Tensor, completion_ids: Tensor, temperature: fl
 
 @torch.no_grad()
 def reference_logprobs(
-    policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batch_size: int, autocast: str = "none", compiled: bool = False,
-    logits_limit_mb: float = LOGITS_LIMIT_MB,
+    policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batches: int | Sequence[Tensor | slice], autocast: str = "none",
+    compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB,
 ) -> Tensor:
     """Completion log-probs under the frozen reference (or the LoRA base, adapters off), by the same
-    forward as the updates (compiled when they are), in minibatches of ``batch_size`` rows, under
-    ``autocast`` (:attr:`rlalign.train.run_config.ModelConfig.autocast`). Shape: (B, C)."""
+    forward as the updates (compiled when they are), under ``autocast``
+    (:attr:`rlalign.train.run_config.ModelConfig.autocast`), in ``batches``: consecutive minibatches of
+    that many rows, or these row batches (the updates' own: the same shapes, so where the policy is the
+    reference the same numbers, and a KL of exactly 0). Shape: (B, C)."""
+    batches = [slice(s, s + batches) for s in range(0, rollout.batch_size, batches)] if isinstance(batches, int) else batches
+    logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
+    largest = max((len(torch.arange(rollout.batch_size)[rows]) for rows in batches), default=0)
     with reference_policy(policy, reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref), \
-            memory_named("the reference pass", min(batch_size, rollout.batch_size), rollout.completion_ids.shape[1]):
-        return torch.cat([rollout_token_logprobs(ref, mb, temperature, compiled, logits_limit_mb) for mb in rollout.minibatches(batch_size)])
+            memory_named("the reference pass", largest, rollout.completion_ids.shape[1]):
+        for rows in batches:
+            logprobs[rows] = rollout_token_logprobs(ref, rollout.select(rows), temperature, compiled, logits_limit_mb)
+    return logprobs
 
 
 @torch.no_grad()

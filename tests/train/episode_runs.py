@@ -29,8 +29,7 @@ def correct(prompts: list, completions: list, answer: list, **columns) -> list[f
 SETUPS = {
     "tools": {"tools.enabled": ["calculator"], "tools.format": "tag", "tools.max_turns": 2},
     "environment": {"environment.class": "rlalign.tasks.lookup:LookupEnvironment", "environment.max_turns": 2},
-    # micro-batches of 2 rows: the ranks hold different numbers of calls, so different numbers of micro-batches (evened with rows weighted 0)
-    "agent": {"agent.function": "tests.train.test_agent_source:two_call_agent", "agent.timeout_s": 60, "micro_batch_size": 2},
+    "agent": {"agent.function": "tests.train.test_agent_source:two_call_agent", "agent.timeout_s": 60},
 }
 
 
