@@ -11,8 +11,6 @@ a checkpoint the two processes wrote ends bit-identical to their uninterrupted r
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -26,16 +24,14 @@ from safetensors.torch import load_file
 
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import distributed
+from tests.train.run_records import compared_metrics, load_script
 
 RUNS = Path(__file__).with_name("distributed_runs.py")
 NOT_COMPARED = ("time", "tokens_per_s", "memory/")  # wall-clock metrics; rows per forward (a process's own)
 
 
 def _load_runs():
-    spec = importlib.util.spec_from_file_location("distributed_runs", RUNS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(RUNS)
 
 
 def _weights(final: Path) -> dict[str, torch.Tensor]:
@@ -46,8 +42,7 @@ def _weights(final: Path) -> dict[str, torch.Tensor]:
 
 
 def _metrics(run: Path) -> list[dict[str, float]]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in rows]
+    return compared_metrics(run, NOT_COMPARED)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ sampler with a stand-in whose replies follow each row's uniforms.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from rlalign.lm.sampling import SamplingParams
 from rlalign.lm.tools import TAG, ToolEnvironment, ToolRegistry
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import tool_rollout as tr
+from tests.train.run_records import compared_metrics
 
 RUNS = Path(__file__).with_name("episode_runs.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +34,7 @@ NOT_COMPARED = ("time", "tokens_per_s", "agent/seconds", "agent/calls_per_batch"
 
 
 def _metrics(run: Path) -> list[dict[str, float]]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in rows]
+    return compared_metrics(run, NOT_COMPARED)
 
 
 @pytest.fixture(scope="module")

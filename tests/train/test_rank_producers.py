@@ -13,7 +13,6 @@ last checkpoint stays whole.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import distributed
 from rlalign.train.checkpoints import load_checkpoint
 from rlalign.train.rank_source import producer_of
+from tests.train.run_records import compared_metrics, load_script
 
 RUNS = Path(__file__).with_name("rank_runs.py")
 NOT_COMPARED = ("time", "tokens_per_s", "memory/")  # wall-clock metrics; rows per forward (a process's own)
@@ -37,10 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_runs():
-    spec = importlib.util.spec_from_file_location("rank_runs", RUNS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(RUNS)
 
 
 def _weights(final: Path) -> dict[str, torch.Tensor]:
@@ -48,8 +45,7 @@ def _weights(final: Path) -> dict[str, torch.Tensor]:
 
 
 def _metrics(run: Path) -> list[dict[str, float]]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(NOT_COMPARED)} for r in rows]
+    return compared_metrics(run, NOT_COMPARED)
 
 
 def _torchrun(root: Path, tiny: Path, *runs: str, producers: int = 2, out: str = "ranks") -> subprocess.CompletedProcess:
