@@ -39,7 +39,7 @@ for which models the logits are exactly the head's output.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -47,14 +47,33 @@ from transformers import DynamicCache
 
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.masks import position_ids_from_mask
+from rlalign.core.packing import PackedRows, pack_rows
+from rlalign.lm import private
 from rlalign.lm.model_modes import is_checkpointing
-from rlalign.lm.models import cache_argument
+from rlalign.lm.models import cache_argument, unwrap_causal_lm
 
-__all__ = ["completion_positions", "completion_logits", "completion_hidden", "lm_head_of", "wrapped_across_processes", "HEAD_LAST_MODEL_TYPES", "completion_logprobs", "rollout_logprobs"]
+__all__ = [
+    "completion_positions",
+    "completion_logits",
+    "completion_hidden",
+    "lm_head_of",
+    "packs_rows",
+    "wrapped_across_processes",
+    "HEAD_LAST_MODEL_TYPES",
+    "PACKED_ROWS_MODEL_TYPES",
+    "PACKED_ROWS_KERNELS",
+    "completion_logprobs",
+    "rollout_logprobs",
+]
 
 # Architectures whose logits are exactly lm_head(last hidden state): nothing (a soft cap, a scale, a
 # multiplier) is applied after the head in their transformers forward.
 HEAD_LAST_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gpt2", "phi3", "olmo2"})
+# Architectures whose transformers forward, given position ids and no attention mask, builds its masks
+# with masking_utils, which keeps rows packed end to end apart where their position ids restart at 0,
+# and the attention kernels whose masks come from there (flash attention reads the position ids itself: not tested here).
+PACKED_ROWS_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gpt2", "phi3", "olmo2"})
+PACKED_ROWS_KERNELS = frozenset({"sdpa", "eager"})
 
 
 def wrapped_across_processes(model: nn.Module) -> bool:
@@ -77,15 +96,39 @@ def lm_head_of(model: nn.Module) -> nn.Linear | None:
     return head if type(head) is nn.Linear and type(head.weight) is nn.Parameter else None
 
 
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (others are their own)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 @contextlib.contextmanager
-def _head_left_out(model: nn.Module) -> Iterator[None]:
-    """The model's LM head made the identity while the block runs: its "logits" are the hidden states."""
-    head = model.get_output_embeddings()
-    head.forward = lambda hidden: hidden  # an instance attribute: nn.Module.__call__ finds it before the class's
+def _head_wrapped(model: nn.Module, wrap: Callable[[Callable[[Tensor], Tensor]], Callable[[Tensor], Tensor]]) -> Iterator[None]:
+    """The model's LM head running ``wrap(its forward)`` while the block runs, inside the model's own
+    forward (so DDP and FSDP2 see every weight used there); its forward as it was afterwards."""
+    head = _causal_lm(model).get_output_embeddings()
+    before = head.__dict__.get("forward")  # an instance attribute: nn.Module.__call__ finds it before the class's
+    head.forward = wrap(head.forward)
     try:
         yield
     finally:
-        del head.forward
+        if before is None:
+            del head.forward
+        else:
+            head.forward = before
+
+
+def _head_left_out(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """The model's LM head made the identity while the block runs: its "logits" are the hidden states."""
+    return _head_wrapped(model, lambda run: lambda hidden: hidden)
+
+
+def packs_rows(model: nn.Module) -> bool:
+    """Whether ``model``'s transformers masks keep packed rows apart (:mod:`rlalign.core.packing`): an
+    architecture of :data:`PACKED_ROWS_MODEL_TYPES` under an attention kernel of :data:`PACKED_ROWS_KERNELS`,
+    with transformers' packed-sequence masks there (:mod:`rlalign.lm.private`)."""
+    config = getattr(unwrap_causal_lm(_causal_lm(model)), "config", None)
+    return (getattr(config, "model_type", None) in PACKED_ROWS_MODEL_TYPES and getattr(config, "_attn_implementation", None) in PACKED_ROWS_KERNELS
+            and private.ready("packed_rows"))
 
 
 def completion_positions(prompt_len: int, completion_len: int, device: torch.device | str) -> Tensor:
@@ -95,7 +138,8 @@ def completion_positions(prompt_len: int, completion_len: int, device: torch.dev
 
 
 def completion_logits(
-    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group_index: Tensor | None = None
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group_index: Tensor | None = None,
+    packed: bool = True,
 ) -> Tensor:
     """Logits predicting each completion token, the LM head applied at those positions only.
 
@@ -105,13 +149,24 @@ def completion_logits(
         completion_ids, completion_mask: right-padded completions. Shape: (B, C).
         group_index: rows with the same index have the same prompt (a GRPO group), which then runs
             once (see the module doc); None or all-distinct: one forward over prompt + completion. Shape: (B,).
+        packed: the rows' real tokens may run packed end to end (:mod:`rlalign.core.packing`), where
+            :func:`packs_rows` allows it and that runs fewer positions than the padded forward (or the
+            shared prompts); the logits at padding columns then differ (they are masked everywhere).
     Returns:
         Shape: (B, C, V), in the model's (or autocast's) dtype; row t predicts completion token t.
     """
-    if group_index is not None and not is_checkpointing(model):  # a checkpointed forward drops the KV cache the shared prompt needs
+    batch, prompt_len = prompt_ids.shape
+    padded = batch * (prompt_len + completion_ids.shape[1])  # positions the padded forward runs
+    rows_group = None
+    if group_index is not None and not is_checkpointing(model) and prompt_len > 1:  # a checkpointed forward drops the KV cache the shared prompt needs
         groups, rows_group = torch.unique(group_index, return_inverse=True)  # (U,), (B,): each row's group among the U
-        if len(groups) < len(group_index) and prompt_ids.shape[1] > 1:  # a one-token prompt has nothing to share
-            return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, len(groups))
+        padded = len(groups) * (prompt_len - 1) + completion_ids.numel() if len(groups) < batch else padded  # shared: U (P - 1) + B C
+        rows_group = rows_group if len(groups) < batch else None  # a one-token prompt or all-distinct groups: nothing to share
+    layout = pack_rows(prompt_mask, completion_mask) if packed and packs_rows(model) else None
+    if layout is not None and layout.size < padded:
+        return _packed_logits(model, prompt_ids, completion_ids, layout)
+    if rows_group is not None:
+        return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, int(rows_group.max()) + 1)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + C)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # (B, P + C)
     position_ids = position_ids_from_mask(attention_mask)  # (B, P + C)
@@ -119,16 +174,32 @@ def completion_logits(
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
 
 
+def _packed_logits(model: nn.Module, prompt_ids: Tensor, completion_ids: Tensor, layout: PackedRows) -> Tensor:
+    """:func:`completion_logits` with the rows packed by ``layout``: one forward over (N, W) positions,
+    no attention mask (the position ids keep the rows apart), and the LM head applied, inside that
+    forward, to the (B, C) hidden states ``layout.predicting`` picks. Shape: (B, C, V)."""
+    tokens = torch.cat([prompt_ids, completion_ids], dim=1).flatten()  # (B (P + C),)
+    input_ids = tokens[layout.tokens.clamp(min=0)]  # (N, W); an unused position repeats a token: it attends within the unused tail only
+    picked = layout.predicting.flatten()  # (B C,)
+
+    def reading(run: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        return lambda hidden: run(hidden.flatten(0, 1)[picked].view(*layout.predicting.shape, -1))  # (N, W, H) -> (B, C, H), contiguous
+
+    with _head_wrapped(model, reading):
+        return model(input_ids=input_ids, position_ids=layout.positions, use_cache=False, logits_to_keep=0).logits  # (B, C, V)
+
+
 def completion_hidden(
-    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group_index: Tensor | None = None
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group_index: Tensor | None = None,
+    packed: bool = True,
 ) -> Tensor:
     """The last hidden states that predict each completion token, what :func:`completion_logits`
-    would project with the LM head (the same forward, shared prompts included). Only for a model
+    would project with the LM head (the same forward, shared prompts and packed rows included). Only for a model
     :func:`lm_head_of` accepts. Shape: (B, C, H)."""
     if lm_head_of(model) is None:
         raise ValueError(f"{type(model).__name__}: its logits are not exactly its LM head's output (lm_head_of); use completion_logits")
     with _head_left_out(model):
-        return completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
+        return completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_index, packed)
 
 
 def _shared_prompt_logits(

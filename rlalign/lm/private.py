@@ -3,8 +3,9 @@
 The plain path (loading, LoRA, the reference, the eager decode loop, masks, log-probs) uses public
 APIs, apart from reading a model's ``config._attn_implementation`` (and asking its
 ``_can_set_attn_implementation`` where that exists) to switch attention kernels. The fast path, :mod:`rlalign.lm.packed` (oneDNN's blocked weights) and
-:mod:`rlalign.lm.compiled` (the compiled decode step and its compiler workarounds), relies on the
-symbols below. :func:`ready` checks a feature's symbols against the installed versions: where one
+:mod:`rlalign.lm.compiled` (the compiled decode step and its compiler workarounds), and the packed
+rows of the training passes (:mod:`rlalign.core.packing`, which need transformers' masks to tell
+packed rows apart) rely on the symbols below. :func:`ready` checks a feature's symbols against the installed versions: where one
 is missing, the feature turns itself off with one warning and the plain path runs instead.
 """
 
@@ -32,6 +33,9 @@ PRIVATE_SYMBOLS: dict[str, tuple[str, ...]] = {
     ),
     "cpu_decode_tuning": (  # rlalign.lm.compiled: an inductor option for the CPU decode step's attention; without it
         "torch._inductor.config:realize_cpu_opcount_threshold",  # the step compiles with inductor's defaults (torch 2.11 lacks it)
+    ),
+    "packed_rows": (  # rlalign.lm.logprobs: rows packed end to end, kept apart by their position ids restarting at 0
+        "transformers.masking_utils:find_packed_sequence_indices",  # (the masks of an attention_mask-less forward)
     ),
     "static_cache": (  # rlalign.lm.sampling: a StaticCache whose sliding-window layers keep every key
         "transformers.cache_utils:StaticLayer",

@@ -7,6 +7,10 @@ compare log-probs (the sampler's against the training forward's, pi against pi_o
     logp, entropy = completion_logprobs(policy, minibatch, temperature, "statistic")                 # (B, C) each
     logits = completion_logits(policy, minibatch)                                                    # (B, C, V)
 
+Each pass runs its rows at their own width (:func:`trimmed`), and, where that runs fewer positions
+than padded rows or shared prompts, packed end to end (:mod:`rlalign.core.packing`, by
+:func:`rlalign.lm.logprobs.completion_logits`).
+
 Log-probs come from the logits, which :mod:`rlalign.core.logprobs` reads in chunks; or, when the
 float32 logits of a pass would be larger than ``logits_limit_mb`` (``model.logits_limit_mb``), from
 the last hidden states and the LM head chunk by chunk, with no (B, C, V) logits at all
@@ -69,7 +73,7 @@ def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False
         from rlalign.lm.compiled import releasing_compiler_caches  # the compile machinery, only when asked for
 
         with releasing_compiler_caches():
-            return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+            return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, None, False)  # padded rows: static layout
     return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts(model) else None)
 
 
@@ -87,7 +91,8 @@ def compiled_completion_logits() -> Callable[..., Tensor]:
     training forward and its backward, the pi_old recompute and the reference pass; with and
     without grad are separate graphs, and a model of another structure or dtype compiles another;
     the decode loop is ``sampling.compile``). The compiled forward runs every row's prompt (no
-    shared prompts), which for long prompts and large G can cost more than it saves."""
+    shared prompts) on the padded rows (no packed rows), which for long prompts and large G or
+    ragged completions can cost more than it saves."""
     return torch.compile(lm_completion_logits, dynamic=True)
 
 

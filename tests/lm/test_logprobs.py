@@ -101,7 +101,7 @@ def _check_shared_prompt_logits(model, prompts):
         for shared in (False, True):
             model.zero_grad()
             calls.clear()
-            logits = completion_logits(model, *args, r.group_index if shared else None)  # (B, C, V)
+            logits = completion_logits(model, *args, r.group_index if shared else None, packed=False)  # (B, C, V): the padded rows, not packed
             (token_logprobs(logits, r.completion_ids) * r.completion_mask).sum().backward()
             outputs[shared] = (logits.detach(), [p.grad.clone() for p in trainable])
     finally:
@@ -112,7 +112,7 @@ def _check_shared_prompt_logits(model, prompts):
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-5, atol=1e-5)
     for shared_grad, full_grad in zip(outputs[True][1], outputs[False][1]):  # float32 summation order: ~2e-6 of the largest entry
         torch.testing.assert_close(shared_grad, full_grad, rtol=0, atol=1e-5 * full_grad.abs().max().item())
-    one_token = completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids[:, :1], r.completion_mask[:, :1], r.group_index)
+    one_token = completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids[:, :1], r.completion_mask[:, :1], r.group_index, packed=False)
     torch.testing.assert_close(one_token, outputs[False][0][:, :1], rtol=1e-5, atol=1e-5)
     model.zero_grad()
 
@@ -123,4 +123,4 @@ def test_group_index_over_different_prompts_is_an_error(tiny_llama):
 
     wrong_groups = torch.tensor([0, 0, 0, 1])  # row 2 has the second prompt
     with pytest.raises(ValueError, match="prompts differ"):
-        completion_logits(tiny_llama, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, wrong_groups)
+        completion_logits(tiny_llama, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, wrong_groups, packed=False)

@@ -1,0 +1,190 @@
+"""Packed rows (rlalign.core.packing): the layout by hand, and the packed forward equal to the padded
+one at every real position, in value and gradient, for each architecture that packs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlalign.core.logprobs import token_logprobs
+from rlalign.core.packing import first_fit_decreasing, pack_rows
+from rlalign.lm import private
+from rlalign.lm.logprobs import PACKED_ROWS_MODEL_TYPES, completion_hidden, completion_logits, packs_rows
+from rlalign.lm.model_modes import attention_kernel
+from rlalign.lm.models import unwrap_causal_lm
+
+
+def test_first_fit_decreasing_by_hand():
+    # capacity 5, lengths 5 2 3 4: 5 fills bin 0; 4 opens bin 1 (1 left); 3 does not fit there, opens
+    # bin 2 (2 left); 2 fits neither bin 0 (0 left) nor bin 1 (1 left), goes to bin 2 at offset 3
+    assert first_fit_decreasing([5, 2, 3, 4], 5) == [(0, 0), (2, 3), (2, 0), (1, 0)]
+    assert first_fit_decreasing([2, 2, 2], 4) == [(0, 0), (0, 2), (1, 0)]  # ties in order
+
+
+def test_pack_rows_by_hand():
+    # rows (prompt + completion real tokens): 3 + 2, 2 + 0, 1 + 2, 2 + 2; width P + C = 3 + 2 = 5 a row
+    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [0, 1, 1]])
+    completion_mask = torch.tensor([[1, 1], [0, 0], [1, 1], [1, 1]])
+    layout = pack_rows(prompt_mask, completion_mask)
+    # lengths 5 2 3 4, W = 5: packed rows [row 0], [row 3, unused], [row 2, row 1] (test above)
+    # tokens index the flattened (4, 5) rows: row r's real tokens are columns P - p_r .. P + c_r - 1
+    assert layout.tokens.tolist() == [[0, 1, 2, 3, 4], [16, 17, 18, 19, -1], [12, 13, 14, 6, 7]]
+    assert layout.positions.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    # completion token t of row r is predicted at packed start + p_r - 1 + t; row 1 has no completion:
+    # both its columns point at its last prompt token (packed 10 + 3 + 1 = 14)
+    assert layout.predicting.tolist() == [[2, 3], [14, 14], [10, 11], [6, 7]]
+    assert layout.size == 15  # against 4 x 5 = 20 padded
+
+
+@pytest.mark.parametrize("prompt_mask, completion_mask", [
+    ([[1, 0, 1]], [[1, 1]]),  # a hole in the prompt
+    ([[0, 1, 1]], [[1, 0, 1]]),  # a hole in the completion
+    ([[1, 1, 0]], [[1, 1]]),  # right-padded prompt
+    ([[0, 0, 0], [0, 1, 1]], [[1, 1, 0], [1, 0, 0]]),  # no prompt token: nothing predicts the first completion token
+])
+def test_pack_rows_leaves_other_masks_padded(prompt_mask, completion_mask):
+    assert pack_rows(torch.tensor(prompt_mask), torch.tensor(completion_mask)) is None
+
+
+def make_model(model_type: str, vocab: int = 100) -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        **({"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if model_type == "gpt2" else {}),
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def ragged_batch(prompt_lengths: list[int], completion_lengths: list[int], prompt_width: int = 9, completion_width: int = 8, seed: int = 0):
+    """Random tokens, prompts left-padded and completions right-padded to these real lengths (pad token 0)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = (torch.arange(prompt_width) >= prompt_width - torch.tensor(prompt_lengths)[:, None]).long()  # (B, P)
+    completion_mask = (torch.arange(completion_width) < torch.tensor(completion_lengths)[:, None]).long()  # (B, C)
+    prompt_ids = torch.randint(3, 100, prompt_mask.shape, generator=g) * prompt_mask
+    completion_ids = torch.randint(3, 100, completion_mask.shape, generator=g) * completion_mask
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _forward_shapes(model, run):
+    """``run()``'s result and the (rows, positions) of each forward of the transformers model inside it."""
+    calls = []
+    record = lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape) if kwargs.get("input_ids") is not None else None)  # noqa: E731
+    handle = unwrap_causal_lm(model).register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        return run(), calls
+    finally:
+        handle.remove()
+
+
+def _logits_and_grads(model, batch, packed, hidden=False):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch
+    model.zero_grad()
+    if hidden:
+        out = completion_hidden(model, *batch, packed=packed)  # (B, C, H)
+        (out.pow(2) * completion_mask[..., None]).sum().backward()
+    else:
+        out = completion_logits(model, *batch, packed=packed)  # (B, C, V)
+        (token_logprobs(out, completion_ids) * completion_mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]  # the LM head has none in the hidden pass
+    model.zero_grad()
+    return out.detach(), grads
+
+
+ARCHS = sorted(PACKED_ROWS_MODEL_TYPES) + ["llama-eager", "llama-lora"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_forward_equals_the_padded_one(arch, llama_checkpoint):
+    if arch == "llama-lora":
+        from rlalign.lm.models import LoraConfig, load_policy
+
+        model = load_policy(llama_checkpoint, lora=LoraConfig(r=4))
+        with torch.no_grad():  # non-zero adapters, so they take part
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    else:
+        model = make_model(arch.removesuffix("-eager"))
+    # six rows of 9 + 8 columns whose real lengths 9+8, 2+1, 4+6, 1+0, 3+5, 7+2 leave half the batch padding
+    batch = ragged_batch([9, 2, 4, 1, 3, 7], [8, 1, 6, 0, 5, 2])
+    completion_mask = batch[3]
+    with attention_kernel(model, "eager" if arch == "llama-eager" else None):
+        assert packs_rows(model)
+        (padded, padded_grads), padded_calls = _forward_shapes(model, lambda: _logits_and_grads(model, batch, packed=False))
+        (packed, packed_grads), packed_calls = _forward_shapes(model, lambda: _logits_and_grads(model, batch, packed=True))
+    # lengths 17 3 10 1 8 9, W = 17: [17], [10 3 1], [9 8]: 3 packed rows of 17 against 6 of 17
+    assert padded_calls == [(6, 17)] and packed_calls == [(3, 17)]
+    real = completion_mask.bool()
+    torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(packed).all()  # padding columns read a real position: finite, masked everywhere
+    for packed_grad, padded_grad in zip(packed_grads, padded_grads, strict=True):  # float32 summation order
+        torch.testing.assert_close(packed_grad, padded_grad, rtol=0, atol=1e-5 * padded_grad.abs().max().item())
+    assert "forward" not in unwrap_causal_lm(model).get_output_embeddings().__dict__  # the head as it was
+
+
+def test_packed_hidden_states_equal_the_padded_ones(tiny_llama):
+    # completion_hidden wraps the head twice (left out, then read at the packed positions) and
+    # unwraps both
+    batch = ragged_batch([9, 2, 4, 1, 3, 7], [8, 1, 6, 0, 5, 2])
+    padded, padded_grads = _logits_and_grads(tiny_llama, batch, packed=False, hidden=True)
+    (packed, packed_grads), calls = _forward_shapes(tiny_llama, lambda: _logits_and_grads(tiny_llama, batch, packed=True, hidden=True))
+    assert calls == [(3, 17)]
+    real = batch[3].bool()
+    torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-5)
+    for packed_grad, padded_grad in zip(packed_grads, padded_grads, strict=True):
+        torch.testing.assert_close(packed_grad, padded_grad, rtol=0, atol=1e-5 * padded_grad.abs().max().item())
+    assert "forward" not in tiny_llama.lm_head.__dict__
+
+
+def test_rows_that_would_not_shrink_run_padded(tiny_llama):
+    # every row as long as the longest: packing cannot take a row away, the padded forward runs
+    batch = ragged_batch([9, 9, 9], [8, 8, 8])
+    _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, *batch))
+    assert calls == [(3, 17)]
+
+
+def test_packing_or_shared_prompts_whichever_runs_fewer_positions(tiny_llama):
+    # two groups of four rows, 9-token prompts. Shared: U (P - 1) + B C = 2 x 8 + 8 x 8 = 80 positions.
+    group_index = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+
+    def batch_of(completion_lengths):
+        prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch([9] * 8, completion_lengths)
+        prompt_ids[4:], prompt_ids[:4] = prompt_ids[4], prompt_ids[0]  # each group's rows share their prompt
+        return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+    # completions of 8: packed rows of 17 hold one row each (136 positions): the shared prompts run
+    _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, *batch_of([8] * 8), group_index))
+    assert calls == [None, None]  # (inputs_embeds) the groups' prompts, then every row's completion
+    # completions of 1: rows of 10 tokens, W = 10, one a packed row: 8 x 10 = 80, not fewer than 80: shared
+    _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, *batch_of([1] * 8), group_index))
+    assert calls == [None, None]
+    # completions of 8, 1, 1, 1 in each group: rows of 17 and 10, W = 17, no two 10s fit one packed row:
+    # [17] [17] [10] [10] [10] [10], 6 x 17 = 102 > 80: shared
+    _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, *batch_of([8, 1, 1, 1] * 2), group_index))
+    assert calls == [None, None]
+    # shorter prompts make sharing worth less: 2-token prompts of completions 8, 1, 1, 1: shared 2 x 1 + 8 x 8 = 66;
+    # rows of 10 and 3, W = 10: [10] [10] [3 3 3] [3 3 3]: 40 positions: packed
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_of([8, 1, 1, 1] * 2)
+    prompt_mask[:, :7] = 0
+    prompt_ids = prompt_ids * prompt_mask
+    logits, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, prompt_ids, prompt_mask, completion_ids, completion_mask, group_index))
+    assert calls == [(4, 10)]
+    padded = completion_logits(tiny_llama, prompt_ids, prompt_mask, completion_ids, completion_mask, packed=False)
+    real = completion_mask.bool()
+    torch.testing.assert_close(logits[real], padded[real], rtol=1e-5, atol=1e-5)
+
+
+def test_without_transformers_packed_masks_rows_run_padded(tiny_llama, monkeypatch):
+    # packed rows need transformers to tell them apart by their position ids (rlalign.lm.private):
+    # where that is missing, one warning and the padded forward
+    monkeypatch.setitem(private.PRIVATE_SYMBOLS, "packed_rows", ("transformers.masking_utils:no_such_symbol",))
+    private.ready.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="packed_rows fast path is off"):
+            assert not packs_rows(tiny_llama)
+        _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, *ragged_batch([9, 2, 4], [8, 1, 6])))
+    finally:
+        private.ready.cache_clear()
+    assert calls == [(3, 17)]
