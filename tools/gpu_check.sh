@@ -31,6 +31,9 @@
 #      the 1B model at 16 x G 16 x 256 new tokens (256 rows x ~290 tokens) and a Qwen2.5-0.5B-shaped
 #      model (151,936-token vocabulary) at 4 x G 16 x 1000 (64 rows x ~1030 tokens); the rows chosen and
 #      each step's peak ($LIMIT_MEMORY s for each, default 0: skipped; 240 fits both)
+#   7. benchmarks/packed_rows.py on the real SmolLM2-135M-Instruct (ragged completions), 16 x G 16 x 256
+#      new tokens: packed against padded rows, with shared prompts and with each row's own, as DDP /
+#      FSDP2 learners run ($LIMIT_PACKED s for each, default 0: skipped; needs $SMOLLM2_PARTS)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
 #
@@ -178,6 +181,19 @@ if [ "${LIMIT_MEMORY:-0}" -gt 0 ]; then
     say "memory $1, $2 x 16 x $3, auto micro-batches, 80 GB: rc=$rc $(( $(date +%s) - start ))s"
     grep -E "^step |^memory:|^\| (generate|whole)" "$LOGS/memory_$1.log" >> "$SUMMARY"
     [ $rc -ne 0 ] && tail -n 20 "$LOGS/memory_$1.log" >> "$SUMMARY"
+  done
+fi
+# ---- 7. Packed rows against padded rows, real weights (optional) ------------------------------------------------
+if [ "${LIMIT_PACKED:-0}" -gt 0 ]; then
+  for prompts in "" "--separate-prompts"; do
+    start=$(date +%s)
+    timeout -k 10 "$LIMIT_PACKED" "$PY" benchmarks/packed_rows.py --device cuda --prompts 16 --group-size 16 --new-tokens 256 --steps 3 $prompts \
+      > "$LOGS/packed_rows$prompts.log" 2>&1
+    rc=$?
+    say ""
+    say "packed rows ${prompts:-shared prompts}: rc=$rc $(( $(date +%s) - start ))s"
+    sed -n '/^SmolLM2-135M-Instruct on/,$p' "$LOGS/packed_rows$prompts.log" >> "$SUMMARY"
+    [ $rc -ne 0 ] && tail -n 20 "$LOGS/packed_rows$prompts.log" >> "$SUMMARY"
   done
 fi
 say ""

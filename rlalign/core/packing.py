@@ -41,6 +41,15 @@ class PackedRows(NamedTuple):
         """Positions a packed pass runs, N x W."""
         return self.tokens.numel()
 
+    def input_ids(self, prompt_ids: Tensor, completion_ids: Tensor) -> Tensor:
+        """The packed rows' tokens; an unused position repeats the batch's first token (it attends
+        within the unused tail only). Shapes: (B, P), (B, C) -> (N, W)."""
+        return torch.cat([prompt_ids, completion_ids], dim=1).flatten()[self.tokens.clamp(min=0)]
+
+    def pick(self, packed: Tensor) -> Tensor:
+        """The values at the positions that predict each completion token. Shape: (N, W, ...) -> (B, C, ...)."""
+        return packed.flatten(0, 1)[self.predicting.flatten()].view(*self.predicting.shape, *packed.shape[2:])
+
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
     """(bin, offset) of each item: items taken longest first (ties in order), each put into the

@@ -111,11 +111,13 @@ class ScalarHeadModel(nn.Module):
     def config(self) -> PretrainedConfig:
         return self.backbone.config
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """Per-token scalars. input_ids, attention_mask: (B, T), left or right padded. Returns (B, T) float32."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None) -> Tensor:
+        """Per-token scalars. input_ids, attention_mask: (B, T), left or right padded; or no mask and the
+        position ids of packed rows (:mod:`rlalign.core.packing`). Returns (B, T) float32."""
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state  # (B, T, H)
+        # no KV cache: none is read, and transformers keeps packed rows apart only in a forward without one
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state  # (B, T, H)
         with torch.autocast(hidden.device.type, enabled=False):  # the scalar head stays float32 under a bfloat16 autocast
             return self.head(hidden.float()).squeeze(-1)  # (B, T)
 

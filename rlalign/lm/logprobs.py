@@ -58,6 +58,7 @@ __all__ = [
     "completion_hidden",
     "lm_head_of",
     "packs_rows",
+    "packed_layout",
     "wrapped_across_processes",
     "HEAD_LAST_MODEL_TYPES",
     "PACKED_ROWS_MODEL_TYPES",
@@ -162,8 +163,8 @@ def completion_logits(
         groups, rows_group = torch.unique(group_index, return_inverse=True)  # (U,), (B,): each row's group among the U
         padded = len(groups) * (prompt_len - 1) + completion_ids.numel() if len(groups) < batch else padded  # shared: U (P - 1) + B C
         rows_group = rows_group if len(groups) < batch else None  # a one-token prompt or all-distinct groups: nothing to share
-    layout = pack_rows(prompt_mask, completion_mask) if packed and packs_rows(model) else None
-    if layout is not None and layout.size < padded:
+    layout = packed_layout(model, prompt_mask, completion_mask, padded) if packed else None
+    if layout is not None:
         return _packed_logits(model, prompt_ids, completion_ids, layout)
     if rows_group is not None:
         return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, int(rows_group.max()) + 1)
@@ -174,18 +175,23 @@ def completion_logits(
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, logits_to_keep=keep).logits
 
 
+def packed_layout(model: nn.Module, prompt_mask: Tensor, completion_mask: Tensor, padded: int) -> PackedRows | None:
+    """The packed layout of these rows (:func:`rlalign.core.packing.pack_rows`) where ``model`` packs
+    rows (:func:`packs_rows`) and the packed rows run fewer positions than ``padded``; else None."""
+    layout = pack_rows(prompt_mask, completion_mask) if packs_rows(model) else None
+    return layout if layout is not None and layout.size < padded else None
+
+
 def _packed_logits(model: nn.Module, prompt_ids: Tensor, completion_ids: Tensor, layout: PackedRows) -> Tensor:
     """:func:`completion_logits` with the rows packed by ``layout``: one forward over (N, W) positions,
     no attention mask (the position ids keep the rows apart), and the LM head applied, inside that
     forward, to the (B, C) hidden states ``layout.predicting`` picks. Shape: (B, C, V)."""
-    tokens = torch.cat([prompt_ids, completion_ids], dim=1).flatten()  # (B (P + C),)
-    input_ids = tokens[layout.tokens.clamp(min=0)]  # (N, W); an unused position repeats a token: it attends within the unused tail only
-    picked = layout.predicting.flatten()  # (B C,)
 
     def reading(run: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
-        return lambda hidden: run(hidden.flatten(0, 1)[picked].view(*layout.predicting.shape, -1))  # (N, W, H) -> (B, C, H), contiguous
+        return lambda hidden: run(layout.pick(hidden))  # (N, W, H) -> (B, C, H), contiguous
 
     with _head_wrapped(model, reading):
+        input_ids = layout.input_ids(prompt_ids, completion_ids)  # (N, W)
         return model(input_ids=input_ids, position_ids=layout.positions, use_cache=False, logits_to_keep=0).logits  # (B, C, V)
 
 

@@ -188,3 +188,31 @@ def test_without_transformers_packed_masks_rows_run_padded(tiny_llama, monkeypat
     finally:
         private.ready.cache_clear()
     assert calls == [(3, 17)]
+
+
+def test_packed_critic_values_equal_the_padded_ones():
+    # PPO's critic reads the same positions as the policy's head: V(s_t) at P - 1 + t
+    from rlalign.lm.heads import ScalarHeadModel
+    from rlalign.lm.rollout import Rollout
+    from rlalign.train.ppo import critic_values
+
+    critic = ScalarHeadModel(make_model("llama").model)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch([9, 2, 4, 1, 3, 7], [8, 1, 6, 0, 5, 2])
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(completion_mask.shape), torch.arange(6),
+                      torch.zeros(6, dtype=torch.bool))
+    padded = critic(rollout.input_ids(), rollout.attention_mask(), rollout.position_ids())[:, 8:-1]  # (B, C): positions P - 1 .. P + C - 2
+    (padded * completion_mask).sum().backward()
+    padded_grads = [p.grad.clone() for p in critic.parameters()]
+    critic.zero_grad()
+    shapes = []
+    handle = critic.backbone.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        packed = critic_values(critic, rollout)  # (B, C)
+    finally:
+        handle.remove()
+    (packed * completion_mask).sum().backward()
+    assert shapes == [(3, 17)]
+    real = completion_mask.bool()
+    torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-5)
+    for p, padded_grad in zip(critic.parameters(), padded_grads, strict=True):
+        torch.testing.assert_close(p.grad, padded_grad, rtol=0, atol=1e-5 * padded_grad.abs().max().item())
