@@ -29,8 +29,9 @@ once; a frozen model's weights made to need a gradient for it):
 A run probes again only when its rows grow longer than the longest probed; a shorter row costs
 per_row * T / T_probed (activations grow with tokens, attention's scores faster: scaled down
 linearly, an upper bound). The probe runs in eval mode (no activation checkpointing; dropout is 0
-either way) and with every row running its prompt (no shared prompts), an upper bound of what a pass
-keeps. Then, with L layers of width H, T = P + C tokens a row and V the vocabulary:
+either way) and with every row running its prompt at full width (no shared prompts, no packed
+rows: a pass runs at most that many positions, :mod:`rlalign.core.packing`), an upper bound of what a
+pass keeps. Then, with L layers of width H, T = P + C tokens a row and V the vocabulary:
 
     update row  = SLACK * per_row + head_row                         a trained model
                 = SLACK * (per_row / L + L * T * H * 4) + head_row   with checkpointing: each layer keeps its input

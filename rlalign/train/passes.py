@@ -1,10 +1,11 @@
 """The forward passes of an RL step besides sampling: the policy's completion logits (each group's
-prompt run once, or compiled), the reference pass, the pi_old recompute, and the statistics that
-compare log-probs (the sampler's against the training forward's, pi against pi_old).
+prompt run once, or compiled), the reference pass, the pi_old recompute, PPO's critic values, and
+the statistics that compare log-probs (the sampler's against the training forward's, pi against pi_old).
 
     ref_logp = reference_logprobs(policy, reference, rollout, temperature, batches, autocast)      # (B, C)
     old_logp = training_logprobs(policy, rollout, temperature, minibatches, autocast)               # (B, C)
     logp, entropy = completion_logprobs(policy, minibatch, temperature, "statistic")                 # (B, C) each
+    values = critic_values(critic, minibatch)                                                        # (B, C)
     logits = completion_logits(policy, minibatch)                                                    # (B, C, V)
 
 Each pass runs its rows at their own width (:func:`trimmed`), and, where that runs fewer positions
@@ -33,7 +34,7 @@ from rlalign.core.kl import entropy_from_logits
 from rlalign.core.linear_logprobs import EntropyMode, linear_token_logprobs
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.lm import private
-from rlalign.lm.logprobs import completion_hidden, lm_head_of, wrapped_across_processes
+from rlalign.lm.logprobs import completion_hidden, lm_head_of, packed_layout, wrapped_across_processes
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.models import reference_policy
@@ -47,6 +48,7 @@ __all__ = [
     "compiled_completion_logits",
     "rollout_token_logprobs",
     "completion_logprobs",
+    "critic_values",
     "trimmed",
     "logprobs_and_entropy",
     "reference_logprobs",
@@ -156,6 +158,22 @@ def logprobs_and_entropy(logits: Tensor, completion_ids: Tensor, temperature: fl
     if entropy_grad:
         return token_logprobs(logits, completion_ids, temperature), entropy_from_logits(logits / temperature)
     return token_logprobs_and_entropy(logits, completion_ids, temperature)
+
+
+def critic_values(critic: nn.Module, rollout: Rollout) -> Tensor:
+    """V(s_t) for each completion token: the critic's scalar at position P - 1 + t (the state
+    before token t is drawn), the rows at their own width (:func:`trimmed`, 0 on
+    the columns dropped) and packed end to end where that runs fewer positions (as the policy's
+    passes: :func:`rlalign.lm.logprobs.packed_layout`). Shape: (B, C)."""
+    device = next(critic.parameters()).device
+    r, width = trimmed(rollout)
+    r = r.to(device)
+    layout = packed_layout(critic, r.prompt_mask, r.completion_mask, r.prompt_ids.numel() + r.completion_ids.numel())
+    if layout is not None:
+        values = layout.pick(critic(layout.input_ids(r.prompt_ids, r.completion_ids), None, layout.positions))  # (N, W) -> (B, C)
+    else:
+        values = critic(r.input_ids(), r.attention_mask(), r.position_ids())[:, r.prompt_ids.shape[1] - 1 : -1]  # (B, P + C) -> (B, C)
+    return F.pad(values, (0, width - values.shape[1]))
 
 
 @torch.no_grad()

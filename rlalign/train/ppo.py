@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
@@ -58,7 +57,6 @@ from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k
 from rlalign.core.losses import Aggregation, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.heads import load_critic
-from rlalign.lm.logprobs import packed_layout
 from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
@@ -67,14 +65,14 @@ from rlalign.train.common import forward_precision
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.memory_plan import Pass, plan_rows
 from rlalign.train.objectives import policy_objective, sampler_weights
-from rlalign.train.passes import completion_logprobs, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs, trimmed
+from rlalign.train.passes import completion_logprobs, critic_values, logprob_mismatch, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
 from rlalign.train.rl_config import DataConfig, RLConfig, RLOptimConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats, trusted_rows
 from rlalign.train.sources import RolloutSource
 from rlalign.train.updater import Updater, minibatch_step
 
 __all__ = [
-    "CriticConfig", "PPOConfig", "KL_ESTIMATORS", "ppo_advantages", "critic_values", "policy_loss", "critic_loss", "ppo_step", "train",
+    "CriticConfig", "PPOConfig", "KL_ESTIMATORS", "ppo_advantages", "policy_loss", "critic_loss", "ppo_step", "train",
     "add_arguments", "run",
 ]
 
@@ -168,22 +166,6 @@ def ppo_advantages(
         mean, var = distributed.global_mean_var(advantages, sampled, world)
         advantages = whiten_with(advantages, mean, var, sampled)
     return rewards, advantages, returns, kl
-
-
-def critic_values(critic: nn.Module, rollout: Rollout) -> Tensor:
-    """V(s_t) for each completion token: the critic's scalar at position P - 1 + t (the state
-    before token t is drawn), the rows at their own width (:func:`rlalign.train.passes.trimmed`, 0 on
-    the columns dropped) and packed end to end where that runs fewer positions (as the policy's
-    passes: :func:`rlalign.lm.logprobs.packed_layout`). Shape: (B, C)."""
-    device = next(critic.parameters()).device
-    r, width = trimmed(rollout)
-    r = r.to(device)
-    layout = packed_layout(critic, r.prompt_mask, r.completion_mask, r.prompt_ids.numel() + r.completion_ids.numel())
-    if layout is not None:
-        values = layout.pick(critic(layout.input_ids(r.prompt_ids, r.completion_ids), None, layout.positions))  # (N, W) -> (B, C)
-    else:
-        values = critic(r.input_ids(), r.attention_mask(), r.position_ids())[:, r.prompt_ids.shape[1] - 1 : -1]  # (B, P + C) -> (B, C)
-    return F.pad(values, (0, width - values.shape[1]))
 
 
 def policy_loss(

@@ -194,7 +194,7 @@ def test_packed_critic_values_equal_the_padded_ones():
     # PPO's critic reads the same positions as the policy's head: V(s_t) at P - 1 + t
     from rlalign.lm.heads import ScalarHeadModel
     from rlalign.lm.rollout import Rollout
-    from rlalign.train.ppo import critic_values
+    from rlalign.train.passes import critic_values
 
     critic = ScalarHeadModel(make_model("llama").model)
     prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch([9, 2, 4, 1, 3, 7], [8, 1, 6, 0, 5, 2])
