@@ -1,5 +1,6 @@
-"""Packed rows (rlalign.core.packing): the layout by hand, and the packed forward equal to the padded
-one at every real position, in value and gradient, for each architecture that packs."""
+"""Packed rows (rlalign.core.packing; its layout by hand in tests/core/test_packing.py): the packed
+forward equal to the padded one at every real position, in value and gradient, for each
+architecture that packs, the choice between packed rows and shared prompts, and PPO's critic."""
 
 from __future__ import annotations
 
@@ -8,43 +9,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlalign.core.logprobs import token_logprobs
-from rlalign.core.packing import first_fit_decreasing, pack_rows
 from rlalign.lm import private
 from rlalign.lm.logprobs import PACKED_ROWS_MODEL_TYPES, completion_hidden, completion_logits, packs_rows
 from rlalign.lm.model_modes import attention_kernel
 from rlalign.lm.models import unwrap_causal_lm
-
-
-def test_first_fit_decreasing_by_hand():
-    # capacity 5, lengths 5 2 3 4: 5 fills bin 0; 4 opens bin 1 (1 left); 3 does not fit there, opens
-    # bin 2 (2 left); 2 fits neither bin 0 (0 left) nor bin 1 (1 left), goes to bin 2 at offset 3
-    assert first_fit_decreasing([5, 2, 3, 4], 5) == [(0, 0), (2, 3), (2, 0), (1, 0)]
-    assert first_fit_decreasing([2, 2, 2], 4) == [(0, 0), (0, 2), (1, 0)]  # ties in order
-
-
-def test_pack_rows_by_hand():
-    # rows (prompt + completion real tokens): 3 + 2, 2 + 0, 1 + 2, 2 + 2; width P + C = 3 + 2 = 5 a row
-    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [0, 1, 1]])
-    completion_mask = torch.tensor([[1, 1], [0, 0], [1, 1], [1, 1]])
-    layout = pack_rows(prompt_mask, completion_mask)
-    # lengths 5 2 3 4, W = 5: packed rows [row 0], [row 3, unused], [row 2, row 1] (test above)
-    # tokens index the flattened (4, 5) rows: row r's real tokens are columns P - p_r .. P + c_r - 1
-    assert layout.tokens.tolist() == [[0, 1, 2, 3, 4], [16, 17, 18, 19, -1], [12, 13, 14, 6, 7]]
-    assert layout.positions.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
-    # completion token t of row r is predicted at packed start + p_r - 1 + t; row 1 has no completion:
-    # both its columns point at its last prompt token (packed 10 + 3 + 1 = 14)
-    assert layout.predicting.tolist() == [[2, 3], [14, 14], [10, 11], [6, 7]]
-    assert layout.size == 15  # against 4 x 5 = 20 padded
-
-
-@pytest.mark.parametrize("prompt_mask, completion_mask", [
-    ([[1, 0, 1]], [[1, 1]]),  # a hole in the prompt
-    ([[0, 1, 1]], [[1, 0, 1]]),  # a hole in the completion
-    ([[1, 1, 0]], [[1, 1]]),  # right-padded prompt
-    ([[0, 0, 0], [0, 1, 1]], [[1, 1, 0], [1, 0, 0]]),  # no prompt token: nothing predicts the first completion token
-])
-def test_pack_rows_leaves_other_masks_padded(prompt_mask, completion_mask):
-    assert pack_rows(torch.tensor(prompt_mask), torch.tensor(completion_mask)) is None
 
 
 def make_model(model_type: str, vocab: int = 100) -> torch.nn.Module:
