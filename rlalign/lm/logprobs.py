@@ -126,10 +126,21 @@ def _head_left_out(model: nn.Module) -> contextlib.AbstractContextManager[None]:
 def packs_rows(model: nn.Module) -> bool:
     """Whether ``model``'s transformers masks keep packed rows apart (:mod:`rlalign.core.packing`): an
     architecture of :data:`PACKED_ROWS_MODEL_TYPES` under an attention kernel of :data:`PACKED_ROWS_KERNELS`,
-    with transformers' packed-sequence masks there (:mod:`rlalign.lm.private`)."""
+    with LoRA adapters or none, and transformers' packed-sequence masks there (:mod:`rlalign.lm.private`)."""
     config = getattr(unwrap_causal_lm(_causal_lm(model)), "config", None)
     return (getattr(config, "model_type", None) in PACKED_ROWS_MODEL_TYPES and getattr(config, "_attn_implementation", None) in PACKED_ROWS_KERNELS
-            and private.ready("packed_rows"))
+            and _weight_adapters_only(_causal_lm(model)) and private.ready("packed_rows"))
+
+
+def _weight_adapters_only(model: nn.Module) -> bool:
+    """Whether every peft adapter on ``model`` is LoRA or its kin (weights changed, no virtual tokens: a
+    prefix tuning's KV cache would let packed rows see each other)."""
+    adapters = getattr(model, "peft_config", None) or {}  # a peft model's, or transformers' own adapters': name -> config
+    if not adapters:
+        return True
+    from peft import LoraConfig  # only where there are adapters
+
+    return all(isinstance(config, LoraConfig) for config in adapters.values())
 
 
 def completion_positions(prompt_len: int, completion_len: int, device: torch.device | str) -> Tensor:

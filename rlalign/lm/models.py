@@ -126,6 +126,8 @@ def check_checkpoint_dir(path: str | Path, gguf_file: str | None = None) -> Path
     marker = gguf_file or ("config.json" if not (path / _ADAPTER_FILE).is_file() else _ADAPTER_FILE)
     if not (path / marker).is_file():
         raise ModelLoadError(f"{str(path)!r} is not a Hugging Face checkpoint directory: it has no {marker}")
+    if marker == _ADAPTER_FILE:
+        _check_weight_adapter(path)
     for weights in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(str(weights), "pt"):  # reads the header and checks it against the file's size
@@ -133,6 +135,18 @@ def check_checkpoint_dir(path: str | Path, gguf_file: str | None = None) -> Path
         except Exception as err:  # safetensors raises its own error kinds
             raise ModelLoadError(f"weights file {weights} is corrupt or truncated ({type(err).__name__}: {err})") from None
     return path
+
+
+def _check_weight_adapter(path: Path) -> None:
+    """A saved peft adapter that changes weights (LoRA and its kin), not one that adds virtual tokens
+    (prompt or prefix tuning: the training passes would place the completion's log-probs at the wrong
+    positions, and packed rows would see each other's tokens through its cache)."""
+    from peft import PeftConfig
+
+    config = PeftConfig.from_pretrained(str(path))
+    if config.is_prompt_learning:
+        raise ModelLoadError(f"{path / _ADAPTER_FILE}: peft_type {config.peft_type.value} adds virtual tokens to every sequence; "
+                             "rlalign trains and loads LoRA adapters (model.lora), or a full checkpoint")
 
 
 def context_length(path: str | Path, gguf_file: str | None = None) -> int | None:
@@ -219,6 +233,7 @@ def load_policy(
     if (path / _ADAPTER_FILE).is_file():
         from peft import PeftModel
 
+        _check_weight_adapter(path)
         base_path = json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"]
         base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file, attn_implementation)
         return disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)

@@ -507,3 +507,20 @@ def test_a_hub_id_resolves_through_the_hugging_face_cache_and_offline_without_it
     with pytest.raises(ModelLoadError, match="'nobody/nothing' is neither a local directory nor in the Hugging Face cache, and rlalign downloads nothing unless asked"):
         resolve_model_path("nobody/nothing")
     assert resolve_model_path(tmp_path) == tmp_path  # a local directory is taken as it is
+
+
+def test_a_prompt_learning_adapter_is_one_clear_error(tmp_path, tokenizer, llama_checkpoint):
+    # prefix tuning adds virtual tokens to every sequence: the completion log-probs would sit at the
+    # wrong positions (and packed rows would see each other), so such an adapter is refused by name
+    from peft import PrefixTuningConfig, get_peft_model
+
+    from rlalign.lm.models import ModelLoadError, check_checkpoint_dir
+
+    adapter = get_peft_model(load_policy(llama_checkpoint), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    adapter.save_pretrained(tmp_path / "prefix")
+    tokenizer.save_pretrained(tmp_path / "prefix")
+    message = "adapter_config.json: peft_type PREFIX_TUNING adds virtual tokens to every sequence; rlalign trains and loads LoRA adapters"
+    with pytest.raises(ModelLoadError, match=message):
+        load_policy(tmp_path / "prefix")
+    with pytest.raises(ModelLoadError, match=message):
+        check_checkpoint_dir(tmp_path / "prefix")

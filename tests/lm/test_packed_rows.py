@@ -114,7 +114,8 @@ def test_rows_that_would_not_shrink_run_padded(tiny_llama):
 
 
 def test_packing_or_shared_prompts_whichever_runs_fewer_positions(tiny_llama):
-    # two groups of four rows, 9-token prompts. Shared: U (P - 1) + B C = 2 x 8 + 8 x 8 = 80 positions.
+    # two groups of four rows, 9-token prompts (9 columns), 8 completion columns. Shared: U (P - 1) + B C
+    # = 2 x 8 + 8 x 8 = 80 positions; padded 8 x 17 = 136.
     group_index = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
 
     def batch_of(completion_lengths):
@@ -128,10 +129,16 @@ def test_packing_or_shared_prompts_whichever_runs_fewer_positions(tiny_llama):
     # completions of 1: rows of 10 tokens, W = 10, one a packed row: 8 x 10 = 80, not fewer than 80: shared
     _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, *batch_of([1] * 8), group_index))
     assert calls == [None, None]
-    # completions of 8, 1, 1, 1 in each group: rows of 17 and 10, W = 17, no two 10s fit one packed row:
-    # [17] [17] [10] [10] [10] [10], 6 x 17 = 102 > 80: shared
-    _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, *batch_of([8, 1, 1, 1] * 2), group_index))
+    # a tie: group 0's 9-token prompt with completions 0, 1, 0, 1, group 1's 1-token prompt with
+    # completions of 8: rows of 9, 10, 9, 10 and 9, W = 10, no two fit one packed row: 8 x 10 = 80,
+    # fewer than the padded 8 x 17 but not than the shared 2 x 8 + 8 x 8 = 80: shared
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch_of([0, 1, 0, 1] + [8] * 4)
+    prompt_mask[4:, :8] = 0
+    prompt_ids = prompt_ids * prompt_mask
+    _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, prompt_ids, prompt_mask, completion_ids, completion_mask, group_index))
     assert calls == [None, None]
+    _, calls = _forward_shapes(tiny_llama, lambda: completion_logits(tiny_llama, prompt_ids, prompt_mask, completion_ids, completion_mask))
+    assert calls == [(8, 10)]  # without groups to share, the same rows pack (80 < 136)
     # shorter prompts make sharing worth less: 2-token prompts of completions 8, 1, 1, 1: shared 2 x 1 + 8 x 8 = 66;
     # rows of 10 and 3, W = 10: [10] [10] [3 3 3] [3 3 3]: 40 positions: packed
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch_of([8, 1, 1, 1] * 2)
@@ -184,3 +191,16 @@ def test_packed_critic_values_equal_the_padded_ones():
     torch.testing.assert_close(packed[real], padded[real], rtol=1e-5, atol=1e-5)
     for p, padded_grad in zip(critic.parameters(), padded_grads, strict=True):
         torch.testing.assert_close(p.grad, padded_grad, rtol=0, atol=1e-5 * padded_grad.abs().max().item())
+
+
+def test_prefix_tuning_runs_padded(tiny_llama):
+    # a prefix-tuning adapter hands the model a KV cache of virtual tokens, and transformers tells
+    # packed rows apart only without one: such a model never packs
+    from peft import PrefixTuningConfig, get_peft_model
+
+    model = get_peft_model(make_model("llama"), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    assert packs_rows(tiny_llama) and not packs_rows(model)
+    batch = ragged_batch([9, 2, 4, 1, 3, 7], [8, 1, 6, 0, 5, 2])
+    with torch.no_grad():
+        _, calls = _forward_shapes(model, lambda: completion_logits(model, *batch))
+    assert calls == [(6, 17)]
