@@ -54,15 +54,15 @@ class PackedRows(NamedTuple):
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
     """(bin, offset) of each item: items taken longest first (ties in order), each put into the
     first bin with ``capacity`` - used >= its length, else a new bin. Every length <= capacity."""
-    used: list[int] = []
-    placed = [(0, 0)] * len(lengths)
+    used: list[int] = []  # tokens in each bin so far
+    placed: dict[int, tuple[int, int]] = {}
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         fit = next((b for b, filled in enumerate(used) if capacity - filled >= lengths[i]), len(used))
         if fit == len(used):
             used.append(0)
         placed[i] = (fit, used[fit])
         used[fit] += lengths[i]
-    return placed
+    return [placed[i] for i in range(len(lengths))]
 
 
 def pack_rows(prompt_mask: Tensor, completion_mask: Tensor) -> PackedRows | None:

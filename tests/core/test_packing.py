@@ -40,6 +40,10 @@ def test_pack_rows_leaves_other_masks_padded(prompt_mask, completion_mask):
     assert pack_rows(torch.tensor(prompt_mask), torch.tensor(completion_mask)) is None
 
 
+def test_no_rows_nothing_to_pack():
+    assert pack_rows(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 2, dtype=torch.long)) is None
+
+
 def test_packed_input_ids_and_picked_positions_by_hand():
     # the batch of test_pack_rows_by_hand with token ids 10 * row + column, so each says where it came from
     prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [0, 1, 1]])
