@@ -62,3 +62,13 @@ def test_packed_input_ids_and_picked_positions_by_hand():
 def test_one_row_packs_into_itself():
     layout = pack_rows(torch.tensor([[0, 1, 1]]), torch.tensor([[1, 0]]))
     assert layout.tokens.tolist() == [[1, 2, 3]] and layout.positions.tolist() == [[0, 1, 2]] and layout.predicting.tolist() == [[1, 1]]
+
+
+def test_the_unused_tail_counts_from_0_again():
+    # rows of 2 + 0 and 1 + 3 tokens (P = 2, C = 3), W = 4: [row 1], [row 0, two unused]. Row 0's
+    # first token is the batch's token 0; the unused tail's positions restart at 0 (never -1, never
+    # continuing from the row before)
+    layout = pack_rows(torch.tensor([[1, 1], [0, 1]]), torch.tensor([[0, 0, 0], [1, 1, 1]]))
+    assert layout.tokens.tolist() == [[6, 7, 8, 9], [0, 1, -1, -1]]
+    assert layout.positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
+    assert layout.predicting.tolist() == [[5, 5, 5], [0, 1, 2]]  # row 0 has no completion: its last prompt token, thrice
