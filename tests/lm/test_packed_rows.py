@@ -204,3 +204,26 @@ def test_prefix_tuning_runs_padded(tiny_llama):
     with torch.no_grad():
         _, calls = _forward_shapes(model, lambda: completion_logits(model, *batch))
     assert calls == [(6, 17)]
+
+
+def test_a_policy_still_the_reference_has_a_kl_of_exactly_0_with_packed_rows():
+    # GRPO's reference pass runs on the updates' row batches: the same rows pack alike in the no-grad
+    # eval-mode reference pass and the training forward, so the log-probs are equal bit for bit
+    import copy
+
+    from rlalign.lm.rollout import Rollout
+    from rlalign.train.passes import completion_logprobs, reference_logprobs
+
+    policy = make_model("llama").train()
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch([9, 2, 4, 1, 3, 7], [8, 1, 6, 0, 5, 2])
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(completion_mask.shape), torch.arange(6),
+                      torch.zeros(6, dtype=torch.bool))
+    update_rows = [torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5])]
+    (ref_logp, calls) = _forward_shapes(reference, lambda: reference_logprobs(policy, reference, rollout, 0.7, update_rows))
+    # rows of 17, 3, 10, 1 pack into [17] [10 3 1]; rows of 8 and 9 (trimmed to 7 + 5 columns: 2 x 12 padded) into [9] [8]
+    assert calls == [(2, 17), (2, 9)]
+    for rows, shape in zip(update_rows, calls, strict=True):
+        (logp, _), update_calls = _forward_shapes(policy, lambda: completion_logprobs(policy, rollout.select(rows), 0.7, "statistic"))  # (b, C), with grad
+        real = completion_mask[rows].bool()
+        assert update_calls == [shape] and torch.equal(logp.detach()[real], ref_logp[rows][real])
