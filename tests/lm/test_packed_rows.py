@@ -15,9 +15,9 @@ from rlalign.lm.model_modes import attention_kernel
 from rlalign.lm.models import unwrap_causal_lm
 
 
-def make_model(model_type: str, vocab: int = 100) -> torch.nn.Module:
+def make_model(model_type: str, vocab: int = 100, **overrides) -> torch.nn.Module:
     config = AutoConfig.for_model(
-        model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        model_type, **overrides, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         **({"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if model_type == "gpt2" else {}),
     )
@@ -60,7 +60,7 @@ def _logits_and_grads(model, batch, packed, hidden=False):
     return out.detach(), grads
 
 
-ARCHS = sorted(PACKED_ROWS_MODEL_TYPES) + ["llama-eager", "llama-lora"]
+ARCHS = sorted(PACKED_ROWS_MODEL_TYPES) + ["llama-eager", "llama-lora", "mistral-window", "mistral-window-eager"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -73,12 +73,14 @@ def test_packed_forward_equals_the_padded_one(arch, llama_checkpoint):
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.1)
+    elif arch.startswith("mistral-window"):  # a sliding window of 3 tokens, shorter than the rows: the packed masks keep it
+        model = make_model("mistral", sliding_window=3)
     else:
         model = make_model(arch.removesuffix("-eager"))
     # six rows of 9 + 8 columns whose real lengths 9+8, 2+1, 4+6, 1+0, 3+5, 7+2 leave half the batch padding
     batch = ragged_batch([9, 2, 4, 1, 3, 7], [8, 1, 6, 0, 5, 2])
     completion_mask = batch[3]
-    with attention_kernel(model, "eager" if arch == "llama-eager" else None):
+    with attention_kernel(model, "eager" if arch.endswith("-eager") else None):
         assert packs_rows(model)
         (padded, padded_grads), padded_calls = _forward_shapes(model, lambda: _logits_and_grads(model, batch, packed=False))
         (packed, packed_grads), packed_calls = _forward_shapes(model, lambda: _logits_and_grads(model, batch, packed=True))
@@ -227,3 +229,18 @@ def test_a_policy_still_the_reference_has_a_kl_of_exactly_0_with_packed_rows():
         (logp, _), update_calls = _forward_shapes(policy, lambda: completion_logprobs(policy, rollout.select(rows), 0.7, "statistic"))  # (b, C), with grad
         real = completion_mask[rows].bool()
         assert update_calls == [shape] and torch.equal(logp.detach()[real], ref_logp[rows][real])
+
+
+def test_the_head_is_restored_when_the_forward_fails(tiny_llama):
+    def fail(module, args):
+        raise RuntimeError("out of memory, say")
+
+    handle = tiny_llama.model.layers[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="out of memory, say"):
+            completion_hidden(tiny_llama, *ragged_batch([9, 2, 4], [8, 1, 6]))  # the head wrapped twice: left out, read packed
+    finally:
+        handle.remove()
+    assert "forward" not in tiny_llama.lm_head.__dict__
+    logits = completion_logits(tiny_llama, *ragged_batch([9, 2, 4], [8, 1, 6]))
+    assert logits.shape == (3, 8, 100)  # the head projects again
