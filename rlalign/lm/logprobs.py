@@ -169,16 +169,16 @@ def completion_logits(
     """
     batch, prompt_len = prompt_ids.shape
     padded = batch * (prompt_len + completion_ids.shape[1])  # positions the padded forward runs
-    rows_group = None
+    shared = None  # (each row's group among the U, U) where the groups' prompts run once
     if group_index is not None and not is_checkpointing(model) and prompt_len > 1:  # a checkpointed forward drops the KV cache the shared prompt needs
-        groups, rows_group = torch.unique(group_index, return_inverse=True)  # (U,), (B,): each row's group among the U
-        padded = len(groups) * (prompt_len - 1) + completion_ids.numel() if len(groups) < batch else padded  # shared: U (P - 1) + B C
-        rows_group = rows_group if len(groups) < batch else None  # a one-token prompt or all-distinct groups: nothing to share
+        groups, rows_group = torch.unique(group_index, return_inverse=True)  # (U,), (B,)
+        if len(groups) < batch:  # all-distinct groups (or a one-token prompt, above): nothing to share
+            shared, padded = (rows_group, len(groups)), len(groups) * (prompt_len - 1) + completion_ids.numel()  # U (P - 1) + B C positions
     layout = packed_layout(model, prompt_mask, completion_mask, padded) if packed else None
     if layout is not None:
         return _packed_logits(model, prompt_ids, completion_ids, layout)
-    if rows_group is not None:
-        return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, rows_group, int(rows_group.max()) + 1)
+    if shared is not None:
+        return _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *shared)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + C)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1).long()  # (B, P + C)
     position_ids = position_ids_from_mask(attention_mask)  # (B, P + C)
