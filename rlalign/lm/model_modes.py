@@ -18,6 +18,7 @@ from rlalign.lm.models import unwrap_causal_lm
 __all__ = [
     "attention_kernel",
     "enable_gradient_checkpointing",
+    "checkpointing_enabled",
     "is_checkpointing",
     "evaluating",
 ]
@@ -59,14 +60,20 @@ def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
+def checkpointing_enabled(model: nn.Module) -> bool:
+    """Whether ``model`` has activation checkpointing turned on (:func:`enable_gradient_checkpointing`),
+    whatever its mode: its training forwards (train mode, grad enabled) then recompute activations.
+    ``model`` may be in DistributedDataParallel."""
+    model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    backbone = model.backbone if isinstance(model, ScalarHeadModel) else unwrap_causal_lm(model)
+    flag = "is_activation_checkpointing" if hasattr(type(backbone), "is_activation_checkpointing") else "is_gradient_checkpointing"  # renamed in transformers 5
+    return bool(getattr(backbone, flag, False))
+
+
 def is_checkpointing(model: nn.Module) -> bool:
     """Whether a forward of ``model`` now recomputes activations in backward (and so drops a KV cache):
     checkpointing on, train mode, grad enabled."""
-    backbone = model.backbone if isinstance(model, ScalarHeadModel) else unwrap_causal_lm(model)
-    if not (model.training and torch.is_grad_enabled()):
-        return False
-    flag = "is_activation_checkpointing" if hasattr(type(backbone), "is_activation_checkpointing") else "is_gradient_checkpointing"  # renamed in transformers 5
-    return bool(getattr(backbone, flag, False))
+    return model.training and torch.is_grad_enabled() and checkpointing_enabled(model)
 
 
 @contextlib.contextmanager

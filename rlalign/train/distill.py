@@ -248,7 +248,7 @@ def distill_step(updater: Updater, teacher: nn.Module, source: RolloutSource, st
     passes = [Pass(updater.module, updater.optimizer, runner=updater.model, head_copies=9.0 if gkd else 3.0), Pass(teacher, None, group=0 if gkd else None)]
     rows = plan_rows(passes, rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs, cfg.compile)
     if cfg.objective == "reverse_kl":
-        teacher_logp = reference_logprobs(updater.module, teacher, rollout, cfg.sampling.temperature, rows.no_grad, cfg.model.autocast, cfg.compile,
+        teacher_logp = reference_logprobs(updater.model, teacher, rollout, cfg.sampling.temperature, rows.no_grad, cfg.model.autocast, cfg.compile,
                                           cfg.model.logits_limit_mb)  # (B, C)
     t_ref = time.perf_counter()
 

@@ -115,22 +115,25 @@ class Pair(NamedTuple):
     ref_logps: Tensor | None = None
 
 
-def sequence_logps(model: nn.Module, batch: PreferenceCompletionBatch) -> tuple[Tensor, Tensor]:
+def sequence_logps(model: nn.Module, batch: PreferenceCompletionBatch, layout_from: nn.Module | None = None) -> tuple[Tensor, Tensor]:
     """(log pi(y | x) summed over each response's tokens, response lengths |y|) of the 2B rows,
-    chosen first; each pair's prompt runs once outside DDP and FSDP2 (:func:`rlalign.train.passes.share_prompts`).
-    ``model`` may be DDP-wrapped (the forward goes through it). Shape: (2B,), (2B,)."""
+    chosen first; each pair's prompt runs once where :func:`rlalign.train.passes.share_prompts` of
+    ``layout_from`` (default ``model``; the policy for its reference) says so. ``model`` may be
+    DDP-wrapped (the forward goes through it). Shape: (2B,), (2B,)."""
     device = next(model.parameters()).device
     mask = batch.completion_mask.to(device)  # (2B, C)
-    pair_index = torch.arange(batch.num_pairs, device=device).repeat(2) if share_prompts(model) else None  # (2B,): row b and row B + b share a prompt
+    share = share_prompts(model if layout_from is None else layout_from)
+    pair_index = torch.arange(batch.num_pairs, device=device).repeat(2) if share else None  # (2B,): row b and row B + b share a prompt
     logp = completion_logprobs(model, batch.prompt_ids.to(device), batch.prompt_mask.to(device), batch.completion_ids.to(device), mask, 1.0, pair_index)  # (2B, C)
     return logp.sum(-1), mask.sum(-1).to(logp.dtype)
 
 
 @torch.no_grad()
 def reference_logps(policy: nn.Module, reference: nn.Module | None, batch: PreferenceCompletionBatch) -> Tensor:
-    """Summed response log-probs under the frozen ``reference``, or ``policy`` (unwrapped, LoRA) with its adapters off. Shape: (2B,)."""
-    with reference_policy(policy, reference) as ref, evaluating(ref), distributed.gathered(ref):
-        return sequence_logps(ref, batch)[0]
+    """Summed response log-probs under the frozen ``reference``, or ``policy``'s LoRA base (adapters off); ``policy`` as
+    the updates run it (in DDP or not), whose layout the pass follows. Shape: (2B,)."""
+    with reference_policy(distributed.unwrap(policy), reference) as ref, evaluating(ref), distributed.gathered(ref):
+        return sequence_logps(ref, batch, policy)[0]  # laid out as the policy's: at equal weights, equal log-probs
 
 
 def pair_logps(cfg: DPOConfig, tokenizer, model: nn.Module, reference: nn.Module | None, pairs: list[Pair]) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -143,7 +146,7 @@ def pair_logps(cfg: DPOConfig, tokenizer, model: nn.Module, reference: nn.Module
         return logps, lengths, None
     if cfg.precompute_ref_logprobs:
         return logps, lengths, torch.stack([p.ref_logps for p in pairs], dim=1).flatten().to(logps)  # (2, B) -> chosen, then rejected
-    return logps, lengths, reference_logps(distributed.unwrap(model), reference, batch).to(logps)
+    return logps, lengths, reference_logps(model, reference, batch).to(logps)
 
 
 def preference_loss(cfg: DPOConfig, logps: Tensor, lengths: Tensor, ref_logps: Tensor | None) -> tuple[Tensor, PreferenceStats]:

@@ -226,13 +226,13 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     rows = plan_rows(passes, rollout, cfg.micro_batch_size, -(-rollout.batch_size // m), cfg.model, world, updater.row_costs, cfg.compile)
     update_rows = [micro for mb in minibatches for micro in micro_batches(torch.arange(rollout.batch_size)[mb], rows.update)]
     ref_batches = update_rows if rows.no_grad >= max(len(r) for r in update_rows) else rows.no_grad  # the updates' row batches, where they fit
-    ref_logp = reference_logprobs(updater.module, reference, rollout, temperature, ref_batches, autocast, cfg.compile,
+    ref_logp = reference_logprobs(updater.model, reference, rollout, temperature, ref_batches, autocast, cfg.compile,
                                   cfg.model.logits_limit_mb) if cfg.beta > 0 else None  # (B, C)
     t_ref = time.perf_counter()
     on_policy = cfg.mu * m == 1  # one update: pi_old is the policy being updated (the proximal policy), no pass needed for it
     mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's (behaviour policy's) log-probs
     if cfg.recompute_old_logprobs and not on_policy:  # bfloat16 sampling numerics, or an older policy, are not the training forward's
-        old_logp = training_logprobs(updater.module, rollout, temperature, update_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C), on the updates' row batches
+        old_logp = training_logprobs(updater.model, rollout, temperature, update_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C), on the updates' row batches
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()

@@ -36,7 +36,7 @@ from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
 from rlalign.lm import private
 from rlalign.lm.logprobs import completion_hidden, lm_head_of, packed_layout, wrapped_across_processes
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
-from rlalign.lm.model_modes import evaluating
+from rlalign.lm.model_modes import checkpointing_enabled, evaluating
 from rlalign.lm.models import reference_policy
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
@@ -45,6 +45,7 @@ from rlalign.train.common import autocast_context, memory_named
 __all__ = [
     "completion_logits",
     "share_prompts",
+    "head_chunks",
     "compiled_completion_logits",
     "rollout_token_logprobs",
     "completion_logprobs",
@@ -64,11 +65,12 @@ __all__ = [
 LOGITS_LIMIT_MB = 1024.0  # rlalign.train.run_config.ModelConfig.logits_limit_mb's default
 
 
-def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False) -> Tensor:
+def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False, layout_from: nn.Module | None = None) -> Tensor:
     """:func:`rlalign.lm.logprobs.completion_logits` of a rollout (the trainer needs the logits
     themselves for the entropy), on the model's device, each group's prompt run once when
-    :func:`share_prompts`; ``compiled``: through :func:`compiled_completion_logits` (one forward), unless this
-    torch lacks what that needs (:mod:`rlalign.lm.private`: one warning, then eager). Shape: (B, C, V)."""
+    :func:`share_prompts` of ``layout_from`` (default ``model``); ``compiled``: through
+    :func:`compiled_completion_logits` (one forward), unless this torch lacks what that needs
+    (:mod:`rlalign.lm.private`: one warning, then eager). Shape: (B, C, V)."""
     device = next(model.parameters()).device
     r = rollout.to(device)
     if compiled and private.ready("compiled"):
@@ -76,14 +78,25 @@ def completion_logits(model: nn.Module, rollout: Rollout, compiled: bool = False
 
         with releasing_compiler_caches():
             return compiled_completion_logits()(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, None, False)  # padded rows: static layout
-    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts(model) else None)
+    share = share_prompts(model if layout_from is None else layout_from)
+    return lm_completion_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share else None)
 
 
 def share_prompts(model: nn.Module) -> bool:
     """Whether a pass of ``model`` runs each group's prompt once (rlalign.lm.logprobs): unless it is in
-    DDP or FSDP2, which expect one forward per backward (:func:`rlalign.lm.logprobs.wrapped_across_processes`);
-    the logits are the same to float round-off either way."""
-    return not wrapped_across_processes(model)
+    DDP or FSDP2, which expect one forward per backward (:func:`rlalign.lm.logprobs.wrapped_across_processes`),
+    or checkpoints its activations, whose training forward drops the KV cache a shared prompt needs
+    (its no-grad passes then do not share either, so they run the update's layout). The logits are
+    the same to float round-off either way."""
+    return not wrapped_across_processes(model) and not checkpointing_enabled(model)
+
+
+def head_chunks(model: nn.Module, layout_from: nn.Module | None = None) -> nn.Linear | None:
+    """``model``'s LM head where its log-probs may come from the hidden states and the head in chunks
+    (:func:`rlalign.lm.logprobs.lm_head_of` of ``model`` and of ``layout_from``, the model whose
+    update forward this pass must match); else None."""
+    head = lm_head_of(model)
+    return head if layout_from is None or head is None or lm_head_of(layout_from) is not None else None
 
 
 @functools.cache
@@ -98,24 +111,28 @@ def compiled_completion_logits() -> Callable[..., Tensor]:
     return torch.compile(lm_completion_logits, dynamic=True)
 
 
-def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: float, compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB) -> Tensor:
+def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: float, compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB,
+                           layout_from: nn.Module | None = None) -> Tensor:
     """log pi(y_t | x, y_<t) of a rollout's completion tokens by :func:`completion_logprobs` (compiled
-    or not), 0 on padding; float32, on the CPU. Shape: (B, C)."""
-    logp, _ = completion_logprobs(model, rollout, temperature, "none", compiled, logits_limit_mb)  # (B, C)
+    or not, laid out as ``layout_from``'s would be), 0 on padding; float32, on the CPU. Shape: (B, C)."""
+    logp, _ = completion_logprobs(model, rollout, temperature, "none", compiled, logits_limit_mb, layout_from)  # (B, C)
     return logp.masked_fill(rollout.completion_mask.to(logp.device) == 0, 0.0).float().cpu()
 
 
 def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, entropy: EntropyMode = "none",
-                        compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB) -> tuple[Tensor, Tensor | None]:
+                        compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB, layout_from: nn.Module | None = None) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t) of a rollout's completion tokens under softmax(logits / temperature) and, by
     ``entropy`` ("none", "statistic": detached, "gradient": for an entropy bonus), the entropy of each
     position; float32, on the model's device. From the hidden states and the LM head in chunks when
     the float32 logits would pass ``logits_limit_mb`` and :func:`rlalign.lm.logprobs.lm_head_of`
     allows it and the forward is not compiled (module docstring); else from :func:`completion_logits`
     (faster: the chunked path computes the head's matmul once more in backward); on :func:`trimmed` columns,
-    padded back with 0. Shapes: (B, C), (B, C) or None."""
+    padded back with 0. ``layout_from``: the model whose update forward this pass must match bit for
+    bit (a reference or pi_old pass: the policy), which then decides whether prompts are shared and the
+    head may run in chunks (:func:`share_prompts`, :func:`head_chunks`); default ``model``.
+    Shapes: (B, C), (B, C) or None."""
     rollout, width = trimmed(rollout)
-    logp, entropy_values = _completion_logprobs(model, rollout, temperature, entropy, compiled, logits_limit_mb)
+    logp, entropy_values = _completion_logprobs(model, rollout, temperature, entropy, compiled, logits_limit_mb, layout_from)
     pad = width - logp.shape[1]  # the trimmed padding columns back, 0 (masked everywhere)
     return (F.pad(logp, (0, pad)), None if entropy_values is None else F.pad(entropy_values, (0, pad))) if pad else (logp, entropy_values)
 
@@ -138,16 +155,17 @@ def trimmed(rollout: Rollout) -> tuple[Rollout, int]:
 
 
 def _completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, entropy: EntropyMode, compiled: bool,
-                         logits_limit_mb: float) -> tuple[Tensor, Tensor | None]:
-    head = lm_head_of(model)
+                         logits_limit_mb: float, layout_from: nn.Module | None) -> tuple[Tensor, Tensor | None]:
+    head = head_chunks(model, layout_from)
     logits_mb = rollout.completion_ids.numel() * (head.out_features if head is not None else 0) * 4 / 2**20
     if head is None or logits_mb <= logits_limit_mb or (compiled and private.ready("compiled")):
-        logits = completion_logits(model, rollout, compiled)  # (B, C, V)
+        logits = completion_logits(model, rollout, compiled, layout_from)  # (B, C, V)
         if entropy == "none":
             return token_logprobs(logits, rollout.completion_ids.to(logits.device), temperature), None
         return logprobs_and_entropy(logits, rollout.completion_ids.to(logits.device), temperature, entropy == "gradient")
     r = rollout.to(head.weight.device)
-    hidden = completion_hidden(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share_prompts(model) else None)  # (B, C, H)
+    share = share_prompts(model if layout_from is None else layout_from)
+    hidden = completion_hidden(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.group_index if share else None)  # (B, C, H)
     return linear_token_logprobs(hidden, head.weight, r.completion_ids, temperature, head.bias, entropy)
 
 
@@ -181,18 +199,19 @@ def reference_logprobs(
     policy: nn.Module, reference: nn.Module | None, rollout: Rollout, temperature: float, batches: int | Sequence[Tensor | slice], autocast: str = "none",
     compiled: bool = False, logits_limit_mb: float = LOGITS_LIMIT_MB,
 ) -> Tensor:
-    """Completion log-probs under the frozen reference (or the LoRA base, adapters off), by the same
-    forward as the updates (compiled when they are), under ``autocast``
+    """Completion log-probs under the frozen reference (or ``policy``'s LoRA base, adapters off), by the same
+    forward as the updates (compiled when they are); ``policy`` as the updates run it (in DDP or not), under ``autocast``
     (:attr:`rlalign.train.run_config.ModelConfig.autocast`), in ``batches``: consecutive minibatches of
     that many rows, or these row batches (the updates' own: the same shapes, so where the policy is the
-    reference the same numbers, and a KL of exactly 0). Shape: (B, C)."""
+    reference the same numbers, and a KL of exactly 0: the rows laid out as the policy's updates lay
+    them out, ``layout_from`` of :func:`completion_logprobs`). Shape: (B, C)."""
     batches = [slice(s, s + batches) for s in range(0, rollout.batch_size, batches)] if isinstance(batches, int) else batches
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
     largest = max((len(torch.arange(rollout.batch_size)[rows]) for rows in batches), default=0)
-    with reference_policy(policy, reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref), \
+    with reference_policy(distributed.unwrap(policy), reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref), \
             memory_named("the reference pass", largest, rollout.completion_ids.shape[1]):
         for rows in batches:
-            logprobs[rows] = rollout_token_logprobs(ref, rollout.select(rows), temperature, compiled, logits_limit_mb)
+            logprobs[rows] = rollout_token_logprobs(ref, rollout.select(rows), temperature, compiled, logits_limit_mb, policy)
     return logprobs
 
 
@@ -203,12 +222,14 @@ def training_logprobs(
 ) -> Tensor:
     """log pi_old recomputed by the training forward (:func:`completion_logits`, compiled or not as
     the updates are), on the same minibatches (same shapes, so the same kernels) as the updates that
-    follow: with autocast the sampler's numerics differ. Shape: (B, C)."""
+    follow, laid out as they lay them out (``policy`` as they run it, in DDP or not; the forward
+    itself outside DDP): with autocast the sampler's numerics differ. Shape: (B, C)."""
+    runner, policy = policy, distributed.unwrap(policy)
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
     largest = max(len(torch.arange(rollout.batch_size)[batch]) for batch in minibatches)
     with autocast_context(autocast, policy), evaluating(policy), memory_named("the pi_old pass", largest, rollout.completion_ids.shape[1]):
         for rows in minibatches:
-            logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled, logits_limit_mb)
+            logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled, logits_limit_mb, runner)
     return logprobs
 
 

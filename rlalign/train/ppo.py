@@ -234,7 +234,7 @@ def ppo_step(
     passes += [Pass(reference, None, group=None)] if reference is not None else []
     rows_plan = plan_rows(passes, rollout, cfg.micro_batch_size, minibatch, cfg.model, world, policy.row_costs, cfg.compile)
     pass_rows = rows_plan.no_grad  # rows per no-grad forward
-    ref_logp = reference_logprobs(policy.module, reference, rollout, temperature, pass_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
+    ref_logp = reference_logprobs(policy.model, reference, rollout, temperature, pass_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
     with torch.no_grad(), forward_precision(cfg.model, critic.module):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(pass_rows)])  # (B, C)
     t_ref = time.perf_counter()
@@ -242,7 +242,7 @@ def ppo_step(
     if cfg.recompute_old_logprobs:  # bfloat16 sampling numerics are not the training forward's: recompute log pi_old
         # (also for one update per rollout: log pi_old enters the KL-shaped rewards before any update)
         chunks = [slice(s, s + pass_rows) for s in range(0, rollout.batch_size, pass_rows)]
-        old_logp = training_logprobs(policy.module, rollout, temperature, chunks, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
+        old_logp = training_logprobs(policy.model, rollout, temperature, chunks, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
     t_old = time.perf_counter()
