@@ -214,7 +214,7 @@ def run(args) -> dict:
                        attn_implementation="eager" if args.fast else None, device=args.device),
             sampling=dict(max_new_tokens=args.new_tokens, temperature=0.7,
                           attn_implementation="sdpa" if args.fast else None, dtype="bfloat16" if args.fast or args.bf16_sampler else None),
-            optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0),
+            optim=dict(lr=1e-6, betas=(0.9, 0.95), warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0, bf16_rounding=args.bf16_rounding),
             steps=args.steps, prompts_per_step=args.prompts, group_size=args.group_size, beta=args.beta, progress=False, plots=False,
             compile=args.compile, micro_batch_size=None if args.micro_batch_size == "null" else args.micro_batch_size,
         )
@@ -266,7 +266,7 @@ def run(args) -> dict:
     flops_update = statistics.median(s["flops"]["policy_fwd_bwd"] for s in timed)
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "threads": args.threads, "dtype": args.dtype, "autocast_bf16": args.autocast or args.fast, "fast": args.fast, "compile": args.compile,
+        "threads": args.threads, "dtype": args.dtype, "bf16_rounding": args.bf16_rounding, "autocast_bf16": args.autocast or args.fast, "fast": args.fast, "compile": args.compile,
         "shape": args.shape, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "matmul_n": n,
         "bf16_sampler": args.fast or args.bf16_sampler,
         "peak_gflops": peaks, "dims": dims, "n_params": lb.count_parameters(setup.policy), "load": lb.machine_load(),
@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps; the first is warm-up")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype of policy and reference")
+    parser.add_argument("--bf16-rounding", choices=["nearest", "stochastic"], default="stochastic",
+                        help="optim.bf16_rounding with --dtype bfloat16 (nearest is refused at this lr: most steps would round away)")
     parser.add_argument("--autocast", action="store_true", help="model.autocast=bfloat16: forwards in bfloat16 autocast, float32 master weights")
     parser.add_argument("--fast", action="store_true", help="--autocast with eager training attention, SDPA decode and a bfloat16 sampling copy")
     parser.add_argument("--compile", action="store_true", help="the trainer's compile option (the first, untimed step compiles; not with --fast)")

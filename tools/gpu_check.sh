@@ -34,6 +34,9 @@
 #   7. benchmarks/packed_rows.py on the real SmolLM2-135M-Instruct (ragged completions), 16 x G 16 x 256
 #      new tokens: packed against padded rows, with shared prompts and with each row's own, as DDP /
 #      FSDP2 learners run ($LIMIT_PACKED s for each, default 0: skipped; needs $SMOLLM2_PARTS)
+#   8. benchmarks/mfu.py on the 1B model with bfloat16 weights rounded stochastically (optim.bf16_rounding),
+#      against phase 4's float32 master weights under autocast: the update's time, MFU and peak
+#      ($LIMIT_BF16 s, default 0: skipped)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
 #
@@ -195,6 +198,17 @@ if [ "${LIMIT_PACKED:-0}" -gt 0 ]; then
     sed -n '/^SmolLM2-135M-Instruct on/,$p' "$LOGS/packed_rows$prompts.log" >> "$SUMMARY"
     [ $rc -ne 0 ] && tail -n 20 "$LOGS/packed_rows$prompts.log" >> "$SUMMARY"
   done
+fi
+# ---- 8. bfloat16 weights, stochastic rounding, on the 1B model (optional) -----------------------------------------
+if [ "${LIMIT_BF16:-0}" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -k 10 "$LIMIT_BF16" "$PY" benchmarks/mfu.py --device cuda --shape llama-1b --dtype bfloat16 --bf16-rounding stochastic --bf16-sampler \
+    --prompts 8 --group-size 8 --new-tokens 256 --steps 3 --out "$LOGS/mfu_llama-1b_bf16.json" > "$LOGS/mfu_llama-1b_bf16.log" 2>&1
+  rc=$?
+  say ""
+  say "mfu llama-1b, bfloat16 weights, stochastic rounding: rc=$rc $(( $(date +%s) - start ))s"
+  sed -n '/^MFU of one/,$p' "$LOGS/mfu_llama-1b_bf16.log" >> "$SUMMARY"
+  [ $rc -ne 0 ] && tail -n 20 "$LOGS/mfu_llama-1b_bf16.log" >> "$SUMMARY"
 fi
 say ""
 say "total $(( $(date +%s) - T0 ))s"

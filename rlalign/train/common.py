@@ -25,6 +25,7 @@ from rlalign.lm.encoding import encode_prompts, render_prompt
 from rlalign.lm.models import load_policy, load_tokenizer, resolve_model_path
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
+from rlalign.train.bf16_adamw import StochasticRoundingAdamW
 from rlalign.train.checkpoints import replace_dir
 from rlalign.train.run_config import ModelConfig, OptimConfig
 
@@ -84,7 +85,8 @@ def forward_precision(model_cfg: ModelConfig, model: torch.nn.Module) -> context
 
 
 def make_optimizer(params, cfg: OptimConfig, total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the trainable ``params`` and its schedule:
+    """AdamW over the trainable ``params`` (bfloat16 ones rounded as ``cfg.bf16_rounding`` says:
+    :mod:`rlalign.train.bf16_adamw`) and its schedule:
 
         lr(s) = lr * s / warmup                                           for s < warmup
         lr(s) = lr * (m + (1 - m) * (1 + cos(pi * progress)) / 2)         after, m = min_lr_ratio
@@ -94,7 +96,8 @@ def make_optimizer(params, cfg: OptimConfig, total_steps: int) -> tuple[torch.op
         raise ValueError("no trainable parameters")
     # the fused kernel (CPU and CUDA) updates every tensor in one pass instead of a Python loop over them
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in trainable)
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None)
+    adamw = StochasticRoundingAdamW if cfg.bf16_rounding == "stochastic" else torch.optim.AdamW  # the same step on float32 weights
+    optimizer = adamw(trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None)
     warmup, floor = cfg.warmup_steps, cfg.min_lr_ratio
 
     def factor(step: int) -> float:

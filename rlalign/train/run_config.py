@@ -32,6 +32,11 @@ class OptimConfig(Config):
     warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 over this many steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of lr (cosine decay); 1 = constant")
     grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this value; null = no clipping")
+    bf16_rounding: Literal["nearest", "stochastic"] = Field(
+        "nearest", description="bfloat16 weights (model.dtype: bfloat16): nearest = torch's AdamW, bfloat16 moments (8 bytes a weight), refused where "
+        "most steps of lr would round away; stochastic = each step in float32 with float32 moments, the weights rounded stochastically, every "
+        "step kept in expectation (12 bytes a weight; not with model.sharding: fsdp). Float32 weights take the exact step either way"
+    )
 
 
 class TinyModelConfig(Config):

@@ -23,6 +23,7 @@ from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
+from rlalign.train.bf16_adamw import check_bfloat16_steps
 from rlalign.train.common import make_optimizer, memory_named
 from rlalign.train.run_config import OptimConfig
 
@@ -56,6 +57,11 @@ class Updater:
         """``model`` under torchrun in DDP or sharded by FSDP2 (gradients averaged over ranks), with its AdamW."""
         if sampling_dtype is not None and sharding == "fsdp":
             raise ConfigError("sampling.dtype needs whole weights on every rank; with model.sharding=fsdp leave it null")
+        if cfg.bf16_rounding == "stochastic" and sharding == "fsdp" and world.distributed and any(p.dtype == torch.bfloat16 for p in model.parameters()):
+            raise ConfigError("optim.bf16_rounding: stochastic rounds whole weights, not FSDP2's shards; with model.sharding=fsdp set it to nearest, "
+                              "or hold float32 weights (model.dtype: float32, model.autocast: bfloat16)")
+        if cfg.bf16_rounding == "nearest":
+            check_bfloat16_steps([p for p in model.parameters() if p.requires_grad], cfg.lr)  # every rank holds the whole model here: all raise alike
         model = distributed.wrap(model, world, sharding)
         optimizer, scheduler = make_optimizer(model.parameters(), cfg, total_updates)
         return cls(model, optimizer, scheduler, cfg.grad_clip, sampling_dtype, pack_sampler)

@@ -108,14 +108,19 @@ def test_sampled_evaluation_on_cuda_draws_what_the_cpu_one_draws(tiny_path):
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16", "autocast"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "bfloat16-stochastic", "autocast"])
 def test_grpo_end_to_end_on_smollm2(smollm2, tmp_path, precision):
     # bfloat16: weights, optimiser and sampling all in bfloat16; autocast: float32 master weights,
     # bfloat16 forwards (model.autocast). Every step's numbers are finite, every weight on the GPU
     # moved, and the run wrote its final model. Held in bfloat16, a weight near 1 (an RMSNorm gain)
     # has a spacing of 2^-7 = 0.0078, so an AdamW step of lr = 1e-3 rounds back to the same value
-    # (seen on an H200): that run takes lr = 1e-2, above half the spacing of weights below 2.
-    extra = {"model.dtype": "bfloat16", "optim.lr": 1e-2} if precision == "bfloat16" else {"model.autocast": "bfloat16"} if precision == "autocast" else {}
+    # (seen on an H200): that run takes lr = 1e-2, above half the spacing of weights below 2; with
+    # stochastic rounding (optim.bf16_rounding) lr = 1e-4 moves a gain's entry with probability ~1/40 a step.
+    extra = {
+        "bfloat16": {"model.dtype": "bfloat16", "optim.lr": 1e-2},
+        "bfloat16-stochastic": {"model.dtype": "bfloat16", "optim.bf16_rounding": "stochastic", "optim.lr": 1e-4},
+        "autocast": {"model.autocast": "bfloat16"},
+    }.get(precision, {})
     cfg = load_config(grpo.GRPOConfig, None, rl_overrides(smollm2.path, tmp_path, group_size=4, beta=0.04, **extra))
     start = weights(load_policy(smollm2.path, cfg.model.dtype))
     result = grpo.train(cfg, reward_functions=[varied_reward], prompts=chat_records(8))
@@ -125,7 +130,7 @@ def test_grpo_end_to_end_on_smollm2(smollm2, tmp_path, precision):
             assert math.isfinite(metrics[key]), (key, metrics[key])
     params = dict(result.policy.named_parameters())
     assert {p.device.type for p in params.values()} == {DEVICE}
-    assert {p.dtype for p in params.values()} == {torch.bfloat16 if precision == "bfloat16" else torch.float32}
+    assert {p.dtype for p in params.values()} == {torch.bfloat16 if precision.startswith("bfloat16") else torch.float32}
     unchanged = [name for name, w in start.items() if torch.equal(params[name].detach().cpu(), w)]
     assert not unchanged, f"{len(unchanged)} of {len(start)} parameters did not change: {unchanged[:5]}"
     assert (result.final_dir / "config.json").is_file()

@@ -1,0 +1,117 @@
+"""AdamW for weights held in bfloat16: the step computed in float32, the new weights rounded to
+bfloat16 stochastically (``optim.bf16_rounding: stochastic``), and the guard that refuses the
+round-to-nearest update where it would round most steps away (``nearest``).
+
+    optimizer = StochasticRoundingAdamW(params, lr=1e-6, fused=True)
+    check_bfloat16_steps(params, lr=1e-6)   # nearest: a clear error where most steps would be lost
+
+With ``model.dtype: bfloat16`` the weights, their gradients and, for torch's AdamW, its moments are
+bfloat16, and each updated weight is rounded to nearest: a step smaller than half the spacing of
+bfloat16 numbers around the weight (:func:`rlalign.core.rounding.bfloat16_spacing`) is lost, and
+at an RL fine-tune's learning rates that is nearly every step (lr 1e-6, weights near 0.02). With
+float32 weights (``model.dtype: float32``, ``model.autocast: bfloat16`` for bfloat16 forwards) the
+update is exact: 16 bytes a weight (weight, gradient, two moments). Stochastic rounding keeps
+every step in expectation (:mod:`rlalign.core.rounding`) at 12 bytes a weight: bfloat16 weight and
+gradient, float32 moments; each step is torch's own AdamW (fused where it can be) on a float32 copy
+of one tensor at a time, then rounded. Its random bits come from a generator seeded by the step
+number, so replicas under DDP round alike and a resumed run rounds as the straight one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from rlalign.config import ConfigError
+from rlalign.core.rounding import bfloat16_spacing, stochastic_round_to_bfloat16
+
+__all__ = ["StochasticRoundingAdamW", "check_bfloat16_steps", "LOST_STEP_LIMIT"]
+
+LOST_STEP_LIMIT = 0.5  # the share of bfloat16 weights that may not move on a step of lr before nearest rounding is refused
+_SEED = 0x5EED  # the rounding's generator seed is this plus the step: the same bits on every replica
+
+
+class StochasticRoundingAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose bfloat16 parameters are stepped in float32 and rounded stochastically
+    (module docstring); a float32 parameter is stepped as AdamW steps it. The moments of a bfloat16
+    parameter are float32 (loading a state dict keeps them so)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = [group["params"] for group in self.param_groups]
+        try:
+            index = 0  # each parameter's place among all of them: its own stream of random bits
+            for params in groups:
+                for param in params:
+                    index += 1
+                    if param.grad is None:
+                        continue
+                    for other, group in zip(groups, self.param_groups, strict=True):
+                        group["params"] = [param] if other is params else []  # torch's step over this one tensor
+                    self._step_one(param, index)
+        finally:
+            for params, group in zip(groups, self.param_groups, strict=True):
+                group["params"] = params
+        return loss
+
+    def _step_one(self, param: nn.Parameter, index: int) -> None:
+        if param.dtype != torch.bfloat16:
+            super().step()
+            return
+        with _held_in_float32([param]):
+            super().step()
+            step = int(self.state[param]["step"])
+            generator = torch.Generator(device=param.device).manual_seed(_SEED + 1_000_003 * step + index)
+            rounded = stochastic_round_to_bfloat16(param.data, generator)  # (...) bfloat16
+        param.data.copy_(rounded)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch casts a loaded state to its parameter's dtype: the bfloat16 parameters' float32 moments stay float32."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        with _held_in_float32([p for p in params if p.dtype == torch.bfloat16]):
+            super().load_state_dict(state_dict)
+
+
+@contextlib.contextmanager
+def _held_in_float32(params: list[nn.Parameter]) -> Iterator[None]:
+    """``params`` (bfloat16) with float32 copies of their data and gradients inside the block; their own
+    tensors back afterwards (the same storage: DDP's gradient buckets and views stay valid), the
+    data as it was unless the block wrote it back."""
+    saved = [(p, p.data, p.grad) for p in params]
+    try:
+        for p, data, grad in saved:
+            p.data = data.float()
+            if grad is not None:
+                p.grad = grad.float()
+        yield
+    finally:
+        for p, data, grad in saved:
+            p.data = data
+            p.grad = grad
+
+
+def check_bfloat16_steps(params: Iterable[Tensor], lr: float) -> None:
+    """Raise a :class:`~rlalign.config.ConfigError` when round-to-nearest bfloat16 weights would lose an
+    AdamW step of ``lr`` (about lr a weight, early on, Adam's step being lr m / sqrt(v)) on more than
+    :data:`LOST_STEP_LIMIT` of their entries: where lr < ulp(w) / 2 the step rounds back to w, and
+    the run would train nothing while it seemed to. Float32 parameters pass."""
+    lost = total = 0
+    for p in params:
+        if p.dtype != torch.bfloat16:
+            continue
+        lost += int((bfloat16_spacing(p) > 2 * lr).sum())
+        total += p.numel()
+    if total and lost > LOST_STEP_LIMIT * total:
+        raise ConfigError(
+            f"optim.lr {lr:g} with model.dtype: bfloat16: an AdamW step of that size is below half the spacing of bfloat16 numbers on "
+            f"{lost / total:.0%} of the trainable weights, so round-to-nearest would undo it (the weights would not move). Set "
+            "optim.bf16_rounding: stochastic (bfloat16 weights, every step kept in expectation), or model.dtype: float32 with "
+            "model.autocast: bfloat16 (float32 master weights), or a larger optim.lr"
+        )

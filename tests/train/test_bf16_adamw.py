@@ -1,0 +1,162 @@
+"""AdamW for bfloat16 weights (rlalign.train.bf16_adamw): the stochastic-rounding step is torch's
+AdamW step in float32 rounded to a neighbour, keeps a step smaller than the bfloat16 spacing in
+expectation (round to nearest loses it), resumes bit for bit; the guard refuses nearest rounding
+where most steps of lr would round away."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlalign.config import ConfigError
+from rlalign.core.rounding import bfloat16_spacing
+from rlalign.train.bf16_adamw import StochasticRoundingAdamW, check_bfloat16_steps
+from rlalign.train.common import make_optimizer
+from rlalign.train.run_config import OptimConfig
+
+LR = 1e-6  # an RL fine-tune's learning rate: a twentieth of half the spacing (1.2e-4) of weights near 0.02
+
+
+def bf16_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).bfloat16()) for shape in [(64, 32), (32,), (16, 8)]]
+
+
+def with_grads(params, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def test_the_step_is_torchs_adamw_in_float32_rounded_to_a_neighbour():
+    params = bf16_params()
+    exact = [torch.nn.Parameter(p.detach().float()) for p in params]
+    for step in range(3):
+        with_grads(params, seed=step)
+        for p, e in zip(params, exact):
+            e.grad = p.grad.float()
+        # torch's AdamW over float32 copies of this step's bfloat16 start: the value stochastic rounding rounds
+        start = [torch.nn.Parameter(p.detach().float()) for p in params]
+        for s, e in zip(start, exact):
+            s.grad = e.grad
+        reference = torch.optim.AdamW(start, lr=1e-3, weight_decay=0.1)
+        if step:
+            reference.load_state_dict(reference_state)
+        optimizer = optimizer if step else StochasticRoundingAdamW(params, lr=1e-3, weight_decay=0.1)
+        optimizer.step()
+        reference.step()
+        reference_state = copy.deepcopy(reference.state_dict())
+        for p, s in zip(params, start):
+            below = s.detach().bfloat16()  # a neighbour of the float32 result ...
+            lower = torch.where(below.float() > s.detach(), torch.nextafter(below, torch.full_like(below, -float("inf"))), below)  # ... the one below it
+            upper = torch.where(lower.float() < s.detach(), torch.nextafter(lower, torch.full_like(lower, float("inf"))), lower)
+            assert torch.all((p.detach() == lower) | (p.detach() == upper))
+            state = optimizer.state[p]
+            assert p.dtype == torch.bfloat16 and state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+            assert torch.equal(state["exp_avg"], reference.state[s]["exp_avg"]) and torch.equal(state["exp_avg_sq"], reference.state[s]["exp_avg_sq"])
+
+
+def test_a_step_below_half_the_spacing_is_kept_in_expectation_and_lost_by_nearest_rounding():
+    # 200k weights of 0.02 (spacing 2^-13), one gradient sign: Adam's first step is lr (m / sqrt(v) = 1), 1/61 of half the spacing
+    w = torch.full((200_000,), 0.02).bfloat16()
+    for adamw, expected_mean in ((StochasticRoundingAdamW, -LR), (torch.optim.AdamW, 0.0)):
+        p = torch.nn.Parameter(w.clone())
+        p.grad = torch.ones_like(p)
+        adamw([p], lr=LR, eps=0.0).step()
+        moved = p.detach().float() - w.float()  # (N,)
+        assert abs(moved.mean().item() - expected_mean) < 0.05 * LR  # stochastic: -lr on average (5 standard deviations: 0.03 lr)
+    assert (moved == 0).all()  # nearest: not one weight moved
+    assert bfloat16_spacing(w[:1]).item() == 2.0**-13
+
+
+def test_a_resumed_optimizer_rounds_as_the_straight_one():
+    straight = bf16_params()
+    optimizer = StochasticRoundingAdamW(straight, lr=1e-4)
+    with_grads(straight, 0)
+    optimizer.step()
+    saved_state, saved_params = copy.deepcopy(optimizer.state_dict()), [p.detach().clone() for p in straight]
+    resumed = [torch.nn.Parameter(p) for p in saved_params]
+    again = StochasticRoundingAdamW(resumed, lr=1e-4)
+    again.load_state_dict(saved_state)  # torch would cast the moments to bfloat16: they stay float32
+    assert all(s["exp_avg"].dtype == torch.float32 for s in again.state.values())
+    for p in straight + resumed:
+        p.grad = None
+    with_grads(straight, 1)
+    with_grads(resumed, 1)
+    optimizer.step()
+    again.step()
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def test_float32_weights_take_torchs_own_step():
+    a = [torch.nn.Parameter(p.detach().float()) for p in bf16_params()]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for params in (a, b):
+        with_grads(params)
+    StochasticRoundingAdamW(a, lr=1e-3).step()
+    torch.optim.AdamW(b, lr=1e-3).step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_nearest_rounding_is_refused_where_most_steps_would_round_away():
+    # weights of 0.02 (half spacing 6.1e-5) lose a step of lr 1e-6; weights of 1e-5 (half spacing 3.8e-8) keep it
+    def weights(lost_share: float) -> list[torch.Tensor]:
+        lost = int(100 * lost_share)
+        return [torch.tensor([0.02] * lost + [1e-5] * (100 - lost)).bfloat16()]
+
+    with pytest.raises(ConfigError, match=r"optim.lr 1e-06 .* on 60% of the trainable weights.*optim.bf16_rounding: stochastic"):
+        check_bfloat16_steps(weights(0.6), LR)
+    check_bfloat16_steps(weights(0.5), LR)  # half: at the limit, taken
+    check_bfloat16_steps(weights(1.0), 7e-5)  # above half the spacing: taken
+    with pytest.raises(ConfigError):
+        check_bfloat16_steps(weights(1.0), 6e-5)
+    params = bf16_params()
+    check_bfloat16_steps([p.detach().float() for p in params], LR)  # float32 weights: exact steps
+    # through make_optimizer's options: stochastic gives the rounding AdamW, nearest torch's
+    assert type(make_optimizer(params, OptimConfig(lr=LR, bf16_rounding="stochastic"), 10)[0]) is StochasticRoundingAdamW
+    assert type(make_optimizer(params, OptimConfig(lr=1e-3), 10)[0]) is torch.optim.AdamW
+
+
+def test_a_regression_learns_with_stochastic_rounding_as_with_float32_weights_and_not_with_nearest():
+    # weights near 1 (bfloat16 spacing 2^-7, half of it 3.9e-3) must move ~0.05 each; Adam's steps of
+    # about lr = 1e-3 are a quarter of half the spacing: rounded to nearest, not one weight ever moves
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=g)
+    start = 1 + 0.1 * torch.randn(8, 16, generator=g)
+    y = x @ (start + 0.05 * torch.randn(8, 16, generator=g)).T
+    final = {}
+    for name, dtype, adamw in (("float32", torch.float32, torch.optim.AdamW), ("stochastic", torch.bfloat16, StochasticRoundingAdamW),
+                               ("nearest", torch.bfloat16, torch.optim.AdamW)):
+        w = torch.nn.Parameter(start.to(dtype, copy=True))
+        optimizer = adamw([w], lr=1e-3)
+        losses = []
+        for _ in range(300):
+            loss = ((x.to(dtype) @ w.T).float() - y).pow(2).mean()
+            losses.append(loss.item())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        final[name] = (losses[0], losses[-1])
+    assert final["float32"][1] < 1e-3 * final["float32"][0]
+    assert final["stochastic"][1] < 1e-2 * final["stochastic"][0]  # measured 5e-3: the bfloat16 weights' own quantisation noise remains
+    assert final["nearest"][1] == final["nearest"][0]
+
+
+def test_a_run_with_bfloat16_weights_refuses_nearest_rounding_at_a_small_lr_and_trains_with_stochastic(tmp_path):
+    from rlalign.config import load_config
+    from rlalign.train.sft import SFTConfig, train
+
+    common = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128", "progress=false", "plots=false",
+              "model.dtype=bfloat16", "optim.lr=1e-5", "data.num_train=16", "data.num_eval=4", "batch_size=8", "max_steps=2", "eval_every=100"]
+    with pytest.raises(ConfigError, match=r"optim.lr 1e-05 with model.dtype: bfloat16: .* on 84% of the trainable weights"):
+        train(load_config(SFTConfig, None, common + [f"output_dir={tmp_path / 'nearest'}"]))
+    train(load_config(SFTConfig, None, common + [f"output_dir={tmp_path / 'stochastic'}", "optim.bf16_rounding=stochastic"]))
+    from safetensors.torch import load_file
+
+    start = load_file(str(tmp_path / "stochastic" / "base_model" / "model.safetensors"))
+    final = load_file(str(tmp_path / "stochastic" / "final" / "model.safetensors"))
+    assert final["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    moved = sum(int((final[k] != start[k].to(final[k].dtype)).sum()) for k in start)
+    assert moved > 0
