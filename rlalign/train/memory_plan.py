@@ -71,6 +71,7 @@ from rlalign.lm.logprobs import completion_hidden, completion_logits, lm_head_of
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
+from rlalign.train.bf16_adamw import StochasticRoundingAdamW
 from rlalign.train.common import autocast_context, memory_named
 from rlalign.train.run_config import ModelConfig
 
@@ -189,15 +190,18 @@ def device_budget(device: torch.device, fraction: float, meminfo: str = "/proc/m
     return int(fraction * available / int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the host's share of each process on it
 
 
-def _local_bytes(p: Tensor) -> int:
-    return (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()  # an FSDP2 weight: this rank's shard
+def _local_bytes(p: Tensor, element_size: int | None = None) -> int:
+    return (p.to_local() if isinstance(p, DTensor) else p).numel() * (element_size or p.element_size())  # an FSDP2 weight: this rank's shard
 
 
 def _pending_update_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes an update still allocates: gradients of trainable weights without one, and AdamW's two moments before its first step."""
+    """Bytes an update still allocates: gradients of trainable weights without one, and AdamW's two moments before its first step
+    (in the weight's dtype; float32 for bfloat16 weights stepped in float32, :class:`StochasticRoundingAdamW`)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     grads = sum(_local_bytes(p) for p in trainable if p.grad is None)
-    moments = 2 * sum(_local_bytes(p) for p in trainable) if optimizer is not None and not optimizer.state else 0
+    float32_moments = isinstance(optimizer, StochasticRoundingAdamW)
+    moment_size = lambda p: 4 if float32_moments and p.dtype == torch.bfloat16 else None  # noqa: E731
+    moments = 2 * sum(_local_bytes(p, moment_size(p)) for p in trainable) if optimizer is not None and not optimizer.state else 0
     return grads + moments
 
 

@@ -160,3 +160,15 @@ def test_a_run_with_bfloat16_weights_refuses_nearest_rounding_at_a_small_lr_and_
     assert final["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
     moved = sum(int((final[k] != start[k].to(final[k].dtype)).sum()) for k in start)
     assert moved > 0
+
+
+def test_the_memory_plan_counts_float32_moments_for_bfloat16_weights_stepped_in_float32():
+    from rlalign.train import memory_plan
+
+    model = torch.nn.Linear(16, 8, bias=False).bfloat16()  # 128 weights of 2 bytes
+    stochastic, nearest = StochasticRoundingAdamW(model.parameters()), torch.optim.AdamW(model.parameters())
+    assert memory_plan._pending_update_bytes(model, stochastic) == 128 * 2 + 2 * 128 * 4  # bfloat16 gradient, float32 moments
+    assert memory_plan._pending_update_bytes(model, nearest) == 128 * 2 + 2 * 128 * 2
+    model.weight.grad = torch.ones_like(model.weight)
+    stochastic.step()
+    assert memory_plan._pending_update_bytes(model, stochastic) == 0  # all allocated now
