@@ -181,3 +181,23 @@ def test_stochastic_rounding_is_refused_for_fsdp2_shards():
     model = torch.nn.Linear(16, 8).bfloat16()
     with pytest.raises(ConfigError, match="optim.bf16_rounding: stochastic rounds whole weights, not FSDP2's shards"):
         Updater.create(model, OptimConfig(lr=1e-2, bf16_rounding="stochastic"), 10, World(rank=0, size=2, learners=2), "fsdp")
+
+
+def test_each_weight_and_step_rounds_with_its_own_bits_and_replicas_with_the_same(monkeypatch):
+    from rlalign.train import bf16_adamw
+
+    seeds = []
+    original = bf16_adamw.stochastic_round_to_bfloat16
+    monkeypatch.setattr(bf16_adamw, "stochastic_round_to_bfloat16", lambda x, generator: seeds.append(generator.initial_seed()) or original(x, generator))
+    runs = []
+    for _ in range(2):  # two replicas: the same steps
+        seeds.clear()
+        params = bf16_params()
+        optimizer = StochasticRoundingAdamW(params, lr=1e-4)
+        for step in range(3):
+            with_grads(params, step)
+            optimizer.step()
+        runs.append((list(seeds), [p.detach().clone() for p in params]))
+    (seeds_a, weights_a), (seeds_b, weights_b) = runs
+    assert len(seeds_a) == 9 and len(set(seeds_a)) == 9  # 3 weights x 3 steps, each its own stream
+    assert seeds_a == seeds_b and all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
