@@ -102,13 +102,15 @@ def test_float32_weights_take_torchs_own_step():
 
 def test_nearest_rounding_is_refused_where_most_steps_would_round_away():
     # weights of 0.02 (half spacing 6.1e-5) lose a step of lr 1e-6; weights of 1e-5 (half spacing 3.8e-8) keep it
-    def weights(lost_share: float) -> list[torch.Tensor]:
-        lost = int(100 * lost_share)
-        return [torch.tensor([0.02] * lost + [1e-5] * (100 - lost)).bfloat16()]
+    def weights(lost_share: float, total: int = 100) -> list[torch.Tensor]:
+        lost = round(total * lost_share)
+        return [torch.tensor([0.02] * lost + [1e-5] * (total - lost)).bfloat16()]
 
     with pytest.raises(ConfigError, match=r"optim.lr 1e-06 .* on 60% of the trainable weights.*optim.bf16_rounding: stochastic"):
         check_bfloat16_steps(weights(0.6), LR)
     check_bfloat16_steps(weights(0.5), LR)  # half: at the limit, taken
+    with pytest.raises(ConfigError, match="on 50% of"):
+        check_bfloat16_steps(weights(51 / 101, 101), LR)  # 51 of 101: past half
     check_bfloat16_steps(weights(1.0), 7e-5)  # above half the spacing: taken
     with pytest.raises(ConfigError):
         check_bfloat16_steps(weights(1.0), 6e-5)
@@ -201,3 +203,17 @@ def test_each_weight_and_step_rounds_with_its_own_bits_and_replicas_with_the_sam
     (seeds_a, weights_a), (seeds_b, weights_b) = runs
     assert len(seeds_a) == 9 and len(set(seeds_a)) == 9  # 3 weights x 3 steps, each its own stream
     assert seeds_a == seeds_b and all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
+
+
+def test_a_closure_is_evaluated_with_grad_and_its_loss_returned():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]).bfloat16())
+    optimizer = StochasticRoundingAdamW([w], lr=0.1)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = (w.float() ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert optimizer.step(closure).item() == 5.0
+    assert torch.all(w.detach() < torch.tensor([1.0, 2.0]).bfloat16())  # a step of 0.1 down, larger than the spacing: taken
