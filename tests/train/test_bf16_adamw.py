@@ -217,3 +217,13 @@ def test_a_closure_is_evaluated_with_grad_and_its_loss_returned():
 
     assert optimizer.step(closure).item() == 5.0
     assert torch.all(w.detach() < torch.tensor([1.0, 2.0]).bfloat16())  # a step of 0.1 down, larger than the spacing: taken
+
+
+def test_a_weight_without_a_gradient_is_skipped_and_the_ones_after_it_stepped():
+    params = bf16_params()
+    with_grads(params)
+    params[1].grad = None  # e.g. an embedding row set no token of the batch used
+    before = [p.detach().clone() for p in params]
+    StochasticRoundingAdamW(params, lr=0.1).step()  # steps far above the spacing: every stepped weight moves
+    assert torch.equal(params[1], before[1])
+    assert not torch.equal(params[0], before[0]) and not torch.equal(params[2], before[2])
