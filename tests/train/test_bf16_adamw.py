@@ -116,6 +116,8 @@ def test_nearest_rounding_is_refused_where_most_steps_would_round_away():
         check_bfloat16_steps(weights(1.0), 6e-5)
     params = bf16_params()
     check_bfloat16_steps([p.detach().float() for p in params], LR)  # float32 weights: exact steps
+    with pytest.raises(ConfigError, match="on 100% of"):
+        check_bfloat16_steps([torch.zeros(1000), *weights(1.0)], LR)  # float32 ones (a LoRA adapter's, say) are left out of the count
     # through make_optimizer's options: stochastic gives the rounding AdamW, nearest torch's
     assert type(make_optimizer(params, OptimConfig(lr=LR, bf16_rounding="stochastic"), 10)[0]) is StochasticRoundingAdamW
     assert type(make_optimizer(params, OptimConfig(lr=1e-3), 10)[0]) is torch.optim.AdamW
