@@ -12,10 +12,7 @@ a checkpoint the two processes wrote ends bit-identical to their uninterrupted r
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from safetensors.torch import load_file
 
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import distributed
-from tests.train.run_records import compared_metrics, load_script
+from tests.train.run_records import compared_metrics, launch, load_script
 
 RUNS = Path(__file__).with_name("distributed_runs.py")
 NOT_COMPARED = ("time", "tokens_per_s", "memory/")  # wall-clock metrics; rows per forward (a process's own)
@@ -51,14 +48,7 @@ def runs(tmp_path_factory):
     tiny = build_tiny_checkpoint(root / "tiny", TinyModelSpec(hidden_size=32, num_layers=1, intermediate_size=64), seed=0)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUNS), str(root / "two"), str(tiny)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        # Seen once in ~10 launches while four other benchmark processes loaded this 2-core machine: a
-        # rank aborted (SIGABRT) at start-up and was not reproducible (5 clean runs after). One retry,
-        # with the first failure kept visible: a real bug fails twice.
-        warnings.warn(f"2-process launch failed once (rc {done.returncode}), retrying:\n{done.stderr[-3000:]}")
-        shutil.rmtree(root / "two", ignore_errors=True)
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = launch(cmd, env, root / "two", 600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     for argv in _load_runs().commands(str(root / "one"), str(tiny)):
         from rlalign.cli import main

@@ -12,7 +12,6 @@ sampler with a stand-in whose replies follow each row's uniforms.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from rlalign.lm.sampling import SamplingParams
 from rlalign.lm.tools import TAG, ToolEnvironment, ToolRegistry
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import tool_rollout as tr
-from tests.train.run_records import compared_metrics
+from tests.train.run_records import compared_metrics, launch
 
 RUNS = Path(__file__).with_name("episode_runs.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +44,7 @@ def runs(tmp_path_factory):
     names = ["tools", "environment", "agent"]
     for out, procs, producers in (("two", 2, 0), ("producer", 3, 1)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), str(RUNS), str(root / out), str(tiny), str(producers), *names]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        done = launch(cmd, env, root / out, 300, ROOT)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     sys.path.insert(0, str(ROOT))
     from tests.train import episode_runs
