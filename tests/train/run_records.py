@@ -13,11 +13,11 @@ from types import ModuleType
 
 
 def launch(cmd: list[str], env: dict[str, str], out: Path, timeout: int, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a torchrun command that writes under ``out``. Seen twice in full suite runs beside another
-    worker on a 2-core machine, and not reproduced in 5 to 8 launches under load after each: a rank
-    aborting (SIGABRT: at start-up, and "terminate called without an active exception"). So a failed
-    launch runs once more, into an emptied ``out``, with the first failure kept visible as a warning:
-    a real bug fails twice."""
+    """Run a torchrun command that writes under ``out``; a failed launch runs once more, into an emptied
+    ``out``, with the first failure kept visible as a warning: a real bug fails twice. Seen in full
+    suite runs on a 2-core machine, rarely and not reproducibly: a rank aborting ("terminate called
+    without an active exception", SIGABRT) as it exited with its Gloo groups alive, which
+    :func:`rlalign.train.distributed.destroy_process_groups` now prevents."""
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if done.returncode != 0:
         warnings.warn(f"torchrun launch failed once (rc {done.returncode}), retrying:\n{done.stderr[-3000:]}")
