@@ -13,14 +13,13 @@ float32 weights (``model.dtype: float32``, ``model.autocast: bfloat16`` for bflo
 update is exact: 16 bytes a weight (weight, gradient, two moments). Stochastic rounding keeps
 every step in expectation (:mod:`rlalign.core.rounding`) at 12 bytes a weight: bfloat16 weight and
 gradient, float32 moments; each step is torch's own AdamW (fused where it can be) on a float32 copy
-of one tensor at a time, then rounded. Its random bits come from a generator seeded by the step
+of one tensor at a time, then rounded into the bfloat16 weight in place. Its random bits come from a generator seeded by the step
 number, so replicas under DDP round alike and a resumed run rounds as the straight one.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -53,48 +52,53 @@ class StochasticRoundingAdamW(torch.optim.AdamW):
                     index += 1
                     if param.grad is None:
                         continue
+                    stepped = param if param.dtype != torch.bfloat16 else _float32_stand_in(param)
                     for other, group in zip(groups, self.param_groups, strict=True):
-                        group["params"] = [param] if other is params else []  # torch's step over this one tensor
-                    self._step_one(param, index)
+                        group["params"] = [stepped] if other is params else []  # torch's step over this one tensor
+                    if stepped is param:
+                        super().step()
+                    else:
+                        self._step_in_float32(param, stepped, index)
         finally:
             for params, group in zip(groups, self.param_groups, strict=True):
                 group["params"] = params
         return loss
 
-    def _step_one(self, param: nn.Parameter, index: int) -> None:
-        if param.dtype != torch.bfloat16:
+    def _step_in_float32(self, param: nn.Parameter, stand_in: nn.Parameter, index: int) -> None:
+        """torch's step of ``stand_in`` (``param`` in float32) with ``param``'s state, then ``param`` = the
+        result rounded stochastically, written in place: ``param`` keeps its dtype, storage and autograd
+        node, so DDP's gradient hooks on it keep firing (setting ``.data`` to another dtype would drop them)."""
+        if param in self.state:
+            self.state[stand_in] = self.state.pop(param)
+        try:
             super().step()
-            return
-        with _held_in_float32([param]):
-            super().step()
-            step = int(self.state[param]["step"])
-            generator = torch.Generator(device=param.device).manual_seed(_SEED + 1_000_003 * step + index)
-            rounded = stochastic_round_to_bfloat16(param.data, generator)  # (...) bfloat16
-        param.data.copy_(rounded)
+        finally:
+            if stand_in in self.state:
+                self.state[param] = self.state.pop(stand_in)
+        step = int(self.state[param]["step"])
+        generator = torch.Generator(device=param.device).manual_seed(_SEED + 1_000_003 * step + index)
+        param.copy_(stochastic_round_to_bfloat16(stand_in.detach(), generator))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts a loaded state to its parameter's dtype: the bfloat16 parameters' float32 moments stay float32."""
+        """torch casts a loaded state to its parameter's dtype: a bfloat16 parameter's moments are then
+        set again from ``state_dict`` in float32 (as saved, or widened from a plain AdamW's bfloat16)."""
+        super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
-        with _held_in_float32([p for p in params if p.dtype == torch.bfloat16]):
-            super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for param, saved_id in zip(params, saved_ids, strict=True):
+            saved = state_dict["state"].get(saved_id, {})
+            if param.dtype != torch.bfloat16:
+                continue
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in saved:
+                    self.state[param][key] = saved[key].to(param.device, torch.float32, copy=True)
 
 
-@contextlib.contextmanager
-def _held_in_float32(params: list[nn.Parameter]) -> Iterator[None]:
-    """``params`` (bfloat16) with float32 copies of their data and gradients inside the block; their own
-    tensors back afterwards (the same storage: DDP's gradient buckets and views stay valid), the
-    data as it was unless the block wrote it back."""
-    saved = [(p, p.data, p.grad) for p in params]
-    try:
-        for p, data, grad in saved:
-            p.data = data.float()
-            if grad is not None:
-                p.grad = grad.float()
-        yield
-    finally:
-        for p, data, grad in saved:
-            p.data = data
-            p.grad = grad
+def _float32_stand_in(param: nn.Parameter) -> nn.Parameter:
+    """A float32 copy of ``param`` with a float32 copy of its gradient: what torch's AdamW steps in its place."""
+    stand_in = nn.Parameter(param.detach().float())
+    stand_in.grad = param.grad.float()
+    return stand_in
 
 
 def check_bfloat16_steps(params: Iterable[Tensor], lr: float) -> None:

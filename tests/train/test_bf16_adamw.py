@@ -229,3 +229,54 @@ def test_a_weight_without_a_gradient_is_skipped_and_the_ones_after_it_stepped():
     StochasticRoundingAdamW(params, lr=0.1).step()  # steps far above the spacing: every stepped weight moves
     assert torch.equal(params[1], before[1])
     assert not torch.equal(params[0], before[0]) and not torch.equal(params[2], before[2])
+
+
+def _accumulator(param: torch.nn.Parameter):
+    return param.view_as(param).grad_fn.next_functions[0][0]  # the AccumulateGrad node DDP hooks its gradient sync on
+
+
+def test_the_step_and_a_resume_keep_each_weights_autograd_node_so_ddps_hooks_keep_firing():
+    # DDP registers its gradient allreduce on each weight's AccumulateGrad node: setting a weight's .data
+    # to another dtype makes a new node, and the gradients of every later backward go unreduced, silently
+    params = bf16_params()
+    nodes = [_accumulator(p) for p in params]
+    fired = []
+    for i, node in enumerate(nodes):
+        node.register_hook(lambda *args, i=i: fired.append(i))
+    optimizer = StochasticRoundingAdamW(params, lr=1e-3)
+    for _ in range(2):
+        sum((p.float() ** 2).sum() for p in params).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    sum((p.float() ** 2).sum() for p in params).backward()
+    assert all(_accumulator(p) is node for p, node in zip(params, nodes))
+    assert sorted(fired) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # 3 backwards, each weight's hook every time
+
+
+def _ddp_replica(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).bfloat16()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = StochasticRoundingAdamW(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(100 + rank)  # each replica its own data
+    for _ in range(4):
+        optimizer.zero_grad()
+        ddp(torch.randn(4, 8, generator=g).bfloat16()).float().pow(2).mean().backward()
+        optimizer.step()
+    torch.save([p.detach() for p in model.parameters()], f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ddp_replicas_stay_equal(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_replica, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    torch.manual_seed(0)
+    start = [p.detach().bfloat16() for p in torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).bfloat16().parameters()]
+    a, b = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # the gradients were averaged at every step, not only the first
+    assert any(not torch.equal(x, s) for x, s in zip(a, start))  # and they trained
