@@ -246,7 +246,9 @@ def plan_rows(
     passes: Sequence[Pass], rollout: Rollout, setting: int | str | None, minibatch: int, model_cfg: ModelConfig,
     world: distributed.World = distributed.World(), cache: dict | None = None, compiled: bool = False,
 ) -> RowPlan:
-    """Rows per forward of a step's passes. ``setting``: ``micro_batch_size`` (an int: that many; None:
+    """Rows per forward of a step's passes, the policy's first (every no-grad pass lays its rows out as
+    the policy's updates do: the LM head in chunks only where theirs can be, :func:`rlalign.train.passes.head_chunks`).
+    ``setting``: ``micro_batch_size`` (an int: that many; None:
     the whole ``minibatch``; "auto": from the memory budget, on a CPU or a CUDA GPU; another device
     takes the whole minibatch); ``cache``: the probes' costs by shape, kept between steps;
     ``compiled``: the trainer's compiled forwards (they keep the logits)."""
@@ -261,6 +263,7 @@ def plan_rows(
     tokens = prompt_len + completion_len
     groups: dict[int, list[tuple[float, float]]] = {}  # group -> (fixed, row) of its passes
     no_grad: list[tuple[float, float]] = []
+    policy_chunks = lm_head_of(passes[0].runner or passes[0].model) is not None  # no-grad passes lay rows out as the policy's updates (passes: layout_from)
     for p in passes:
         key = (id(p.model), p.forward, model_cfg.autocast)
         if key not in cache or cache[key][0] < probe_p + probe_c:  # a longer shape than any probed: probe it
@@ -275,7 +278,7 @@ def plan_rows(
             """(fixed, per row) of the LM head: split off, the logits while a pass's fit the limit, else one chunk; else the logits of every row."""
             return (max(copies * min(limit, rows * logits_row), chunk), 0.0) if split else (0.0, copies * logits_row)
 
-        split_no_grad = lm_head_of(p.model) is not None and not compiled
+        split_no_grad = lm_head_of(p.model) is not None and policy_chunks and not compiled
         head_fixed, head_row = head(rollout.batch_size, 2.0, split_no_grad)
         freed = per_row * min(1.0, 4 / layers)  # without grad each layer's activations are freed as the next runs: a few layers' in flight
         no_grad.append((probed.fixed + head_fixed, freed + head_row))

@@ -275,3 +275,31 @@ def test_a_run_planned_to_one_row_is_the_run_of_micro_batch_size_one(tiny_path, 
     assert roomy.history[0]["memory/micro_rows"] == 4  # a minibatch: 8 rows in 2
     for name, w in weights(whole.final_dir).items():
         assert torch.equal(weights(roomy.final_dir)[name], w), name
+
+
+def test_no_grad_passes_beside_a_ddp_policy_are_planned_with_their_logits(monkeypatch):
+    # beside a policy in DDP (one forward a backward: the logits path) the reference pass lays its rows
+    # out as the policy's updates do (test_pass_layout.py), so it keeps the (rows, C, V) logits even past
+    # logits_limit_mb: the plan must count them. Planned as if its head ran in chunks, all 64 rows came
+    # back, whose float32 logits and log-softmax alone are 1 GB against a 600 MB budget
+    import copy
+
+    import torch.distributed as dist
+
+    vocab, completion_len = 32000, 64
+    rollout = grouped_rollout(groups=16, size=4, prompt_len=16, completion_len=completion_len, vocab=vocab)
+    cfg = ModelConfig(logits_limit_mb=64)
+    logits_row = completion_len * vocab * 4  # one row's float32 logits: 8 MB
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        policy = make_llama(vocab=vocab)
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+        ddp = torch.nn.parallel.DistributedDataParallel(policy)
+        optimizer = torch.optim.AdamW(policy.parameters())
+        pending = 3 * sum(p.numel() * 4 for p in policy.parameters())
+        monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + 600 * MB)
+        plan = plan_rows([Pass(policy, optimizer, runner=ddp), Pass(reference, None, group=None)], rollout, "auto", 16, cfg)
+        assert 1 <= plan.no_grad < 64
+        assert 2 * plan.no_grad * logits_row <= 600 * MB
+    finally:
+        dist.destroy_process_group()
