@@ -36,7 +36,8 @@ _SEED = 0x5EED  # the rounding's generator seed is this plus the step: the same 
 class StochasticRoundingAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose bfloat16 parameters are stepped in float32 and rounded stochastically
     (module docstring); a float32 parameter is stepped as AdamW steps it. The moments of a bfloat16
-    parameter are float32 (loading a state dict keeps them so)."""
+    parameter are float32 (loading a state dict keeps them so). torch's step runs once a tensor, so
+    step hooks registered on the optimizer run once a tensor too, each seeing that tensor alone."""
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -183,6 +183,7 @@ def destroy_process_groups() -> None:
     already left do not hold it up."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _WORLDS.clear()  # their groups are gone: a later init makes new ones
 
 
 SHARDINGS = ("ddp", "fsdp")
