@@ -33,7 +33,6 @@ and sharding.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import inspect
@@ -54,7 +53,7 @@ from rlalign.core.losses import norm_rows, row_weights
 from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
-    "World", "init", "destroy_process_groups", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
+    "World", "init", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
     "gather_rows", "all_sum", "all_max", "any_rank", "aggregation_count", "loss_scale", "loss_share", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
 ]
 
@@ -162,7 +161,6 @@ def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> 
             backend = "gloo"  # NCCL takes one rank a GPU: the default group is gloo, the learners get a group of their own with NCCL
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-        atexit.register(destroy_process_groups)
     if not producers:
         world = World(rank=rank, size=size, local_rank=local_rank, learners=size)
     else:  # every rank takes part in making the learners' group
@@ -173,17 +171,6 @@ def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> 
             world = World(local_rank=local_rank, learners=learners, producers=producers, producer=rank - learners)
     _WORLDS[rank, producers] = world
     return world
-
-
-def destroy_process_groups() -> None:
-    """Destroy this process's process groups, if any: run at exit by :func:`init`, while the interpreter is
-    still whole. A process that exits with them alive can abort (SIGABRT, "terminate called without an
-    active exception") after its run finished: Gloo's worker threads still hold work whose tensors are
-    freed during interpreter finalization (PyTorch issue 190489). Local: no collective, so ranks that
-    already left do not hold it up."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _WORLDS.clear()  # their groups are gone: a later init makes new ones
 
 
 SHARDINGS = ("ddp", "fsdp")

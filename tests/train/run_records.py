@@ -16,8 +16,9 @@ def launch(cmd: list[str], env: dict[str, str], out: Path, timeout: int, cwd: Pa
     """Run a torchrun command that writes under ``out``; a failed launch runs once more, into an emptied
     ``out``, with the first failure kept visible as a warning: a real bug fails twice. Seen in full
     suite runs on a 2-core machine, rarely and not reproducibly: a rank aborting ("terminate called
-    without an active exception", SIGABRT) as it exited with its Gloo groups alive, which
-    :func:`rlalign.train.distributed.destroy_process_groups` now prevents."""
+    without an active exception", SIGABRT) as it exited with its Gloo groups alive (PyTorch issue
+    190489). Destroying the groups before exit is no cure: that deadlocked once here (the group's
+    destructor joining a Gloo thread that waited for the GIL)."""
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if done.returncode != 0:
         warnings.warn(f"torchrun launch failed once (rc {done.returncode}), retrying:\n{done.stderr[-3000:]}")

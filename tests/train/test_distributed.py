@@ -142,29 +142,3 @@ def test_shard_frozen_leaves_a_missing_model_and_non_fsdp_runs_alone():
     model = torch.nn.Linear(2, 2)
     assert distributed.shard_frozen(model, two, "ddp") is model
     assert distributed.shard_frozen(model, distributed.World(), "fsdp") is model
-
-
-def test_a_process_that_joined_the_group_destroys_it_at_exit(monkeypatch):
-    # exiting with a Gloo group alive can abort a finished run (SIGABRT at interpreter finalization):
-    # init registers destroy_process_groups with atexit when it creates the group
-    import atexit
-
-    import torch.distributed as dist
-
-    registered = []
-    monkeypatch.setattr(atexit, "register", registered.append)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    real_init = dist.init_process_group  # one process of a "2-process" launch, on an in-memory store
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: real_init(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout))
-    monkeypatch.setattr(distributed, "_WORLDS", {})
-    try:
-        world = distributed.init()
-        assert world.rank == 0 and dist.is_initialized()
-        assert registered == [distributed.destroy_process_groups]
-        registered[0]()
-        assert not dist.is_initialized()
-        distributed.destroy_process_groups()  # nothing left: a no-op
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
