@@ -45,7 +45,17 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one command; ``argv`` None: the program's own arguments. As the program, a torchrun rank
+    ends here once its command returned (:func:`rlalign.train.distributed.exit_process`)."""
+    code = _run(list(sys.argv[1:] if argv is None else argv))
+    if argv is None and "torch.distributed" in sys.modules:
+        from rlalign.train.distributed import exit_process
+
+        exit_process(code)
+    return code
+
+
+def _run(argv: list[str]) -> int:
     debug = "--debug" in argv  # show tracebacks instead of one-line messages
     argv = [arg for arg in argv if arg != "--debug"]
     top = _top_parser()

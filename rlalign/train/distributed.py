@@ -33,10 +33,13 @@ and sharding.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import inspect
 import os
+import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +56,7 @@ from rlalign.core.losses import norm_rows, row_weights
 from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
-    "World", "init", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
+    "World", "init", "exit_process", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
     "gather_rows", "all_sum", "all_max", "any_rank", "aggregation_count", "loss_scale", "loss_share", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
 ]
 
@@ -171,6 +174,27 @@ def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> 
             world = World(local_rank=local_rank, learners=learners, producers=producers, producer=rank - learners)
     _WORLDS[rank, producers] = world
     return world
+
+
+def exit_process(code: int) -> None:
+    """End a process whose process group is up, with exit status ``code``, once its command returned;
+    without one (a one-process run) return. What the interpreter's exit does that a program can
+    see runs first: the threads it started are joined, standard output and error flushed, ``atexit``
+    handlers run (logging, temporary folders, child processes). Then ``os._exit``, skipping the
+    interpreter's finalization: there a Gloo worker thread that still holds a collective's tensors
+    needs the GIL of an interpreter being torn down, and the process aborts (SIGABRT, "terminate
+    called without an active exception"; pytorch/pytorch#190489) after its last checkpoint was
+    written. Destroying the groups first instead can deadlock: the destructor joins that thread
+    while holding the GIL the thread waits for."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what the interpreter's exit runs, and os._exit would skip
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 SHARDINGS = ("ddp", "fsdp")

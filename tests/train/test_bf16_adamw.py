@@ -6,7 +6,6 @@ where most steps of lr would round away."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from rlalign.config import ConfigError
 from rlalign.core.rounding import bfloat16_spacing
 from rlalign.train.bf16_adamw import StochasticRoundingAdamW, check_bfloat16_steps
 from rlalign.train.common import make_optimizer
+from rlalign.train.distributed import exit_process
 from rlalign.train.run_config import OptimConfig
 
 LR = 1e-6  # an RL fine-tune's learning rate: a twentieth of half the spacing (1.2e-4) of weights near 0.02
@@ -269,8 +269,7 @@ def _ddp_replica(rank: int, store: str, out: str) -> None:
         ddp(torch.randn(4, 8, generator=g).bfloat16()).float().pow(2).mean().backward()
         optimizer.step()
     torch.save([p.detach() for p in model.parameters()], f"{out}/rank{rank}.pt")
-    dist.barrier()
-    os._exit(0)  # no teardown of the Gloo group: destroying it can deadlock on the GIL, and leaving it to finalization can abort
+    exit_process(0)  # not the Gloo group's teardown: destroying it can deadlock on the GIL, and finalization can abort
 
 
 def test_ddp_replicas_stay_equal(tmp_path):
