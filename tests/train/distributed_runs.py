@@ -16,6 +16,7 @@ import sys
 import torch
 
 from rlalign.cli import main
+from rlalign.train.distributed import exit_process
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "progress=false", "num_threads=1"]
 
@@ -47,3 +48,4 @@ if __name__ == "__main__":
         for argv in commands(sys.argv[1], sys.argv[2], sharding):
             if main(argv) != 0:
                 sys.exit(f"rlalign {' '.join(argv)} failed")
+    exit_process(0)  # as the program ends a rank

@@ -18,6 +18,7 @@ import torch
 from rlalign.config import load_config
 from rlalign.tasks import lookup as lk
 from rlalign.train import grpo
+from rlalign.train.distributed import exit_process
 
 
 def correct(prompts: list, completions: list, answer: list, **columns) -> list[float]:
@@ -48,3 +49,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     for name in sys.argv[4:]:
         run(sys.argv[1], sys.argv[2], int(sys.argv[3]), name)
+    exit_process(0)  # as the program ends a rank

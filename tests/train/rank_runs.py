@@ -17,6 +17,7 @@ import sys
 import torch
 
 from rlalign.cli import main
+from rlalign.train.distributed import exit_process
 
 
 def raises_at_step_2(completions, trainer_state, **kwargs):
@@ -66,3 +67,4 @@ if __name__ == "__main__":
     for name in sys.argv[3:]:
         if main(runs[name]) != 0:
             sys.exit(f"rlalign {' '.join(runs[name])} failed")
+    exit_process(0)  # as the program ends a rank

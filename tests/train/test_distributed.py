@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
     tiny = build_tiny_checkpoint(root / "tiny", TinyModelSpec(hidden_size=32, num_layers=1, intermediate_size=64), seed=0)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUNS), str(root / "two"), str(tiny)]
-    done = launch(cmd, env, root / "two", 600)
+    done = launch(cmd, env, 600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     for argv in _load_runs().commands(str(root / "one"), str(tiny)):
         from rlalign.cli import main

@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
     names = ["tools", "environment", "agent"]
     for out, procs, producers in (("two", 2, 0), ("producer", 3, 1)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs), str(RUNS), str(root / out), str(tiny), str(producers), *names]
-        done = launch(cmd, env, root / out, 300, ROOT)
+        done = launch(cmd, env, 300, ROOT)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     sys.path.insert(0, str(ROOT))
     from tests.train import episode_runs
