@@ -14,7 +14,8 @@ update is exact: 16 bytes a weight (weight, gradient, two moments). Stochastic r
 every step in expectation (:mod:`rlalign.core.rounding`) at 12 bytes a weight: bfloat16 weight and
 gradient, float32 moments; each step is torch's own AdamW (fused where it can be) on a float32 copy
 of one tensor at a time, then rounded into the bfloat16 weight in place. Its random bits come from a generator seeded by the step
-number, so replicas under DDP round alike and a resumed run rounds as the straight one.
+number, so replicas under DDP round alike and a resumed run rounds as the straight one. Under FSDP2 each rank steps its own shard
+(torch's AdamW takes DTensors) and rounds it with bits of its own (the seed adds the shard's place in the mesh).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from rlalign.config import ConfigError
 from rlalign.core.rounding import bfloat16_spacing, stochastic_round_to_bfloat16
@@ -30,7 +32,7 @@ from rlalign.core.rounding import bfloat16_spacing, stochastic_round_to_bfloat16
 __all__ = ["StochasticRoundingAdamW", "check_bfloat16_steps", "LOST_STEP_LIMIT"]
 
 LOST_STEP_LIMIT = 0.5  # the share of bfloat16 weights that may not move on a step of lr before nearest rounding is refused
-_SEED = 0x5EED  # the rounding's generator seed is this plus the step: the same bits on every replica
+_SEED = 0x5EED  # the rounding's seed is this plus terms of the step, the weight and the shard: the same bits on every replica
 
 
 class StochasticRoundingAdamW(torch.optim.AdamW):
@@ -77,8 +79,9 @@ class StochasticRoundingAdamW(torch.optim.AdamW):
             if stand_in in self.state:
                 self.state[param] = self.state.pop(stand_in)
         step = int(self.state[param]["step"])
-        generator = torch.Generator(device=param.device).manual_seed(_SEED + 1_000_003 * step + index)
-        param.copy_(stochastic_round_to_bfloat16(stand_in.detach(), generator))
+        shard = param.device_mesh.get_local_rank() if isinstance(param, DTensor) else 0  # FSDP2: each rank rounds its own shard
+        generator = torch.Generator(device=param.device).manual_seed(_SEED + 1_000_003 * step + index + 65_537 * shard)
+        _local(param).copy_(stochastic_round_to_bfloat16(_local(stand_in.detach()), generator))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts a loaded state to its parameter's dtype: a bfloat16 parameter's moments are then
@@ -93,6 +96,11 @@ class StochasticRoundingAdamW(torch.optim.AdamW):
             for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                 if key in saved:
                     self.state[param][key] = saved[key].to(param.device, torch.float32, copy=True)
+
+
+def _local(t: Tensor) -> Tensor:
+    """``t``'s values on this process: an FSDP2 DTensor's local shard (its storage), any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _float32_stand_in(param: nn.Parameter) -> nn.Parameter:

@@ -35,7 +35,7 @@ class OptimConfig(Config):
     bf16_rounding: Literal["nearest", "stochastic"] = Field(
         "nearest", description="bfloat16 weights (model.dtype: bfloat16): nearest = torch's AdamW, bfloat16 moments (8 bytes a weight), refused where "
         "most steps of lr would round away; stochastic = each step in float32 with float32 moments, the weights rounded stochastically, every "
-        "step kept in expectation (12 bytes a weight; not with model.sharding: fsdp). Float32 weights take the exact step either way"
+        "step kept in expectation (12 bytes a weight). Float32 weights take the exact step either way"
     )
 
 

@@ -57,9 +57,6 @@ class Updater:
         """``model`` under torchrun in DDP or sharded by FSDP2 (gradients averaged over ranks), with its AdamW."""
         if sampling_dtype is not None and sharding == "fsdp":
             raise ConfigError("sampling.dtype needs whole weights on every rank; with model.sharding=fsdp leave it null")
-        if cfg.bf16_rounding == "stochastic" and sharding == "fsdp" and world.distributed and any(p.dtype == torch.bfloat16 for p in model.parameters()):
-            raise ConfigError("optim.bf16_rounding: stochastic rounds whole weights, not FSDP2's shards; with model.sharding=fsdp set it to nearest, "
-                              "or hold float32 weights (model.dtype: float32, model.autocast: bfloat16)")
         if cfg.bf16_rounding == "nearest":
             check_bfloat16_steps([p for p in model.parameters() if p.requires_grad], cfg.lr)  # every rank holds the whole model here: all raise alike
         model = distributed.wrap(model, world, sharding)

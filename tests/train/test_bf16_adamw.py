@@ -179,15 +179,6 @@ def test_the_memory_plan_counts_float32_moments_for_bfloat16_weights_stepped_in_
     assert memory_plan._pending_update_bytes(model, stochastic) == 0  # all allocated now
 
 
-def test_stochastic_rounding_is_refused_for_fsdp2_shards():
-    from rlalign.train.distributed import World
-    from rlalign.train.updater import Updater
-
-    model = torch.nn.Linear(16, 8).bfloat16()
-    with pytest.raises(ConfigError, match="optim.bf16_rounding: stochastic rounds whole weights, not FSDP2's shards"):
-        Updater.create(model, OptimConfig(lr=1e-2, bf16_rounding="stochastic"), 10, World(rank=0, size=2, learners=2), "fsdp")
-
-
 def test_each_weight_and_step_rounds_with_its_own_bits_and_replicas_with_the_same(monkeypatch):
     from rlalign.train import bf16_adamw
 
