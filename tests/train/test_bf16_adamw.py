@@ -101,6 +101,19 @@ def test_float32_weights_take_torchs_own_step():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_a_loaded_state_keeps_float32_moments_for_bfloat16_weights_after_a_float32_one():
+    # a model of both dtypes (a float32 head beside bfloat16 layers): each bfloat16 weight's moments load as float32, whatever comes before it
+    params = [torch.nn.Parameter(torch.randn(4)), *bf16_params()]
+    with_grads(params)
+    optimizer = StochasticRoundingAdamW(params, lr=1e-3)
+    optimizer.step()
+    again = StochasticRoundingAdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-3)
+    again.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for p, q in zip(params, again.param_groups[0]["params"]):
+        assert again.state[q]["exp_avg"].dtype == again.state[q]["exp_avg_sq"].dtype == torch.float32
+        assert torch.equal(again.state[q]["exp_avg_sq"], optimizer.state[p]["exp_avg_sq"])
+
+
 def test_nearest_rounding_is_refused_where_most_steps_would_round_away():
     # weights of 0.02 (half spacing 6.1e-5) lose a step of lr 1e-6; weights of 1e-5 (half spacing 3.8e-8) keep it
     def weights(lost_share: float, total: int = 100) -> list[torch.Tensor]:
