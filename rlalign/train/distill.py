@@ -70,7 +70,7 @@ from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import autocast_context, forward_precision
 from rlalign.train.memory_plan import Pass, plan_rows
 from rlalign.train.objectives import sampler_weights
-from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, print_summary, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.passes import completion_logits, completion_logprobs, logprobs_and_entropy, micro_batches, reference_logprobs
 from rlalign.train.rl_config import RewardConfig, RLConfig
 from rlalign.train.rollouts import RewardTerm, completion_stats, sample_rows, scored_stats
@@ -350,5 +350,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(DistillConfig, args.config, args.overrides)
-    print(train(cfg, resume=args.resume).summary(("kl/reverse", "reward/mean", "completion_len/mean")))
+    print_summary(train(cfg, resume=args.resume).summary(("kl/reverse", "reward/mean", "completion_len/mean")))
     return 0

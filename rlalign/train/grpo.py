@@ -78,7 +78,7 @@ from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
 from rlalign.train.common import forward_precision
-from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, resume_state, run_steps, start_rl_run, step_timings
+from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, print_summary, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.memory_plan import Pass, plan_rows
 from rlalign.train.objectives import policy_objective, sampler_weights
 from rlalign.train.passes import completion_logprobs, logprob_mismatch, loss_mask, micro_batches, ratio_deviation, reference_logprobs, training_logprobs
@@ -335,5 +335,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(GRPOConfig, args.config, args.overrides)
-    print(train(cfg, resume=args.resume).summary(("reward/mean", "kl", "completion_len/mean")))
+    print_summary(train(cfg, resume=args.resume).summary(("reward/mean", "kl", "completion_len/mean")))
     return 0

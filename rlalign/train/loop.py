@@ -64,6 +64,7 @@ __all__ = [
     "RLResult",
     "add_run_arguments",
     "summary_line",
+    "print_summary",
     "run_supervised_command",
 ]
 
@@ -544,5 +545,12 @@ def summary_line(output_dir: str | Path, metrics: dict[str, float]) -> str:
 def run_supervised_command(config_cls: type[Config], train: Callable[..., dict[str, float]], args: argparse.Namespace) -> int:
     """The command of a supervised trainer (SFT, RM, DPO): load the config, train (or resume), print :func:`summary_line`."""
     cfg = load_config(config_cls, args.config, args.overrides)
-    print(summary_line(cfg.output_dir, train(cfg, resume=args.resume)))
+    print_summary(summary_line(cfg.output_dir, train(cfg, resume=args.resume)))
     return 0
+
+
+def print_summary(line: str) -> None:
+    """Print a run's closing JSON line, once: under torchrun global rank 0 alone prints it (its ranks share
+    one standard output, where N copies would interleave and the last line would not parse)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)

@@ -11,6 +11,7 @@ a checkpoint the two processes wrote ends bit-identical to their uninterrupted r
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -50,6 +51,7 @@ def runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(RUNS), str(root / "two"), str(tiny)]
     done = launch(cmd, env, 600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    (root / "two.stdout").write_text(done.stdout)
     for argv in _load_runs().commands(str(root / "one"), str(tiny)):
         from rlalign.cli import main
 
@@ -142,3 +144,11 @@ def test_shard_frozen_leaves_a_missing_model_and_non_fsdp_runs_alone():
     model = torch.nn.Linear(2, 2)
     assert distributed.shard_frozen(model, two, "ddp") is model
     assert distributed.shard_frozen(model, distributed.World(), "fsdp") is model
+
+
+def test_each_command_prints_one_summary_line_of_its_own(runs):
+    # both ranks share torchrun's standard output: rank 0 alone prints, so the line a script reads parses
+    root, tiny = runs
+    lines = [line for line in (root / "two.stdout").read_text().splitlines() if line.startswith("{")]
+    commands = [argv for sharding in ("ddp", "fsdp") for argv in _load_runs().commands(str(root / "two"), str(tiny), sharding)]
+    assert [json.loads(line)["output_dir"] for line in lines] == [next(a for a in argv if a.startswith("output_dir=")).removeprefix("output_dir=") for argv in commands]
