@@ -114,6 +114,20 @@ def test_a_loaded_state_keeps_float32_moments_for_bfloat16_weights_after_a_float
         assert torch.equal(again.state[q]["exp_avg_sq"], optimizer.state[p]["exp_avg_sq"])
 
 
+def test_a_loaded_state_is_the_optimizers_own():
+    # optimizer.state_dict() holds the live moments: the optimizer that loads them keeps copies, not the same tensors
+    params = bf16_params()
+    with_grads(params)
+    optimizer = StochasticRoundingAdamW(params, lr=1e-3)
+    optimizer.step()
+    again = StochasticRoundingAdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-3)
+    again.load_state_dict(optimizer.state_dict())
+    loaded = [again.state[q]["exp_avg"].clone() for q in again.param_groups[0]["params"]]
+    with_grads(params, seed=5)
+    optimizer.step()  # steps its own moments in place
+    assert all(torch.equal(again.state[q]["exp_avg"], m) for q, m in zip(again.param_groups[0]["params"], loaded))
+
+
 def test_nearest_rounding_is_refused_where_most_steps_would_round_away():
     # weights of 0.02 (half spacing 6.1e-5) lose a step of lr 1e-6; weights of 1e-5 (half spacing 3.8e-8) keep it
     def weights(lost_share: float, total: int = 100) -> list[torch.Tensor]:
