@@ -8,7 +8,9 @@ GRPO and PPO runs whose planned micro-batches give the run of the same explicit 
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -54,6 +56,22 @@ def test_saved_bytes_counts_each_kept_storage_once_and_leaves_out_the_weights():
     assert saved_bytes(forward) == 48 + 48 + 16  # with w: 4 floats more
     with torch.no_grad():
         assert saved_bytes(forward) == 0  # nothing kept without grad
+
+
+def test_saved_bytes_frees_what_the_forward_kept_when_it_returns():
+    # exp saves its own output: handed back as itself, the saved output would hold its node and the node it (a cycle
+    # no collector sees, measured: every probe of SmolLM2 left 415 MB resident)
+    x = torch.randn(1000, requires_grad=True)
+    outputs = []
+
+    def forward():
+        a = torch.exp(x)
+        outputs.append(weakref.ref(a))
+        return a.sum()
+
+    assert saved_bytes(forward) == 4000  # exp's output (sum keeps only a shape)
+    gc.collect()
+    assert outputs[0]() is None  # freed with the graph
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
