@@ -36,7 +36,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import inspect
+import io
 import os
 import sys
 import threading
@@ -179,21 +181,22 @@ def init(device: str = "cpu", producers: int = 0, timeout_s: float = 1800.0) -> 
 def exit_process(code: int) -> None:
     """End a process whose process group is up, with exit status ``code``, once its command returned;
     without one (a one-process run) return. What the interpreter's exit does that a program can
-    see runs first: the threads it started are joined, standard output and error flushed, ``atexit``
-    handlers run (logging, temporary folders, child processes). Then ``os._exit``, skipping the
-    interpreter's finalization: there a Gloo worker thread that still holds a collective's tensors
-    needs the GIL of an interpreter being torn down, and the process aborts (SIGABRT, "terminate
-    called without an active exception"; pytorch/pytorch#190489) after its last checkpoint was
-    written. Destroying the groups first instead can deadlock: the destructor joins that thread
-    while holding the GIL the thread waits for."""
+    see runs first: its threads are shut down as the interpreter does it (executors' idle workers
+    woken, non-daemon threads joined), ``atexit`` handlers run (logging, temporary folders, child
+    processes), files still open are flushed, standard output and error too. Then ``os._exit``,
+    skipping the interpreter's finalization: there a Gloo worker thread that still holds a
+    collective's tensors needs the GIL of an interpreter being torn down, and the process aborts
+    (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489) after its
+    last checkpoint was written. Destroying the groups first instead can deadlock: the destructor
+    joins that thread while holding the GIL the thread waits for."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # what the interpreter's exit runs, and os._exit would skip
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    threading._shutdown()  # as Py_Finalize starts: threading's exit hooks (concurrent.futures wakes idle workers), then the joins
+    atexit._run_exitfuncs()
+    for stream in [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)] + [sys.stdout, sys.stderr]:
+        with contextlib.suppress(OSError, ValueError):  # closed, not writable, a broken pipe: nothing to keep
+            if not stream.closed and stream.writable():
+                stream.flush()  # what finalization would write of a file nobody closed
     os._exit(code)
 
 

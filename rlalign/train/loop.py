@@ -550,7 +550,7 @@ def run_supervised_command(config_cls: type[Config], train: Callable[..., dict[s
 
 
 def print_summary(line: str) -> None:
-    """Print a run's closing JSON line, once: under torchrun global rank 0 alone prints it (its ranks share
-    one standard output, where N copies would interleave and the last line would not parse)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    """Print a run's closing JSON line, once: in a process group global rank 0 alone prints it (torchrun's
+    ranks share one standard output, where N copies would interleave and the last line would not parse)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
         print(line, flush=True)

@@ -14,7 +14,7 @@ from rlalign.train.distributed import exit_process
 
 
 def _python(code: str, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, capture_output=True, text=True, timeout=60)  # a hang fails
 
 
 ONE_RANK_GROUP = """
@@ -34,6 +34,11 @@ def test_it_runs_the_interpreters_exit_then_ends_with_the_status(tmp_path):
         time.sleep(0.3)
         pathlib.Path("thread").write_text("joined")
     threading.Thread(target=late_thread).start()
+    import concurrent.futures
+    pool = concurrent.futures.ThreadPoolExecutor(1)  # an idle worker (inductor keeps such a pool): woken as the exit wakes it
+    pool.submit(int).result()
+    log = open("log", "a")  # never closed: its buffered line is written as finalization would
+    log.write("a line")
     atexit.register(lambda: pathlib.Path("atexit").write_text("ran"))
     print("buffered line")  # a pipe: block-buffered, still in the buffer
     print("error line", file=sys.stderr)
@@ -44,6 +49,7 @@ def test_it_runs_the_interpreters_exit_then_ends_with_the_status(tmp_path):
     assert done.returncode == 3, done.stderr
     assert (tmp_path / "thread").read_text() == "joined"  # the thread it started was joined first
     assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "log").read_text() == "a line"
     assert done.stdout == "buffered line\n"  # flushed, and nothing ran after it
     assert "error line" in done.stderr
 

@@ -117,3 +117,11 @@ def test_a_trl_style_reward_gets_each_rows_columns_during_training(tmp_path):
     grpo.train(cfg, reward_functions=[RewardTerm("acc", 1.0, accuracy_reward)], prompts=records)
     assert len(seen) == 2 * 2 * 2 and set(seen) <= {"2", "two", "4"}  # each row's own answer, G copies per prompt
     assert steps == [0, 1]
+
+
+def test_the_summary_line_is_printed_outside_a_process_group_whatever_rank_the_environment_names(monkeypatch, capsys):
+    # a scheduler may export RANK (or an empty one) without a process group: the one process still prints its line
+    for rank in ("1", ""):
+        monkeypatch.setenv("RANK", rank)
+        loop.print_summary('{"steps_run": 2}')
+    assert capsys.readouterr().out == '{"steps_run": 2}\n' * 2
