@@ -1,7 +1,7 @@
 """StochasticRoundingAdamW on FSDP2's shards (two gloo processes): each rank steps and rounds its own
 shard of every bfloat16 weight. Checked against torch's AdamW in float32 on the full tensors (each
-new weight one of the two bfloat16 neighbours of its float32 step, the float32 moments equal), and
-a checkpoint written and loaded through rlalign's FSDP2 state dicts resumes bit for bit."""
+new weight one of the two bfloat16 neighbours of its float32 step, the float32 moments equal to the last bit), fused as
+make_optimizer builds it, and a checkpoint written and loaded through rlalign's FSDP2 state dicts resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _sharded_run(rank: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model = _model()
-    optimizer = StochasticRoundingAdamW(model.parameters(), lr=LR, weight_decay=WD)
+    optimizer = StochasticRoundingAdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)  # as make_optimizer builds it
     record = []
     for step in range(STEPS):
         if step == RESUME_AT:  # a checkpoint of the state before this step, written at once as the trainers do (it holds live step counts)
@@ -62,7 +62,7 @@ def _sharded_run(rank: int, store: str, out: str) -> None:
     # resume: a fresh model and optimizer loaded from the checkpoint take the last step again
     dist.barrier()
     resumed = _model(weights)
-    again = StochasticRoundingAdamW(resumed.parameters(), lr=LR, weight_decay=WD)
+    again = StochasticRoundingAdamW(resumed.parameters(), lr=LR, weight_decay=WD, fused=True)
     distributed.load_optimizer_state(resumed, again, torch.load(f"{out}/optimizer.pt", weights_only=False))
     _backward(resumed, RESUME_AT, rank)
     again.step()
@@ -90,7 +90,7 @@ def test_each_shard_takes_adamws_float32_step_rounded_and_resumes_bit_for_bit(tm
     mp.spawn(_sharded_run, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     saved = torch.load(tmp_path / "record.pt", weights_only=False)
     exact = [torch.nn.Parameter(w.float()) for w in saved["record"][0]["before"]]
-    reference = torch.optim.AdamW(exact, lr=LR, weight_decay=WD)
+    reference = torch.optim.AdamW(exact, lr=LR, weight_decay=WD, fused=True)
     for step in saved["record"]:
         with torch.no_grad():
             for e, w, g in zip(exact, step["before"], step["grads"]):
@@ -100,7 +100,9 @@ def test_each_shard_takes_adamws_float32_step_rounded_and_resumes_bit_for_bit(tm
         for e, after, (m, v) in zip(exact, step["after"], step["moments"]):
             lower, upper = _neighbours(e.detach())
             assert torch.all((after == lower) | (after == upper))  # every entry of both shards rounded to a neighbour
-            assert torch.equal(m, reference.state[e]["exp_avg"]) and torch.equal(v, reference.state[e]["exp_avg_sq"])
+            # fused kernels on a shard and on the whole tensor may round the last bit apart (where an entry falls in the vector lanes)
+            torch.testing.assert_close(m, reference.state[e]["exp_avg"], rtol=2**-22, atol=0)
+            torch.testing.assert_close(v, reference.state[e]["exp_avg_sq"], rtol=2**-22, atol=0)
     first, last = saved["record"][0], saved["record"][-1]
     moved = [(a != b) for a, b in zip(last["after"], first["before"])]
     assert all(m.chunk(2)[0].any() and m.chunk(2)[1].any() for m in moved if m.shape[0] > 1)  # both ranks' shards trained (dim 0 split)
