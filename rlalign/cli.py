@@ -11,6 +11,7 @@ import errno
 import importlib
 import os
 import sys
+import traceback
 
 from rlalign.errors import RLAlignError
 
@@ -47,12 +48,27 @@ def _top_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; ``argv`` None: the program's own arguments. As the program, a torchrun rank
     ends here once its command returned (:func:`rlalign.train.distributed.exit_process`)."""
-    code = _run(list(sys.argv[1:] if argv is None else argv))
-    if argv is None and "torch.distributed" in sys.modules:
-        from rlalign.train.distributed import exit_process
-
-        exit_process(code)
+    try:
+        code = _run(list(sys.argv[1:] if argv is None else argv))
+    except Exception:
+        if argv is None and _in_process_group():  # the traceback as the interpreter prints it, then the same end, status 1
+            traceback.print_exc()
+            _exit_rank(1)
+        raise
+    if argv is None and _in_process_group():
+        _exit_rank(code)
     return code
+
+
+def _in_process_group() -> bool:
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import for --help)
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _exit_rank(code: int) -> None:
+    from rlalign.train.distributed import exit_process
+
+    exit_process(code)
 
 
 def _run(argv: list[str]) -> int:

@@ -67,6 +67,19 @@ def test_the_program_ends_there_and_a_call_returns(tmp_path):
     assert lines[1] == "called: 0" and len(lines) == 3 and "returned" not in done.stdout  # the version, the call, the version
 
 
+def test_an_error_in_the_program_prints_its_traceback_once_and_ends_with_status_1(tmp_path):
+    done = _python(ONE_RANK_GROUP + """
+    import rlalign.cli
+    def broken(argv):
+        raise RuntimeError("a bug")
+    rlalign.cli._run = broken
+    sys.argv = ["rlalign", "grpo"]
+    rlalign.cli.main()
+    """, tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback") == 1 and "RuntimeError: a bug" in done.stderr
+
+
 def _rank_with_collectives_in_flight(rank: int, store: str) -> None:
     import torch
     import torch.distributed as dist
