@@ -68,6 +68,8 @@ def runs(tmp_path_factory):
     # 1 learner + 3 producers: more producers than steps in flight, so some wait while others sample
     done = _torchrun(root, tiny, "k0", "k1", "k1_broadcast", producers=3, out="ranks3")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(s["steps_run"] > 0, s["final"] is not None) for s in summaries] == [(True, True)] * 3  # the learner's line, once a run
     from rlalign.cli import main
 
     for name, argv in _load_runs().commands(str(root / "one"), str(tiny), 0).items():
