@@ -31,6 +31,14 @@ def with_grads(params, seed: int = 1) -> None:
         p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
 
+def bfloat16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bfloat16 values just below and just above float32 ``x`` (equal where x is one)."""
+    near = x.bfloat16()
+    lower = torch.where(near.float() > x, torch.nextafter(near, torch.full_like(near, -float("inf"))), near)
+    upper = torch.where(lower.float() < x, torch.nextafter(lower, torch.full_like(lower, float("inf"))), lower)
+    return lower, upper
+
+
 def test_the_step_is_torchs_adamw_in_float32_rounded_to_a_neighbour():
     params = bf16_params()
     exact = [torch.nn.Parameter(p.detach().float()) for p in params]
@@ -50,9 +58,7 @@ def test_the_step_is_torchs_adamw_in_float32_rounded_to_a_neighbour():
         reference.step()
         reference_state = copy.deepcopy(reference.state_dict())
         for p, s in zip(params, start):
-            below = s.detach().bfloat16()  # a neighbour of the float32 result ...
-            lower = torch.where(below.float() > s.detach(), torch.nextafter(below, torch.full_like(below, -float("inf"))), below)  # ... the one below it
-            upper = torch.where(lower.float() < s.detach(), torch.nextafter(lower, torch.full_like(lower, float("inf"))), lower)
+            lower, upper = bfloat16_neighbours(s.detach())  # the float32 result's two bfloat16 neighbours
             assert torch.all((p.detach() == lower) | (p.detach() == upper))
             state = optimizer.state[p]
             assert p.dtype == torch.bfloat16 and state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32

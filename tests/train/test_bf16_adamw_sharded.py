@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from rlalign.train import distributed
 from rlalign.train.bf16_adamw import StochasticRoundingAdamW
+from tests.train.test_bf16_adamw import bfloat16_neighbours
 
 STEPS, RESUME_AT = 3, 2
 LR, WD = 1e-3, 0.1
@@ -78,14 +79,6 @@ def _sharded_run(rank: int, store: str, out: str) -> None:
     distributed.exit_process(0)
 
 
-def _neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bfloat16 values just below and just above float32 ``x`` (equal where x is one)."""
-    near = x.bfloat16()
-    lower = torch.where(near.float() > x, torch.nextafter(near, torch.full_like(near, -float("inf"))), near)
-    upper = torch.where(lower.float() < x, torch.nextafter(lower, torch.full_like(lower, float("inf"))), lower)
-    return lower, upper
-
-
 def test_each_shard_takes_adamws_float32_step_rounded_and_resumes_bit_for_bit(tmp_path):
     mp.spawn(_sharded_run, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     saved = torch.load(tmp_path / "record.pt", weights_only=False)
@@ -98,7 +91,7 @@ def test_each_shard_takes_adamws_float32_step_rounded_and_resumes_bit_for_bit(tm
                 e.grad = g.float()
         reference.step()
         for e, after, (m, v) in zip(exact, step["after"], step["moments"]):
-            lower, upper = _neighbours(e.detach())
+            lower, upper = bfloat16_neighbours(e.detach())
             assert torch.all((after == lower) | (after == upper))  # every entry of both shards rounded to a neighbour
             # fused kernels on a shard and on the whole tensor may round the last bit apart (where an entry falls in the vector lanes)
             torch.testing.assert_close(m, reference.state[e]["exp_avg"], rtol=2**-22, atol=0)
