@@ -37,6 +37,9 @@
 #   8. benchmarks/mfu.py on the 1B model with bfloat16 weights rounded stochastically (optim.bf16_rounding),
 #      against phase 4's float32 master weights under autocast: the update's time, MFU and peak
 #      ($LIMIT_BF16 s, default 0: skipped)
+#   9. benchmarks/generation_floor.py on the 1B model: the sampler compiled with CUDA graphs at 64 and 256 rows x
+#      256 new tokens against the memory-bandwidth floor (weights read once a token, the copy bandwidth measured)
+#      ($LIMIT_GENERATION s, default 0: skipped)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
 #
@@ -209,6 +212,17 @@ if [ "${LIMIT_BF16:-0}" -gt 0 ]; then
   say "mfu llama-1b, bfloat16 weights, stochastic rounding: rc=$rc $(( $(date +%s) - start ))s"
   sed -n '/^MFU of one/,$p' "$LOGS/mfu_llama-1b_bf16.log" >> "$SUMMARY"
   [ $rc -ne 0 ] && tail -n 20 "$LOGS/mfu_llama-1b_bf16.log" >> "$SUMMARY"
+fi
+# ---- 9. Generation against the memory-bandwidth floor, 1B model (optional) --------------------------------------
+if [ "${LIMIT_GENERATION:-0}" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -k 10 "$LIMIT_GENERATION" "$PY" benchmarks/generation_floor.py --device cuda --shape llama-1b --rows 64 256 --new-tokens 256 \
+    --compile --cuda-graphs --out "$LOGS/generation_floor.json" > "$LOGS/generation_floor.log" 2>&1
+  rc=$?
+  say ""
+  say "generation floor llama-1b: rc=$rc $(( $(date +%s) - start ))s"
+  sed -n '/^llama-1b (/,$p' "$LOGS/generation_floor.log" >> "$SUMMARY"
+  [ $rc -ne 0 ] && tail -n 20 "$LOGS/generation_floor.log" >> "$SUMMARY"
 fi
 say ""
 say "total $(( $(date +%s) - T0 ))s"
