@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["linear_token_logprobs", "EntropyMode"]
+__all__ = ["linear_token_logprobs", "EntropyMode", "CHUNK_ELEMENTS"]
 
 EntropyMode = Literal["none", "statistic", "gradient"]
-_DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 16M logits (64 MB in float32) per chunk
+CHUNK_ELEMENTS = 1 << 24  # 16M logits (64 MB in float32) per chunk, by default
 
 
 def _matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -91,7 +91,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (N, H)
         grad_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device) if ctx.needs_input_grad[1] else None  # (V, H)
         grad_bias = torch.zeros(bias.shape, dtype=compute, device=bias.device) if bias is not None and ctx.needs_input_grad[2] else None
-        use_entropy = entropy is not None and grad_entropy is not None and grad_entropy.numel() > 0
+        use_entropy = entropy is not None and grad_entropy is not None  # entropy is saved only when it takes a gradient
         for start in range(0, hidden.shape[0], rows):
             end = start + rows
             scaled = _chunk_logits(hidden[start:end], weight, bias, dtype).to(compute)  # (n, V)
@@ -118,7 +118,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
 def linear_token_logprobs(
     hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float = 1.0, bias: Tensor | None = None,
-    entropy: EntropyMode = "none", chunk_elements: int = _DEFAULT_CHUNK_ELEMENTS,
+    entropy: EntropyMode = "none", chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t) under softmax((W h_t + b) / temperature), and optionally the entropy of each
     position, without the (..., V) logits (module docstring).

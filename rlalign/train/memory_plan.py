@@ -67,6 +67,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from rlalign.core.linear_logprobs import CHUNK_ELEMENTS
 from rlalign.lm.logprobs import completion_hidden, completion_logits, lm_head_of
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.rollout import Rollout
@@ -79,7 +80,6 @@ __all__ = ["RowPlan", "Pass", "plan_rows", "policy_forward", "probe_rollout", "d
 
 SLACK = 1.25  # backward's transient activation gradients, on top of what the forward keeps
 PROBE_ROUND = 32  # probe shapes: prompt and completion widths rounded up to this many tokens
-HEAD_CHUNK_ELEMENTS = 1 << 24  # rlalign.core.linear_logprobs's chunk: logits made at once by the chunked head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,18 +168,18 @@ def row_cost(model: nn.Module, forward: Callable[[nn.Module, Rollout], Tensor], 
     return RowCost(max(one - per_row, 0), per_row)
 
 
-def _cgroup_available() -> int | None:
-    """Bytes this container may still take (cgroup v2 memory.max - memory.current), None without a limit."""
+def _cgroup_available(root: str) -> int | None:
+    """Bytes this container may still take (cgroup v2 memory.max - memory.current under ``root``), None without a limit."""
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        current = int(open("/sys/fs/cgroup/memory.current").read())
+        limit = open(os.path.join(root, "memory.max")).read().strip()
+        current = int(open(os.path.join(root, "memory.current")).read())
     except OSError:
         return None
     return None if limit == "max" else int(limit) - current
 
 
-def device_budget(device: torch.device, fraction: float, meminfo: str = "/proc/meminfo") -> int:
-    """Bytes a pass may still take on ``device`` (module docstring; ``meminfo``: where a CPU's is read)."""
+def device_budget(device: torch.device, fraction: float, meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes a pass may still take on ``device`` (module docstring; ``meminfo`` and ``cgroup``: where a CPU's are read)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         cap = total * torch.cuda.get_per_process_memory_fraction(device)  # torch.cuda.set_per_process_memory_fraction's limit
@@ -187,7 +187,7 @@ def device_budget(device: torch.device, fraction: float, meminfo: str = "/proc/m
         return int(min(free + reserved - allocated, cap - allocated) - (1 - fraction) * cap)
     with open(meminfo) as f:
         available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
-    contained = _cgroup_available() if meminfo == "/proc/meminfo" else None
+    contained = _cgroup_available(cgroup)
     available = available if contained is None else min(available, contained)
     return int(fraction * available / int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the host's share of each process on it
 
@@ -274,7 +274,7 @@ def plan_rows(
         per_row = math.ceil(probed.per_row * min(1.0, tokens / probed_tokens))  # a row's activations scale with its tokens
         layers, width, vocab = _layers_and_width(p.model)
         logits_row = completion_len * vocab * 4.0 if p.forward is None else 0.0  # one row's float32 logits (none for a critic)
-        chunk = 16.0 * min(HEAD_CHUNK_ELEMENTS, minibatch * completion_len * vocab) if p.forward is None else 0.0  # the chunked head's working set
+        chunk = 16.0 * min(CHUNK_ELEMENTS, minibatch * completion_len * vocab) if p.forward is None else 0.0  # the chunked head's working set
 
         def head(rows: int, copies: float, split: bool) -> tuple[float, float]:
             """(fixed, per row) of the LM head: split off, the logits while a pass's fit the limit, else one chunk; else the logits of every row."""

@@ -23,14 +23,14 @@ def inputs(seed=0, batch=3, steps=5, hidden=16, vocab=41, dtype=torch.float32, b
 
 
 def grads(*tensors):
-    out = [None if t is None else t.grad.clone() for t in tensors]
+    out = [None if t is None or t.grad is None else t.grad.clone() for t in tensors]
     for t in tensors:
         if t is not None:
             t.grad = None
     return out
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
 @pytest.mark.parametrize("chunk_elements", [1, 41 * 4, 1 << 24])  # one row a chunk, 4 rows, all rows
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_equals_the_full_logits_path_in_value_and_gradient(temperature, chunk_elements, with_bias):
@@ -65,6 +65,23 @@ def test_the_entropy_as_statistic_and_with_its_gradient(chunk_elements):
     logp, entropy = linear_token_logprobs(h, w, tokens, 0.8, b, entropy="statistic", chunk_elements=chunk_elements)
     assert not entropy.requires_grad
     torch.testing.assert_close(entropy, full_entropy.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("trained", ["hidden", "weight"])
+def test_only_the_trained_side_gets_a_gradient_and_it_is_the_full_paths(trained):
+    # LoRA and a frozen head: the hidden states train, the head does not; a frozen body under a trained head: the reverse
+    h, w, b, tokens, weights, entropy_weights = inputs(seed=5)
+    h, w, b = (t.detach().requires_grad_(name == trained) for name, t in (("hidden", h), ("weight", w), ("bias", b)))
+    logp, entropy = linear_token_logprobs(h, w, tokens, 0.9, b, entropy="gradient", chunk_elements=41 * 2)
+    ((logp * weights).sum() + (entropy * entropy_weights).sum()).backward()
+    fused = grads(h, w)
+    logits = F.linear(h, w, b)
+    ((token_logprobs(logits, tokens, 0.9) * weights).sum() + (entropy_from_logits(logits / 0.9) * entropy_weights).sum()).backward()
+    reference = grads(h, w)
+    assert (fused[0] is None) == (trained != "hidden") and (fused[1] is None) == (trained != "weight")
+    for ours, theirs in zip(fused, reference):
+        if theirs is not None:
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
 def test_gradcheck_float64():

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import gc
 import math
+import types
 import weakref
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import GPT2Config, LlamaConfig, LlavaConfig, Qwen2Config, Qwen2ForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 from rlalign.config import load_config
+from rlalign.core.linear_logprobs import CHUNK_ELEMENTS
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.rollout import Rollout
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
@@ -161,6 +163,36 @@ def test_a_head_the_update_cannot_split_off_costs_its_logits_every_row(monkeypat
     assert (plan.update, plan.no_grad) == (min(8, int(MB // update_row)), min(8, int(MB // no_grad_row)))
 
 
+def test_a_split_head_costs_its_logits_copies_while_they_fit_the_limit_and_one_chunk_past_it(monkeypatch):
+    # the head split off (one process, eager): a fixed cost, not a row's. Rows of 9 + 14 tokens cost 1000 bytes.
+    model = make_llama(vocab=100)
+    pending = 3 * sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(memory_plan, "row_cost", lambda *args: RowCost(fixed=0, per_row=64 * 1000 // 23))
+    rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
+    # under the limit, 5 float32 copies of the minibatch's logits (an entropy bonus): 5 x 8 x 14 x 100 x 4 = 224,000 bytes,
+    # more than a chunk's 16 bytes x 8 x 14 x 100 = 179,200; then rows of SLACK x 1000 = 1250 bytes
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + 224_000 + 5 * 1250)
+    plan = plan_rows([Pass(model, torch.optim.AdamW(model.parameters()), head_copies=5.0)], rollout, "auto", 8, ModelConfig())
+    assert plan.update == 5
+    # past the limit (0 MB): one chunk of the fused head, 16 bytes a logit, at most 2**24 logits (a minibatch of
+    # 16 x 14 x 100,000 = 22.4M logits is more)
+    assert CHUNK_ELEMENTS == 2**24  # the fused head's chunk (rlalign.core.linear_logprobs), which the plan reads
+    big = make_llama(vocab=100_000, hidden_size=8, intermediate_size=8, num_attention_heads=2, num_key_value_heads=1)
+    pending = 3 * sum(p.numel() * 4 for p in big.parameters())
+    rollout = grouped_rollout(groups=4, size=4, prompt_len=9, completion_len=14, vocab=100)
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + 16 * 2**24 + 7 * 1250)
+    plan = plan_rows([Pass(big, torch.optim.AdamW(big.parameters()), head_copies=5.0)], rollout, "auto", 16, ModelConfig(logits_limit_mb=0))
+    assert plan.update == 7
+
+
+def test_layers_width_and_vocabulary_come_from_the_text_config_of_a_composite_model():
+    text = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=77)
+    assert memory_plan._layers_and_width(types.SimpleNamespace(config=text)) == (3, 64, 77)
+    assert memory_plan._layers_and_width(types.SimpleNamespace(config=LlavaConfig(text_config=text.to_dict()))) == (3, 64, 77)  # a vision-language model
+    assert memory_plan._layers_and_width(types.SimpleNamespace(config=GPT2Config(n_layer=5, n_embd=32, vocab_size=50))) == (5, 32, 50)
+    assert memory_plan._layers_and_width(torch.nn.Linear(2, 2)) == (1, 0, 0)  # no config: no layer assumed freed, no logits
+
+
 def test_models_of_no_grad_passes_only_and_one_after_another_plan_as_they_run(monkeypatch):
     policy, critic, reference = make_llama(vocab=100), make_llama(vocab=100, seed=1), make_llama(vocab=100, seed=2).requires_grad_(False)
     rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
@@ -178,15 +210,34 @@ def test_models_of_no_grad_passes_only_and_one_after_another_plan_as_they_run(mo
     assert together.update == int(10_000 // (2 * SLACK * 1000))  # in the same micro-batch (as GKD's student and teacher): both heads, rows added
 
 
+def test_the_policy_probe_runs_up_to_what_its_head_reads():
+    model = make_llama(vocab=100)
+    probe = memory_plan.probe_rollout(2, 3, 4, torch.device("cpu"))
+    assert policy_forward(model, probe).shape == (2, 4, 64)  # a plain head: the hidden states, the head counted apart
+
+    class CappedHead(torch.nn.Linear):  # not a plain nn.Linear (a soft-capped or adapted head): its logits are kept
+        pass
+
+    model.lm_head.__class__ = CappedHead
+    assert policy_forward(model, probe).shape == (2, 4, 100)
+
+
 def test_the_budget_on_a_cpu_is_a_share_of_the_available_memory(tmp_path, monkeypatch):
-    meminfo = tmp_path / "meminfo"
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
-    assert device_budget(torch.device("cpu"), 0.5, str(meminfo)) == 4_000_000 * 1024
-    assert device_budget(torch.device("cpu"), 0.9, "/proc/meminfo") > 0
+    cgroup.mkdir()  # no memory.max: not in a container with a limit
+    assert device_budget(torch.device("cpu"), 0.5, str(meminfo), str(cgroup)) == 4_000_000 * 1024
+    assert device_budget(torch.device("cpu"), 0.9) > 0  # this machine's
+    (cgroup / "memory.max").write_text("max\n")  # a container without a limit: the host's memory
+    (cgroup / "memory.current").write_text("123456789\n")
+    assert device_budget(torch.device("cpu"), 0.5, str(meminfo), str(cgroup)) == 4_000_000 * 1024
+    (cgroup / "memory.max").write_text(f"{6 * 2**30}\n")  # a 6 GiB container that holds 2 GiB: 4 GiB left, less than the host's 7.6
+    (cgroup / "memory.current").write_text(f"{2 * 2**30}\n")
+    assert device_budget(torch.device("cpu"), 0.5, str(meminfo), str(cgroup)) == 2 * 2**30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four processes of the run on this host: a quarter each
-    assert device_budget(torch.device("cpu"), 0.5, str(meminfo)) == 1_000_000 * 1024
-    monkeypatch.setattr(memory_plan, "_cgroup_available", lambda: 2**30)  # a container allowed 1 GiB more
-    assert device_budget(torch.device("cpu"), 0.5, "/proc/meminfo") == int(0.5 * min(memory_plan.device_budget.__globals__["_cgroup_available"](), 2**62) / 4)
+    assert device_budget(torch.device("cpu"), 0.5, str(meminfo), str(cgroup)) == 2**29
+    (cgroup / "memory.max").write_text(f"{32 * 2**30}\n")  # a container larger than the host's memory: the host's
+    assert device_budget(torch.device("cpu"), 0.5, str(meminfo), str(cgroup)) == 1_000_000 * 1024
 
 
 def test_the_budget_on_a_gpu_counts_the_allocators_free_blocks_and_leaves_a_share_of_the_card(monkeypatch):
