@@ -23,7 +23,9 @@ that step; nothing can make it faster than those bytes over the memory's bandwid
    median of a one-token call (prefill and one draw), against the floors of N - 1 tokens.
 
 Prints one table (tokens/s, the two floors, measured over each) and writes it with the setup to
-``--out`` as JSON.
+``--out`` as JSON. ``--profile`` then runs one more call of the first batch size under
+``torch.profiler`` and prints the operators that took the most time on the device and on the host
+(where a step's time goes when it is far above the floor).
 """
 
 from __future__ import annotations
@@ -140,6 +142,22 @@ def measure(model: nn.Module, rows: int, bandwidth: float, args) -> dict:
     }
 
 
+def profile_call(model: nn.Module, rows: int, args, top: int = 15) -> str:
+    """The ``top`` operators of one :func:`sample` call of ``rows`` rows by self device time (on a GPU) and by self host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = rows // args.group_size
+    ids = torch.randint(3, model.config.vocab_size, (prompts, args.prompt_len), generator=torch.Generator().manual_seed(rows)).to(args.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        seconds = time_sample(model, ids, torch.ones_like(ids), args.new_tokens, args.group_size, args)
+    events = prof.key_averages()
+    tables = [f"one call of {rows} rows under the profiler: {seconds:.3f} s"]
+    for key in (["self_device_time_total"] if args.device.startswith("cuda") else []) + ["self_cpu_time_total"]:
+        tables.append(events.table(sort_by=key, row_limit=top, max_name_column_width=60))
+    return "\n".join(tables)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(lb.RANDOM_SHAPES), default="llama-1b")
@@ -155,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffer-gb", type=float, default=None, help="size of the copied buffer (default 4 on a GPU, 0.5 on a CPU)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="the memory bandwidth in GB/s instead of measuring it")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--profile", action="store_true", help="then profile one call of the first batch size (torch.profiler)")
     parser.add_argument("--out", default=None, help="JSON file for the table and the setup")
     args = parser.parse_args(argv)
     if args.threads:
@@ -191,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"setup": setup, "table": table}, indent=1))
+    if args.profile:
+        with torch.no_grad(), evaluating(model), attention_kernel(model, "sdpa"):
+            print(profile_call(model, args.rows[0], args))
     return 0
 
 

@@ -38,7 +38,8 @@
 #      against phase 4's float32 master weights under autocast: the update's time, MFU and peak
 #      ($LIMIT_BF16 s, default 0: skipped)
 #   9. benchmarks/generation_floor.py on the 1B model: the sampler compiled with CUDA graphs at 64 and 256 rows x
-#      256 new tokens against the memory-bandwidth floor (weights read once a token, the copy bandwidth measured)
+#      256 new tokens against the memory-bandwidth floor (weights read once a token, the copy bandwidth measured),
+#      then one 64-row call under torch.profiler (the operators that took the most device and host time)
 #      ($LIMIT_GENERATION s, default 0: skipped)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
@@ -217,7 +218,7 @@ fi
 if [ "${LIMIT_GENERATION:-0}" -gt 0 ]; then
   start=$(date +%s)
   timeout -k 10 "$LIMIT_GENERATION" "$PY" benchmarks/generation_floor.py --device cuda --shape llama-1b --rows 64 256 --new-tokens 256 \
-    --compile --cuda-graphs --out "$LOGS/generation_floor.json" > "$LOGS/generation_floor.log" 2>&1
+    --compile --cuda-graphs --profile --out "$LOGS/generation_floor.json" > "$LOGS/generation_floor.log" 2>&1
   rc=$?
   say ""
   say "generation floor llama-1b: rc=$rc $(( $(date +%s) - start ))s"

@@ -1,4 +1,4 @@
-"""benchmarks/generation_floor.py: the bytes a decode step reads, its floors (hand-derived), and a run."""
+"""benchmarks/generation_floor.py: the bytes a decode step reads, its floors (hand-derived), and a run with its profile."""
 
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def test_floors_by_hand():
 def test_a_run_prints_and_writes_a_row_per_batch_size(tmp_path, capsys):
     out = tmp_path / "floor.json"
     argv = ["--shape", "smollm2", "--rows", "2", "4", "--group-size", "2", "--prompt-len", "5", "--new-tokens", "3", "--warmup", "0", "--repeats", "1",
-            "--bandwidth-gbs", "10", "--threads", "1", "--out", str(out)]
+            "--bandwidth-gbs", "10", "--threads", "1", "--out", str(out), "--profile"]
     assert gf.main(argv) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert "one call of 2 rows under the profiler" in printed and "aten::" in printed
     assert [line.split("|")[1].strip() for line in rows] == ["2", "4"]
     result = json.loads(out.read_text())
     assert result["setup"]["bandwidth_gbs"] == 10 and not result["setup"]["bandwidth_measured"]
