@@ -251,9 +251,10 @@ def run(args) -> dict:
                       "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"], "flops": flops,
                       "t_update": metrics["time/update"], "flops_full_forward": flops_full,
                       "ratio_dev_first": metrics["ratio_dev/first"], "logprob_mismatch": metrics.get("logprob_mismatch"), "kl": metrics.get("kl"),
-                      "peak_gpu_mb": metrics.get("memory/peak_mb"), "micro_rows": metrics.get("memory/micro_rows"), "pass_rows": metrics.get("memory/pass_rows")})
+                      "peak_gpu_mb": metrics.get("memory/peak_mb"), "micro_rows": metrics.get("memory/micro_rows"), "pass_rows": metrics.get("memory/pass_rows"), "budget_mb": metrics.get("memory/budget_mb")})
         print(f"step {len(steps)}: {dt:.2f} s (generate {metrics['time/generate']:.2f}, ref + train {metrics['time/train']:.2f}), P={prompt_len}, C={completion_len}, "
-              f"rows per update forward {metrics.get('memory/micro_rows')}, per no-grad pass {metrics.get('memory/pass_rows')}, "
+              f"rows per update forward {metrics.get('memory/micro_rows')}, per no-grad pass {metrics.get('memory/pass_rows')} "
+              f"(planned for {metrics.get('memory/budget_mb')} MB), "
               f"peak GPU memory {metrics.get('memory/peak_mb')} MB, "
               f"max |ratio - 1| before the update {metrics['ratio_dev/first']:.2e}, sampler-vs-training log-prob mismatch {metrics.get('logprob_mismatch')}",
               file=sys.stderr)

@@ -91,10 +91,10 @@ class RowPlan:
     budget_mb: float | None = None  # the budget they were planned for (auto only)
 
     def metrics(self) -> dict[str, float]:
-        """memory/micro_rows and memory/pass_rows, when planned (auto)."""
+        """memory/micro_rows, memory/pass_rows and memory/budget_mb, when planned (auto: every number set)."""
         if self.budget_mb is None:
             return {}
-        return {"memory/micro_rows": float(self.update or 0), "memory/pass_rows": float(self.no_grad)}
+        return {"memory/micro_rows": float(self.update), "memory/pass_rows": float(self.no_grad), "memory/budget_mb": self.budget_mb}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +271,7 @@ def plan_rows(
         if key not in cache or cache[key][0] < probe_p + probe_c:  # a longer shape than any probed: probe it
             cache[key] = (probe_p + probe_c, row_cost(p.model, p.forward or policy_forward, probe_p, probe_c, model_cfg.autocast))
         probed_tokens, probed = cache[key]
-        per_row = math.ceil(probed.per_row * min(1.0, tokens / probed_tokens))  # a row's activations scale with its tokens
+        per_row = math.ceil(probed.per_row * tokens / probed_tokens)  # a row's activations scale with its tokens (never more than probed)
         layers, width, vocab = _layers_and_width(p.model)
         logits_row = completion_len * vocab * 4.0 if p.forward is None else 0.0  # one row's float32 logits (none for a critic)
         chunk = 16.0 * min(CHUNK_ELEMENTS, minibatch * completion_len * vocab) if p.forward is None else 0.0  # the chunked head's working set

@@ -151,16 +151,53 @@ def test_a_frozen_model_is_probed_as_if_it_trained():
     assert b == a and not any(p.requires_grad for p in frozen.parameters())  # the weights frozen again after it
 
 
+def per_row_costs(monkeypatch, costs: dict) -> None:
+    """row_cost mocked: ``costs[id(model)]`` bytes a row of 9 + 14 tokens (probed at 32 + 32, scaled back to 23 tokens), nothing fixed."""
+    monkeypatch.setattr(memory_plan, "row_cost", lambda model, *args: RowCost(fixed=0, per_row=costs[id(model)] * 64 // 23))
+
+
+def budget_above_pending(monkeypatch, models, extra: int) -> None:
+    """device_budget mocked: the gradients and AdamW moments still to come of ``models``, then ``extra`` bytes."""
+    pending = 3 * sum(p.numel() * 4 for m in models for p in m.parameters())
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + extra)
+
+
 def test_a_head_the_update_cannot_split_off_costs_its_logits_every_row(monkeypatch):
     # DDP (lm_head_of is None on the wrapper) or a compiled forward: the update keeps the logits whatever logits_limit_mb says
-    model = make_llama(vocab=100)
-    rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
-    monkeypatch.setattr(memory_plan, "row_cost", lambda *args: RowCost(fixed=0, per_row=64 * 1000 // 23))  # 1000 bytes a row of 9 + 14 tokens
-    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: 3 * sum(p.numel() * 4 for p in model.parameters()) + MB)
+    model = make_llama(vocab=100)  # 2 layers: a no-grad pass keeps min(1, 4 / 2) = all of a row's activations
+    rollout = grouped_rollout(groups=4, size=4, prompt_len=9, completion_len=14, vocab=100)  # 16 rows of 9 + 14 tokens
+    per_row_costs(monkeypatch, {id(model): 1000})
     logits_row = 14 * 100 * 4
-    plan = plan_rows([Pass(model, torch.optim.AdamW(model.parameters()), head_copies=5.0)], rollout, "auto", 8, ModelConfig(), compiled=True)
-    update_row, no_grad_row = SLACK * 1000 + 5 * logits_row, 1000 * min(1, 4 / 2) + 2 * logits_row
-    assert (plan.update, plan.no_grad) == (min(8, int(MB // update_row)), min(8, int(MB // no_grad_row)))
+    update_row, no_grad_row = SLACK * 1000 + 5 * logits_row, 1000 + 2 * logits_row  # 29,250 and 12,200 bytes
+    budget_above_pending(monkeypatch, [model], 5 * 29_250)
+    plan = plan_rows([Pass(model, torch.optim.AdamW(model.parameters()), head_copies=5.0)], rollout, "auto", 16, ModelConfig(), compiled=True)
+    assert (plan.update, plan.no_grad) == (5, 146_250 // 12_200) == (5, int(5 * update_row // no_grad_row))
+    assert plan.metrics() == {"memory/micro_rows": 5.0, "memory/pass_rows": 11.0, "memory/budget_mb": 146_250 / MB}
+
+
+def test_a_frozen_model_in_each_micro_batch_and_deep_no_grad_passes_plan_as_they_run(monkeypatch):
+    # GKD's teacher runs in each micro-batch of the student's update, without grad; with 8 layers a no-grad pass keeps
+    # about 4 layers' activations of a row: min(1, 4 / 8) = half. Compiled: every head keeps its logits (5,600 bytes a copy).
+    student = make_llama(vocab=100, num_hidden_layers=8)
+    teacher = make_llama(vocab=100, num_hidden_layers=8, seed=1).requires_grad_(False)
+    rollout = grouped_rollout(groups=8, size=4, prompt_len=9, completion_len=14, vocab=100)  # 32 rows
+    per_row_costs(monkeypatch, {id(student): 40_000, id(teacher): 40_000})
+    # update row: the student's 1.25 x 40,000 + 3 x 5,600, the teacher's 40,000 / 2 + 2 x 5,600 = 66,800 + 31,200 = 98,000
+    # no-grad row: 40,000 / 2 + 2 x 5,600 = 31,200 for either model
+    budget_above_pending(monkeypatch, [student], 554_400)
+    passes = [Pass(student, torch.optim.AdamW(student.parameters())), Pass(teacher, None, group=0)]
+    plan = plan_rows(passes, rollout, "auto", 32, ModelConfig(), compiled=True)
+    assert (plan.update, plan.no_grad) == (554_400 // 98_000, 554_400 // 31_200) == (5, 17)
+
+
+def test_gradient_checkpointing_keeps_each_layers_input_and_one_layer_recomputed(monkeypatch):
+    # 8 layers of width 64, rows of 23 tokens: SLACK x (40,000 / 8 + 8 x 23 x 64 x 4) + 3 x 5,600 = 1.25 x 52,104 + 16,800 = 81,930
+    model = make_llama(vocab=100, num_hidden_layers=8)
+    rollout = grouped_rollout(groups=4, size=4, prompt_len=9, completion_len=14, vocab=100)
+    per_row_costs(monkeypatch, {id(model): 40_000})
+    budget_above_pending(monkeypatch, [model], 5 * 81_930)
+    plan = plan_rows([Pass(model, torch.optim.AdamW(model.parameters()))], rollout, "auto", 16, ModelConfig(gradient_checkpointing=True), compiled=True)
+    assert plan.update == 5
 
 
 def test_a_split_head_costs_its_logits_copies_while_they_fit_the_limit_and_one_chunk_past_it(monkeypatch):
@@ -182,6 +219,12 @@ def test_a_split_head_costs_its_logits_copies_while_they_fit_the_limit_and_one_c
     rollout = grouped_rollout(groups=4, size=4, prompt_len=9, completion_len=14, vocab=100)
     monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + 16 * 2**24 + 7 * 1250)
     plan = plan_rows([Pass(big, torch.optim.AdamW(big.parameters()), head_copies=5.0)], rollout, "auto", 16, ModelConfig(logits_limit_mb=0))
+    assert plan.update == 7
+    # a 100 MB limit, below a minibatch's logits (32 x 14 x 100,000 x 4 = 179.2 MB): the log-probs' 3 copies of that much
+    # (3 x 100 MiB = 314.6 MB, more than a chunk's 268.4 MB)
+    rollout = grouped_rollout(groups=8, size=4, prompt_len=9, completion_len=14, vocab=100)
+    monkeypatch.setattr(memory_plan, "device_budget", lambda device, fraction: pending + 3 * 100 * 2**20 + 7 * 1250)
+    plan = plan_rows([Pass(big, torch.optim.AdamW(big.parameters()))], rollout, "auto", 32, ModelConfig(logits_limit_mb=100))
     assert plan.update == 7
 
 
@@ -273,7 +316,7 @@ def test_the_plan_from_a_budget_by_hand(monkeypatch, checkpointing):
     row = SLACK * (per_row / 2 + 2 * 23 * 64 * 4) if checkpointing else SLACK * per_row  # a layer's recompute and every layer's input; or all
     assert plan.update == min(8, int(5 * MB // row))
     assert plan.no_grad == min(16, int(5 * MB // (per_row * min(1, 4 / 2))))  # two layers in flight of 2: all of it
-    assert plan.metrics() == {"memory/micro_rows": plan.update, "memory/pass_rows": plan.no_grad}
+    assert plan.metrics() == {"memory/micro_rows": plan.update, "memory/pass_rows": plan.no_grad, "memory/budget_mb": (1000 + HEAD + 5 * MB) / MB}
     # fixed settings pass through: an int for every pass; null the whole minibatch
     assert (plan_rows([Pass(model, optimizer)], rollout, 3, 8, cfg).update, plan_rows([Pass(model, optimizer)], rollout, None, 8, cfg).no_grad) == (3, 8)
 
