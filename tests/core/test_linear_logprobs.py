@@ -123,5 +123,9 @@ def test_bad_inputs_name_what_is_wrong():
         linear_token_logprobs(h, w, tokens, 0.0)
     with pytest.raises(ValueError, match="disagree"):
         linear_token_logprobs(h, w[:, :-1], tokens)
+    with pytest.raises(ValueError, match="disagree"):
+        linear_token_logprobs(h, w, tokens[:, :-1])
+    with pytest.raises(ValueError, match="disagree"):
+        linear_token_logprobs(h, w[None], tokens)
     with pytest.raises(ValueError, match="entropy"):
         linear_token_logprobs(h, w, tokens, entropy="yes")

@@ -190,6 +190,25 @@ def test_a_frozen_model_in_each_micro_batch_and_deep_no_grad_passes_plan_as_they
     assert (plan.update, plan.no_grad) == (554_400 // 98_000, 554_400 // 31_200) == (5, 17)
 
 
+def test_passes_plan_alike_in_any_order_and_a_large_minibatch_is_not_capped(monkeypatch):
+    policy, critic, reference = make_llama(vocab=100), make_llama(vocab=100, seed=1), make_llama(vocab=100, seed=2).requires_grad_(False)
+    rollout = grouped_rollout(groups=2, size=4, prompt_len=9, completion_len=14, vocab=100)
+    per_row_costs(monkeypatch, {id(policy): 1000, id(critic): 40_000, id(reference): 40_000})
+    budget_above_pending(monkeypatch, [policy, critic], HEAD + 250_000)  # past each head's chunk, the critic's rows are the fewest: 1.25 x 40,000 each
+    optimizers = [torch.optim.AdamW(m.parameters()) for m in (policy, critic)]
+    passes = [Pass(policy, optimizers[0]), Pass(critic, optimizers[1], group=1), Pass(reference, None, group=None)]
+    plan = plan_rows(passes, rollout, "auto", 8, ModelConfig())
+    assert (plan.update, plan.no_grad) == (250_000 // 50_000, 250_000 // 40_000) == (5, 6)  # no-grad: the reference's 40,000 a row
+    reordered = plan_rows([passes[0], passes[2], passes[1]], rollout, "auto", 8, ModelConfig())  # the reference before the critic
+    assert reordered == plan
+    # a minibatch of 256 rows that all fit: every one in one forward
+    rollout = grouped_rollout(groups=64, size=4, prompt_len=9, completion_len=14, vocab=100)
+    per_row_costs(monkeypatch, {id(policy): 10})
+    budget_above_pending(monkeypatch, [policy], 10**12)
+    plan = plan_rows([Pass(policy, optimizers[0])], rollout, "auto", 256, ModelConfig())
+    assert (plan.update, plan.no_grad) == (256, 256)
+
+
 def test_gradient_checkpointing_keeps_each_layers_input_and_one_layer_recomputed(monkeypatch):
     # 8 layers of width 64, rows of 23 tokens: SLACK x (40,000 / 8 + 8 x 23 x 64 x 4) + 3 x 5,600 = 1.25 x 52,104 + 16,800 = 81,930
     model = make_llama(vocab=100, num_hidden_layers=8)
