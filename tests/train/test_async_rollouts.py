@@ -30,7 +30,7 @@ def _on_the_cpu(request):
     if request.config.getoption("--model-device") != "cpu":
         pytest.skip("asynchronous rollouts run on the CPU")
 
-VOLATILE = ("time/", "tokens_per_s", "staleness/")
+VOLATILE = ("time/", "tokens_per_s", "staleness/", "memory/budget_mb")
 
 
 @pytest.fixture(scope="module")
