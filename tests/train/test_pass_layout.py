@@ -77,6 +77,34 @@ def test_a_checkpointed_policy_and_its_passes_share_no_prompts_so_the_kl_starts_
     assert ref_calls == update_calls == 2 and torch.equal(ref_logp[real], logp[real])
 
 
+def test_past_the_logits_limit_a_plain_policy_still_shares_its_prompts_and_a_checkpointed_one_does_not():
+    # the chunked head's path (hidden states, no logits) lays rows out as the logits path does
+    rollout = group_rollout()
+    plain, checkpointed = make_llama(), enable_gradient_checkpointing(make_llama())
+    for policy, forwards in ((plain, 2), (checkpointed, 1)):  # shared prompts: the prompts' forward, then the completions'
+        via_logits, calls_logits = update_logprobs(policy, rollout, passes.LOGITS_LIMIT_MB)
+        chunked, calls_chunked = update_logprobs(policy, rollout, 0.0)
+        assert calls_logits == calls_chunked == forwards
+        real = rollout.completion_mask.bool()
+        torch.testing.assert_close(chunked[real], via_logits[real], atol=1e-5, rtol=0)
+
+
+def test_the_passes_default_logits_limit_is_the_configs():
+    from rlalign.train.run_config import ModelConfig
+
+    assert passes.LOGITS_LIMIT_MB == ModelConfig().logits_limit_mb == 1024.0
+
+
+def test_trimmed_drops_padding_columns_at_either_end_and_keeps_a_tight_rollout_as_it_is():
+    rollout = group_rollout()  # no prompt padding; completions of 4 to 6 tokens in 6 columns: nothing to drop
+    cut, width = passes.trimmed(rollout)
+    assert cut is rollout and width == 6
+    wide = Rollout(rollout.prompt_ids, rollout.prompt_mask, torch.nn.functional.pad(rollout.completion_ids, (0, 3)),
+                   torch.nn.functional.pad(rollout.completion_mask, (0, 3)), torch.zeros(6, 9), rollout.group_index, rollout.truncated)
+    cut, width = passes.trimmed(wide)  # 3 trailing completion columns that are padding in every row, no leading prompt padding
+    assert width == 9 and torch.equal(cut.completion_ids, rollout.completion_ids) and torch.equal(cut.prompt_ids, rollout.prompt_ids)
+
+
 @pytest.fixture
 def process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
