@@ -49,3 +49,19 @@ def test_a_run_out_of_memory_stops_with_the_message_and_keeps_its_checkpoint(tin
             grpo.train(longer, resume=tmp_path / "run", reward_functions=[char_code_reward])
     assert [int(p.name[5:]) for p in list_checkpoints(tmp_path / "run")][-1] == 2  # the last checkpoint is still there, whole
     assert len(grpo.train(longer, resume=tmp_path / "run", reward_functions=[char_code_reward]).history) >= 1  # and resumes once memory allows
+
+
+def test_the_no_grad_passes_name_their_largest_batch_and_the_completion_width(monkeypatch):
+    # 5 rows of 3 prompt and 7 completion tokens, run in batches of 2, 2 and 1: the message names 2 rows x 7 tokens
+    from rlalign.lm.rollout import Rollout
+    from tests.lm.conftest import make_llama
+
+    rollout = Rollout(torch.full((5, 3), 5), torch.ones(5, 3, dtype=torch.long), torch.full((5, 7), 6), torch.ones(5, 7, dtype=torch.long),
+                      torch.zeros(5, 7), torch.arange(5), torch.zeros(5, dtype=torch.bool))
+    batches = [slice(0, 2), slice(2, 4), slice(4, 5)]
+    policy, reference = make_llama(), make_llama(seed=1)
+    monkeypatch.setattr(passes, "rollout_token_logprobs", out_of_memory)
+    with pytest.raises(OutOfMemory, match=r"^out of memory in the reference pass \(2 rows x 7 completion tokens at once\)"):
+        passes.reference_logprobs(policy, reference, rollout, 1.0, batches)
+    with pytest.raises(OutOfMemory, match=r"^out of memory in the pi_old pass \(2 rows x 7 completion tokens at once\)"):
+        passes.training_logprobs(policy, rollout, 1.0, batches)
