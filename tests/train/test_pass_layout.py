@@ -89,6 +89,13 @@ def test_past_the_logits_limit_a_plain_policy_still_shares_its_prompts_and_a_che
         torch.testing.assert_close(chunked[real], via_logits[real], atol=1e-5, rtol=0)
 
 
+def test_the_no_grad_passes_keep_no_graph_even_of_weights_that_train():
+    policy, reference = make_llama(), make_llama()  # both with trainable weights: only no_grad keeps their graphs (and memory) away
+    rollout = group_rollout()
+    assert not reference_logprobs(policy, reference, rollout, 0.7, [slice(0, 6)]).requires_grad
+    assert not training_logprobs(policy, rollout, 0.7, [slice(0, 6)]).requires_grad
+
+
 def test_the_passes_default_logits_limit_is_the_configs():
     from rlalign.train.run_config import ModelConfig
 
