@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlalign.lm.model_modes import checkpointing_enabled, enable_gradient_checkpointing, is_checkpointing
 from rlalign.lm.models import unwrap_causal_lm
+from rlalign.core.linear_logprobs import linear_token_logprobs
 from rlalign.lm.rollout import Rollout
 from rlalign.train import passes
 from rlalign.train.passes import completion_logprobs, head_chunks, reference_logprobs, share_prompts, training_logprobs
@@ -77,8 +78,10 @@ def test_a_checkpointed_policy_and_its_passes_share_no_prompts_so_the_kl_starts_
     assert ref_calls == update_calls == 2 and torch.equal(ref_logp[real], logp[real])
 
 
-def test_past_the_logits_limit_a_plain_policy_still_shares_its_prompts_and_a_checkpointed_one_does_not():
+def test_past_the_logits_limit_a_plain_policy_still_shares_its_prompts_and_a_checkpointed_one_does_not(monkeypatch):
     # the chunked head's path (hidden states, no logits) lays rows out as the logits path does
+    chunked_calls = []
+    monkeypatch.setattr(passes, "linear_token_logprobs", lambda *args, **kwargs: chunked_calls.append(1) or linear_token_logprobs(*args, **kwargs))
     rollout = group_rollout()
     plain, checkpointed = make_llama(), enable_gradient_checkpointing(make_llama())
     for policy, forwards in ((plain, 2), (checkpointed, 1)):  # shared prompts: the prompts' forward, then the completions'
@@ -87,6 +90,11 @@ def test_past_the_logits_limit_a_plain_policy_still_shares_its_prompts_and_a_che
         assert calls_logits == calls_chunked == forwards
         real = rollout.completion_mask.bool()
         torch.testing.assert_close(chunked[real], via_logits[real], atol=1e-5, rtol=0)
+        reference = copy.deepcopy(policy).requires_grad_(False)  # past the limit too, the reference runs the update's chunked head and layout
+        ref_logp, ref_calls = forward_calls(reference, lambda: reference_logprobs(policy, reference, rollout, 0.7, [slice(0, 6)], logits_limit_mb=0.0))
+        assert ref_calls == forwards and torch.equal(ref_logp[real], chunked[real])
+        assert len(chunked_calls) == 2  # the update's and the reference's: no logits made past the limit
+        chunked_calls.clear()
 
 
 def test_the_no_grad_passes_keep_no_graph_even_of_weights_that_train():
@@ -94,6 +102,21 @@ def test_the_no_grad_passes_keep_no_graph_even_of_weights_that_train():
     rollout = group_rollout()
     assert not reference_logprobs(policy, reference, rollout, 0.7, [slice(0, 6)]).requires_grad
     assert not training_logprobs(policy, rollout, 0.7, [slice(0, 6)]).requires_grad
+
+
+def test_the_compiled_forward_runs_padded_rows(monkeypatch):
+    # torch.compile with dynamic shapes compiles once for every (B, P, C); packed rows would change shape with the completions' lengths
+    calls = []
+
+    def recorded(*args):
+        calls.append(args[-2:])  # (group_index, packed)
+        return passes.lm_completion_logits(*args)
+
+    monkeypatch.setattr(passes, "compiled_completion_logits", lambda: recorded)
+    monkeypatch.setattr(passes.private, "ready", lambda what: True)
+    rollout = group_rollout()
+    passes.completion_logits(make_llama(), rollout, compiled=True)
+    assert calls == [(None, False)]
 
 
 def test_the_passes_default_logits_limit_is_the_configs():
