@@ -14,7 +14,7 @@
 #
 # Phases (each under its own time limit; a phase that fails or runs out does not stop the next):
 #   1. environment: GPU, driver, python and package versions
-#   2. tests, three pytest runs side by side:
+#   2. tests, three pytest runs side by side ($TEST_PHASES, default "gpu cuda cpu"; "none" runs none):
 #        gpu     tests/gpu (marker gpu): sampler == generate (float32, greedy), compiled decode step,
 #                GRPO in float32 / bfloat16 / autocast and PPO end to end on SmolLM2-135M-Instruct,
 #                the KV cache freed before the training passes
