@@ -249,6 +249,14 @@ def chat_arithmetic_records(n: int, seed: int = 0) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; the CPU needs nothing)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MiB: ``VmHWM`` of /proc/self/status, the
     high-water mark of this process's own memory. ``getrusage(RUSAGE_SELF).ru_maxrss`` is not that

@@ -48,11 +48,6 @@ from rlalign.lm.model_modes import attention_kernel, evaluating  # noqa: E402
 from rlalign.lm.sampling import SamplingParams, sample  # noqa: E402
 
 
-def synchronize(device: str) -> None:
-    """Wait for the device's queued work (a GPU runs asynchronously)."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
 
 def copy_bandwidth(device: str, gigabytes: float, repeats: int) -> float:
     """Bytes per second a device-to-device copy of ``gigabytes`` moves (read + write), best of ``repeats``."""
@@ -61,10 +56,10 @@ def copy_bandwidth(device: str, gigabytes: float, repeats: int) -> float:
     dst.copy_(src)  # warm-up: pages touched, kernels loaded
     best = float("inf")
     for _ in range(repeats):
-        synchronize(device)
+        lb.synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        synchronize(device)
+        lb.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / best
 
@@ -104,22 +99,26 @@ def build_model(shape: str, device: str) -> nn.Module:
 
 def time_sample(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, group_size: int, args) -> float:
     """Seconds of one :func:`sample` call of ``new_tokens`` tokens for every row (no stop token)."""
-    synchronize(args.device)
+    lb.synchronize(args.device)
     start = time.perf_counter()
     rollout = sample(model, (ids, mask), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0), pad_token_id=0,
                      eos_token_ids=[-1], group_size=group_size, compile=args.compile, cuda_graphs=args.cuda_graphs)
-    synchronize(args.device)
+    lb.synchronize(args.device)
     seconds = time.perf_counter() - start
     assert rollout.completion_ids.shape == (ids.shape[0] * group_size, new_tokens), rollout.completion_ids.shape
     return seconds
 
 
+def prompts_of(model: nn.Module, rows: int, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows // G prompts of ``args.prompt_len`` random tokens (seeded by ``rows``) and their mask, on the device. Shape: (rows / G, P) each."""
+    generator = torch.Generator().manual_seed(rows)
+    ids = torch.randint(3, model.config.vocab_size, (rows // args.group_size, args.prompt_len), generator=generator).to(args.device)
+    return ids, torch.ones_like(ids)
+
+
 def median_seconds(model: nn.Module, rows: int, new_tokens: int, args) -> float:
     """Median of ``args.repeats`` timed calls after ``args.warmup`` untimed ones, for ``rows`` rows."""
-    prompts = rows // args.group_size
-    generator = torch.Generator().manual_seed(rows)
-    ids = torch.randint(3, model.config.vocab_size, (prompts, args.prompt_len), generator=generator).to(args.device)
-    mask = torch.ones_like(ids)
+    ids, mask = prompts_of(model, rows, args)
     for _ in range(args.warmup):
         time_sample(model, ids, mask, new_tokens, args.group_size, args)
     return statistics.median(time_sample(model, ids, mask, new_tokens, args.group_size, args) for _ in range(args.repeats))
@@ -146,11 +145,10 @@ def profile_call(model: nn.Module, rows: int, args, top: int = 15) -> str:
     """The ``top`` operators of one :func:`sample` call of ``rows`` rows by self device time (on a GPU) and by self host time."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = rows // args.group_size
-    ids = torch.randint(3, model.config.vocab_size, (prompts, args.prompt_len), generator=torch.Generator().manual_seed(rows)).to(args.device)
+    ids, mask = prompts_of(model, rows, args)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
-        seconds = time_sample(model, ids, torch.ones_like(ids), args.new_tokens, args.group_size, args)
+        seconds = time_sample(model, ids, mask, args.new_tokens, args.group_size, args)
     events = prof.key_averages()
     tables = [f"one call of {rows} rows under the profiler: {seconds:.3f} s"]
     for key in (["self_device_time_total"] if args.device.startswith("cuda") else []) + ["self_cpu_time_total"]:

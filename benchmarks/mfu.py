@@ -72,11 +72,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _lm_bench as lb  # noqa: E402
 
 
-def synchronize(device: str) -> None:
-    """Wait for the device's queued work (a GPU runs asynchronously; the CPU needs nothing)."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10, device: str = "cpu") -> float:
     """Best GFLOP/s of ``a @ b`` (n x n, random) over ``repeats`` runs, after two warm-up runs."""
@@ -85,10 +80,10 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10, device: st
         torch.matmul(a, b)
     best = float("inf")
     for _ in range(repeats):
-        synchronize(device)
+        lb.synchronize(device)
         t0 = time.perf_counter()
         torch.matmul(a, b)
-        synchronize(device)
+        lb.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
 
@@ -241,10 +236,10 @@ def run(args) -> dict:
     steps = []
     for _ in range(args.steps):
         prompt_len = next_prompt_len()
-        synchronize(args.device)
+        lb.synchronize(args.device)
         t0 = time.perf_counter()
         metrics = setup.step()
-        synchronize(args.device)
+        lb.synchronize(args.device)
         dt = time.perf_counter() - t0
         flops, flops_full, completion_len = counted_flops(prompt_len, metrics)
         steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
