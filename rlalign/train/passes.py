@@ -116,7 +116,7 @@ def rollout_token_logprobs(model: nn.Module, rollout: Rollout, temperature: floa
     """log pi(y_t | x, y_<t) of a rollout's completion tokens by :func:`completion_logprobs` (compiled
     or not, laid out as ``layout_from``'s would be), 0 on padding; float32, on the CPU. Shape: (B, C)."""
     logp, _ = completion_logprobs(model, rollout, temperature, "none", compiled, logits_limit_mb, layout_from)  # (B, C)
-    return logp.masked_fill(rollout.completion_mask.to(logp.device) == 0, 0.0).float().cpu()
+    return logp.float().cpu()
 
 
 def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, entropy: EntropyMode = "none",
@@ -127,12 +127,17 @@ def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, 
     the float32 logits would pass ``logits_limit_mb`` and :func:`rlalign.lm.logprobs.lm_head_of`
     allows it and the forward is not compiled (module docstring); else from :func:`completion_logits`
     (faster: the chunked path computes the head's matmul once more in backward); on :func:`trimmed` columns,
-    padded back with 0. ``layout_from``: the model whose update forward this pass must match bit for
+    padded back with 0. Both are 0 on padding, as the sampler's and the reference's log-probs are: a
+    padding position's log-prob (any token, often far below -88 at a low temperature) would otherwise
+    overflow an exp in the loss (k3's pi_ref / pi, a ratio) to inf, and inf times a mask of 0 is NaN.
+    ``layout_from``: the model whose update forward this pass must match bit for
     bit (a reference or pi_old pass: the policy), which then decides whether prompts are shared and the
     head may run in chunks (:func:`share_prompts`, :func:`head_chunks`); default ``model``.
     Shapes: (B, C), (B, C) or None."""
     rollout, width = trimmed(rollout)
     logp, entropy_values = _completion_logprobs(model, rollout, temperature, entropy, compiled, logits_limit_mb, layout_from)
+    padding = rollout.completion_mask.to(logp.device) == 0  # (B, C')
+    logp, entropy_values = logp.masked_fill(padding, 0.0), None if entropy_values is None else entropy_values.masked_fill(padding, 0.0)
     pad = width - logp.shape[1]  # the trimmed padding columns back, 0 (masked everywhere)
     return (F.pad(logp, (0, pad)), None if entropy_values is None else F.pad(entropy_values, (0, pad))) if pad else (logp, entropy_values)
 

@@ -186,3 +186,31 @@ def test_dpo_reference_of_a_checkpointed_policy_runs_the_policys_layout():
     alone, alone_calls = forward_calls(reference, lambda: sequence_logps(reference, batch)[0])
     assert update_calls == ref_calls == 1 and alone_calls == 2  # on its own the reference shares each pair's prompt
     assert torch.equal(ref_logps, logps.detach()) and torch.allclose(alone, ref_logps, atol=1e-5)
+
+
+@pytest.mark.parametrize("limit", [1e9, 0.0], ids=["logits", "chunked-head"])
+def test_log_probs_are_0_on_padding_so_a_low_temperature_kl_is_finite_and_exactly_0(limit):
+    # At temperature 0.05 a padding position's log-prob of the pad token is far below -88 (its logits
+    # over 0.05), so GRPO's k3 term exp(log pi_ref - log pi) - ... against the reference's 0 there
+    # overflowed to inf, and inf times a mask of 0 made the loss NaN (the run stopped) although the
+    # policy is the reference. The passes give 0 on padding, as the sampler and the reference do.
+    from rlalign.config import load_config
+    from rlalign.train import grpo
+
+    policy, rollout, temperature = make_llama(), group_rollout(), 0.05
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    padding = rollout.completion_mask == 0
+    with torch.no_grad():
+        raw, _ = passes._completion_logprobs(policy, rollout, temperature, "none", False, limit, None)  # before the mask
+    assert raw[padding].min() < -88.8  # exp(-(that)) is inf in float32: the case that broke
+    cfg = load_config(grpo.GRPOConfig, None, {"model.path": "unused", "sampling.temperature": temperature, "model.logits_limit_mb": limit,
+                                              "beta": 0.04, "kl_estimator": "k3", "group_size": 3, "prompts_per_step": 2})
+    ref_logp = reference_logprobs(policy, reference, rollout, temperature, [slice(0, 6)], logits_limit_mb=limit)  # (6, 6)
+    policy.train()
+    logp, entropy = completion_logprobs(policy, rollout, temperature, "gradient", logits_limit_mb=limit)
+    assert not logp[padding].any() and not entropy[padding].any() and not ref_logp[padding].any()
+    loss, stats = grpo.grpo_loss(policy, rollout, torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 2.0]), rollout.completion_mask.float(), ref_logp, cfg,
+                                 on_policy=True)
+    loss.backward()
+    assert torch.isfinite(loss) and float(stats["kl"]) == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in policy.parameters() if p.grad is not None)
