@@ -25,7 +25,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from rlalign.core.masks import masked_mean, masked_sum
+from rlalign.core.masks import counted_only, masked_mean, masked_sum
 
 __all__ = ["IS_MODES", "IS_LEVELS", "ISStats", "TISStats", "importance_weights", "truncated_is_weights", "masked_is_weights"]
 
@@ -78,7 +78,7 @@ def importance_weights(
     if mode not in IS_MODES or level not in IS_LEVELS:
         raise ValueError(f"mode must be one of {IS_MODES} and level one of {IS_LEVELS}, got {mode!r}, {level!r}")
     m = torch.ones_like(old_logp) if mask is None else mask.to(old_logp.dtype).expand_as(old_logp)  # (B, C)
-    log_ratio = old_logp.detach() - sampler_logp.detach()  # (B, C)
+    log_ratio = counted_only(old_logp.detach() - sampler_logp.detach(), m)  # (B, C), 0 off the mask: its exp is never inf there
     if level == "sequence":
         log_ratio = masked_sum(log_ratio, m, dim=-1).unsqueeze(-1).expand_as(old_logp)  # (B, C): the row's sum on each token
     ratio = torch.exp(log_ratio)  # (B, C)

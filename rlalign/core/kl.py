@@ -10,16 +10,20 @@ divergence", 2020), with x = log pi_ref(o_t) - log pi(o_t):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlalign.core.masks import counted_only
+
 __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "masked_token_kl",
     "categorical_kl",
     "entropy_from_logits",
     "adaptive_kl_coef",
@@ -45,6 +49,14 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """
     log_ratio = ref_logp - logp
     return torch.expm1(log_ratio) - log_ratio
+
+
+def masked_token_kl(estimator: Callable[[Tensor, Tensor], Tensor], logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
+    """``estimator``(log pi, log pi_ref) times ``mask`` on the tokens where ``mask`` > 0, and 0 elsewhere,
+    with both log-probs zeroed off the mask first (:func:`rlalign.core.masks.counted_only`): k3's
+    e^x of a left-out token's log-probs (an environment's, 100 nats apart after updates at a low
+    temperature) would be inf, and inf x 0 NaN. The KL-shaped rewards' per-token KL. Shapes: (B, C) -> (B, C)."""
+    return estimator(counted_only(logp, mask), counted_only(ref_logp, mask)) * mask
 
 
 def categorical_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlalign.core.importance import TISStats, masked_is_weights, truncated_is_weights  # re-exported: they live in rlalign.core.importance
 from rlalign.core.kl import kl_k1, kl_k2, kl_k3
-from rlalign.core.masks import masked_mean, masked_sum, masked_var
+from rlalign.core.masks import counted_only, masked_mean, masked_sum, masked_var
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -191,7 +191,7 @@ def clipped_surrogate_loss(
     """
     eps_high = eps_low if eps_high is None else eps_high
     advantages = _broadcast(advantages.detach(), logp)
-    log_ratio = logp - old_logp.detach()
+    log_ratio = counted_only(logp - old_logp.detach(), mask)  # 0 off the mask: its exp is never inf there
     if importance_sampling == "sequence":
         if logp.dim() != 2:
             raise ValueError("importance_sampling='sequence' needs (B, C) log-probs")
@@ -322,7 +322,7 @@ def kl_penalty_loss(
     """
     if estimator not in _ESTIMATORS:
         raise ValueError(f"KL estimator must be one of {sorted(_ESTIMATORS)}, got {estimator!r}")
-    token_kl = _ESTIMATORS[estimator](logp, ref_logp.detach())
+    token_kl = _ESTIMATORS[estimator](counted_only(logp, mask), counted_only(ref_logp.detach(), mask))  # 0 off the mask, never inf x 0
     loss = aggregate(token_kl, mask, mode, max_len)
     return loss, KLStats(masked_mean(token_kl.detach(), _mask_like(logp, mask)))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "whiten", "position_ids_from_mask"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "whiten", "counted_only", "position_ids_from_mask"]
 
 
 def _as_weight(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -18,6 +18,17 @@ def _as_weight(x: Tensor, mask: Tensor | None) -> Tensor:
     if mask.shape != x.shape:
         mask = mask.expand_as(x)
     return mask.to(x.dtype)
+
+
+def counted_only(x: Tensor, mask: Tensor | None) -> Tensor:
+    """``x`` where ``mask`` > 0, 0 elsewhere (``mask`` broadcastable to ``x``; None: ``x`` as it is).
+
+    For a value that is exponentiated before a mask weighs it (a log-ratio, a KL estimator's
+    inputs): a position the mask leaves out (padding, an environment's tokens in a multi-turn
+    rollout) may hold any log-prob, e^x of it may overflow to inf, and inf x 0 is NaN, in the value
+    and in the gradient. Here such a position holds 0, and x gets no gradient there.
+    """
+    return x if mask is None else x.masked_fill(mask <= 0, 0.0)
 
 
 def masked_sum(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from rlalign.core.losses import Aggregation, aggregate
-from rlalign.core.masks import masked_mean
+from rlalign.core.masks import counted_only, masked_mean
 
 __all__ = ["cispo_loss", "sapo_loss", "CISPOStats", "SAPOStats"]
 
@@ -31,7 +31,7 @@ def _token_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
         advantages = advantages.unsqueeze(-1)  # (B,) -> (B, 1)
     advantages = advantages.expand_as(logp)  # (B, C)
     m = torch.ones_like(logp) if mask is None else mask.to(logp.dtype).expand_as(logp)
-    return advantages, logp - old_logp.detach(), m.detach()
+    return advantages, counted_only(logp - old_logp.detach(), m), m.detach()  # log r 0 off the mask: its exp is never inf there
 
 
 class CISPOStats(NamedTuple):

@@ -72,7 +72,7 @@ from torch import Tensor, nn
 
 from rlalign.config import ConfigError, load_config
 from rlalign.core.advantages import group_advantages, reinforce_plus_plus_advantages, rloo_advantages
-from rlalign.core.kl import kl_k1, kl_k2, kl_k3
+from rlalign.core.kl import kl_k1, kl_k2, kl_k3, masked_token_kl
 from rlalign.core.losses import entropy_loss, kl_penalty_loss
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
@@ -238,7 +238,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     t_old = time.perf_counter()
     kl_metrics = {}
     if ref_logp is not None and cfg.kl_in == "reward":  # R_i - beta * sum_t KL_t at pi_old; the loss then has no KL term
-        token_kl = KL_ESTIMATORS[cfg.kl_estimator](rollout.logprobs, ref_logp) * sampled_mask  # (B, C)
+        token_kl = masked_token_kl(KL_ESTIMATORS[cfg.kl_estimator], rollout.logprobs, ref_logp, sampled_mask)  # (B, C)
         scored = add_score_term(scored, "kl_penalty", -cfg.beta * token_kl.sum(-1), world)
         kl_metrics["kl"] = float(distributed.global_mean_var(token_kl, sampled_mask, world)[0])
         ref_logp = None

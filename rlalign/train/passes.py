@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.linear_logprobs import EntropyMode, linear_token_logprobs
 from rlalign.core.logprobs import token_logprobs, token_logprobs_and_entropy
+from rlalign.core.masks import counted_only
 from rlalign.lm import private
 from rlalign.lm.logprobs import completion_hidden, lm_head_of, packed_layout, wrapped_across_processes
 from rlalign.lm.logprobs import completion_logits as lm_completion_logits
@@ -263,5 +264,5 @@ def ratio_deviation(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """max |pi / pi_old - 1| over counted tokens (detached). On the first minibatch, before any
     update, it is the mismatch between the sampler's log-probs and the training pass's."""
     with torch.no_grad():
-        deviation = (torch.exp(logp - old_logp) - 1.0).abs() * (mask > 0)  # (B, C)
+        deviation = (torch.exp(counted_only(logp - old_logp, mask)) - 1.0).abs()  # (B, C), 0 off the mask
         return deviation.max() if deviation.numel() else deviation.new_zeros(())

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from rlalign.config import Config, ConfigError, load_config
 from rlalign.core.advantages import kl_shaped_rewards, token_gae
-from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k3
+from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k3, masked_token_kl
 from rlalign.core.losses import Aggregation, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
 from rlalign.lm.heads import load_critic
@@ -159,7 +159,7 @@ def ppo_advantages(
         targets (A + V, before whitening).
     """
     sampled = mask if sampled is None else sampled
-    kl = KL_ESTIMATORS[estimator](logp, ref_logp) * sampled  # (B, C)
+    kl = masked_token_kl(KL_ESTIMATORS[estimator], logp, ref_logp, sampled)  # (B, C), 0 off the sampled tokens
     rewards = kl_shaped_rewards(scores, kl, mask, beta)  # (B, C)
     advantages, returns = token_gae(rewards, values, mask, gamma, lam)  # (B, C) over the whole episode, tool tokens included
     if whiten:
