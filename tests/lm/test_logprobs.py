@@ -124,3 +124,27 @@ def test_group_index_over_different_prompts_is_an_error(tiny_llama):
     wrong_groups = torch.tensor([0, 0, 0, 1])  # row 2 has the second prompt
     with pytest.raises(ValueError, match="prompts differ"):
         completion_logits(tiny_llama, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask, wrong_groups, packed=False)
+    same_length = sample(tiny_llama, [PROMPTS[0], PROMPTS[0][::-1]], SamplingParams(max_new_tokens=3), 0, [2], group_size=2,
+                         generator=torch.Generator().manual_seed(0))  # masks alike, tokens not
+    with pytest.raises(ValueError, match="prompts differ"):
+        completion_logits(tiny_llama, same_length.prompt_ids, same_length.prompt_mask, same_length.completion_ids, same_length.completion_mask, wrong_groups,
+                          packed=False)
+
+
+def test_rollout_logprobs_share_a_groups_prompt_only_when_asked(tiny_model):
+    # share_prompts: each group's prompt but its last token runs once (a forward of the U prompts, then one of
+    # the B rows' last prompt token and completion); by default one forward of every row's prompt and completion
+    from rlalign.lm.models import unwrap_causal_lm
+
+    rollout = sample(tiny_model, PROMPTS, SamplingParams(max_new_tokens=12), 0, [2], group_size=4, generator=torch.Generator().manual_seed(0))
+    calls = []
+    handle = unwrap_causal_lm(tiny_model).register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs.get("inputs_embeds") is not None),
+                                                                    with_kwargs=True)
+    try:
+        plain = rollout_logprobs(tiny_model, rollout)
+        assert calls == [False]
+        shared = rollout_logprobs(tiny_model, rollout, share_prompts=True)
+        assert calls == [False, True, True]  # the shared passes feed embeddings looked up once for both
+    finally:
+        handle.remove()
+    torch.testing.assert_close(shared, plain, rtol=0, atol=2e-5)

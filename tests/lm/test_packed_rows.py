@@ -153,6 +153,25 @@ def test_packing_or_shared_prompts_whichever_runs_fewer_positions(tiny_llama):
     torch.testing.assert_close(logits[real], padded[real], rtol=1e-5, atol=1e-5)
 
 
+def test_packed_rows_are_weighed_against_the_shared_prompts_u_p_minus_1_plus_b_c_positions(tiny_llama, monkeypatch):
+    # two groups of four rows, 9-column prompts, 8 completion columns: shared U (P - 1) + B C = 2 x 8 + 8 x 8 = 80
+    # positions, padded B (P + C) = 8 x 17 = 136; the hidden states' pass (the chunked head) packs as the logits' does
+    import rlalign.lm.logprobs as logprobs_module
+
+    weighed = []
+    real = logprobs_module.packed_layout
+    monkeypatch.setattr(logprobs_module, "packed_layout", lambda model, pm, cm, padded: weighed.append(padded) or real(model, pm, cm, padded))
+    batch = ragged_batch([9] * 8, [8] * 8)
+    batch[0][4:], batch[0][:4] = batch[0][4], batch[0][0]  # each group's rows share their prompt
+    completion_logits(tiny_llama, *batch, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    completion_logits(tiny_llama, *batch)
+    assert weighed == [80, 136]
+    monkeypatch.undo()
+    short = ragged_batch([2, 3, 2, 3], [1, 2, 1, 2])  # rows of 3, 5, 3, 5 tokens in 17 columns: 4 packed rows of W = 5 (20 < 68 positions)
+    _, calls = _forward_shapes(tiny_llama, lambda: completion_hidden(tiny_llama, *short))
+    assert calls == [(4, 5)]
+
+
 def test_without_transformers_packed_masks_rows_run_padded(tiny_llama, monkeypatch):
     # packed rows need transformers to tell them apart by their position ids (rlalign.lm.private):
     # where that is missing, one warning and the padded forward
