@@ -87,13 +87,18 @@ def floor_seconds(weights: int, per_position: int, rows: int, prompt_len: int, s
     return steps * weights / bandwidth, (steps * weights + rows * per_position * positions) / bandwidth
 
 
-def build_model(shape: str, device: str) -> nn.Module:
-    """A random-weight Llama of ``_lm_bench.RANDOM_SHAPES[shape]`` in bfloat16 on ``device`` (seed 0), no stop token."""
+def build_model(shape: str, device: str, width: int | None = None) -> nn.Module:
+    """A random-weight Llama of ``_lm_bench.RANDOM_SHAPES[shape]`` in bfloat16 on ``device`` (seed 0), no stop token;
+    with ``width``, the shape's layers and vocabulary at that hidden width (2 heads, 1 KV head, an MLP of 2 x width):
+    almost no weights or cache to read, so a step's time is what it costs beyond the floor, at the same depth."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    config = dict(lb.RANDOM_SHAPES[shape])
+    if width is not None:
+        config.update(hidden_size=width, intermediate_size=2 * width, num_attention_heads=2, num_key_value_heads=1, head_dim=width // 2)
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**lb.RANDOM_SHAPES[shape]))
+        model = LlamaForCausalLM(LlamaConfig(**config))
     return model.to(torch.bfloat16).eval()
 
 
@@ -171,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buffer-gb", type=float, default=None, help="size of the copied buffer (default 4 on a GPU, 0.5 on a CPU)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="the memory bandwidth in GB/s instead of measuring it")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--width", type=int, default=None,
+                        help="the shape's layers and vocabulary at this hidden width: a step's cost beyond reading the weights")
     parser.add_argument("--profile", action="store_true", help="then profile one call of the first batch size (torch.profiler)")
     parser.add_argument("--out", default=None, help="JSON file for the table and the setup")
     args = parser.parse_args(argv)
@@ -185,15 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = args.bandwidth_gbs * 1e9
     else:
         bandwidth = copy_bandwidth(args.device, args.buffer_gb or (4.0 if on_gpu else 0.5), args.repeats + 2)
-    model = build_model(args.shape, args.device)
+    if args.width is not None and (args.width < 2 or args.width % 2):
+        parser.error("--width must be an even number >= 2 (two heads)")
+    model = build_model(args.shape, args.device, args.width)
     name = torch.cuda.get_device_name() if on_gpu else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     setup = {
-        "device": name, "shape": args.shape, "parameters": lb.count_parameters(model), "weight_bytes": weight_bytes(model),
+        "device": name, "shape": args.shape, "width": args.width, "parameters": lb.count_parameters(model), "weight_bytes": weight_bytes(model),
         "cache_bytes_per_position": cache_bytes_per_position(model.config, 2), "bandwidth_gbs": bandwidth / 1e9,
         "bandwidth_measured": args.bandwidth_gbs is None, "group_size": args.group_size, "prompt_len": args.prompt_len,
         "compile": args.compile, "cuda_graphs": args.cuda_graphs, "repeats": args.repeats, "torch": torch.__version__, "code": lb.code_version(),
     }
-    print(f"{args.shape} ({setup['parameters'] / 1e9:.2f}B parameters, {setup['weight_bytes'] / 1e9:.2f} GB of bfloat16 weights read a step) on {name}; "
+    print(f"{args.shape}{'' if args.width is None else f' at width {args.width}'} ({setup['parameters'] / 1e9:.2f}B parameters, {setup['weight_bytes'] / 1e9:.2f} GB of bfloat16 weights read a step) on {name}; "
           f"bandwidth {bandwidth / 1e9:.0f} GB/s ({'copy, measured' if setup['bandwidth_measured'] else 'given'}); prompts of {args.prompt_len} tokens, "
           f"G {args.group_size}, {args.new_tokens} new tokens, compile {args.compile}, CUDA graphs {args.cuda_graphs}, median of {args.repeats}")
     table = []

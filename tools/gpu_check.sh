@@ -39,7 +39,8 @@
 #      ($LIMIT_BF16 s, default 0: skipped)
 #   9. benchmarks/generation_floor.py on the 1B model: the sampler compiled with CUDA graphs at 64 and 256 rows x
 #      256 new tokens against the memory-bandwidth floor (weights read once a token, the copy bandwidth measured),
-#      then one 64-row call under torch.profiler (the operators that took the most device and host time)
+#      then one 64-row call under torch.profiler (the operators that took the most device and host time), then, if 30 s
+#      of the phase are left, the same layers and vocabulary at width 64 (a step's cost beyond reading the weights)
 #      ($LIMIT_GENERATION s, default 0: skipped)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
@@ -224,6 +225,13 @@ if [ "${LIMIT_GENERATION:-0}" -gt 0 ]; then
   say "generation floor llama-1b: rc=$rc $(( $(date +%s) - start ))s"
   sed -n '/^llama-1b (/,$p' "$LOGS/generation_floor.log" >> "$SUMMARY"
   [ $rc -ne 0 ] && tail -n 20 "$LOGS/generation_floor.log" >> "$SUMMARY"
+  left=$(( LIMIT_GENERATION - ($(date +%s) - start) ))
+  if [ $left -ge 30 ]; then  # the same 16 layers and vocabulary at width 64: what a step costs beyond reading the weights
+    timeout -k 10 "$left" "$PY" benchmarks/generation_floor.py --device cuda --shape llama-1b --width 64 --rows 64 --new-tokens 256 \
+      --compile --cuda-graphs --out "$LOGS/generation_floor_width64.json" > "$LOGS/generation_floor_width64.log" 2>&1
+    say "generation floor llama-1b at width 64: rc=$?"
+    sed -n '/^llama-1b at width/,$p' "$LOGS/generation_floor_width64.log" >> "$SUMMARY"
+  fi
 fi
 say ""
 say "total $(( $(date +%s) - T0 ))s"

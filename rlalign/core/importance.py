@@ -80,7 +80,7 @@ def importance_weights(
     m = torch.ones_like(old_logp) if mask is None else mask.to(old_logp.dtype).expand_as(old_logp)  # (B, C)
     log_ratio = counted_only(old_logp.detach() - sampler_logp.detach(), m)  # (B, C), 0 off the mask: its exp is never inf there
     if level == "sequence":
-        log_ratio = masked_sum(log_ratio, m, dim=-1).unsqueeze(-1).expand_as(old_logp)  # (B, C): the row's sum on each token
+        log_ratio = masked_sum(log_ratio, m > 0, dim=-1).unsqueeze(-1).expand_as(old_logp)  # (B, C): the row's sum on each token (a row's weight weighs its loss, not its ratio)
     ratio = torch.exp(log_ratio)  # (B, C)
     below = ratio < low if low is not None else torch.zeros_like(ratio, dtype=torch.bool)
     above = ratio > high if high is not None else torch.zeros_like(ratio, dtype=torch.bool)

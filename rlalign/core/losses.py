@@ -195,8 +195,8 @@ def clipped_surrogate_loss(
     if importance_sampling == "sequence":
         if logp.dim() != 2:
             raise ValueError("importance_sampling='sequence' needs (B, C) log-probs")
-        m = _mask_like(logp, mask)
-        seq_log_ratio = masked_sum(log_ratio, m, dim=-1) / m.sum(-1).clamp(min=1.0)  # (B,): mean token log-ratio
+        counted = (_mask_like(logp, mask) > 0).to(logp.dtype)  # a row's weight weighs its loss, not its ratio
+        seq_log_ratio = masked_sum(log_ratio, counted, dim=-1) / counted.sum(-1).clamp(min=1.0)  # (B,): mean token log-ratio
         log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logp)  # (B, C): each token carries its sequence's
     elif importance_sampling != "token":
         raise ValueError(f"importance_sampling must be 'token' or 'sequence', got {importance_sampling!r}")

@@ -58,3 +58,15 @@ def test_a_run_prints_and_writes_a_row_per_batch_size(tmp_path, capsys):
         assert row["floor_weights_s"] == pytest.approx(3 * weights / 10e9)
         assert row["tokens_per_s"] == pytest.approx(row["rows"] * 3 / row["whole_s"])
         assert row["decode_s"] == pytest.approx(row["whole_s"] - row["one_token_s"])
+
+
+def test_width_keeps_the_shapes_layers_and_vocabulary_at_a_narrow_width():
+    # SmolLM2's 30 layers and 49152 tokens at width 8 (2 heads of 4, 1 KV head, MLP 16), by hand: q 8 x 8, k 8 x 4,
+    # v 8 x 4, o 8 x 8, MLP 3 x 8 x 16, two norms of 8 = 64 + 32 + 32 + 64 + 384 + 16 = 592 a layer;
+    # the tied embedding 49152 x 8 once, the final norm 8: 30 x 592 + 393216 + 8 = 410984 parameters
+    full, narrow = gf.build_model("smollm2", "cpu"), gf.build_model("smollm2", "cpu", width=8)
+    assert narrow.config.num_hidden_layers == full.config.num_hidden_layers == 30 and narrow.config.vocab_size == full.config.vocab_size == 49152
+    assert sum(p.numel() for p in {id(p): p for p in narrow.parameters()}.values()) == 410984
+    assert gf.cache_bytes_per_position(narrow.config, 2) == 2 * 30 * 1 * 4 * 2
+    with pytest.raises(SystemExit):
+        gf.main(["--shape", "smollm2", "--width", "3", "--rows", "2", "--group-size", "2"])

@@ -91,3 +91,14 @@ def test_the_band_is_closed():
     for kwargs in ({"low": 1.0, "high": 2.0}, {"low": 0.5, "high": 1.0}):
         weights, stats = importance_weights(same, same, mode="mask", **kwargs)
         assert (weights == 1.0).all() and stats.truncated_frac.item() == 0.0 and stats.masked_frac.item() == 0.0
+
+
+@pytest.mark.parametrize("row_weight", [1.0, 0.5, 1 / 3])
+def test_a_weighted_rows_sequence_ratio_is_its_own_whatever_the_rows_weight(row_weight):
+    # log pi_old - log pi_sampler = 0.3 on each of 3 tokens: the sequence ratio is e^0.9 = 2.459603; an agent's
+    # row weight (1/k of an episode's k calls) weighs the row's loss, not its ratio (it gave e^(0.9 w))
+    old, sampler = torch.tensor([[-1.0, -1.2, -0.8, 0.0]]), torch.tensor([[-1.3, -1.5, -1.1, 0.0]])
+    mask = torch.tensor([[row_weight] * 3 + [0.0]])
+    weights, stats = importance_weights(old, sampler, mask, high=5.0, level="sequence")
+    assert weights[0, :3].tolist() == pytest.approx([2.459603] * 3, rel=1e-6)
+    assert float(stats.weight_mean) == pytest.approx(2.459603, rel=1e-6)

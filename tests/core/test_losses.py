@@ -198,3 +198,14 @@ def test_bradley_terry_hand_values():
     chosen, rejected = torch.tensor([0.0], requires_grad=True), torch.tensor([0.0], requires_grad=True)
     bradley_terry_loss(chosen, rejected)[0].backward()
     assert chosen.grad.item() == pytest.approx(-0.5) and rejected.grad.item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("row_weight", [1.0, 1 / 3])
+def test_gspo_sequence_ratio_is_the_mean_token_log_ratio_whatever_the_rows_weight(row_weight):
+    # token log-ratios 0.2 and 0.4 (a third column of padding): s = exp(0.3) = 1.349859 for a row weighted 1 or 1/3
+    # (the weight divided the sum by max(2/3, 1) = 1: exp(0.2) before); A = 1, eps 0.2: the loss is -1.2 (clipped)
+    logp = torch.tensor([[0.2, 0.4, 0.0]], requires_grad=True)
+    mask = torch.tensor([[row_weight, row_weight, 0.0]])
+    loss, stats = clipped_surrogate_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, 0.2, mode="seq-mean-token-mean", importance_sampling="sequence")
+    assert float(stats.ratio_mean) == pytest.approx(1.349859, rel=1e-6)
+    assert loss.item() == pytest.approx(-1.2, rel=1e-6) and float(stats.clip_frac) == 1.0
