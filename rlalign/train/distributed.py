@@ -39,6 +39,7 @@ import datetime
 import gc
 import inspect
 import io
+import math
 import os
 import sys
 import threading
@@ -386,8 +387,10 @@ def loss_share(local_count: Tensor | float, world: World) -> float:
     return 0.0 if total <= 0 else float(world.size / total) if world.distributed else float(1.0 / total)
 
 
-MAX_STATS = ("ratio_dev", "logprob_mismatch")  # reduced with max; loss/* are summed shares; the rest are token-weighted means
-MIN_STATS = ("tis/weight_min",)  # reduced with min
+MAX_STATS = ("ratio_dev", "logprob_mismatch", "adv/max")  # reduced with max; loss/* are summed shares; the rest are token-weighted means
+MIN_STATS = ("tis/weight_min", "adv/min")  # reduced with min
+# A max or min is over the micro-batches and ranks that count tokens: one without (a rank with no row of a
+# PPO minibatch, a row weighted 0) reports a placeholder (0, or a weight of 1) that is nobody's value.
 
 
 def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world: World) -> dict[str, float]:
@@ -410,10 +413,10 @@ def reduce_stats(stats: Mapping[str, float], weight: float, scale: float, world:
     total_weight = float(values[-1])
     out = {n: float(v) if n.startswith("loss/") else (float(v) / total_weight if total_weight > 0 else 0.0) for n, v in zip(summed, values[:-1])}
     for n in names:
-        if n in MAX_STATS:
-            out[n] = all_max(stats[n], world)
-        elif n in MIN_STATS:
-            out[n] = -all_max(-stats[n], world)
+        if n in MAX_STATS + MIN_STATS:
+            sign = 1.0 if n in MAX_STATS else -1.0  # a min is minus the max of minus the values
+            extreme = sign * all_max(sign * stats[n] if weight > 0 else -math.inf, world)  # ranks that count tokens
+            out[n] = extreme if math.isfinite(extreme) else stats[n]  # no rank counts any: every rank's placeholder
     return out
 
 
@@ -429,11 +432,12 @@ def merge_micro_stats(parts: Sequence[tuple[Mapping[str, float], float, float]])
         return dict(parts[0][0])
     total_weight, total_count = sum(w for _, w, _ in parts), sum(c for _, _, c in parts)
     out: dict[str, float] = {}
+    counting = [part for part in parts if part[1] > 0] or parts  # a max or min over the micro-batches that count tokens
     for name in parts[0][0]:
         if name in MAX_STATS:
-            out[name] = max(stats[name] for stats, _, _ in parts)
+            out[name] = max(stats[name] for stats, _, _ in counting)
         elif name in MIN_STATS:
-            out[name] = min(stats[name] for stats, _, _ in parts)
+            out[name] = min(stats[name] for stats, _, _ in counting)
         elif name.startswith("loss/"):
             out[name] = sum(stats[name] * c for stats, _, c in parts) / total_count if total_count > 0 else 0.0
         else:

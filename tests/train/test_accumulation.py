@@ -7,6 +7,7 @@ Tiny Llama (hidden 64, 2 layers) and tiny GPT-2, one torch thread.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import pytest
@@ -293,3 +294,28 @@ def test_a_micro_batch_runs_at_its_own_width_with_the_same_log_probs_and_gradien
     torch.testing.assert_close(ent_b[:, :5] * completion_mask, ent_a * completion_mask, atol=1e-6, rtol=0)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_maxima_and_minima_merge_over_the_micro_batches_that_count_tokens():
+    # distillation's adv/max and adv/min are extremes, not means: max(3.6, 2.0) and min(-1.0, -0.2) (token-weighted means
+    # over 4 and 1 tokens would be 3.28 and -0.84); an empty micro-batch's placeholders (0, a weight of 1) are nobody's values
+    parts = [({"adv/max": 3.6, "adv/min": -1.0, "tis/weight_min": 1.5, "kl": 0.5}, 4.0, 4.0),
+             ({"adv/max": 2.0, "adv/min": -0.2, "tis/weight_min": 1.36, "kl": 1.0}, 1.0, 1.0),
+             ({"adv/max": 0.0, "adv/min": 0.0, "tis/weight_min": 1.0, "kl": 0.0}, 0.0, 0.0)]
+    assert distributed.merge_micro_stats(parts) == pytest.approx({"adv/max": 3.6, "adv/min": -1.0, "tis/weight_min": 1.36, "kl": 0.6})
+    empty = [({"adv/max": 0.0, "tis/weight_min": 1.0}, 0.0, 0.0)] * 2  # nothing counted anywhere: the placeholders
+    assert distributed.merge_micro_stats(empty) == {"adv/max": 0.0, "tis/weight_min": 1.0}
+
+
+def test_maxima_and_minima_reduce_over_the_ranks_that_count_tokens(monkeypatch):
+    # this rank counts no token (PPO's rank without a row of the minibatch): its placeholders adv/max 0, adv/min 0 and
+    # tis/weight_min 1 must not win over the other rank's 3.6, -1.0 and 1.36 (the weight's min was logged as 1.0)
+    two = distributed.World(rank=0, size=2)
+    monkeypatch.setattr(distributed, "all_sum", lambda x, world: x * 2)
+    placeholders = {"adv/max": 0.0, "adv/min": 0.0, "kl": 0.0, "tis/weight_min": 1.0}
+    other = iter([3.6, 1.0, -1.36])  # the other rank's value in each all_max, by name: a max, then minus two minima
+    monkeypatch.setattr(distributed, "all_max", lambda value, world: max(value, next(other)))
+    assert distributed.reduce_stats(placeholders, 0.0, 0.0, two) == pytest.approx({"adv/max": 3.6, "adv/min": -1.0, "kl": 0.0, "tis/weight_min": 1.36})
+    nobody = iter([-math.inf] * 3)  # no rank counts a token: every rank keeps its placeholders
+    monkeypatch.setattr(distributed, "all_max", lambda value, world: max(value, next(nobody)))
+    assert distributed.reduce_stats(placeholders, 0.0, 0.0, two) == placeholders
