@@ -109,6 +109,12 @@ class World:
         share = n // self.size
         return slice(self.rank * share, (self.rank + 1) * share)
 
+    def split(self, n: int) -> slice:
+        """This rank's contiguous share of ``n`` items that need not divide evenly: the first ``n % size`` ranks one more."""
+        base, extra = divmod(n, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return slice(start, start + base + (self.rank < extra))
+
     def barrier(self) -> None:
         """Every learner waits for the others."""
         if self.distributed:

@@ -41,7 +41,7 @@ from rlalign.train.rollouts import RewardTerm, reward_stats, sample_rows, score_
 from rlalign.train.run_config import ModelConfig
 from rlalign.train.tool_rollout import tool_registry, tool_rollout
 
-__all__ = ["load_eval_prompts", "evaluate_policy", "pass_at_ks", "tool_evaluator"]
+__all__ = ["load_eval_prompts", "evaluate_policy", "eval_batches", "pass_at_ks", "tool_evaluator"]
 
 
 def load_eval_prompts(cfg: EvalConfig, train_data: DataConfig) -> list[PromptExample]:
@@ -70,18 +70,22 @@ def evaluate_policy(
     """
     n = cfg.num_samples
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens or max_new_tokens, temperature=cfg.temperature)
-    usable = len(prompts) - len(prompts) % world.size  # every rank an equal share
-    generator = torch.Generator().manual_seed(seed)
+    if not prompts:
+        return {}, []
+    if len(prompts) < world.size:
+        raise ValueError(f"evaluation has {len(prompts)} prompts, fewer than the {world.size} processes: give eval.num_prompts at least {world.size}")
+    # every row's uniforms drawn up front, by its place among all rows: a row's draws depend on neither the world size nor batch_size
+    noise = torch.rand((params.max_new_tokens, len(prompts) * n), generator=torch.Generator().manual_seed(seed))  # (N, prompts x n)
     scores, per_term, failed, counters, lengths, truncated, rows = [], {}, {}, {}, [], [], []
-    for start in range(0, usable, cfg.batch_size * world.size):
-        batch = list(prompts[start : start + cfg.batch_size * world.size])
-        shard = world.shard(len(batch))
-        noise = torch.rand((params.max_new_tokens, len(batch) * n), generator=generator)  # (N, B global): the same draws on any world size
+    for start, stop in eval_batches(len(prompts), cfg.batch_size, world.size):
+        batch = list(prompts[start:stop])
+        shard = world.split(len(batch))  # every prompt evaluated: ranks may differ by one
         ids = encode_prompts(tokenizer, [ex.prompt for ex in batch[shard]])
+        columns = slice((start + shard.start) * n, (start + shard.stop) * n)
         with distributed.gathered(policy), forward_precision(model_cfg, policy), evaluating(policy):
-            rollout = sample(policy, ids, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], n, noise=noise[:, shard.start * n : shard.stop * n])
+            rollout = sample(policy, ids, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], n, noise=noise[:, columns])
         rollout = rollout.to("cpu")
-        scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), n, world, step=max(step, 0))
+        scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), n, world, step=max(step, 0), uneven=True)
         scores.append(scored.scores)
         for name, values in scored.per_term.items():
             per_term.setdefault(name, []).append(values)
@@ -89,8 +93,8 @@ def evaluate_policy(
             failed.setdefault(name, []).append(values)
         for key, value in scored.term_stats.items():
             counters[key] = counters.get(key, 0.0) + value
-        lengths.append(distributed.gather_rows(rollout.completion_lengths().float(), world))  # (B global,)
-        truncated.append(distributed.gather_rows(rollout.truncated.float(), world))  # (B global,)
+        lengths.append(distributed.gather_rows(rollout.completion_lengths().float(), world, uneven=True))  # (B global,)
+        truncated.append(distributed.gather_rows(rollout.truncated.float(), world, uneven=True))  # (B global,)
         if len(rows) < cfg.num_samples_logged:
             rows.extend(sample_rows(step, scored, cfg.num_samples_logged - len(rows)))
     if not scores:
@@ -105,6 +109,15 @@ def evaluate_policy(
     if n > 1:
         metrics.update(pass_at_ks((total >= cfg.pass_threshold).view(-1, n)))
     return metrics, rows
+
+
+def eval_batches(prompts: int, batch_size: int, world_size: int) -> list[tuple[int, int]]:
+    """(start, stop) of the evaluation's global batches: as few as hold ``batch_size`` prompts a rank, of sizes that
+    differ by at most one, and at least one prompt a rank in each (then, with ``batch_size`` 1, a rank may take 2).
+    E.g. 9 prompts, batch_size 4, 2 ranks: batches of 4 and 5 (2 and 2, then 3 and 2 a rank); 20, 4, 2: 6, 7 and 7."""
+    count = max(1, min(-(-prompts // (batch_size * world_size)), prompts // world_size))
+    bounds = [k * prompts // count for k in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def pass_at_ks(passed: torch.Tensor) -> dict[str, float]:

@@ -319,13 +319,14 @@ class ScoredRollout:
 
 def score_shard(
     rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
-    world: distributed.World, missing_eos_penalty: float | None = None, step: int = 0,
+    world: distributed.World, missing_eos_penalty: float | None = None, step: int = 0, uneven: bool = False,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
     without EOS; gather the scores of every rank. Rewards taking TRL's keywords also get
-    ``completion_ids`` (each row's tokens, no padding) and ``trainer_state`` (``global_step`` = ``step``)."""
-    rows = [ex for ex in batch[world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
+    ``completion_ids`` (each row's tokens, no padding) and ``trainer_state`` (``global_step`` = ``step``).
+    ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``."""
+    rows = [ex for ex in batch[world.split(len(batch)) if uneven else world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
     prompts = [ex.prompt for ex in rows]  # text or messages, as in the data (TRL's convention)
     as_messages = [completion if isinstance(ex.prompt, str) else [{"role": "assistant", "content": completion}] for ex, completion in zip(rows, completions)]
     columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
@@ -334,9 +335,9 @@ def score_shard(
     local_scores, local_per_term, local_failed = score_rollout(rewards, prompts, as_messages, columns, context)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()
-    scores = distributed.gather_rows(local_scores, world)  # (B global,)
-    per_term = {name: distributed.gather_rows(values, world) for name, values in local_per_term.items()}
-    failed = {name: distributed.gather_rows(rows_failed.float(), world).bool() for name, rows_failed in local_failed.items()}
+    scores = distributed.gather_rows(local_scores, world, uneven)  # (B global,)
+    per_term = {name: distributed.gather_rows(values, world, uneven) for name, values in local_per_term.items()}
+    failed = {name: distributed.gather_rows(rows_failed.float(), world, uneven).bool() for name, rows_failed in local_failed.items()}
     return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed, term_stats(rewards))
 
 

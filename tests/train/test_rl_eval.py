@@ -126,3 +126,36 @@ def test_ppo_evaluates_too(tiny_path, tmp_path):
 def test_several_greedy_samples_are_a_clear_error():
     with pytest.raises(ConfigError, match="eval.temperature"):
         load_config(grpo.GRPOConfig, None, {"eval.num_samples": 4})
+
+
+def test_eval_batches_hold_every_prompt_at_most_batch_size_a_rank_and_one_at_least():
+    from rlalign.train.rl_eval import eval_batches
+
+    assert eval_batches(6, 4, 1) == [(0, 3), (3, 6)]  # two batches: 3 and 3 prompts
+    assert eval_batches(9, 4, 2) == [(0, 4), (4, 9)]  # 2 + 2, then 3 + 2 a rank: none left out (8 were evaluated)
+    assert eval_batches(20, 4, 2) == [(0, 6), (6, 13), (13, 20)]
+    assert eval_batches(7, 64, 2) == [(0, 7)]  # one batch, 4 + 3 (a batch past the prompts raised)
+    assert eval_batches(5, 1, 4) == [(0, 5)]  # batch_size 1 on 4 ranks: 2 + 1 + 1 + 1, no rank without a prompt
+    from rlalign.train.distributed import World
+
+    assert [World(rank=r, size=3).split(7) for r in range(3)] == [slice(0, 3), slice(3, 5), slice(5, 7)]
+    assert [World(rank=r, size=2).split(4) for r in range(2)] == [slice(0, 2), slice(2, 4)]
+
+
+def test_a_sampled_evaluation_does_not_depend_on_its_batch_size(tiny_path):
+    # every row's uniforms are drawn up front by its place among all rows, so batches of 2 or 8 prompts (as 1 or 4 ranks
+    # of batch_size 2 would make) sample the same completions; fewer prompts than processes is a clear error
+    from rlalign.lm.data import load_prompts
+    from rlalign.train.distributed import World
+    from rlalign.train.rl_config import EvalConfig
+    from rlalign.train.rl_eval import evaluate_policy
+    from rlalign.train.run_config import ModelConfig
+
+    tokenizer, policy = load_tokenizer(tiny_path), load_policy(tiny_path)
+    prompts = load_prompts(TASKS["arithmetic"].prompt_records("eval", 7, 0))
+    runs = [evaluate_policy(policy, tokenizer, prompts, REWARDS, EvalConfig(batch_size=b, temperature=1.0, num_samples=2), 6, ModelConfig(), seed=3)
+            for b in (2, 8)]
+    assert runs[0][0] == pytest.approx(runs[1][0], abs=1e-6) and runs[0][0]["eval/reward/mean"] > 0
+    assert [row["completion"] for row in runs[0][1]] == [row["completion"] for row in runs[1][1]]
+    with pytest.raises(ValueError, match="7 prompts, fewer than the 8 processes"):
+        evaluate_policy(policy, tokenizer, prompts, REWARDS, EvalConfig(), 6, ModelConfig(), seed=3, world=World(rank=0, size=8))
