@@ -242,7 +242,7 @@ def distill_step(updater: Updater, teacher: nn.Module, source: RolloutSource, st
     # 2. the teacher's log-probs of the batch's tokens (reverse_kl; gkd runs the teacher in each micro-batch, for its logits)
     mask = rollout.completion_mask.float() * batch.token_mask  # (B, C) tool tokens get no gradient
     m = cfg.num_minibatches
-    minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
+    minibatches = distributed.minibatch_rows(rollout.batch_size, m, world)  # rows k, k + m, ... of all ranks' rows, as one process cuts them
     teacher_logp = None
     gkd = cfg.objective == "gkd"  # the teacher in each micro-batch, both models' full-vocabulary logits; reverse_kl: the teacher in a no-grad pass
     passes = [Pass(updater.module, updater.optimizer, runner=updater.model, head_copies=9.0 if gkd else 3.0), Pass(teacher, None, group=0 if gkd else None)]

@@ -330,6 +330,15 @@ def gather_rows(x: Tensor, world: World, uneven: bool = False) -> Tensor:
     return torch.cat(parts)
 
 
+def minibatch_rows(local_rows: int, minibatches: int, world: World) -> list[slice]:
+    """This rank's rows of each of ``minibatches`` minibatches: minibatch k holds the rows whose place among every
+    rank's rows (in rank order) is k, k + m, k + 2m, ..., as one process holding them all cuts them, also where the
+    ranks hold different numbers of rows (an agent's calls). E.g. rank 1 after rank 0's 5 rows, m = 2: its rows
+    1, 3, ... are in minibatch 0 (places 6, 8, ...). One all-gather of the counts under torchrun."""
+    offset = int(gather_rows(torch.tensor([local_rows]), world)[: world.rank].sum()) if world.distributed else 0
+    return [slice((k - offset) % minibatches, None, minibatches) for k in range(minibatches)]
+
+
 def all_sum(x: Tensor, world: World) -> Tensor:
     """Sum of ``x`` over ranks (a new tensor; ``x`` is left alone)."""
     if not world.distributed:

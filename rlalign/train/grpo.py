@@ -219,7 +219,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     sampled_mask = rollout.completion_mask * batch.token_mask  # (B, C) tokens the sampler drew (not tool tokens)
     mask = batch.weighted(loss_mask(rollout, cfg.mask_truncated) * batch.token_mask)  # (B, C) tool tokens get no gradient; an agent's k calls weigh 1/k each
     m = cfg.num_minibatches
-    minibatches = [slice(k, None, m) for k in range(m)]  # rows k, k + m, ...: an equal share of every rank's rows in each
+    minibatches = distributed.minibatch_rows(rollout.batch_size, m, world)  # rows k, k + m, ... of all ranks' rows, as one process cuts them
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
     passes = [Pass(updater.module, updater.optimizer, runner=updater.model, head_copies=5.0 if cfg.entropy_coef > 0 else 3.0)]
     passes += [Pass(reference, None, group=None)] if reference is not None and cfg.beta > 0 else []  # a reference of its own: no-grad passes

@@ -319,3 +319,13 @@ def test_maxima_and_minima_reduce_over_the_ranks_that_count_tokens(monkeypatch):
     nobody = iter([-math.inf] * 3)  # no rank counts a token: every rank keeps its placeholders
     monkeypatch.setattr(distributed, "all_max", lambda value, world: max(value, next(nobody)))
     assert distributed.reduce_stats(placeholders, 0.0, 0.0, two) == placeholders
+
+
+def test_minibatches_are_cut_from_every_ranks_rows_as_one_process_cuts_them(monkeypatch):
+    # rank 1 holds global rows 5, 6, 7 after rank 0's 5 rows (an agent's calls differ per rank); m = 2: minibatch 0
+    # is the global rows 0, 2, 4, 6 -> rank 1's local row 1; minibatch 1 the rows 1, 3, 5, 7 -> local rows 0 and 2
+    assert distributed.minibatch_rows(6, 3, distributed.World()) == [slice(0, None, 3), slice(1, None, 3), slice(2, None, 3)]
+    monkeypatch.setattr(distributed, "gather_rows", lambda x, world, uneven=False: torch.tensor([5, 3]))
+    second = distributed.minibatch_rows(3, 2, distributed.World(rank=1, size=2))
+    assert [torch.arange(3)[mb].tolist() for mb in second] == [[1], [0, 2]]
+    assert distributed.minibatch_rows(5, 2, distributed.World(rank=0, size=2)) == [slice(0, None, 2), slice(1, None, 2)]
