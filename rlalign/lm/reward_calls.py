@@ -7,7 +7,8 @@
 
 A reward function is called TRL's way when it takes ``completions`` by name (keywords ``prompts``,
 ``completions``, the rows' columns and the context entries it names, all of them for ``**kwargs``),
-else as ``fn(prompts, completions)``. It returns one score per completion: a finite number, or None
+else as ``fn(prompts, completions)``. It returns one score per completion: a finite number (a
+float, an int, a bool, a NumPy scalar or a one-element tensor, as TRL takes them), or None
 where it does not apply (the term is then left out of that completion's sum, TRL's nansum), or
 :data:`UNSCORED` where it could not score it (a code run that never finished): that completion is
 counted in ``failed`` and left out of training, whatever ``on_error`` says.
@@ -221,8 +222,18 @@ def _call(policy: CallPolicy, prompts: list, completions: list, columns: dict, c
 # ----------------------------------------------------------------------------------------------
 
 
+def _as_number(score):
+    """A score TRL takes as a number (a float, an int, a bool, a NumPy scalar, a one-element tensor: it builds a float32
+    tensor of them) as a Python value, else ``score`` as it is."""
+    if isinstance(score, torch.Tensor) and score.numel() == 1 and not score.is_complex():
+        return score.item()
+    if type(score).__module__ == "numpy" and hasattr(score, "item") and getattr(score, "shape", None) == ():  # np.float32, np.int64, np.bool_
+        return score.item()
+    return score
+
+
 def _bad_value(score) -> bool:
-    return score is not None and score is not UNSCORED and (isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score))
+    return score is not None and score is not UNSCORED and (not isinstance(score, (int, float)) or not math.isfinite(score))
 
 
 def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, columns: dict, context: dict) -> TermScores:
@@ -248,6 +259,7 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
             return _all_failed(n)
         got = f"{len(scores)} scores" if scores is not None else f"a {type(outcome).__name__}"
         raise RewardFunctionError(f"reward function {name} returned {got} for {n} completions (first prompt {prompts[0]!r})")
+    scores = [_as_number(s) for s in scores]
     failed = [_bad_value(s) for s in scores]
     if any(failed) and not skip:
         i = failed.index(True)

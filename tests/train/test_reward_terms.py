@@ -138,6 +138,22 @@ def test_bad_values_are_errors_or_skipped_rows_never_zeros():
     assert short.failed.tolist() == [True, True]
 
 
+def test_numbers_trl_takes_are_scores_bools_numpy_scalars_and_one_element_tensors():
+    # TRL builds a float32 tensor of what a reward function returns: True is 1, np.float32(0.1) its float32 value;
+    # a tensor of two elements, a string or an infinity is still an error
+    import numpy as np
+
+    def trl_style(prompts, completions):
+        return [True, False, np.float32(0.1), np.int64(3), torch.tensor(2.5), np.bool_(True), None]
+
+    (scores,) = score_terms([CallPolicy("trl_style", trl_style)], list("abcdefg"), list("tuvwxyz"))
+    assert scores.values[:6].tolist() == pytest.approx([1.0, 0.0, 0.1, 3.0, 2.5, 1.0]) and scores.values[6].isnan()
+    assert not scores.failed.any()
+    for bad in (torch.tensor([1.0, 2.0]), np.float64("inf"), "1.0"):
+        with pytest.raises(RewardFunctionError, match="expected a finite float"):
+            score_terms([CallPolicy("bad", lambda p, c, bad=bad: [bad])], ["a"], ["x"])
+
+
 def test_a_call_past_its_time_limit_is_an_error_or_a_skipped_batch():
     # both functions would answer after 600 s: a call that waited for them would return their scores
     # (and the test would take that long) instead of failing at its limit
