@@ -42,6 +42,7 @@ __all__ = [
     "check_prompt_lengths",
     "prompt_batch",
     "RewardTerm",
+    "NO_TERM_APPLIES",
     "add_score_term",
     "gather_scores",
     "select_rows",
@@ -255,12 +256,17 @@ def build_rewards(
     return terms
 
 
+NO_TERM_APPLIES = "no_term_applies"  # the failed rows' entry of completions every term returned None for (reward/no_term_applies/failed)
+
+
 def score_rollout(
     terms: Sequence[RewardTerm], prompts: list, completions: list, columns: dict[str, list] | None = None, context: dict | None = None
 ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
     """Total reward sum_k w_k R_k per completion (B,), each term's unweighted values (B,) (0 where the
     term does not apply or its call failed, which leaves it out of the sum) and each term's failed
-    rows (B,) bool; ``columns``: the rows' other dataset columns, for the terms that take them.
+    rows (B,) bool; ``columns``: the rows' other dataset columns, for the terms that take them. A
+    completion no term applies to (every one returned None) has no reward, not 0: it is counted under
+    :data:`NO_TERM_APPLIES` in the failed rows and left out of training, as TRL leaves out its NaN reward.
 
     Every call goes through :func:`rlalign.lm.reward_calls.score_terms`: async terms run
     concurrently, and a failed call is an error naming the term and the prompt unless the term's
@@ -269,12 +275,16 @@ def score_rollout(
     results = score_terms([CallPolicy(t.name, t.fn, t.on_error, t.timeout_s) for t in terms], prompts, completions, columns, context)
     per_term, failed = {}, {}
     total = torch.zeros(len(prompts))  # (B,)
+    scored_by_any = torch.zeros(len(prompts), dtype=torch.bool)  # (B,)
     for t, result in zip(terms, results):
         applies = ~torch.isnan(result.values)
+        scored_by_any |= applies
         check_finite(result.values[applies], f"reward term {t.name!r} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
         per_term[t.name], failed[t.name] = result.values.nan_to_num(0.0), result.failed
         total = total + t.weight * per_term[t.name]
         check_finite(total, f"the total reward after term {t.name!r} (weight {t.weight}) is", prompts, "not finite in float32")
+    if terms:
+        failed[NO_TERM_APPLIES] = ~scored_by_any & ~torch.stack([f.bool() for f in failed.values()]).any(0)  # not already a failed call
     return total, per_term, failed
 
 

@@ -211,3 +211,23 @@ def test_a_judge_in_the_config_is_asked_and_its_unparsable_answers_are_counted(t
     assert step["reward/judge/parse_failed"] == 8 and step["reward/mean"] == pytest.approx(step["reward/arithmetic/mean"])
     with pytest.raises(RewardFunctionError, match="judge"):
         grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"judge": {**judge, "max_failure_fraction": 0.5}}]))
+
+
+def test_a_completion_no_term_applies_to_has_no_reward_and_leaves_its_groups_baseline():
+    # TRL's rule: every function returns None -> the reward is NaN, left out of the group's mean and std, advantage 0.
+    # Group [None, 1, 0, 0]: mean 1/3, std (unbiased) of [1, 0, 0] 0.57735 -> [0, 1.1547, -0.5774, -0.5774]; scoring the
+    # None row 0 gave [-0.5, 1.5, -0.5, -0.5]
+    from rlalign.train.rollouts import NO_TERM_APPLIES, RewardTerm, ScoredRollout, reward_stats, score_rollout, trusted_rows
+
+    def numeric(prompts, completions):
+        return [None if not c.isdigit() else float(c == "4") for c in completions]
+
+    completions = ["four", "4", "5", "7", "6", "6", "x", "5"]
+    total, per_term, failed = score_rollout([RewardTerm("numeric", 1.0, numeric)], ["2+2="] * 4 + ["3+3="] * 4, completions)
+    assert failed[NO_TERM_APPLIES].tolist() == [True, False, False, False, False, False, True, False] and not failed["numeric"].any()
+    scored = ScoredRollout([], completions, total, per_term, total, per_term, failed, {})
+    advantages = grpo.ADVANTAGE_ESTIMATORS["group"](total, 4, valid=trusted_rows(scored))
+    assert advantages.tolist() == pytest.approx([0.0, 1.154701, -0.577350, -0.577350, 0.0, 0.0, 0.0, 0.0], abs=1e-5)
+    assert reward_stats(total, per_term, failed)[f"reward/{NO_TERM_APPLIES}/failed"] == 2.0
+    _, _, none = score_rollout([], ["a"], ["b"])
+    assert none == {}  # no terms (a source that only samples): nothing to leave out
