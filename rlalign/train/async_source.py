@@ -58,8 +58,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from rlalign.config import ConfigError
-from rlalign.train import distributed
-from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, to_bytes, trainable
+from rlalign.train import distributed, seeding
+from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, check_in_flight, to_bytes, trainable
 from rlalign.train.sources import RolloutSource, ScoredBatch, make_source
 
 __all__ = ["AsyncSource", "RolloutProducerError", "open_source", "source_builder", "check_one_process"]
@@ -85,7 +85,10 @@ def open_source(cfg, run, updater, state, tools=None, build: Callable[[distribut
     """The run's rollout source: ``build(world)``, by default the in-process source the config asks for
     (:func:`source_builder`), run by a producer process when ``cfg.async_rollouts.enabled``, or by
     producer ranks when ``cfg.async_rollouts.producers`` (:mod:`rlalign.train.rank_source`)."""
-    build = build or source_builder(cfg, run, updater, state, tools, environment)
+    restored = (run.checkpoint.extra.get("async_rollouts") if run.checkpoint else None) or []  # the rollouts in flight at the checkpoint
+    # the producer's source goes on after them (dynamic sampling's data position), not after the last step trained
+    position = next((b["data_position"] for b in reversed(restored) if b.get("data_position") is not None), state.data_position)
+    build = build or source_builder(cfg, run, updater, state, tools, environment, position)
     if not cfg.async_rollouts.enabled:
         return build(run.world)
     if run.world.producers:
@@ -97,13 +100,15 @@ def open_source(cfg, run, updater, state, tools=None, build: Callable[[distribut
             f"a producer process beside the learner runs on the CPU (model.device={run.device}); on GPUs make producers ranks: "
             "torchrun --nproc-per-node 2 ... async_rollouts.producers=1"
         )
-    restored = (run.checkpoint.extra.get("async_rollouts") if run.checkpoint else None) or []
-    return AsyncSource(build(run.world), updater, cfg.async_rollouts, state.step, cfg.steps, [batch_from_state(b) for b in restored])
+    check_in_flight(len(restored), cfg.async_rollouts.max_staleness, state.step, cfg.steps, run.checkpoint)
+    return AsyncSource(build(run.world), updater, cfg.async_rollouts, state.step, cfg.steps, [batch_from_state(b) for b in restored], cfg.seed)
 
 
-def source_builder(cfg, run, updater, state, tools=None, environment=None) -> Callable[[distributed.World], RolloutSource]:
+
+def source_builder(cfg, run, updater, state, tools=None, environment=None, data_position: int | None = None) -> Callable[[distributed.World], RolloutSource]:
     """``build(world)``: the in-process source of the config (agent, environment, or
-    :func:`rlalign.train.sources.make_source`) making ``world``'s share of each step."""
+    :func:`rlalign.train.sources.make_source`) making ``world``'s share of each step; ``data_position``: where
+    dynamic sampling goes on (None: ``state.data_position``)."""
 
     def build(world: distributed.World) -> RolloutSource:
         if getattr(cfg, "agent", None) is not None:  # agent code behind the OpenAI-compatible endpoint
@@ -114,7 +119,7 @@ def source_builder(cfg, run, updater, state, tools=None, environment=None) -> Ca
             from rlalign.train.env_source import make_environment_source
 
             return make_environment_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, world, environment)
-        return make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, world, tools, state.data_position)
+        return make_source(cfg, updater, run.tokenizer, run.rewards, run.prompts, world, tools, state.data_position if data_position is None else data_position)
 
     return build
 
@@ -133,6 +138,7 @@ class _Producer:
     threads: int
     activity: str = "starting"
     scoring: set = field(default_factory=set)  # steps being scored on worker threads
+    seed: int = 0  # the run's: the global RNGs are seeded from it and the step before a step is sampled or scored
 
     def say(self, text: str | None = None) -> None:
         """Write what the producer is doing (``text``: the main thread's activity) and the steps being scored."""
@@ -147,6 +153,7 @@ class _Producer:
         self.scoring.add(sampled.step)
         self.say()
         try:
+            seeding.reseed_for_step(self.seed, sampled.step)  # a reward drawing from them draws alike after a resume
             return self.inner.score(sampled)
         finally:
             self.scoring.discard(sampled.step)
@@ -181,6 +188,7 @@ class _Producer:
                     version = published
                 idle = time.perf_counter() - idle_from  # waiting for the learner's weights
                 self.say(f"sampling step {step} with the weights of version {version}")
+                seeding.reseed_for_step(self.seed, step)
                 if getattr(self.inner, "pipelined", False):  # scored on a worker thread while the next step samples
                     future = scoring.submit(self.score, self.inner.sample(StepState(step)))
                 else:
@@ -230,7 +238,7 @@ def _die_with_parent() -> None:
 class AsyncSource:
     """The learner's side of an asynchronous source (module docstring)."""
 
-    def __init__(self, inner, updater, cfg, first_step: int, total_steps: int, restored: list[ScoredBatch] = ()):
+    def __init__(self, inner, updater, cfg, first_step: int, total_steps: int, restored: list[ScoredBatch] = (), seed: int = 0):
         self.k, self.timeout_s, self.total_steps = cfg.max_staleness, cfg.timeout_s, total_steps
         self.buffer: dict[int, ScoredBatch] = {first_step + i: batch for i, batch in enumerate(restored)}  # step -> batch, in hand
         torch.set_num_threads(cfg.learner_threads)
@@ -239,7 +247,7 @@ class AsyncSource:
         ctx = mp.get_context("fork")
         self.versions, self.out = ctx.Queue(), ctx.Queue(maxsize=self.k + 1)
         self.status = ctx.Array("c", _STATUS_BYTES, lock=False)
-        producer = _Producer(inner, updater, self.slots, self.versions, self.out, self.status, self.k, cfg.producer_threads)
+        producer = _Producer(inner, updater, self.slots, self.versions, self.out, self.status, self.k, cfg.producer_threads, seed=seed)
         first_to_make = first_step + len(self.buffer)
         self.process = ctx.Process(target=producer.run, args=(first_to_make, total_steps, first_step), name="rlalign-rollout-producer", daemon=True)
         self.process.start()

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
 from rlalign.lm.rollout import Rollout
 from rlalign.train.rollouts import ScoredRollout
 from rlalign.train.sources import ScoredBatch
 
-__all__ = ["RolloutProducerError", "StepState", "trainable", "to_bytes", "batch_state", "batch_from_state"]
+__all__ = ["RolloutProducerError", "StepState", "trainable", "to_bytes", "batch_state", "batch_from_state", "check_in_flight"]
 
 
 class RolloutProducerError(RLAlignError, RuntimeError):
@@ -65,3 +66,18 @@ def batch_from_state(state: dict) -> ScoredBatch:
         examples, Rollout(**state["rollout"]), ScoredRollout(**state["scored"]), state["token_mask"], dict(state["metrics"]), state["version"],
         state["generate_s"], state["score_s"], state["data_position"], state.get("row_episode"), state.get("row_weight"),
     )
+
+
+def check_in_flight(held: int, k: int, step: int, total_steps: int, checkpoint) -> None:
+    """Refuse to resume from ``checkpoint`` (None: a fresh start, nothing to check) at ``step`` when it holds fewer
+    rollouts in flight than steps step .. step + k - 1 need: those are sampled by the weights of steps before the
+    checkpoint, which it does not hold (a run extended past the last step it was made for, whose checkpoint there
+    has nothing in flight); a producer would sample them with newer weights than the run's k allows for."""
+    needed = min(k, total_steps - step)
+    if checkpoint is not None and held < needed:
+        raise ConfigError(
+            f"cannot resume from {checkpoint.path} to steps={total_steps}: with async_rollouts (max_staleness {k}) the next {needed} steps "
+            f"are sampled by the weights of steps before it, and it holds {held} of those {needed} rollouts in flight "
+            f"(the run it comes from was made for steps={checkpoint.config.get('steps')}); resume with that many steps, or start a new "
+            "run from its weights (model.path set to its model/ directory)"
+        )

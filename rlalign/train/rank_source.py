@@ -49,8 +49,8 @@ import torch.distributed as dist
 from torch import nn
 
 from rlalign.config import ConfigError
-from rlalign.train import distributed
-from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, to_bytes
+from rlalign.train import distributed, seeding
+from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, check_in_flight, to_bytes
 from rlalign.train.rollouts import gather_scores
 from rlalign.train.sources import RolloutSource, ScoredBatch
 from rlalign.train.weight_sync import open_weights
@@ -277,8 +277,8 @@ class RankProducer:
     version max(0, step - k) and sent to the learner that trains it."""
 
     def __init__(self, world: distributed.World, updater, build: Callable[[distributed.World], RolloutSource], cfg, first_step: int, total_steps: int,
-                 restored_steps: int):
-        self.world, self.updater, self.k, self.total_steps = world, updater, cfg.max_staleness, total_steps
+                 restored_steps: int, seed: int = 0):
+        self.world, self.updater, self.k, self.total_steps, self.seed = world, updater, cfg.max_staleness, total_steps, seed
         self.control = _Control(world, cfg.timeout_s)
         self.rollout_group = dist.new_group(list(range(world.learners + world.producers)), backend="gloo", timeout=datetime.timedelta(seconds=cfg.timeout_s))
         self.weights = open_weights(world, updater.module, self.k, first_step, total_steps - 1 - self.k, self.control, cfg.weight_transport, cfg.timeout_s,
@@ -329,6 +329,7 @@ class RankProducer:
                     return
                 idle = time.perf_counter() - idle_from
                 self.say(f"sampling and scoring step {step} for learner rank {shard} with the weights of version {self.weights.version}")
+                seeding.reseed_for_step(self.seed, step * self.world.learners + shard)  # a reward drawing from them draws alike after a resume
                 batch = self.sources[shard].next(StepState(step))
                 batch.version = self.weights.version
                 batch.metrics["time/producer_idle"] = idle
@@ -381,7 +382,8 @@ def open_rank_source(cfg, run, updater, state, build: Callable[[distributed.Worl
             f"the checkpoint holds the rollouts in flight of {len(restored)} learner ranks, and this run has {world.learners}: "
             "resume with the same number of learners (processes minus async_rollouts.producers)"
         )
+    check_in_flight(len(restored[0]) if restored else 0, async_cfg.max_staleness, state.step, cfg.steps, run.checkpoint)
     if world.producer is not None:
-        return RankProducer(world, updater, build, async_cfg, state.step, cfg.steps, len(restored[0]) if restored else 0)
+        return RankProducer(world, updater, build, async_cfg, state.step, cfg.steps, len(restored[0]) if restored else 0, cfg.seed)
     mine = [batch_from_state(b) for b in restored[world.rank]] if restored else []
     return RankSource(world, updater, async_cfg, state.step, cfg.steps, mine)

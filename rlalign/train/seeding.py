@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "set_seed",
     "rng_state",
+    "reseed_for_step",
     "restore_rng_state",
     "batch_order",
 ]
@@ -23,6 +24,13 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def reseed_for_step(seed: int, step: int) -> None:
+    """Seed Python's, NumPy's and torch's global RNGs from (``seed``, ``step``): a rollout producer does so before it
+    samples or scores a step, so a reward function drawing from them draws the same numbers in a resumed run (whose
+    producer starts anew, its RNG state in no checkpoint) as in the uninterrupted one."""
+    set_seed(seed * 1_000_003 + step)
 
 
 def rng_state() -> dict[str, Any]:

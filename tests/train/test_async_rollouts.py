@@ -126,6 +126,50 @@ def test_a_resumed_asynchronous_run_ends_with_the_uninterrupted_runs_weights(tin
     assert stable(resumed.history) == stable(straight.history[2:])
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # extending the finished run: its last checkpoint holds nothing in flight, and steps 5 and 6 were to be sampled by
+    # the weights of steps 3 and 4, which it does not hold: a clear error, not rollouts of newer weights
+    with pytest.raises(ConfigError, match="holds 0 of those 2 rollouts in flight .*made for steps=4"):
+        grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **{**options, "steps": 6, "overwrite": False}), resume=tmp_path / "straight",
+                   reward_functions=[char_code])
+
+
+def test_a_resumed_asynchronous_run_with_dynamic_sampling_draws_after_the_rollouts_in_flight(tiny_path, tmp_path):
+    # the producer's source goes on from the data position after the checkpoint's rollout in flight (k = 1), not after
+    # the last step trained: it drew that rollout's prompts again, and the run diverged
+    torch.set_num_threads(1)
+    options = {"steps": 4, "save_every": 2, "keep_last": 3, "tis_cap": 2.0, "dynamic_sampling": True, "async_rollouts.enabled": True,
+               "async_rollouts.max_staleness": 1}
+    straight = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **options), reward_functions=[char_code])
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "final")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000004")
+    resumed = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "resumed", **{**options, "overwrite": False}), resume=tmp_path / "resumed",
+                         reward_functions=[char_code])
+    assert stable(resumed.history) == stable(straight.history[2:])
+    a, b = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def noisy_length(completions, **kwargs):
+    import random
+
+    return [float(len(c)) + random.random() for c in completions]  # Python's global RNG, in the producer process
+
+
+def test_a_resumed_asynchronous_run_draws_a_rewards_global_random_numbers_as_the_uninterrupted_one(tiny_path, tmp_path):
+    # the producer seeds the global RNGs from the run's seed and the step before it samples or scores one: a resumed
+    # run's producer (forked anew, its RNG state in no checkpoint) drew other numbers and the run diverged
+    torch.set_num_threads(1)
+    options = {"steps": 4, "save_every": 2, "keep_last": 3, "async_rollouts.enabled": True, "async_rollouts.max_staleness": 0}
+    straight = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **options), reward_functions=[noisy_length])
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "final")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000004")
+    resumed = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "resumed", **{**options, "overwrite": False}), resume=tmp_path / "resumed",
+                         reward_functions=[noisy_length])
+    assert stable(resumed.history) == stable(straight.history[2:])
+    a, b = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def raises_at_step_2(completions, trainer_state, **kwargs):
