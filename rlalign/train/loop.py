@@ -186,7 +186,7 @@ class RLRun(Run):
 
             return agent_evaluator(cfg, policy, self.tokenizer, self.eval_prompts, self.rewards)
         return lambda step: evaluate_policy(
-            policy, self.tokenizer, self.eval_prompts, self.rewards, cfg.eval, cfg.sampling.max_new_tokens, cfg.model, cfg.seed, self.world, step
+            policy, self.tokenizer, self.eval_prompts, self.rewards, cfg.eval, cfg.sampling.max_new_tokens, cfg.model, cfg.seed, self.world, step, cfg.steps
         )
 
 

@@ -59,7 +59,7 @@ def load_eval_prompts(cfg: EvalConfig, train_data: DataConfig) -> list[PromptExa
 @torch.no_grad()
 def evaluate_policy(
     policy: nn.Module, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm], cfg: EvalConfig, max_new_tokens: int,
-    model_cfg: ModelConfig, seed: int, world: distributed.World = distributed.World(), step: int = 0,
+    model_cfg: ModelConfig, seed: int, world: distributed.World = distributed.World(), step: int = 0, max_steps: int = 0,
 ) -> tuple[dict[str, float], list[dict]]:
     """The ``eval/*`` metrics of ``policy`` (unwrapped) on ``prompts`` and the samples table (this rank's
     first rows; rank 0's are the table). Collective under torchrun: every rank calls it and gets the same metrics.
@@ -67,6 +67,7 @@ def evaluate_policy(
     Args:
         max_new_tokens: the training's, used when ``cfg.max_new_tokens`` is unset.
         step: the step the evaluation follows (-1: before the first), in the table and (at least 0) to rewards taking ``trainer_state``.
+        max_steps: the run's steps, the rewards' ``trainer_state.max_steps``.
     """
     n = cfg.num_samples
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens or max_new_tokens, temperature=cfg.temperature)
@@ -85,7 +86,8 @@ def evaluate_policy(
         with distributed.gathered(policy), forward_precision(model_cfg, policy), evaluating(policy):
             rollout = sample(policy, ids, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], n, noise=noise[:, columns])
         rollout = rollout.to("cpu")
-        scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), n, world, step=max(step, 0), uneven=True)
+        scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), n, world, step=max(step, 0), uneven=True,
+                             max_steps=max_steps)
         scores.append(scored.scores)
         for name, values in scored.per_term.items():
             per_term.setdefault(name, []).append(values)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ __all__ = [
     "prompt_batch",
     "RewardTerm",
     "NO_TERM_APPLIES",
+    "RewardLog",
     "add_score_term",
     "gather_scores",
     "select_rows",
@@ -324,31 +324,59 @@ class ScoredRollout:
     scores: Tensor  # (B global,)
     per_term: dict[str, Tensor]  # name -> (B global,)
     failed: dict[str, Tensor] = field(default_factory=dict)  # name -> (B global,) bool: the term's call failed there (on_error: skip)
-    term_stats: dict[str, float] = field(default_factory=dict)  # reward/<name>/<key>: counters a term keeps (term_stats())
+    term_stats: dict[str, float] = field(default_factory=dict)  # reward/<name>/<key>: counters a term keeps (term_stats()), and log_metric's
+    extra: dict[str, list] = field(default_factory=dict)  # column -> (B,) this rank's rows: log_extra's columns of the samples table
+
+
+class RewardLog:
+    """TRL's ``log_metric(name, value)`` and ``log_extra(column, values)`` for reward functions: a metric is the mean
+    of the values logged for it in a batch (logged as ``name``, as TRL does), a column one value per row of the batch
+    (in the samples table)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns.setdefault(column, []).extend(values)
+
+    def means(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
 
 
 def score_shard(
     rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
-    world: distributed.World, missing_eos_penalty: float | None = None, step: int = 0, uneven: bool = False,
+    world: distributed.World, missing_eos_penalty: float | None = None, step: int = 0, uneven: bool = False, max_steps: int = 0,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
     without EOS; gather the scores of every rank. Rewards taking TRL's keywords also get
-    ``completion_ids`` (each row's tokens, no padding) and ``trainer_state`` (``global_step`` = ``step``).
+    ``completion_ids`` (each row's tokens, no padding), ``trainer_state`` (a transformers ``TrainerState``:
+    ``global_step`` = ``step``, ``max_steps`` = ``max_steps``, the run's steps; 0 where unknown) and TRL's
+    ``log_metric`` and ``log_extra`` (:class:`RewardLog`).
     ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``."""
     rows = [ex for ex in batch[world.split(len(batch)) if uneven else world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
     prompts = [ex.prompt for ex in rows]  # text or messages, as in the data (TRL's convention)
     as_messages = [completion if isinstance(ex.prompt, str) else [{"role": "assistant", "content": completion}] for ex, completion in zip(rows, completions)]
     columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
     columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
-    context = {"trainer_state": SimpleNamespace(global_step=step)}
+    from transformers import TrainerState  # imports peft: only where a batch is scored
+
+    log = RewardLog()
+    state = TrainerState(global_step=step, max_steps=max_steps, epoch=None)  # TRL hands its TrainerState; counted in rlalign's steps
+    context = {"trainer_state": state, "log_metric": log.log_metric, "log_extra": log.log_extra}
     local_scores, local_per_term, local_failed = score_rollout(rewards, prompts, as_messages, columns, context)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()
     scores = distributed.gather_rows(local_scores, world, uneven)  # (B global,)
     per_term = {name: distributed.gather_rows(values, world, uneven) for name, values in local_per_term.items()}
     failed = {name: distributed.gather_rows(rows_failed.float(), world, uneven).bool() for name, rows_failed in local_failed.items()}
-    return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed, term_stats(rewards))
+    extra = {column: values for column, values in log.columns.items() if len(values) == len(rows)}  # a column of another length: not this batch's rows
+    return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed,
+                         term_stats(rewards) | log.means(), extra)
 
 
 def gather_scores(scored: ScoredRollout, world: distributed.World) -> ScoredRollout:
@@ -365,7 +393,7 @@ def gather_scores(scored: ScoredRollout, world: distributed.World) -> ScoredRoll
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores, local, distributed.gather_rows(scored.local_scores, world),
         {name: distributed.gather_rows(values, world) for name, values in local.items()},
-        {name: distributed.gather_rows(scored.failed[name].float(), world).bool() for name in failed_names}, scored.term_stats,
+        {name: distributed.gather_rows(scored.failed[name].float(), world).bool() for name in failed_names}, scored.term_stats, scored.extra,
     )
 
 
@@ -383,7 +411,7 @@ def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: local_values},
         scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)}, scored.failed,
-        scored.term_stats,
+        scored.term_stats, scored.extra,
     )
 
 
@@ -393,7 +421,7 @@ def select_rows(scored: ScoredRollout, rows: Tensor) -> ScoredRollout:
     return ScoredRollout(
         [scored.prompts[i] for i in index], [scored.completions[i] for i in index], scored.local_scores[rows],
         {k: v[rows] for k, v in scored.local_per_term.items()}, scored.scores[rows], {k: v[rows] for k, v in scored.per_term.items()},
-        {k: v[rows] for k, v in scored.failed.items()}, scored.term_stats,
+        {k: v[rows] for k, v in scored.failed.items()}, scored.term_stats, {k: [v[i] for i in index] for k, v in scored.extra.items()},
     )
 
 
@@ -404,6 +432,7 @@ def concat_scored(parts: Sequence[ScoredRollout]) -> ScoredRollout:
         {k: torch.cat([part.local_per_term[k] for part in parts]) for k in parts[0].local_per_term}, torch.cat([part.scores for part in parts]),
         {k: torch.cat([part.per_term[k] for part in parts]) for k in parts[0].per_term}, {k: torch.cat([part.failed[k] for part in parts]) for k in parts[0].failed},
         {k: sum(part.term_stats.get(k, 0.0) for part in parts) for k in {k for part in parts for k in part.term_stats}},
+        {k: [v for part in parts for v in part.extra.get(k, [None] * len(part.prompts))] for k in {k for part in parts for k in part.extra}},
     )
 
 
@@ -451,6 +480,6 @@ def sample_rows(step: int, scored: ScoredRollout, n: int) -> list[dict]:
     """The first ``n`` completions with their rewards (seed 003: watch the outputs, not only the reward)."""
     return [
         {"step": step, "prompt": scored.prompts[i], "completion": scored.completions[i], "reward": scored.local_scores[i].item(),
-         **{k: v[i].item() for k, v in scored.local_per_term.items()}}
+         **{k: v[i].item() for k, v in scored.local_per_term.items()}, **{k: v[i] for k, v in scored.extra.items()}}
         for i in range(min(n, len(scored.prompts)))
     ]

@@ -120,9 +120,11 @@ class Scorer:
     world: distributed.World = field(default_factory=distributed.World)
     missing_eos_penalty: float | None = None
     overlong: tuple[int, float, int] | None = None
+    max_steps: int = 0  # the run's steps, the reward functions' trainer_state.max_steps
 
     def __call__(self, examples: list[PromptExample], rollout: Rollout, completions: list[str], step: int, env_rewards: Sequence[float | None] | None = None) -> ScoredRollout:
-        scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step)
+        scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step,
+                             max_steps=self.max_steps)
         if env_rewards is not None and distributed.any_rank(any(r is not None for r in env_rewards), self.world):  # an environment's own reward
             scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in env_rewards]), self.world)
         if self.overlong is not None:
@@ -135,7 +137,7 @@ def make_scorer(cfg, tokenizer, rewards: Sequence[RewardTerm], world: distribute
     """The scorer of a GRPO or PPO config (``group_size`` 1 for PPO)."""
     overlong_buffer = getattr(cfg, "overlong_buffer", None)
     overlong = (overlong_buffer, cfg.overlong_penalty, cfg.sampling.max_new_tokens) if overlong_buffer is not None else None
-    return Scorer(rewards, tokenizer, getattr(cfg, "group_size", 1), world, getattr(cfg, "missing_eos_penalty", None), overlong)
+    return Scorer(rewards, tokenizer, getattr(cfg, "group_size", 1), world, getattr(cfg, "missing_eos_penalty", None), overlong, cfg.steps)
 
 
 # ----------------------------------------------------------------------------------------------

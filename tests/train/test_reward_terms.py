@@ -231,3 +231,20 @@ def test_a_completion_no_term_applies_to_has_no_reward_and_leaves_its_groups_bas
     assert reward_stats(total, per_term, failed)[f"reward/{NO_TERM_APPLIES}/failed"] == 2.0
     _, _, none = score_rollout([], ["a"], ["b"])
     assert none == {}  # no terms (a source that only samples): nothing to leave out
+
+
+def curriculum(completions, trainer_state, log_metric, log_extra, **kwargs):
+    # a TRL reward: its weight grows with trainer_state.global_step / max_steps; it logs a metric and a table column
+    progress = trainer_state.global_step / trainer_state.max_steps
+    log_metric("curriculum/progress", progress)
+    log_extra("length", [len(c) for c in completions])
+    return [progress * len(c) for c in completions]
+
+
+def test_a_trl_reward_reads_the_trainer_state_and_logs_a_metric_and_a_column(tiny_path, tmp_path):
+    # TRL passes its TrainerState (global_step, max_steps, ...), log_metric (a mean per batch, logged under its name) and
+    # log_extra (a column of the completions table); they were missing (AttributeError, TypeError)
+    grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[], steps=2, **{"eval.enabled": False}), reward_functions=[curriculum])
+    assert [row["curriculum/progress"] for row in metrics(tmp_path)] == [0.0, 0.5]
+    rows = samples(tmp_path)
+    assert rows and all(r["length"] == len(r["completion"]) and r["curriculum"] == pytest.approx(r["step"] / 2 * len(r["completion"])) for r in rows)
