@@ -241,7 +241,8 @@ class AgentSource:
         t1 = time.perf_counter()
         scored = self.scorer(examples, _last_calls(episodes, G, pad), [ep.answer for ep in episodes], state.step)
         if distributed.any_rank(any(ep.reward is not None for ep in episodes), self.scorer.world):  # the agent's own reward: the term "agent"
-            scored = add_score_term(scored, "agent", torch.tensor([ep.reward or 0.0 for ep in episodes]), self.scorer.world)
+            scored = add_score_term(scored, "agent", torch.tensor([ep.reward or 0.0 for ep in episodes]), self.scorer.world,
+                                    torch.tensor([ep.reward is not None for ep in episodes]))
         calls = [len(ep.calls) for ep in episodes]
         sums = torch.tensor([sum(calls), sum(ep.error is not None for ep in episodes), sum(ep.seconds for ep in episodes), len(episodes),
                              max(server.batches - batches, 1)], dtype=torch.float64)

@@ -139,6 +139,7 @@ class _Producer:
     activity: str = "starting"
     scoring: set = field(default_factory=set)  # steps being scored on worker threads
     seed: int = 0  # the run's: the global RNGs are seeded from it and the step before a step is sampled or scored
+    scoring_lock: object = field(default_factory=threading.Lock)
 
     def say(self, text: str | None = None) -> None:
         """Write what the producer is doing (``text``: the main thread's activity) and the steps being scored."""
@@ -153,8 +154,9 @@ class _Producer:
         self.scoring.add(sampled.step)
         self.say()
         try:
-            seeding.reseed_for_step(self.seed, sampled.step)  # a reward drawing from them draws alike after a resume
-            return self.inner.score(sampled)
+            with self.scoring_lock:  # one step scored at a time on the global RNGs seeded for it: a reward drawing from them draws alike after a resume
+                seeding.reseed_for_step(self.seed, sampled.step)
+                return self.inner.score(sampled)
         finally:
             self.scoring.discard(sampled.step)
             self.say()
@@ -188,10 +190,10 @@ class _Producer:
                     version = published
                 idle = time.perf_counter() - idle_from  # waiting for the learner's weights
                 self.say(f"sampling step {step} with the weights of version {version}")
-                seeding.reseed_for_step(self.seed, step)
-                if getattr(self.inner, "pipelined", False):  # scored on a worker thread while the next step samples
+                if getattr(self.inner, "pipelined", False):  # scored on a worker thread while the next step samples (seeded there)
                     future = scoring.submit(self.score, self.inner.sample(StepState(step)))
                 else:
+                    seeding.reseed_for_step(self.seed, step)
                     future = concurrent.futures.Future()
                     future.set_result(self.inner.next(StepState(step)))
                 pending.put((step, version, idle, future))

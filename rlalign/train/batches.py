@@ -54,7 +54,7 @@ def batch_state(batch: ScoredBatch) -> dict:
         "scored": {
             "prompts": list(s.prompts), "completions": list(s.completions), "local_scores": s.local_scores, "local_per_term": dict(s.local_per_term),
             "scores": s.scores, "per_term": dict(s.per_term), "failed": dict(s.failed), "term_stats": dict(s.term_stats),
-            "extra": dict(s.extra),
+            "extra": dict(s.extra), "logged": dict(s.logged),
         },
         "token_mask": batch.token_mask, "metrics": dict(batch.metrics), "version": batch.version, "generate_s": batch.generate_s,
         "score_s": batch.score_s, "data_position": batch.data_position, "row_episode": batch.row_episode, "row_weight": batch.row_weight,

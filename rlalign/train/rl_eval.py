@@ -37,7 +37,7 @@ from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 from rlalign.train.rl_config import DataConfig, EvalConfig
-from rlalign.train.rollouts import RewardTerm, reward_stats, sample_rows, score_shard
+from rlalign.train.rollouts import RewardTerm, logged_means, reward_stats, sample_rows, score_shard
 from rlalign.train.run_config import ModelConfig
 from rlalign.train.tool_rollout import tool_registry, tool_rollout
 
@@ -77,7 +77,7 @@ def evaluate_policy(
         raise ValueError(f"evaluation has {len(prompts)} prompts, fewer than the {world.size} processes: give eval.num_prompts at least {world.size}")
     # every row's uniforms drawn up front, by its place among all rows: a row's draws depend on neither the world size nor batch_size
     noise = torch.rand((params.max_new_tokens, len(prompts) * n), generator=torch.Generator().manual_seed(seed))  # (N, prompts x n)
-    scores, per_term, failed, counters, lengths, truncated, rows = [], {}, {}, {}, [], [], []
+    scores, per_term, failed, counters, lengths, truncated, rows, logged = [], {}, {}, {}, [], [], [], {}
     for start, stop in eval_batches(len(prompts), cfg.batch_size, world.size):
         batch = list(prompts[start:stop])
         shard = world.split(len(batch))  # every prompt evaluated: ranks may differ by one
@@ -95,6 +95,8 @@ def evaluate_policy(
             failed.setdefault(name, []).append(values)
         for key, value in scored.term_stats.items():
             counters[key] = counters.get(key, 0.0) + value
+        for name, values in scored.logged.items():
+            logged.setdefault(name, []).extend(values)
         lengths.append(distributed.gather_rows(rollout.completion_lengths().float(), world, uneven=True))  # (B global,)
         truncated.append(distributed.gather_rows(rollout.truncated.float(), world, uneven=True))  # (B global,)
         if len(rows) < cfg.num_samples_logged:
@@ -102,7 +104,7 @@ def evaluate_policy(
     if not scores:
         return {}, []
     total = torch.cat(scores)  # (prompts x n,) prompt-major, groups adjacent
-    stats = reward_stats(total, {k: torch.cat(v) for k, v in per_term.items()}, {k: torch.cat(v) for k, v in failed.items()}) | counters
+    stats = reward_stats(total, {k: torch.cat(v) for k, v in per_term.items()}, {k: torch.cat(v) for k, v in failed.items()}) | counters | logged_means(logged)
     metrics = {f"eval/{key}": value for key, value in stats.items()}
     all_lengths = torch.cat(lengths)  # (prompts x n,)
     metrics["eval/completion_len/mean"] = all_lengths.mean().item()

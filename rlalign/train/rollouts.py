@@ -11,6 +11,7 @@ sampling this rank's share of the batch, and scoring it.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -326,6 +327,7 @@ class ScoredRollout:
     failed: dict[str, Tensor] = field(default_factory=dict)  # name -> (B global,) bool: the term's call failed there (on_error: skip)
     term_stats: dict[str, float] = field(default_factory=dict)  # reward/<name>/<key>: counters a term keeps (term_stats()), and log_metric's
     extra: dict[str, list] = field(default_factory=dict)  # column -> (B,) this rank's rows: log_extra's columns of the samples table
+    logged: dict[str, list[float]] = field(default_factory=dict)  # name -> the values log_metric was given (logged: their mean)
 
 
 class RewardLog:
@@ -341,10 +343,24 @@ class RewardLog:
         self.metrics.setdefault(name, []).append(float(value))
 
     def log_extra(self, column: str, values: list) -> None:
-        self.columns.setdefault(column, []).extend(values)
+        self.columns.setdefault(column, []).extend(_plain(v) for v in values)
 
-    def means(self) -> dict[str, float]:
-        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
+
+def _plain(value):
+    """A logged table value as JSON can write it: a tensor's or NumPy value's Python value (a scalar, or a list), else
+    the value when JSON takes it, else its text."""
+    if hasattr(value, "tolist") and type(value).__module__.split(".")[0] in ("torch", "numpy"):
+        value = value.tolist()
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
+
+
+def logged_means(logged: dict[str, list[float]]) -> dict[str, float]:
+    """log_metric's metrics: each name's mean over the values logged (a batch, or an evaluation's batches)."""
+    return {name: sum(values) / len(values) for name, values in logged.items() if values}
 
 
 def score_shard(
@@ -376,7 +392,7 @@ def score_shard(
     failed = {name: distributed.gather_rows(rows_failed.float(), world, uneven).bool() for name, rows_failed in local_failed.items()}
     extra = {column: values for column, values in log.columns.items() if len(values) == len(rows)}  # a column of another length: not this batch's rows
     return ScoredRollout([render_prompt(tokenizer, p) for p in prompts], completions, local_scores, local_per_term, scores, per_term, failed,
-                         term_stats(rewards) | log.means(), extra)
+                         term_stats(rewards), extra, log.metrics)
 
 
 def gather_scores(scored: ScoredRollout, world: distributed.World) -> ScoredRollout:
@@ -393,7 +409,7 @@ def gather_scores(scored: ScoredRollout, world: distributed.World) -> ScoredRoll
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores, local, distributed.gather_rows(scored.local_scores, world),
         {name: distributed.gather_rows(values, world) for name, values in local.items()},
-        {name: distributed.gather_rows(scored.failed[name].float(), world).bool() for name in failed_names}, scored.term_stats, scored.extra,
+        {name: distributed.gather_rows(scored.failed[name].float(), world).bool() for name in failed_names}, scored.term_stats, scored.extra, scored.logged,
     )
 
 
@@ -404,14 +420,19 @@ def term_stats(terms: Sequence[RewardTerm]) -> dict[str, float]:
     return {f"reward/{t.name}/{key}": float(value) for t in terms if callable(getattr(t.fn, "pop_stats", None)) for key, value in t.fn.pop_stats().items()}
 
 
-def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world: distributed.World) -> ScoredRollout:
+def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world: distributed.World, applies: Tensor | None = None) -> ScoredRollout:
     """``scored`` with ``local_values`` (this rank's rows, (B,)) added to every row's score and logged as
-    the term ``name`` (e.g. an overlong or KL penalty the trainer adds after the reward terms)."""
+    the term ``name`` (e.g. an overlong or KL penalty the trainer adds after the reward terms); ``applies``
+    (this rank's rows, (B,) bool): where it is a reward of its own (an environment's, an agent's), so a row
+    no reward function scored is scored after all (no longer under :data:`NO_TERM_APPLIES`)."""
     local_values = local_values.to(scored.local_scores.dtype)
+    failed = scored.failed
+    if applies is not None and NO_TERM_APPLIES in failed:
+        failed = {**failed, NO_TERM_APPLIES: failed[NO_TERM_APPLIES] & ~distributed.gather_rows(applies.float(), world).bool()}
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: local_values},
-        scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)}, scored.failed,
-        scored.term_stats, scored.extra,
+        scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)}, failed,
+        scored.term_stats, scored.extra, scored.logged,
     )
 
 
@@ -421,7 +442,7 @@ def select_rows(scored: ScoredRollout, rows: Tensor) -> ScoredRollout:
     return ScoredRollout(
         [scored.prompts[i] for i in index], [scored.completions[i] for i in index], scored.local_scores[rows],
         {k: v[rows] for k, v in scored.local_per_term.items()}, scored.scores[rows], {k: v[rows] for k, v in scored.per_term.items()},
-        {k: v[rows] for k, v in scored.failed.items()}, scored.term_stats, {k: [v[i] for i in index] for k, v in scored.extra.items()},
+        {k: v[rows] for k, v in scored.failed.items()}, scored.term_stats, {k: [v[i] for i in index] for k, v in scored.extra.items()}, scored.logged,
     )
 
 
@@ -433,6 +454,7 @@ def concat_scored(parts: Sequence[ScoredRollout]) -> ScoredRollout:
         {k: torch.cat([part.per_term[k] for part in parts]) for k in parts[0].per_term}, {k: torch.cat([part.failed[k] for part in parts]) for k in parts[0].failed},
         {k: sum(part.term_stats.get(k, 0.0) for part in parts) for k in {k for part in parts for k in part.term_stats}},
         {k: [v for part in parts for v in part.extra.get(k, [None] * len(part.prompts))] for k in {k for part in parts for k in part.extra}},
+        {k: [v for part in parts for v in part.logged.get(k, [])] for k in {k for part in parts for k in part.logged}},
     )
 
 
@@ -461,7 +483,7 @@ def trusted_rows(scored: ScoredRollout) -> Tensor:
 
 def scored_stats(scored: ScoredRollout) -> dict[str, float]:
     """What a trainer logs of a scored batch: :func:`reward_stats` over every rank's rows, and the terms' own counters."""
-    return {**reward_stats(scored.scores, scored.per_term, scored.failed), **scored.term_stats}
+    return {**reward_stats(scored.scores, scored.per_term, scored.failed), **scored.term_stats, **logged_means(scored.logged)}
 
 
 def completion_stats(rollout: Rollout, world: distributed.World = distributed.World()) -> dict[str, float]:

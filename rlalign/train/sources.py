@@ -126,7 +126,7 @@ class Scorer:
         scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step,
                              max_steps=self.max_steps)
         if env_rewards is not None and distributed.any_rank(any(r is not None for r in env_rewards), self.world):  # an environment's own reward
-            scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in env_rewards]), self.world)
+            scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in env_rewards]), self.world, torch.tensor([r is not None for r in env_rewards]))
         if self.overlong is not None:
             buffer, penalty, max_new_tokens = self.overlong
             scored = add_score_term(scored, "overlong", penalty * overlong_penalty(rollout.completion_lengths(), max_new_tokens, buffer), self.world)

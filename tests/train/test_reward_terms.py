@@ -248,3 +248,27 @@ def test_a_trl_reward_reads_the_trainer_state_and_logs_a_metric_and_a_column(tin
     assert [row["curriculum/progress"] for row in metrics(tmp_path)] == [0.0, 0.5]
     rows = samples(tmp_path)
     assert rows and all(r["length"] == len(r["completion"]) and r["curriculum"] == pytest.approx(r["step"] / 2 * len(r["completion"])) for r in rows)
+
+
+def test_reward_logs_average_over_draws_and_write_plain_values_and_an_environments_reward_scores_a_row():
+    # log_metric: the mean of the values logged, over dynamic sampling's draws too (summed as a counter, it doubled);
+    # log_extra: NumPy and tensor values as JSON writes them (np.float32 broke samples.jsonl and the async payload);
+    # a row no reward function scored but an environment did is scored (it was left out of training)
+    import numpy as np
+
+    from rlalign.train import distributed
+    from rlalign.train.rollouts import NO_TERM_APPLIES, RewardLog, ScoredRollout, add_score_term, concat_scored, scored_stats, trusted_rows
+
+    log = RewardLog()
+    log.log_extra("judge", [np.float32(0.25), torch.tensor(0.75), torch.tensor([1, 2]), object])
+    assert log.columns["judge"][:3] == [0.25, 0.75, [1, 2]] and log.columns["judge"][3] == str(object)
+    json.dumps(log.columns)
+
+    def draw(value: float) -> ScoredRollout:
+        scores = torch.zeros(2)
+        return ScoredRollout(["p", "p"], ["a", "b"], scores, {}, scores, {}, {NO_TERM_APPLIES: torch.tensor([True, False])}, {}, {}, {"accuracy": [value]})
+
+    assert scored_stats(concat_scored([draw(0.5), draw(0.5)]))["accuracy"] == 0.5
+    with_env = add_score_term(draw(0.5), "environment", torch.tensor([1.0, 0.0]), distributed.World(), torch.tensor([True, False]))
+    assert trusted_rows(with_env).tolist() == [True, True]
+    assert trusted_rows(add_score_term(draw(0.5), "overlong", torch.tensor([1.0, 0.0]), distributed.World())).tolist() == [False, True]
