@@ -251,8 +251,9 @@ class ScalarHeadModel(nn.Module):
 
 
 def _trained_head(path: Path, hidden: int) -> dict[str, Tensor] | None:
-    """{weight (1, H), bias (1,)} in float32 from ``value_head.safetensors`` or from a one-label
-    sequence-classification checkpoint's ``score`` layer (bias 0 when it has none); None when neither."""
+    """{weight (1, H), bias (1,)} in float32 from ``value_head.safetensors`` or from a sequence-classification
+    checkpoint's ``score`` layer (safetensors or ``pytorch_model*.bin``; bias 0 when it has none; of several labels,
+    label 0, as TRL's GRPOTrainer reads ``logits[:, 0]``, with a warning); None when neither."""
     head_file = path / HEAD_FILE
     if head_file.is_file():
         return {k: v.to(torch.float32) for k, v in load_file(str(head_file)).items()}
@@ -261,15 +262,21 @@ def _trained_head(path: Path, hidden: int) -> dict[str, Tensor] | None:
     if not any(name.endswith("ForSequenceClassification") for name in config.get("architectures") or []):
         return None
     tensors: dict[str, Tensor] = {}
+    is_score = lambda key: key.split(".")[-2:-1] == ["score"]  # noqa: E731
     for weights in sorted(path.glob("*.safetensors")):
         with safe_open(str(weights), "pt") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys() if key.split(".")[-2:-1] == ["score"]})
+            tensors.update({key: f.get_tensor(key) for key in f.keys() if is_score(key)})
+    if not tensors:  # a checkpoint saved in torch's format
+        for weights in sorted(path.glob("pytorch_model*.bin")):
+            tensors.update({key: v for key, v in torch.load(weights, map_location="cpu", weights_only=True).items() if is_score(key)})
     weight = next((v for k, v in tensors.items() if k.endswith("score.weight")), None)
-    if weight is None or tuple(weight.shape) != (1, hidden):
+    if weight is None or weight.dim() != 2 or weight.shape[1] != hidden:
         shape = None if weight is None else tuple(weight.shape)
-        raise ModelLoadError(f"{path}: a sequence-classification checkpoint whose score layer is {shape}, not one label over {hidden} hidden units")
-    bias = next((v for k, v in tensors.items() if k.endswith("score.bias")), torch.zeros(1))
-    return {"weight": weight.to(torch.float32), "bias": bias.to(torch.float32).reshape(1)}
+        raise ModelLoadError(f"{path}: a sequence-classification checkpoint whose score layer is {shape}, not labels over {hidden} hidden units")
+    if weight.shape[0] > 1:
+        warnings.warn(f"{path}: the score layer has {weight.shape[0]} labels; the reward is label 0's logit, as TRL's GRPOTrainer reads it", stacklevel=3)
+    bias = next((v for k, v in tensors.items() if k.endswith("score.bias")), torch.zeros(weight.shape[0]))
+    return {"weight": weight[:1].to(torch.float32), "bias": bias.reshape(-1)[:1].to(torch.float32)}
 
 
 def load_reward_model(

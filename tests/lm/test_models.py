@@ -476,8 +476,10 @@ def test_a_hugging_face_sequence_classification_reward_model_keeps_its_trained_h
         load_reward_model(_causal_lm(tmp_path, tokenizer))
     two_labels = LlamaForSequenceClassification(LlamaConfig(**{**config.to_dict(), "num_labels": 2}))
     two_labels.save_pretrained(tmp_path / "two")
-    with pytest.raises(ModelLoadError, match="score layer is \\(2, 32\\), not one label"):
-        load_reward_model(tmp_path / "two")
+    with pytest.warns(UserWarning, match="2 labels; the reward is label 0's logit"):  # as TRL's GRPOTrainer reads logits[:, 0]
+        two = load_reward_model(tmp_path / "two")
+    expected = AutoModelForSequenceClassification.from_pretrained(tmp_path / "two").eval()(input_ids=ids).logits[:, 0]
+    torch.testing.assert_close(two.sequence_scores(ids, torch.ones_like(ids)), expected, rtol=0, atol=1e-5)
 
 
 def _causal_lm(tmp_path, tokenizer):

@@ -153,3 +153,21 @@ def test_more_prompts_than_completions_is_an_error_not_a_shorter_list(tmp_path, 
     reward = RewardModelReward(load_reward_model(path), load_tokenizer(path), input_format)
     with pytest.raises(ValueError, match="zip"):
         reward(["ab", "c"], ["x"])
+
+
+def test_a_two_label_head_in_torchs_format_scores_label_0_as_trl_does(tmp_path):
+    # TRL's GRPOTrainer reads a reward model's logits[:, 0] whatever its labels; a checkpoint saved as pytorch_model.bin
+    # (no safetensors) loads too. Both were errors.
+    tokenizer = bpe_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128, num_labels=2, pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, initializer_range=0.2)
+    GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")  # an older checkpoint: torch's format only
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.warns(UserWarning, match="2 labels; the reward is label 0's logit"):
+        ours = rlalign_scores(tmp_path, PROMPTS, COMPLETIONS)
+    assert ours == pytest.approx(transformers_scores(tmp_path, PROMPTS, COMPLETIONS), abs=1e-5)
