@@ -325,7 +325,7 @@ class ScoredRollout:
     scores: Tensor  # (B global,)
     per_term: dict[str, Tensor]  # name -> (B global,)
     failed: dict[str, Tensor] = field(default_factory=dict)  # name -> (B global,) bool: the term's call failed there (on_error: skip)
-    term_stats: dict[str, float] = field(default_factory=dict)  # reward/<name>/<key>: counters a term keeps (term_stats()), and log_metric's
+    term_stats: dict[str, float] = field(default_factory=dict)  # reward/<name>/<key>: counters a term keeps (term_stats())
     extra: dict[str, list] = field(default_factory=dict)  # column -> (B,) this rank's rows: log_extra's columns of the samples table
     logged: dict[str, list[float]] = field(default_factory=dict)  # name -> the values log_metric was given (logged: their mean)
 
