@@ -111,21 +111,28 @@ def test_the_rollout_of_step_s_is_sampled_by_the_weights_of_version_s_minus_k(k,
             assert (training_logprobs(policy, rollout, cfg.sampling.temperature, rows)[mask] - rollout.logprobs[mask]).abs().max() > 1e-3
 
 
-def test_a_resumed_asynchronous_run_ends_with_the_uninterrupted_runs_weights(tiny_path, tmp_path):
-    torch.set_num_threads(1)
-    options = {"steps": 4, "save_every": 2, "keep_last": 3, "tis_cap": 2.0, "async_rollouts.enabled": True, "async_rollouts.max_staleness": 2}
-    straight = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **options), reward_functions=[char_code])
-    # the same run stopped after its checkpoint at step 2: rollouts 2 and 3 were in flight (sampled by versions 0 and 1)
+def straight_and_resumed_at_step_2(tiny_path, tmp_path, options: dict, reward) -> tuple:
+    """A run of ``options`` (4 steps, a checkpoint every 2), and the same run resumed from its step-2 checkpoint."""
+    straight = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **options), reward_functions=[reward])
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "final")
     for ckpt in (tmp_path / "resumed" / "checkpoints").iterdir():
         if not ckpt.name.endswith("2"):
             shutil.rmtree(ckpt)
-    resumed = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "resumed", **{**options, "overwrite": False}), resume=tmp_path / "resumed", reward_functions=[char_code])
-    assert [row["staleness/mean"] for row in resumed.history] == [2.0, 2.0]
+    resumed = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "resumed", **{**options, "overwrite": False}), resume=tmp_path / "resumed",
+                         reward_functions=[reward])
     assert stable(resumed.history) == stable(straight.history[2:])
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    return straight, resumed
+
+
+def test_a_resumed_asynchronous_run_ends_with_the_uninterrupted_runs_weights(tiny_path, tmp_path):
+    torch.set_num_threads(1)
+    options = {"steps": 4, "save_every": 2, "keep_last": 3, "tis_cap": 2.0, "async_rollouts.enabled": True, "async_rollouts.max_staleness": 2}
+    # stopped after its checkpoint at step 2: rollouts 2 and 3 were in flight (sampled by versions 0 and 1)
+    _, resumed = straight_and_resumed_at_step_2(tiny_path, tmp_path, options, char_code)
+    assert [row["staleness/mean"] for row in resumed.history] == [2.0, 2.0]
     # extending the finished run: its last checkpoint holds nothing in flight, and steps 5 and 6 were to be sampled by
     # the weights of steps 3 and 4, which it does not hold: a clear error, not rollouts of newer weights
     with pytest.raises(ConfigError, match="holds 0 of those 2 rollouts in flight .*made for steps=4"):
@@ -139,15 +146,7 @@ def test_a_resumed_asynchronous_run_with_dynamic_sampling_draws_after_the_rollou
     torch.set_num_threads(1)
     options = {"steps": 4, "save_every": 2, "keep_last": 3, "tis_cap": 2.0, "dynamic_sampling": True, "async_rollouts.enabled": True,
                "async_rollouts.max_staleness": 1}
-    straight = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **options), reward_functions=[char_code])
-    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "final")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000004")
-    resumed = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "resumed", **{**options, "overwrite": False}), resume=tmp_path / "resumed",
-                         reward_functions=[char_code])
-    assert stable(resumed.history) == stable(straight.history[2:])
-    a, b = final_weights(straight), final_weights(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight_and_resumed_at_step_2(tiny_path, tmp_path, options, char_code)
 
 
 def noisy_length(completions, **kwargs):
@@ -161,15 +160,7 @@ def test_a_resumed_asynchronous_run_draws_a_rewards_global_random_numbers_as_the
     # run's producer (forked anew, its RNG state in no checkpoint) drew other numbers and the run diverged
     torch.set_num_threads(1)
     options = {"steps": 4, "save_every": 2, "keep_last": 3, "async_rollouts.enabled": True, "async_rollouts.max_staleness": 0}
-    straight = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "straight", **options), reward_functions=[noisy_length])
-    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "final")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_00000004")
-    resumed = grpo.train(make_cfg(grpo, tiny_path, tmp_path / "resumed", **{**options, "overwrite": False}), resume=tmp_path / "resumed",
-                         reward_functions=[noisy_length])
-    assert stable(resumed.history) == stable(straight.history[2:])
-    a, b = final_weights(straight), final_weights(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight_and_resumed_at_step_2(tiny_path, tmp_path, options, noisy_length)
 
 
 def raises_at_step_2(completions, trainer_state, **kwargs):
