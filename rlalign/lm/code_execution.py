@@ -161,14 +161,45 @@ class TestCase:
 
 
 class _Math:
-    """``math.<name>`` in a check: only the pure functions of :data:`_OUTSIDE_FUNCTIONS`."""
+    """``math.<name>`` in a check: only the pure functions of :data:`_OUTSIDE_FUNCTIONS` and the constants of :data:`_MATH_CONSTANTS`."""
 
     isclose, sqrt, floor, ceil = math.isclose, math.sqrt, math.floor, math.ceil
+    pi, e, tau, inf, nan = math.pi, math.e, math.tau, math.inf, math.nan
+
+
+_MATH_CONSTANTS = ("pi", "e", "tau", "inf", "nan")  # math.<constant>: evaluated here, so a program cannot redefine an expected value
+
+
+def _setup_names(statements: list[ast.stmt]) -> set[str]:
+    """The names the tests' setup code binds: its functions, classes, imports and assigned names."""
+    names = set()
+    for node in (n for statement in statements for n in ast.walk(statement)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def _untrusted_leaf(leaves: list[str], setup_names: set[str]) -> str | None:
+    """The first leaf that is not a call of the program's own function (a name the setup code does not bind), else None.
+    Everything a leaf computes runs in the sandbox, where the program could redefine it (``math.pi = 0``, an
+    ``expected`` of the setup code, a comprehension, a helper of the setup code or a module's function): only the
+    program's own answers may come from there, every expected value must be computed here."""
+    for leaf in leaves:
+        node = ast.parse(leaf, mode="eval").body
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in setup_names):
+            return leaf
+    return None
 
 
 def _split(node: ast.expr, leaves: list[str]) -> ast.expr:
     """``node`` with every sub-expression that needs the program replaced by ``__leaf_<k>`` (its source appended to ``leaves``)."""
     if isinstance(node, ast.Name) and node.id in _OUTSIDE_FUNCTIONS:  # e.g. the int of isinstance(x, int)
+        return node
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr in _MATH_CONSTANTS:
         return node
     if isinstance(node, ast.Call):
         name = ast.unparse(node.func)
@@ -198,13 +229,21 @@ def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
     setup, cases = [], []
     for statement in module.body:
         if not isinstance(statement, ast.Assert):
+            if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):  # it would run in the program's process, unchecked
+                raise TestsError(f"an assert inside a {type(statement).__name__.lower()} statement (line {statement.lineno}) runs with the program, "
+                                 f"which could skip it: write each case as a top-level assert: {tests[:200]!r}")
             setup.append(ast.unparse(statement))
             continue
         parts = statement.test.values if isinstance(statement.test, ast.BoolOp) and isinstance(statement.test.op, ast.And) else [statement.test]
         for part in parts:  # `assert a and b` is two cases
             leaves: list[str] = []
-            check = ast.unparse(ast.fix_missing_locations(_split(part, leaves)))
-            cases.append(TestCase(tuple(leaves), check))
+            source = ast.unparse(part)
+            split = ast.fix_missing_locations(_split(part, leaves))
+            untrusted = _untrusted_leaf(leaves, _setup_names(module.body))
+            if untrusted is not None:
+                raise TestsError(f"assert {source} (line {statement.lineno}): {untrusted} would be computed next to the program, which "
+                                 f"could redefine it; a case may only call the program's functions, its expected values literals: {tests[:200]!r}")
+            cases.append(TestCase(tuple(leaves), ast.unparse(split)))
     if not cases:
         raise TestsError(f"tests have no top-level assert statement, so nothing could be checked: {tests[:200]!r}")
     return "\n".join(setup) + "\n", cases

@@ -259,6 +259,8 @@ def run_check(job, server, report):
                 raise _Wall
             if status != "ok":  # the program's exception, by its builtin class where it names one (a check may expect it)
                 error = getattr(builtins, payload, None)
+                if error in (StopIteration, StopAsyncIteration):  # raised through map() or a for loop it would end it silently
+                    error = None
                 try:
                     error = error() if isinstance(error, type) and issubclass(error, Exception) else RuntimeError(payload)
                 except Exception:  # a class that needs arguments

@@ -1,6 +1,8 @@
 """The code-execution reward: tests parsed outside the sandbox, scores from reported values checked
 here, never from an exit code (rlalign.lm.code_execution). The attacks are in test_sandbox_attacks.py."""
 
+import re
+
 import pytest
 
 from rlalign.lm import sandbox
@@ -26,8 +28,8 @@ def test_extract_code_takes_the_last_fenced_block_or_the_whole_text():
 
 
 def test_tests_split_into_setup_and_cases_with_the_expected_values_kept_outside():
-    setup, cases = parse_tests("import math\nx = 3\nassert f(x) == 9\nassert g(x) != g(4)\nassert h()\nassert not k(1)\nfor i in range(2):\n    assert f(i) >= 0")
-    assert setup == "import math\nx = 3\nfor i in range(2):\n    assert f(i) >= 0\n"  # a nested assert is setup: it may only raise
+    setup, cases = parse_tests("import math\nx = 3\nassert f(x) == 9\nassert g(x) != g(4)\nassert h()\nassert not k(1)")
+    assert setup == "import math\nx = 3\n"
     assert cases == [TestCase(("f(x)",), "__leaf_0 == 9"), TestCase(("g(x)", "g(4)"), "__leaf_0 != __leaf_1"), TestCase(("h()",), "__leaf_0"),
                      TestCase(("k(1)",), "not __leaf_0")]
     assert "9" not in "".join(e for c in cases for e in c.expressions)  # the expected value never enters the sandbox
@@ -37,6 +39,16 @@ def test_tests_split_into_setup_and_cases_with_the_expected_values_kept_outside(
     assert cases[2].passes([12.566]) and not cases[2].passes([12.0]) and not cases[0].passes(["4"])
     with pytest.raises(TestsError, match="no top-level assert"):
         parse_tests("x = 1")
+    # a case computes next to the program only the program's own answers (calls of its functions); an expected value
+    # computed there could be redefined by it (the auditor's forgeries scored wrong code 1.0), so is refused, and so is
+    # an assert inside another statement, which ran with the program (it could skip it by patching compile)
+    assert parse_tests("import math\nassert area(1) == math.pi")[1] == [TestCase(("area(1)",), "__leaf_0 == math.pi")]  # math's constants: here
+    for forgeable, leaf in [("expected = 5\nassert add(2, 3) == expected", "expected"), ("assert double([1]) == [x * 2 for x in [1]]", "[x * 2 for x in [1]]"),
+                            ("def ref(a):\n    return a\nassert f(1) == ref(1)", "ref(1)"), ("import numpy as np\nassert np.allclose(f(1), [1])", "np.allclose")]:
+        with pytest.raises(TestsError, match=f"line .*: {re.escape(leaf)}.* would be computed next to the program"):
+            parse_tests(forgeable)
+    with pytest.raises(TestsError, match="an assert inside a for statement \\(line 2\\)"):
+        parse_tests("assert add(2, 3) == 5\nfor a in [1, 10]:\n    assert add(a, a) == 2 * a")
     with pytest.raises(TestsError, match="not valid Python"):
         parse_tests("assert (")
 

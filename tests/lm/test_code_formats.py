@@ -256,3 +256,17 @@ def test_stdio_programs_end_as_the_interpreter_would_threads_joined_atexit_run()
     threaded = "import threading\ndef main():\n    print(2 * int(input()))\nthreading.Thread(target=main).start()\n"  # deep-recursion idiom
     buffered = "import atexit, os\nout = []\natexit.register(lambda: os.write(1, ''.join(out).encode()))\nout.append(str(2 * int(input())) + '\\n')\n"
     assert code_execution(rows)(["p", "p"], [threaded, buffered]) == [1.0, 1.0]
+
+
+@needs_isolation
+def test_a_stop_iteration_from_the_program_fails_a_check_it_would_otherwise_end_early():
+    # the program's StopIteration raised inside the check's map() ended the iteration silently: no assert ran and
+    # all() was True, so wrong code scored 1.0; it now arrives as a RuntimeError and fails the case
+    from rlalign.lm.code_execution import code_execution
+
+    test = ("def check(candidate):\n    for got, want in zip(map(lambda p: candidate(*p), [(2, 3), (0, 0), (1, 4)]), [5, 0, 5]):\n        assert got == want\n"
+            "    assert all(map(lambda p: candidate(*p) == sum(p), [(2, 3), (7, 1)]))\n")
+    reward = code_execution(timeout_s=2.0, case_timeout_s=1.0)
+    scores = reward(["p"] * 3, ["def add(a, b):\n    raise StopIteration", "def add(a, b):\n    return a - b", "def add(a, b):\n    return a + b"],
+                    test=[test] * 3, entry_point=["add"] * 3)
+    assert scores == [0.0, 0.0, 1.0]
