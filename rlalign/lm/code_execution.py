@@ -227,6 +227,7 @@ def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
     except SyntaxError as err:
         raise TestsError(f"tests are not valid Python ({err.msg}, line {err.lineno}): {tests[:200]!r}") from None
     setup, cases = [], []
+    setup_names = _setup_names(module.body)  # once for every case
     for statement in module.body:
         if not isinstance(statement, ast.Assert):
             if any(isinstance(node, ast.Assert) for node in ast.walk(statement)):  # it would run in the program's process, unchecked
@@ -239,7 +240,7 @@ def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
             leaves: list[str] = []
             source = ast.unparse(part)
             split = ast.fix_missing_locations(_split(part, leaves))
-            untrusted = _untrusted_leaf(leaves, _setup_names(module.body))
+            untrusted = _untrusted_leaf(leaves, setup_names)
             if untrusted is not None:
                 raise TestsError(f"assert {source} (line {statement.lineno}): {untrusted} would be computed next to the program, which "
                                  f"could redefine it; a case may only call the program's functions, its expected values literals: {tests[:200]!r}")
