@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -263,8 +264,8 @@ NO_TERM_APPLIES = "no_term_applies"  # the failed rows' entry of completions eve
 def score_rollout(
     terms: Sequence[RewardTerm], prompts: list, completions: list, columns: dict[str, list] | None = None, context: dict | None = None
 ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
-    """Total reward sum_k w_k R_k per completion (B,), each term's unweighted values (B,) (0 where the
-    term does not apply or its call failed, which leaves it out of the sum) and each term's failed
+    """Total reward sum_k w_k R_k per completion (B,), each term's unweighted values (B,) (NaN where the
+    term does not apply or its call failed, as in TRL's rewards_per_func; out of the sum) and each term's failed
     rows (B,) bool; ``columns``: the rows' other dataset columns, for the terms that take them. A
     completion no term applies to (every one returned None) has no reward, not 0: it is counted under
     :data:`NO_TERM_APPLIES` in the failed rows and left out of training, as TRL leaves out its NaN reward.
@@ -281,8 +282,8 @@ def score_rollout(
         applies = ~torch.isnan(result.values)
         scored_by_any |= applies
         check_finite(result.values[applies], f"reward term {t.name!r} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
-        per_term[t.name], failed[t.name] = result.values.nan_to_num(0.0), result.failed
-        total = total + t.weight * per_term[t.name]
+        per_term[t.name], failed[t.name] = result.values, result.failed
+        total = total + t.weight * result.values.nan_to_num(0.0)
         check_finite(total, f"the total reward after term {t.name!r} (weight {t.weight}) is", prompts, "not finite in float32")
     if terms:
         failed[NO_TERM_APPLIES] = ~scored_by_any & ~torch.stack([f.bool() for f in failed.values()]).any(0)  # not already a failed call
@@ -398,13 +399,13 @@ def score_shard(
 def gather_scores(scored: ScoredRollout, world: distributed.World) -> ScoredRollout:
     """``scored`` of this rank's rows, scored without the other ranks (a producer rank's view, its
     ``scores``, ``per_term`` and ``failed`` this rank's rows only), with those of every rank gathered.
-    A term some shards lack (an environment's reward that only some shards' episodes gave) is 0 on them."""
+    A term some shards lack (an environment's reward that only some shards' episodes gave) is NaN on them (not given)."""
     names = sorted(scored.local_per_term)
     if world.distributed:
         everyone: list = [None] * world.size
         dist.all_gather_object(everyone, names, group=world.group)
         names = sorted(set().union(*everyone))
-    local = {name: scored.local_per_term.get(name, torch.zeros_like(scored.local_scores)) for name in names}
+    local = {name: scored.local_per_term.get(name, torch.full_like(scored.local_scores, math.nan)) for name in names}
     failed_names = sorted(scored.failed)
     return ScoredRollout(
         scored.prompts, scored.completions, scored.local_scores, local, distributed.gather_rows(scored.local_scores, world),
@@ -426,12 +427,13 @@ def add_score_term(scored: ScoredRollout, name: str, local_values: Tensor, world
     (this rank's rows, (B,) bool): where it is a reward of its own (an environment's, an agent's), so a row
     no reward function scored is scored after all (no longer under :data:`NO_TERM_APPLIES`)."""
     local_values = local_values.to(scored.local_scores.dtype)
+    logged = local_values if applies is None else local_values.masked_fill(~applies.bool(), math.nan)  # (B,) NaN: not given there
     failed = scored.failed
     if applies is not None and NO_TERM_APPLIES in failed:
         failed = {**failed, NO_TERM_APPLIES: failed[NO_TERM_APPLIES] & ~distributed.gather_rows(applies.float(), world).bool()}
     return ScoredRollout(
-        scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: local_values},
-        scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(local_values, world)}, failed,
+        scored.prompts, scored.completions, scored.local_scores + local_values, {**scored.local_per_term, name: logged},
+        scored.scores + distributed.gather_rows(local_values, world), {**scored.per_term, name: distributed.gather_rows(logged, world)}, failed,
         scored.term_stats, scored.extra, scored.logged,
     )
 
@@ -459,13 +461,17 @@ def concat_scored(parts: Sequence[ScoredRollout]) -> ScoredRollout:
 
 
 def reward_stats(total: Tensor, per_term: dict[str, Tensor], failed: dict[str, Tensor] | None = None) -> dict[str, float]:
-    """reward/mean, reward/std and reward/<name>/mean|std of each term; reward/<name>/failed, the
-    number of completions whose call of the term failed, for each term in ``failed`` that had any."""
+    """reward/mean, reward/std and reward/<name>/mean|std of each term over the rows it gave a value
+    (NaN in ``per_term``: not given; TRL's nanmean and nanstd, and no entry where it gave none);
+    reward/<name>/failed, the number of completions whose call of the term failed, for each term in
+    ``failed`` that had any."""
     std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # noqa: E731
     stats = {"reward/mean": total.mean().item(), "reward/std": std(total)}
     for name, values in per_term.items():
-        stats[f"reward/{name}/mean"] = values.mean().item()
-        stats[f"reward/{name}/std"] = std(values)
+        given = values[~values.isnan()]  # (n,)
+        if given.numel():
+            stats[f"reward/{name}/mean"] = given.mean().item()
+            stats[f"reward/{name}/std"] = std(given)
     for name, rows in (failed or {}).items():
         if rows.any():
             stats[f"reward/{name}/failed"] = float(rows.sum())
@@ -502,6 +508,11 @@ def sample_rows(step: int, scored: ScoredRollout, n: int) -> list[dict]:
     """The first ``n`` completions with their rewards (seed 003: watch the outputs, not only the reward)."""
     return [
         {"step": step, "prompt": scored.prompts[i], "completion": scored.completions[i], "reward": scored.local_scores[i].item(),
-         **{k: v[i].item() for k, v in scored.local_per_term.items()}, **{k: v[i] for k, v in scored.extra.items()}}
+         **{k: _given(v[i].item()) for k, v in scored.local_per_term.items()}, **{k: v[i] for k, v in scored.extra.items()}}
         for i in range(min(n, len(scored.prompts)))
     ]
+
+
+def _given(value: float) -> float | None:
+    """A term's value in the samples table: None where the term gave none (NaN), which JSON cannot write."""
+    return None if math.isnan(value) else value

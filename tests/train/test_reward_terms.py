@@ -121,9 +121,10 @@ def test_skip_leaves_the_term_out_where_it_failed_and_counts_it(tiny_path, tmp_p
     rows = samples(tmp_path)
     failed = [r for r in rows if "2" in r["prompt"]]
     assert failed and len(failed) < len(rows)  # some rows of the batch failed, the others scored
-    assert all(r["flaky"] == 0.0 and r["reward"] == pytest.approx(r["arithmetic"]) for r in failed)
+    assert all(r["flaky"] is None and r["reward"] == pytest.approx(r["arithmetic"]) for r in failed)
     assert all(r["flaky"] == 1.0 and r["reward"] == pytest.approx(r["arithmetic"] + 1.0) for r in rows if r not in failed)
     assert metrics(tmp_path)[0]["reward/flaky/failed"] == len(failed)
+    assert metrics(tmp_path)[0]["reward/flaky/mean"] == 1.0  # over the rows it scored (the failed ones have no value)
 
 
 def test_bad_values_are_errors_or_skipped_rows_never_zeros():
@@ -217,7 +218,7 @@ def test_a_completion_no_term_applies_to_has_no_reward_and_leaves_its_groups_bas
     # TRL's rule: every function returns None -> the reward is NaN, left out of the group's mean and std, advantage 0.
     # Group [None, 1, 0, 0]: mean 1/3, std (unbiased) of [1, 0, 0] 0.57735 -> [0, 1.1547, -0.5774, -0.5774]; scoring the
     # None row 0 gave [-0.5, 1.5, -0.5, -0.5]
-    from rlalign.train.rollouts import NO_TERM_APPLIES, RewardTerm, ScoredRollout, reward_stats, score_rollout, trusted_rows
+    from rlalign.train.rollouts import NO_TERM_APPLIES, RewardTerm, ScoredRollout, reward_stats, sample_rows, score_rollout, trusted_rows
 
     def numeric(prompts, completions):
         return [None if not c.isdigit() else float(c == "4") for c in completions]
@@ -225,10 +226,19 @@ def test_a_completion_no_term_applies_to_has_no_reward_and_leaves_its_groups_bas
     completions = ["four", "4", "5", "7", "6", "6", "x", "5"]
     total, per_term, failed = score_rollout([RewardTerm("numeric", 1.0, numeric)], ["2+2="] * 4 + ["3+3="] * 4, completions)
     assert failed[NO_TERM_APPLIES].tolist() == [True, False, False, False, False, False, True, False] and not failed["numeric"].any()
-    scored = ScoredRollout([], completions, total, per_term, total, per_term, failed, {})
+    scored = ScoredRollout(["2+2="] * 4 + ["3+3="] * 4, completions, total, per_term, total, per_term, failed, {})
     advantages = grpo.ADVANTAGE_ESTIMATORS["group"](total, 4, valid=trusted_rows(scored))
     assert advantages.tolist() == pytest.approx([0.0, 1.154701, -0.577350, -0.577350, 0.0, 0.0, 0.0, 0.0], abs=1e-5)
-    assert reward_stats(total, per_term, failed)[f"reward/{NO_TERM_APPLIES}/failed"] == 2.0
+    stats = reward_stats(total, per_term, failed)
+    assert stats[f"reward/{NO_TERM_APPLIES}/failed"] == 2.0
+    # the term's own figures are over the 6 rows it scored, as TRL logs nanmean and nanstd of rewards_per_func:
+    # [1, 0, 0, 0, 0, 0]: mean 1/6, std sqrt((25/36 + 5/36) / 5) = 0.40825 (over all 8 rows with None as 0: 0.125)
+    from trl.trainer.utils import nanstd
+
+    assert stats["reward/numeric/mean"] == pytest.approx(1 / 6) and stats["reward/numeric/std"] == pytest.approx(0.408248, abs=1e-6)
+    assert stats["reward/numeric/mean"] == pytest.approx(torch.nanmean(per_term["numeric"]).item())
+    assert stats["reward/numeric/std"] == pytest.approx(nanstd(per_term["numeric"]).item())
+    assert [row["numeric"] for row in sample_rows(0, scored, 3)] == [None, 1.0, 0.0]  # the samples table: None where not given
     _, _, none = score_rollout([], ["a"], ["b"])
     assert none == {}  # no terms (a source that only samples): nothing to leave out
 
