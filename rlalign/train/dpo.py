@@ -58,7 +58,7 @@ from rlalign.train import distributed
 from rlalign.train.common import forward_precision, generation_eval
 from rlalign.train.loop import add_run_arguments, start_run, run_supervised_command
 from rlalign.train.passes import share_prompts
-from rlalign.train.reward_model import RMDataConfig
+from rlalign.train.reward_model import RMDataConfig, pair_cut_report
 from rlalign.train.run_config import OptimConfig
 from rlalign.train.supervised import SupervisedConfig, supervised_loop
 
@@ -73,7 +73,10 @@ class DPODataConfig(RMDataConfig):
         "a file, directory or Hub name; overrides task"
     )
     num_eval: int = Field(200, ge=1, description="number of built-in held-out pairs (their prompts are also the prompts of the eval/reward generations)")
-    max_length: int = Field(64, ge=2, description="longest prompt + response in tokens (a longer pair loses the start of its prompt, then the ends of its responses)")
+    max_length: int | None = Field(
+        None, ge=2, description="longest prompt + response in tokens (a longer pair loses the start of its prompt, then the ends of its responses; "
+        "the share cut printed); null = 1024 for files (TRL's default), 64 for the built-in task"
+    )
 
 
 class DPOConfig(SupervisedConfig):
@@ -140,7 +143,7 @@ def pair_logps(cfg: DPOConfig, tokenizer, model: nn.Module, reference: nn.Module
     """(policy log-probs, response lengths, reference log-probs) of the pairs' 2B rows, chosen first:
     the reference's are the precomputed ones (``cfg.precompute_ref_logprobs``), the live ``reference``'s
     or, when it is None, those of ``model``'s LoRA base (adapters off); None for SimPO. Shape: (2B,) each."""
-    batch = collate_preference_completions(tokenizer, [p.example for p in pairs], cfg.data.max_length)
+    batch = collate_preference_completions(tokenizer, [p.example for p in pairs], cfg.data.length_limit())
     logps, lengths = sequence_logps(model, batch)
     if cfg.loss == "simpo":
         return logps, lengths, None
@@ -196,7 +199,7 @@ def _precompute(policy: nn.Module, reference: nn.Module | None, tokenizer, examp
     with forward_precision(cfg.model, policy):
         for start in range(0, len(examples), cfg.eval_batch_size):
             chunk = examples[start : start + cfg.eval_batch_size]
-            ref = reference_logps(policy, reference, collate_preference_completions(tokenizer, chunk, cfg.data.max_length)).float().cpu()  # (2b,)
+            ref = reference_logps(policy, reference, collate_preference_completions(tokenizer, chunk, cfg.data.length_limit())).float().cpu()  # (2b,)
             pairs.extend(Pair(ex, torch.stack([c, r])) for ex, c, r in zip(chunk, *ref.chunk(2)))
     return pairs
 
@@ -206,6 +209,8 @@ def train(cfg: DPOConfig, resume: str | Path | None = None) -> dict[str, float]:
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         train_examples, eval_examples = _datasets(cfg)
+        if run.world.is_main:
+            print(pair_cut_report(run.tokenizer, train_examples[:2048] + eval_examples, cfg.data.length_limit(), split_prompt=True))
         model = run.load_policy(cfg.model)
         # the frozen reference (None: SimPO, or LoRA's base with adapters off)
         reference = None if cfg.loss == "simpo" else run.load_reference(cfg.model, cfg.reference)

@@ -46,7 +46,7 @@ from pydantic import Field, model_validator
 
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, load_preferences
-from rlalign.lm.encoding import collate_preferences
+from rlalign.lm.encoding import collate_preferences, example_tokens, explicit_prompt
 from rlalign.lm.heads import ScalarHeadModel, last_token_values, load_reward_model
 from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.tasks import TASKS
@@ -68,7 +68,15 @@ class RMDataConfig(SupervisedDataConfig):
     eval_file: str | None = Field(None, description="held-out pairs (required with train_file)")
     num_train: int = Field(4000, ge=1, description="number of built-in training pairs")
     num_eval: int = Field(500, ge=1, description="number of built-in held-out pairs")
-    max_length: int = Field(64, ge=2, description="longest prompt + response in tokens (longer ones keep their end)")
+    max_length: int | None = Field(
+        None, ge=2, description="longest prompt + response in tokens (longer ones keep their end; the share cut printed); null = 1024 for files "
+        "(TRL's default), 64 for the built-in task"
+    )
+
+    def length_limit(self) -> int:
+        """``max_length``, or its default: 1024 tokens for files (TRL's RewardConfig and DPOConfig), 64 for the built-in task (its pairs are
+        about 30 tokens with the tiny character tokenizer)."""
+        return self.max_length or (1024 if self.train_file is not None else 64)
 
 
 class RMConfig(SupervisedConfig):
@@ -107,18 +115,34 @@ def pair_rewards(model: ScalarHeadModel, tokenizer, examples: list[PreferenceExa
 
 
 @torch.no_grad()
-def evaluate_pairs(model: ScalarHeadModel, tokenizer, examples: list[PreferenceExample], max_length: int, batch_size: int = 128) -> dict[str, float]:
-    """Held-out ``eval/accuracy`` (r_c > r_r) and ``eval/margin`` (mean r_c - r_r) and ``eval/loss``."""
+def evaluate_pairs(
+    model: ScalarHeadModel, tokenizer, examples: list[PreferenceExample], max_length: int, batch_size: int = 128, use_margin: bool = False,
+    center_coef: float = 0.0,
+) -> dict[str, float]:
+    """Held-out ``eval/accuracy`` (r_c > r_r) and ``eval/margin`` (mean r_c - r_r) and ``eval/loss``, the training loss
+    (with the pairs' margins if ``use_margin``, and the centring term) on the held-out pairs."""
     was_training = model.training
     model.eval()
-    chosen, rejected = [], []
+    chosen, rejected, margins = [], [], []
     for start in range(0, len(examples), batch_size):
-        r_c, r_r, _ = pair_rewards(model, tokenizer, examples[start : start + batch_size], max_length)
+        r_c, r_r, margin = pair_rewards(model, tokenizer, examples[start : start + batch_size], max_length)
         chosen.append(r_c)
         rejected.append(r_r)
+        margins.append(torch.zeros_like(r_c) if margin is None else margin)  # a batch of pairs without margins: 0 (collate_preferences' rule)
     model.train(was_training)
-    loss, stats = bradley_terry_loss(torch.cat(chosen), torch.cat(rejected))
+    loss, stats = bradley_terry_loss(torch.cat(chosen), torch.cat(rejected), torch.cat(margins) if use_margin else None, center_coef)
     return {"eval/accuracy": float(stats.accuracy), "eval/margin": float(stats.margin_mean), "eval/loss": float(loss), "eval/reward_mean": float(stats.reward_mean)}
+
+
+def pair_cut_report(tokenizer, examples: list[PreferenceExample], limit: int, split_prompt: bool = False) -> str:
+    """One line: how many of the pairs ``examples`` the cut at ``limit`` tokens shortens (a pair's length: its prompt and its
+    longer response, the prompt first made explicit if ``split_prompt``, as DPO encodes it), and the longest."""
+    lengths = [
+        max(len(example_tokens(tokenizer, ex.prompt, response)[0]) for response in (ex.chosen, ex.rejected))
+        for ex in (map(explicit_prompt, examples) if split_prompt else examples)
+    ]
+    cut = sum(n > limit for n in lengths)
+    return f"data: max_length={limit} cuts {cut} of the {len(lengths)} pairs checked (the longest has {max(lengths, default=0)} tokens)"
 
 
 def _datasets(cfg: RMConfig) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
@@ -137,6 +161,9 @@ def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         train_set, eval_set = _datasets(cfg)
+        limit = cfg.data.length_limit()
+        if run.world.is_main:
+            print(pair_cut_report(run.tokenizer, train_set[:2048] + eval_set, limit))
         m = cfg.model
         model = load_reward_model(run.model_path, m.dtype, run.device, True, m.gguf_file, m.attn_implementation)  # a head without bias
         if m.gradient_checkpointing:
@@ -145,13 +172,13 @@ def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
         model.train()
 
         def batch_loss(trained, pairs: list[PreferenceExample]):
-            r_c, r_r, margin = pair_rewards(trained, run.tokenizer, pairs, cfg.data.max_length)
+            r_c, r_r, margin = pair_rewards(trained, run.tokenizer, pairs, limit)
             loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
             local = {"loss/rm": float(loss.detach()), "accuracy": float(stats.accuracy), "margin": float(stats.margin_mean), "reward/mean": float(stats.reward_mean)}
             return loss, local, float(len(pairs))  # a mean over pairs
 
         def evaluate(model) -> dict[str, float]:
-            return evaluate_pairs(model, run.tokenizer, eval_set, cfg.data.max_length, cfg.eval_batch_size)
+            return evaluate_pairs(model, run.tokenizer, eval_set, limit, cfg.eval_batch_size, cfg.use_margin, cfg.center_coef)
 
         return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "rm", "eval/accuracy", "pairs")
 

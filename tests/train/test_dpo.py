@@ -250,8 +250,11 @@ def test_trains_on_conversational_files_through_the_cli(tmp_path, capsys):
     data = _rows(tmp_path / "pairs.jsonl", conversational_rows(True) * 4)
     args = ["dpo", f"output_dir={tmp_path / 'run'}", *TINY, f"data.train_file={data}", f"data.eval_file={data}", "batch_size=4", "max_steps=2", "eval_every=1"]
     assert main(args) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # one summary line naming the output paths
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])  # one summary line naming the output paths
     assert summary["final"] == str(tmp_path / "run" / "final") and "eval/rewards/accuracy_initial" in summary and "eval/reward" not in summary
+    # a file's pairs are cut at TRL's 1024 tokens by default (64 cut long pairs unannounced), and the cut is reported
+    assert "data: max_length=1024 cuts 0 of the 24 pairs checked" in out
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     keys = {"loss/dpo", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen", "logps/rejected"}
     assert keys <= set(records[-1]) and {"eval/loss"} | {f"eval/{k}" for k in keys - {"loss/dpo"}} <= set(records[-1])

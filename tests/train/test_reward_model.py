@@ -64,3 +64,22 @@ def test_rm_saves_a_hugging_face_sequence_classifier_with_rlaligns_scores(tmp_pa
         assert rm.head.bias is None or rm.head.bias.item() == 0.0
         with torch.no_grad():
             torch.testing.assert_close(hf.eval()(input_ids=ids, attention_mask=mask).logits[:, 0], rm.sequence_scores(ids, mask), rtol=0, atol=1e-5)
+
+
+def test_pairs_are_cut_at_trls_length_for_files_and_the_cut_is_reported():
+    # TRL's RewardConfig and DPOConfig cut at 1024 tokens; 64 (the embedded task's length) cut real pairs' prompts away unannounced
+    from rlalign.lm.data import PreferenceExample
+    from rlalign.tasks.tiny_model import build_char_tokenizer
+    from rlalign.train.dpo import DPOConfig
+    from rlalign.train.reward_model import pair_cut_report
+
+    for config in (RMConfig, DPOConfig):
+        assert config().data.length_limit() == 64  # the embedded task
+        files = {"data": {"train_file": "pairs.jsonl", "eval_file": "pairs.jsonl"}}
+        assert config(**files).data.length_limit() == 1024
+        assert config(data={**files["data"], "max_length": 100}).data.length_limit() == 100
+    # each pair's length is its prompt with its longer response: BOS + "1+2=" + "45<eos>6" + EOS = 10, then 11, 8 and 6
+    pairs = [PreferenceExample("1+2=", "3", "45<eos>6"), PreferenceExample("abcd", "xyz", "yy<eos>zz"), PreferenceExample("q", "hello", "h"),
+             PreferenceExample("zz", "ab", "ba")]
+    report = pair_cut_report(build_char_tokenizer(), pairs, 8)
+    assert report == "data: max_length=8 cuts 2 of the 4 pairs checked (the longest has 11 tokens)"

@@ -377,13 +377,15 @@ def test_pair_rewards_keep_the_end_of_long_sequences():
         torch.testing.assert_close(r_r[0], hand_score(model, ids_of("=45<eos>6<eos>")), rtol=1e-5, atol=1e-6)
 
 
-def test_rm_held_out_metrics_over_chunks():
-    # chunks of 3 and 1 pairs; eval/loss is the plain Bradley-Terry loss (no margin, no centring)
+@pytest.mark.parametrize("use_margin,center_coef", [(False, 0.0), (True, 0.3)])
+def test_rm_held_out_metrics_over_chunks(use_margin, center_coef):
+    # chunks of 3 and 1 pairs; eval/loss is the training loss on the held-out pairs: with the margins (the second chunk's
+    # pair has one, the first chunk's a missing one read as 0) and the centring term when the run trains with them
     model = make_rm("llama")
-    metrics = reward_model.evaluate_pairs(model, TOK, RM_PAIRS, max_length=64, batch_size=3)
+    metrics = reward_model.evaluate_pairs(model, TOK, RM_PAIRS, max_length=64, batch_size=3, use_margin=use_margin, center_coef=center_coef)
     with torch.no_grad():
         rewards = hand_pair_rewards(model, RM_PAIRS)
-        loss = hand_bt(rewards, [None] * 4, False, 0.0)
+        loss = hand_bt(rewards, [p.margin for p in RM_PAIRS], use_margin, center_coef)
     diffs = [(c - r).item() for c, r in rewards]
     assert metrics["eval/loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert metrics["eval/accuracy"] == sum(d > 0 for d in diffs) / 4
