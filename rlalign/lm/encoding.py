@@ -131,8 +131,9 @@ def example_tokens(
     """(token ids, is_target) of one example: prompt + completion (targets: the completion), a whole
     text (targets: all of it) or a whole conversation (targets: its assistant turns). With
     ``completion_only`` False every token is a target."""
-    if prompt is None and isinstance(completion, str):
-        ids = tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id]
+    if prompt is None and isinstance(completion, str):  # closed by EOS unless it already ends with it (TRL's rule)
+        ids = tokenizer(completion)["input_ids"]
+        ids = ids if tokenizer.eos_token and completion.rstrip().endswith(tokenizer.eos_token) else ids + [tokenizer.eos_token_id]
         return ids, [1] * len(ids)
     if prompt is None:
         return _conversation_tokens(tokenizer, completion, completion_only)
@@ -196,9 +197,11 @@ def pack_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample],
     """Pack examples end to end into rows of at most ``max_length`` tokens (first fit, in order).
 
     Position ids restart at 0 for each example and no attention mask is passed; transformers reads
-    the restarts as sequence boundaries and keeps attention within each example, so the loss of a
-    packed batch equals that of the unpacked one while wasting no compute on padding. The forward
-    must run with ``use_cache=False``: with a cache, transformers skips the packed-sequence check.
+    the restarts as sequence boundaries and keeps attention within each example, and an example's
+    first token is no target (nothing of the example comes before it, as in a padded row), so the
+    loss of a packed batch equals that of the unpacked one while wasting no compute on padding. The
+    model must keep packed rows apart (:func:`rlalign.lm.logprobs.packs_rows`), and the forward must
+    run with ``use_cache=False``: with a cache, transformers skips the packed-sequence check.
     """
     rows = _sft_rows(tokenizer, examples, max_length, completion_only)
     packed: list[tuple[list[int], list[int], list[int]]] = []  # (ids, targets, positions)
@@ -206,7 +209,7 @@ def pack_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample],
         if not packed or len(packed[-1][0]) + len(ids) > max_length:
             packed.append(([], [], []))
         packed[-1][0].extend(ids)
-        packed[-1][1].extend(target)
+        packed[-1][1].extend([0] + target[1:])  # an example's first token is no target: the one before it ends another example (TRL masks position 0)
         packed[-1][2].extend(range(len(ids)))
     length = max(len(p[0]) for p in packed)
     batch = len(packed)

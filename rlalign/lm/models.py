@@ -225,8 +225,9 @@ def load_policy(
     gguf_file: str | None = None,
     attn_implementation: str | None = None,
 ) -> nn.Module:
-    """A trainable causal LM (dropout off). ``lora`` adds fresh adapters; a directory holding a
-    saved adapter (``adapter_config.json``) reloads the base named there with that adapter, trainable.
+    """A trainable causal LM (the model's own dropout off; LoRA's ``dropout`` on the adapters' input as
+    configured, 0 by default). ``lora`` adds fresh adapters; a directory holding a saved adapter
+    (``adapter_config.json``) reloads the base named there with that adapter, trainable, with its saved dropout.
     ``attn_implementation``: transformers' attention kernel (None = its default).
     """
     path = Path(path)
@@ -236,11 +237,11 @@ def load_policy(
         _check_weight_adapter(path)
         base_path = json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"]
         base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file, attn_implementation)
-        return disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)
-    model = _from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation)
+        return PeftModel.from_pretrained(disable_dropout(base), str(path), is_trainable=True).to(device)
+    model = disable_dropout(_from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation))
     if lora is not None:
-        model = disable_dropout(apply_lora(model, lora))
-    model.train()  # dropout is 0, so train mode only matters for modules like batch norm (none in LMs)
+        model = apply_lora(model, lora)  # after disable_dropout: the adapters keep lora.dropout
+    model.train()  # train mode: LoRA's dropout if set (the model's own is 0)
     return model
 
 

@@ -33,7 +33,9 @@ from pydantic import Field
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import sft_loss
 from rlalign.lm.data import Prompt, SFTExample, load_sft
+from rlalign.config import ConfigError
 from rlalign.lm.encoding import collate_sft, completion_text, pack_sft, sft_row
+from rlalign.lm.logprobs import PACKED_ROWS_KERNELS, PACKED_ROWS_MODEL_TYPES, packs_rows
 from rlalign.lm.rewards import exact_match
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
@@ -71,11 +73,13 @@ class SFTConfig(SupervisedConfig):
     output_dir: str = Field("runs/sft_arithmetic", description="run directory: metrics.jsonl, checkpoints/, final/")
     data: SFTDataConfig = Field(default_factory=SFTDataConfig, description="training and eval pairs")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=20), description="AdamW and schedule")
-    batch_size: int = Field(64, ge=1, description="pairs per step (rows per step when packing)")
+    batch_size: int = Field(64, ge=1, description="examples per step (packed end to end into rows of max_length when packing)")
     max_steps: int = Field(1500, ge=1, description="optimizer steps")
     eval_every: int = Field(250, ge=1, description="evaluate every this many steps (and at the start and end)")
     eval_batch_size: int = Field(128, ge=1, description="pairs per forward / prompts per sampling batch at eval")
-    max_new_tokens: int | None = Field(None, ge=1, description="tokens generated per eval prompt; null = the task's default (32 for files)")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="tokens generated per eval prompt; null = the task's default (files: the longest eval reference's tokens and its EOS)"
+    )
 
 
 @dataclass(frozen=True)
@@ -85,12 +89,12 @@ class _EvalSpec:
     temperature: float  # 0 = greedy
 
 
-def _datasets(cfg: SFTConfig) -> tuple[list[SFTExample], list[SFTExample], _EvalSpec]:
+def _datasets(cfg: SFTConfig, tokenizer) -> tuple[list[SFTExample], list[SFTExample], _EvalSpec]:
     """(train examples, eval examples, how generations are scored at eval)."""
     data = cfg.data
     if data.train_file is not None:
         train_set, eval_set = data.load_files(load_sft)
-        return train_set, eval_set, _EvalSpec(None, cfg.max_new_tokens or 32, 0.0)
+        return train_set, eval_set, _EvalSpec(None, cfg.max_new_tokens or max(reference_tokens(tokenizer, eval_set), default=32), 0.0)
     task = TASKS[data.task]
     train_set = load_sft(task.sft_records("train", data.num_train, cfg.seed))
     eval_set = load_sft(task.sft_records("eval", data.num_eval, cfg.seed))
@@ -112,6 +116,21 @@ def cut_report(tokenizer, examples: list[SFTExample], limit: int, completion_onl
     lengths = [sft_row(tokenizer, ex, limit, completion_only)[2] for ex in examples]
     cut = sum(n > limit for n in lengths)
     return f"data: max_length={limit} cuts {cut} of the {len(lengths)} rows checked (the longest has {max(lengths, default=0)} tokens)"
+
+
+def reference_tokens(tokenizer, examples: list[SFTExample]) -> list[int]:
+    """The tokens a greedy completion needs to equal each reference of ``examples`` (:func:`generation_pairs`): its text's and EOS."""
+    return [len(tokenizer(reference, add_special_tokens=False)["input_ids"]) + 1 for _, reference in generation_pairs(examples)]
+
+
+def length_report(tokenizer, examples: list[SFTExample], max_new_tokens: int) -> str | None:
+    """A line when ``max_new_tokens`` is too few for some eval references to be generated whole (eval/reward cannot reach 1), else None."""
+    lengths = reference_tokens(tokenizer, examples)
+    short = sum(n > max_new_tokens for n in lengths)
+    if not short:
+        return None
+    return (f"eval: max_new_tokens={max_new_tokens} is too few for {short} of the {len(lengths)} eval references (the longest needs {max(lengths)} "
+            f"tokens with its EOS): they can never be matched, so eval/reward stays below 1; raise max_new_tokens")
 
 
 def generation_pairs(examples: list[SFTExample]) -> list[tuple[Prompt, str]]:
@@ -171,10 +190,17 @@ def train(cfg: SFTConfig, resume: str | Path | None = None) -> dict[str, float]:
     """Run SFT; returns the final metrics (``eval/reward_initial``, ``eval/reward``, ``eval/loss``, ``time/total``)."""
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
-        train_set, eval_set, eval_spec = _datasets(cfg)
+        train_set, eval_set, eval_spec = _datasets(cfg, run.tokenizer)
         if run.world.is_main:
             print(cut_report(run.tokenizer, train_set[:2048] + eval_set, max_length(cfg), cfg.data.completion_only_loss))
+            if eval_spec.reward_fn is None and (report := length_report(run.tokenizer, eval_set, eval_spec.max_new_tokens)):
+                print(report)
         model = run.load_policy(cfg.model)
+        if cfg.data.packing and not packs_rows(model):
+            config = model.config
+            raise ConfigError(f"data.packing: true needs a model whose attention keeps packed examples apart ({', '.join(sorted(PACKED_ROWS_MODEL_TYPES))} "
+                              f"under {' or '.join(sorted(PACKED_ROWS_KERNELS))} attention); this model is {config.model_type!r} under "
+                              f"{config._attn_implementation!r}, where packed examples would attend to each other: set data.packing=false")
 
         def batch_loss(trained, examples: list[SFTExample]):
             loss, stats = _batch_loss(trained, run.tokenizer, examples, max_length(cfg), cfg.data.packing, cfg.data.completion_only_loss)

@@ -183,3 +183,15 @@ def test_preference_types_explicit_and_implicit_prompt(tmp_path, tokenizer):
     assert texts[5] == "user: hi\nassistant: no\n<eos>"
     with pytest.raises(DataError, match="with no 'prompt', 'chosen' and 'rejected' must both be texts or both be conversations"):
         load_preferences([{"chosen": "x", "rejected": USER + no}])
+
+
+def test_a_text_that_already_ends_with_eos_gets_no_second_one():
+    # TRL appends EOS to a text only when it is missing; "hello<eos>" gave [BOS h e l l o EOS EOS] before
+    from rlalign.tasks.tiny_model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    hello = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    for text in ("hello", "hello<eos>"):
+        ids, targets = example_tokens(tokenizer, None, text)
+        assert ids == [bos, *hello, eos] and targets == [1] * 7

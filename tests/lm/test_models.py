@@ -150,6 +150,24 @@ def test_dropout_is_disabled(tmp_path, tokenizer):
     torch.testing.assert_close(policy(ids).logits, policy(ids).logits, rtol=0, atol=0)  # no randomness in train mode
 
 
+def test_lora_dropout_is_the_configured_one_and_the_models_own_stays_off(tmp_path, tokenizer):
+    # lora.dropout 0.5 was accepted and then set to 0 with the model's own dropout: the adapters trained without it
+    make_gpt2(vocab=len(tokenizer), resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3).save_pretrained(tmp_path)
+    policy = load_policy(tmp_path, lora=LoraConfig(r=4, dropout=0.5))
+    rates = {m.p for name, m in policy.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in name}
+    others = {m.p for name, m in policy.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" not in name}
+    assert rates == {0.5} and others == {0.0} and policy.training
+    ids = torch.tensor([[1, 14, 15, 16]])
+    with torch.no_grad():
+        for module in policy.modules():  # B = 0 at the start leaves the adapters out of the output: make them count
+            if hasattr(module, "lora_B"):
+                torch.nn.init.normal_(module.lora_B["default"].weight, std=1.0)
+        assert not torch.equal(policy(ids).logits, policy(ids).logits)  # the adapters' dropout draws in train mode
+        policy.eval()
+        torch.testing.assert_close(policy(ids).logits, policy(ids).logits, rtol=0, atol=0)
+    assert load_policy(tmp_path, lora=LoraConfig(r=4)).config.resid_pdrop == 0.0  # the default: no dropout anywhere
+
+
 def test_dtype_and_tokenizer_options(llama_checkpoint):
     policy = load_policy(llama_checkpoint, dtype="bfloat16")
     assert next(policy.parameters()).dtype == torch.bfloat16

@@ -129,3 +129,22 @@ def test_generation_pairs_of_a_conversation_are_its_turns_before_the_last_answer
             {"role": "assistant", "content": "4"}]
     examples = load_sft([{"messages": talk}, {"messages": talk[:2]}, {"prompt": "1+1=", "completion": "2"}, {"text": "plain"}])
     assert generation_pairs(examples) == [(talk[:3], "4"), (talk[:1], "Let me think."), ("1+1=", "2")]
+
+
+def test_file_eval_generates_enough_tokens_to_match_its_longest_reference(tmp_path, capsys):
+    # a reference of 44 characters (45 tokens with EOS for the character tokenizer) could never be matched in the 32 tokens
+    # generated before, whatever the model learnt: eval/reward stayed 0 on a memorised pair
+    from rlalign.tasks.tiny_model import build_char_tokenizer
+    from rlalign.train.sft import _datasets, length_report
+
+    long = "a" * 44
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "1+1=", "completion": "2"}, {"prompt": "x", "completion": long}]) + "\n")
+    tokenizer = build_char_tokenizer()
+    cfg = load_config(SFTConfig, None, [f"data.train_file={data}", f"data.eval_file={data}"])
+    assert _datasets(cfg, tokenizer)[2].max_new_tokens == 45  # the longest reference and its EOS
+    assert length_report(tokenizer, _datasets(cfg, tokenizer)[1], 45) is None
+    capped = load_config(SFTConfig, None, [f"data.train_file={data}", f"data.eval_file={data}", "max_new_tokens=32"])
+    assert _datasets(capped, tokenizer)[2].max_new_tokens == 32  # as set, and said:
+    assert length_report(tokenizer, _datasets(capped, tokenizer)[1], 32).startswith(
+        "eval: max_new_tokens=32 is too few for 1 of the 2 eval references (the longest needs 45 tokens with its EOS)")
