@@ -59,7 +59,7 @@ class DemoConfig(Config):
     sft_preference_steps: int = Field(200, ge=1, description="SFT steps on words with the natural vowel share")
     rm_steps: int = Field(300, ge=1, description="reward-model steps (batch 32 pairs)")
     ppo_steps: int = Field(60, ge=1, description="PPO steps (ppo_prompts_per_step prompts each)")
-    ppo_prompts_per_step: int = Field(32, ge=2, description="PPO rollout size")
+    ppo_prompts_per_step: int = Field(32, ge=2, multiple_of=2, description="PPO rollout size (even: PPO's 2 minibatches a step)")
     eval_prompts: int = Field(1000, ge=1, description="held-out prompts per evaluation")
     progress: bool = Field(True, description="progress bars of the stages")
 

@@ -10,6 +10,7 @@ from rlalign.core.advantages import (
     reinforce_plus_plus_advantages,
     reward_to_go,
     rloo_advantages,
+    sampled_token_gae,
     td_residuals,
     token_gae,
     total_returns,

@@ -7,7 +7,8 @@ Two layouts:
 - token sequences are **batch-major** ``(B, C)``, right-padded, with ``mask`` = 1 on valid tokens.
   The episode ends at the last valid token and is terminal there (value after it is 0).
 
-There is one GAE (:func:`gae`); :func:`token_gae` maps the token layout onto it. Whitening is a
+There is one GAE (:func:`gae`); :func:`token_gae` maps the token layout onto it, and
+:func:`sampled_token_gae` the policy's own tokens of a multi-turn completion. Whitening is a
 separate step (:func:`rlalign.core.masks.masked_whiten`), never hidden inside an estimator.
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "td_residuals",
     "gae",
     "token_gae",
+    "sampled_token_gae",
     "kl_shaped_rewards",
     "overlong_penalty",
     "last_token_index",
@@ -151,6 +153,40 @@ def token_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0,
         (rewards * mask).T, (values * mask).T, next_values.T, episode_end.T, episode_end.T, gamma, lam
     )
     return advantages.T * mask, returns.T * mask
+
+
+def sampled_token_gae(rewards: Tensor, values: Tensor, mask: Tensor, sampled: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """:func:`token_gae` over the tokens the policy chose only: the other completion tokens (a tool's or an
+    environment's reply between turns) are the environment's transition, not time steps.
+
+    With s_1 < ... < s_n a row's sampled positions:
+
+        delta_k = r'_k + gamma * V(s_{k+1}) - V(s_k)   (V(s_{n+1}) = 0),   A(s_k) = delta_k + gamma * lam * A(s_{k+1})
+        r'_k = sum of r_t over s_k <= t < s_{k+1}       (a reward on an environment token is the choice's before it)
+
+    which is :func:`token_gae` on the row with its other tokens deleted (Schulman et al. 2016, eq. 16, over
+    the policy's decisions), so V at the environment's positions, which the critic is never trained on,
+    does not enter. A row whose tokens are all sampled (single-turn) gets exactly :func:`token_gae`'s result.
+    Rewards before a row's first sampled token are dropped (no decision of the policy precedes them).
+
+    Args:
+        rewards: per-token rewards, 0 on padding. Shape: (B, C).
+        values: critic values V(s_t); only those at sampled positions are read. Shape: (B, C).
+        mask: 1 on completion tokens (sampled or not). Shape: (B, C).
+        sampled: 1 on the tokens the policy chose, inside ``mask``. Shape: (B, C).
+    Returns:
+        (advantages, returns = A + V), 0 off the sampled tokens. Shape: (B, C).
+    """
+    chosen = sampled > 0  # (B, C)
+    n = chosen.sum(-1, keepdim=True)  # (B, 1) decisions per row
+    before = chosen.cumsum(-1) - 1  # (B, C) the place among the row's decisions of the last one at or before t; -1 before the first
+    dest = torch.where(chosen, before, n + (~chosen).cumsum(-1) - 1)  # (B, C) a permutation: the decisions first, in order, then the rest
+    kept = (mask > 0) & (before >= 0)  # (B, C) rewards that fold onto a decision
+    packed_rewards = torch.zeros_like(rewards).scatter_add(1, before.clamp(min=0), torch.where(kept, rewards, torch.zeros_like(rewards)))  # (B, C)
+    packed_values = torch.zeros_like(values).scatter(1, dest, values)  # (B, C) V(s_1), ..., V(s_n), then the rest
+    packed_mask = (torch.arange(rewards.shape[-1], device=rewards.device) < n).to(rewards.dtype)  # (B, C) 1 on the first n places
+    advantages, returns = token_gae(packed_rewards, packed_values, packed_mask, gamma, lam)  # (B, C), 0 past the n decisions
+    return advantages.gather(1, dest), returns.gather(1, dest)
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:

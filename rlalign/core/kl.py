@@ -123,11 +123,17 @@ class FixedKLController:
 
 @dataclass
 class AdaptiveKLController:
-    """Proportional controller steering the measured KL towards ``target`` (Ziegler et al. 2019)."""
+    """Proportional controller steering the measured KL towards ``target`` (Ziegler et al. 2019).
+
+    The update multiplies beta, so beta = 0 would stay 0 whatever the KL: the initial ``value`` must be > 0."""
 
     value: float
     target: float
     horizon: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if not (self.value > 0 and self.target > 0 and self.horizon > 0):
+            raise ValueError(f"the adaptive KL controller needs beta, target and horizon > 0 (beta = 0 is a fixed point), got {self}")
 
     def update(self, current_kl: float, n_steps: int) -> float:
         self.value = adaptive_kl_coef(self.value, current_kl, self.target, self.horizon, n_steps)

@@ -4,7 +4,8 @@ Per-token reward with the KL penalty inside it (Ziegler et al. 2019; InstructGPT
 2022, eq. 2; seed 003 sections 5-7):
 
     r_t = -beta * KL_t  (+ score(q, o) at the last completion token),  KL_t = k1 or k3 of (pi_old, pi_ref)
-    A_t = GAE(gamma, lambda) over completion tokens with V from the critic   (Schulman et al. 2016)
+    A_t = GAE(gamma, lambda) over the policy's tokens with V from the critic   (Schulman et al. 2016; multi-turn:
+          a tool's or environment's tokens are skipped, rlalign.core.advantages.sampled_token_gae)
     L_pi = aggregate(-min(r A, clip(r, 1-eps, 1+eps) A)) - c2 * aggregate(H)       (Schulman et al. 2017;
            loss_type: cispo | sapo swaps the per-token objective, rlalign.train.objectives)
     L_V  = 1/2 aggregate(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))
@@ -19,7 +20,8 @@ One step, top to bottom (:func:`ppo_step`):
 
 Metrics (one metrics.jsonl line per step; minibatch statistics are means over the step's updates):
     score                 mean sequence score (reward terms minus the missing-EOS penalty)
-    kl                    mean per-sequence sum of the KL estimator at pi_old; beta: the coefficient used
+    kl                    mean per-sequence sum of the KL estimator at pi_old, over the rows that are trained
+                          (not those an on_error: skip term left out); beta: the coefficient used
     non_score_reward      mean per-sequence sum of -beta * KL_t
     approx_kl, clip_frac, ratio_mean, ratio_dev, ratio_dev/first   policy-update diagnostics
     loss/policy, loss/value, value_clip_frac, explained_variance, entropy, adv/std, returns/mean
@@ -52,7 +54,7 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from rlalign.config import Config, ConfigError, load_config
-from rlalign.core.advantages import kl_shaped_rewards, token_gae
+from rlalign.core.advantages import kl_shaped_rewards, sampled_token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k3, masked_token_kl
 from rlalign.core.losses import Aggregation, entropy_loss, value_loss
 from rlalign.core.masks import whiten as whiten_with
@@ -98,7 +100,7 @@ class PPOConfig(RLConfig):
     data: DataConfig = Field(default_factory=lambda: DataConfig(task="preference"), description="training prompts")
     prompts_per_step: int = Field(16, ge=1, description="rollout size B (one completion per prompt)")
     ppo_epochs: int = Field(4, ge=1, description="passes over each rollout")
-    num_minibatches: int = Field(2, ge=1, description="shuffled minibatches per pass; one policy and one critic update each")
+    num_minibatches: int = Field(2, ge=1, description="shuffled minibatches per pass, one policy and one critic update each; must divide prompts_per_step")
     eps: float = Field(0.2, gt=0, lt=1, description="policy ratio clip range: clip(r, 1 - eps, 1 + eps)")
     value_clip: float | None = Field(0.2, gt=0, description="clip V - V_old to +-value_clip in the value loss (null = unclipped)")
     gamma: float = Field(1.0, ge=0, le=1, description="discount over completion tokens")
@@ -107,17 +109,22 @@ class PPOConfig(RLConfig):
     kl_coef: float = Field(0.05, ge=0, description="beta: KL penalty coefficient in the per-token reward (the initial value when adaptive)")
     kl_estimator: Literal["k1", "k3"] = Field("k1", description="per-token KL in the reward: k1 = log pi - log pi_ref; k3 = e^x - x - 1, x = log pi_ref - log pi")
     kl_target: float | None = Field(None, gt=0, description="adaptive beta (Ziegler et al. 2019): steer the per-sequence KL to this target; null = fixed beta")
-    kl_horizon: float = Field(10000.0, gt=0, description="adaptive controller horizon, in sequences")
+    kl_horizon: float = Field(10000.0, gt=0, description="adaptive controller horizon, in sequences (with kl_target)")
     missing_eos_penalty: float | None = Field(None, ge=0, description="subtract this from the score of completions without EOS; null = no penalty")
     entropy_coef: float = Field(0.0, ge=0, description="c2: weight of the entropy bonus")
     aggregation: Aggregation = Field("token-mean", description="token-loss reduction (as for GRPO)")
 
     @model_validator(mode="after")
     def _minibatches_fit(self) -> PPOConfig:
-        if self.num_minibatches > self.prompts_per_step:
-            raise ValueError(f"num_minibatches={self.num_minibatches} exceeds prompts_per_step={self.prompts_per_step}: a minibatch would be empty")
+        if self.prompts_per_step % self.num_minibatches:  # minibatches are cut from every rank's rows together: the global count decides
+            raise ValueError(f"num_minibatches={self.num_minibatches} must divide prompts_per_step={self.prompts_per_step}, the rows of a step "
+                             f"(all processes together), so that each of the {self.num_minibatches} updates a pass counts trains on as many rows")
         if self.dynamic_sampling:
             raise ValueError("dynamic_sampling drops groups whose G rewards all tie; PPO samples one completion per prompt, so it has no groups (use GRPO)")
+        if self.kl_target is None and self.kl_horizon != type(self).model_fields["kl_horizon"].default:
+            raise ValueError("kl_horizon paces the adaptive KL controller: set kl_target too, or leave kl_horizon at its default")
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ValueError("kl_coef=0 with kl_target: the adaptive controller multiplies beta, so it can never move it from 0; set kl_coef > 0 (the initial beta)")
         return self
 
     def kl_controller(self) -> FixedKLController | AdaptiveKLController:
@@ -155,13 +162,13 @@ def ppo_advantages(
         sampled: 1 on the tokens the policy chose (multi-turn: not the tool tokens, which are the
             environment's move: no KL there, and no advantage to whiten); None: ``mask``. Shape: (B, C).
     Returns:
-        (rewards, advantages, returns, kl), each (B, C) and 0 on padding; returns are the value
-        targets (A + V, before whitening).
+        (rewards, advantages, returns, kl), each (B, C) and 0 on padding; advantages and returns (the value
+        targets, A + V before whitening) are 0 off ``sampled`` too.
     """
     sampled = mask if sampled is None else sampled
     kl = masked_token_kl(KL_ESTIMATORS[estimator], logp, ref_logp, sampled)  # (B, C), 0 off the sampled tokens
     rewards = kl_shaped_rewards(scores, kl, mask, beta)  # (B, C)
-    advantages, returns = token_gae(rewards, values, mask, gamma, lam)  # (B, C) over the whole episode, tool tokens included
+    advantages, returns = sampled_token_gae(rewards, values, mask, sampled, gamma, lam)  # (B, C) over the policy's tokens, 0 elsewhere
     if whiten:
         mean, var = distributed.global_mean_var(advantages, sampled, world)
         advantages = whiten_with(advantages, mean, var, sampled)
@@ -227,7 +234,7 @@ def ppo_step(
     trusted = batch.row_values(trusted_rows(scored)[world.shard(len(scored.scores))].float())  # (B,) 0 where a reward term could not score: left out
     sampled = mask * batch.token_mask * trusted[:, None]  # (B, C) the tokens the policy chose (not tool tokens): they alone are trained
     n = len(batch.examples) if batch.row_episode is None else rollout.batch_size  # global rows (an agent's calls: one process)
-    minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch
+    minibatch = -(-n // cfg.num_minibatches)  # global rows per minibatch (n / num_minibatches; an agent's calls: the largest)
     temperature, autocast = cfg.sampling.temperature, cfg.model.autocast
     passes = [Pass(policy.module, policy.optimizer, runner=policy.model, head_copies=5.0 if cfg.entropy_coef > 0 else 3.0),
               Pass(critic.module, critic.optimizer, critic_values, runner=critic.model, group=1)]  # the critic's update after the policy's
@@ -258,8 +265,8 @@ def ppo_step(
     updates = UpdateMeans()
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=state.generator)  # (B global,)
-        for start in range(0, n, minibatch):
-            rows = distributed.rows_of(order[start : start + minibatch], shard)  # this rank's rows of the minibatch
+        for mb_rows in order.tensor_split(cfg.num_minibatches):  # n / num_minibatches rows each (an agent's calls: sizes within one row)
+            rows = distributed.rows_of(mb_rows, shard)  # this rank's rows of the minibatch
             present = float(rows.numel() > 0)
             rows = rows if present else torch.zeros(1, dtype=torch.long)
             micro_rows = micro_batches(rows, rows_plan.update)  # each update accumulates its gradient over these
@@ -281,7 +288,10 @@ def ppo_step(
 
     # 5. the KL coefficient for the next step (adaptive: towards kl_target), from the global batch
     seq_kl = distributed.gather_rows(kl.sum(-1), world)  # (B global,)
-    kl_ctl.update(seq_kl.mean().item(), n)
+    counted = distributed.gather_rows((sampled.sum(-1) > 0).float(), world)  # (B global,) the rows trained on (not left out by on_error: skip)
+    mean_kl = ((seq_kl * counted).sum() / counted.sum()).item() if counted.any() else None
+    if mean_kl is not None:  # no row trained on: no KL measured, beta stays
+        kl_ctl.update(mean_kl, int(counted.sum()))
 
     metrics = updates.means()
     metrics.update(rows_plan.metrics())
@@ -290,16 +300,16 @@ def ppo_step(
     metrics.update(completion_stats(rollout, world))
     adv_mean, adv_var = distributed.global_mean_var(advantages, sampled, world)
     metrics["score"] = scored.scores.mean().item()
-    metrics["kl"] = seq_kl.mean().item()
-    metrics["non_score_reward"] = (-beta * seq_kl).mean().item()
+    if mean_kl is not None:
+        metrics["kl"], metrics["non_score_reward"] = mean_kl, -beta * mean_kl
     metrics["beta"] = beta
     metrics["ratio_dev/first"] = updates.first_ratio_dev
     if mismatch is not None:
         metrics["logprob_mismatch"] = distributed.all_max(mismatch, world)
     metrics["adv/std"] = adv_var.sqrt().item()
-    returns_mean, returns_var = distributed.global_mean_var(returns, mask, world)
+    returns_mean, returns_var = distributed.global_mean_var(returns, sampled, world)  # over the critic's targets (the trained tokens)
     metrics["returns/mean"] = returns_mean.item()
-    residual_var = distributed.global_mean_var(returns - old_values, mask, world)[1]  # 1 - Var[R - V_old] / Var[R] over the whole rollout
+    residual_var = distributed.global_mean_var(returns - old_values, sampled, world)[1]  # 1 - Var[R - V_old] / Var[R] over the rollout's trained tokens
     metrics["explained_variance"] = (1.0 - residual_var / returns_var).item() if returns_var > 0 else 0.0
     metrics["lr"] = policy.lr
     metrics.update(step_timings(batch.generate_s, batch.score_s, t0, t2, t3, metrics["tokens"], t_ref, t_old, sync_s))

@@ -395,6 +395,9 @@ class RLConfig(RunConfig):
             changed = [n for n in names if getattr(self, n) != type(self).model_fields[n].default]
             if changed and self.loss_type != loss_type:
                 raise ValueError(f"{', '.join(changed)}: only for loss_type: {loss_type} (got loss_type: {self.loss_type})")
+        if not self.dynamic_sampling and self.max_sampling_rounds != type(self).model_fields["max_sampling_rounds"].default:
+            raise ValueError("max_sampling_rounds caps dynamic sampling's draws: set dynamic_sampling: true (GRPO; PPO and distillation have "
+                             "no dynamic sampling), or leave max_sampling_rounds at its default")
         if not self.sampler_correction and (self.tis_mode != "truncate" or self.tis_level != "token"):
             raise ValueError("tis_mode and tis_level shape the sampler's importance weight: set tis_cap (and/or tis_min) to turn it on")
         if self.tis_cap is not None and self.tis_min is not None and self.tis_min >= self.tis_cap:

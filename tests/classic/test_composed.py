@@ -440,7 +440,9 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
 
 # T = 5 steps of N = 2 envs. env 0: episode A = t0-t1 (terminated), episode B = t2-t3 (truncated),
 # t4 unfinished. env 1: one episode t0-t2 (terminated), t3-t4 unfinished. The unfinished steps
-# count for nothing (complete-episode mask): 7 of 10 steps count.
+# count for nothing (complete-episode mask): 7 of 10 steps count. Two rollouts of this batch: in the
+# second, both envs' first episode began in the first rollout (its last row ended none), so
+# total_return counts only env 0's episode B there (2 of 10 steps).
 VPG_BATCH = Batch(
     obs=[
         [[1.0, 0.0, 0.5], [0.2, -1.0, 0.3]],
@@ -461,7 +463,7 @@ VPG_BATCH = Batch(
     terminated=[[0, 0], [1, 0], [0, 1], [0, 0], [0, 0]],
     episode_ends=[[0, 0], [1, 0], [0, 1], [1, 0], [0, 0]],
 )
-VPG_BASE = dict(total_steps=10, num_envs=2, num_steps=5, lr=0.5, critic_lr=0.3, critic_updates=3, gamma=0.9,
+VPG_BASE = dict(total_steps=20, num_envs=2, num_steps=5, lr=0.5, critic_lr=0.3, critic_updates=3, gamma=0.9,
                 gae_lambda=0.8, norm_adv=False, measure_variance=True, hidden=[], eval_every=0)
 VPG_CASES = {
     "total_return": dict(psi="total_return"),
@@ -486,29 +488,38 @@ def episodes_of(ends_column: list) -> list[list[int]]:
     return episodes + ([current] if current else [])
 
 
-def psi_by_loop(psi: str, ro: Rollout, gamma: float, lam: float) -> tuple[list, list, list]:
-    """(Psi, baseline target, complete-episode mask), lists (T, N), from the seed's definitions:
-    reward-to-go G_t = sum_{i >= t in the episode} gamma^(i-t) r_i; R(tau) = G at the episode's first
-    step, given to all its steps; G_t - V(s_t); GAE(gamma, lambda). The baseline's target is the
-    reward-to-go, or the GAE return A_t + V(s_t) for gae."""
+def psi_by_loop(psi: str, ro: Rollout, gamma: float, lam: float, starts: list | None = None) -> tuple[list, list, list]:
+    """(Psi, baseline target, the mask of the steps the loss counts), lists (T, N), from the
+    definitions in vpg's docstring: reward-to-go G_t = sum_{i >= t in the episode} gamma^(i-t) r_i;
+    R(tau) = G at the episode's first step, given to all its steps; the bootstrapped reward-to-go
+    G^b_t = G_t + gamma^(last + 1 - t) V(s_{last + 1}) unless the episode's last step is terminal
+    (a truncation, or the rollout's cut), and G^b_t - V(s_t); GAE(gamma, lambda). The baseline's
+    target is G^b, or the GAE return A_t + V(s_t) for gae. The mask: the episodes that end inside the
+    rollout, and for total_return that also begin inside it (row 0 begins one in env n when
+    ``starts[n]``; all envs when None)."""
     T, N = ro.rewards.shape
+    starts = [1.0] * N if starts is None else starts
     r = ro.rewards.tolist()
     ends = ro.episode_ends.tolist()
-    to_go, total, mask = ([[0.0] * N for _ in range(T)] for _ in range(3))
+    to_go, boot, total, mask = ([[0.0] * N for _ in range(T)] for _ in range(4))
     for n in range(N):
         for steps in episodes_of([ends[t][n] for t in range(T)]):
-            complete = ends[steps[-1]][n] == 1
+            last = steps[-1]
+            complete = ends[last][n] == 1
+            whole = complete and (steps[0] > 0 or starts[n] == 1)
+            v_after = 0.0 if ro.terminated[last, n] == 1 else float(ro.next_values[last, n])
             for t in steps:
                 to_go[t][n] = sum(gamma ** (i - t) * r[i][n] for i in steps if i >= t)
-                mask[t][n] = 1.0 if complete else 0.0
+                boot[t][n] = to_go[t][n] + gamma ** (last + 1 - t) * v_after
+                mask[t][n] = 1.0 if (whole if psi == "total_return" else complete) else 0.0
             for t in steps:
                 total[t][n] = to_go[steps[0]][n]
     if psi == "total_return":
-        return total, to_go, mask
+        return total, boot, mask
     if psi == "reward_to_go":
-        return to_go, to_go, mask
+        return to_go, boot, mask
     if psi == "reward_to_go_baseline":
-        return [[to_go[t][n] - float(ro.values[t, n]) for n in range(N)] for t in range(T)], to_go, mask
+        return [[boot[t][n] - float(ro.values[t, n]) for n in range(N)] for t in range(T)], boot, mask
     adv, returns = gae_by_loop(ro, gamma, lam)
     return adv, returns, mask
 
@@ -527,58 +538,78 @@ def test_psi_by_loop_by_hand():
     assert [row[1] for row in to_go[:3]] == pytest.approx([3.02, 2.8, 2.0])
     assert [row[0] for row in total[:4]] == pytest.approx([2.8, 2.8, -0.4, -0.4])
     assert sum(map(sum, mask)) == 7 and mask[4] == [0.0, 0.0] and mask[3] == [1.0, 0.0]
+    # the bootstrapped reward-to-go with V(s_{t+1}) = 2 everywhere: env 0's episode B is truncated at
+    # t3: -1 + 0.9 * 2 = 0.8, then 0.5 + 0.9 * 0.8 = 1.22; its tail is cut: 3 + 0.9 * 2 = 4.8. Episode A
+    # and env 1's episode terminate: 2.8, 2 and 3.02, 2.8, 2 as above. Env 1's tail (-0.5, 1.5): 1.5 + 1.8
+    # = 3.3, then -0.5 + 0.9 * 3.3 = 2.47.
+    ro.next_values = torch.full((5, 2), 2.0)
+    _, boot, _ = psi_by_loop("reward_to_go_baseline", ro, 0.9, 0.0)
+    assert [row[0] for row in boot] == pytest.approx([2.8, 2.0, 1.22, 0.8, 4.8])
+    assert [row[1] for row in boot] == pytest.approx([3.02, 2.8, 2.0, 2.47, 3.3])
+    # total_return when both envs' row 0 continues an episode: env 0's A and env 1's t0-t2 are
+    # rests of episodes begun before; only env 0's B (t2-t3) is whole.
+    _, _, whole = psi_by_loop("total_return", ro, 0.9, 0.0, starts=[0.0, 0.0])
+    assert whole == [[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]
 
 
 @pytest.mark.parametrize("case", VPG_CASES.values(), ids=VPG_CASES.keys())
 def test_vpg_update_matches_hand_computation(case, monkeypatch, recorder):
     cfg = vpg.VPGConfig(**{**VPG_BASE, **case})
     result, rollouts = run_on_policy(monkeypatch, vpg, cfg, VPG_BATCH)
-    (ro,) = rollouts
     actor_opt, critic_opt = recorder.optimizers
     T, N = 5, 2
-    psi, target, mask = psi_by_loop(cfg.psi, ro, cfg.gamma, cfg.gae_lambda)
-    counted = [(t, n) for t in range(T) for n in range(N) if mask[t][n]]
-    weights = {tn: psi[tn[0]][tn[1]] for tn in counted}
-    if cfg.norm_adv:  # whitened over the counted steps
-        weights = dict(zip(counted, whiten_list([weights[tn] for tn in counted])))
-
-    # the policy step: L = -1/|counted| sum_{counted} log pi(a_t | s_t) Psi_t
-    (step,) = actor_opt.steps
-    assert step.lr == cfg.lr
-    W, b = params_of(step.params)
-    pg = -sum(log_pi(W, b, ro.obs[t, n])[int(ro.actions[t, n])] * weights[(t, n)] for t, n in counted) / len(counted)
-    torch.testing.assert_close(step.loss, pg.detach(), **F64)
-    assert_grads(step.grads, torch.autograd.grad(pg, [W, b]), F64)
-    torch.testing.assert_close(step.params, [torch.tensor(x, dtype=torch.float64) for x in ACTOR], rtol=0, atol=0)
-
-    # the baseline: critic_updates full-batch steps of L_V = 1/|counted| sum_{counted} 1/2 (V(s_t) - target_t)^2
     fits_baseline = cfg.psi in ("reward_to_go_baseline", "gae")
-    assert len(critic_opt.steps) == (cfg.critic_updates if fits_baseline else 0)
-    for step in critic_opt.steps:
-        assert step.lr == cfg.critic_lr
-        Wv, bv = params_of(step.params)
-        v_loss = sum(0.5 * ((Wv @ ro.obs[t, n] + bv)[0] - target[t][n]) ** 2 for t, n in counted) / len(counted)
-        torch.testing.assert_close(step.loss, v_loss.detach(), **F64)
-        assert_grads(step.grads, torch.autograd.grad(v_loss, [Wv, bv]), F64)
+    assert len(rollouts) == len(actor_opt.steps) == len(result.log.updates) == 2
+    assert len(critic_opt.steps) == (2 * cfg.critic_updates if fits_baseline else 0)
+    starts = [1.0] * N  # row 0 of the first rollout begins an episode in every env
+    for it, ro in enumerate(rollouts):
+        psi, target, mask = psi_by_loop(cfg.psi, ro, cfg.gamma, cfg.gae_lambda, starts)
+        counted = [(t, n) for t in range(T) for n in range(N) if mask[t][n]]
+        weights = {tn: psi[tn[0]][tn[1]] for tn in counted}
+        if cfg.norm_adv:  # whitened over the counted steps
+            weights = dict(zip(counted, whiten_list([weights[tn] for tn in counted])))
 
-    (stats,) = result.log.updates
-    assert stats["loss/policy"] == pytest.approx(pg.item(), rel=1e-9) and stats["counted_frac"] == 0.7
-    assert stats["step"] == T * N
-    # gradient variance of each Psi (unwhitened): tr Cov over the 3 complete episodes of
-    # g_i = sum_{t in episode i} grad log pi(a_t | s_t) Psi_t, at the parameters before the step
-    W0, b0 = params_of(actor_opt.steps[0].params)
-    episodes = [[(t, n) for t in steps] for n in range(N) for steps in episodes_of([ro.episode_ends[t, n].item() for t in range(T)])
-                if ro.episode_ends[steps[-1], n] == 1]
-    assert len(episodes) == 3
-    for name in vpg.PSI_CHOICES:
-        psi_n, _, _ = psi_by_loop(name, ro, cfg.gamma, cfg.gae_lambda)
-        grads = []
-        for ep in episodes:
-            g = torch.autograd.grad(sum(log_pi(W0, b0, ro.obs[t, n])[int(ro.actions[t, n])] * psi_n[t][n] for t, n in ep), [W0, b0])
-            grads.append(torch.cat([x.flatten() for x in g]))
-        mean = sum(grads) / 3
-        variance = sum(((g - mean) ** 2 for g in grads)) / 2  # unbiased, per coordinate
-        assert stats[f"grad_var/{name}"] == pytest.approx(variance.sum().item(), rel=1e-9), name
+        # the policy step: L = -1/|counted| sum_{counted} log pi(a_t | s_t) Psi_t
+        step = actor_opt.steps[it]
+        assert step.lr == cfg.lr
+        W, b = params_of(step.params)
+        pg = -sum(log_pi(W, b, ro.obs[t, n])[int(ro.actions[t, n])] * weights[(t, n)] for t, n in counted) / len(counted)
+        torch.testing.assert_close(step.loss, pg.detach(), **F64)
+        assert_grads(step.grads, torch.autograd.grad(pg, [W, b]), F64)
+        if it == 0:
+            torch.testing.assert_close(step.params, [torch.tensor(x, dtype=torch.float64) for x in ACTOR], rtol=0, atol=0)
+
+        # the baseline: critic_updates full-batch steps of L_V = 1/|counted| sum_{counted} 1/2 (V(s_t) - target_t)^2
+        for step in critic_opt.steps[it * cfg.critic_updates:(it + 1) * cfg.critic_updates] if fits_baseline else []:
+            assert step.lr == cfg.critic_lr
+            Wv, bv = params_of(step.params)
+            v_loss = sum(0.5 * ((Wv @ ro.obs[t, n] + bv)[0] - target[t][n]) ** 2 for t, n in counted) / len(counted)
+            torch.testing.assert_close(step.loss, v_loss.detach(), **F64)
+            assert_grads(step.grads, torch.autograd.grad(v_loss, [Wv, bv]), F64)
+
+        stats = result.log.updates[it]
+        assert stats["loss/policy"] == pytest.approx(pg.item(), rel=1e-9) and stats["step"] == (it + 1) * T * N
+        assert stats["counted_frac"] == (0.2 if cfg.psi == "total_return" and it == 1 else 0.7)
+        # gradient variance of each Psi (unwhitened): tr Cov over the whole episodes (begun and ended in
+        # the rollout: 3 in the first, env 0's B alone in the second, which gives 0) of
+        # g_i = sum_{t in episode i} grad log pi(a_t | s_t) Psi_t, at the parameters before the step
+        W0, b0 = params_of(actor_opt.steps[it].params)
+        episodes = [[(t, n) for t in steps] for n in range(N) for steps in episodes_of([ro.episode_ends[t, n].item() for t in range(T)])
+                    if ro.episode_ends[steps[-1], n] == 1 and (steps[0] > 0 or starts[n] == 1)]
+        assert len(episodes) == (3 if it == 0 else 1)
+        for name in vpg.PSI_CHOICES:
+            psi_n, _, _ = psi_by_loop(name, ro, cfg.gamma, cfg.gae_lambda, starts)
+            grads = []
+            for ep in episodes:
+                g = torch.autograd.grad(sum(log_pi(W0, b0, ro.obs[t, n])[int(ro.actions[t, n])] * psi_n[t][n] for t, n in ep), [W0, b0])
+                grads.append(torch.cat([x.flatten() for x in g]))
+            if len(grads) < 2:
+                assert stats[f"grad_var/{name}"] == 0.0, name
+                continue
+            mean = sum(grads) / len(grads)
+            variance = sum(((g - mean) ** 2 for g in grads)) / (len(grads) - 1)  # unbiased, per coordinate
+            assert stats[f"grad_var/{name}"] == pytest.approx(variance.sum().item(), rel=1e-9), name
+        starts = [float(ro.episode_ends[T - 1, n]) for n in range(N)]  # the next rollout's row 0 begins an episode
 
 
 # --------------------------------------------------------------------------------------------
@@ -1055,6 +1086,12 @@ def test_gradient_variance_by_hand():
     assert vpg.gradient_variance(actor, two, psi, vpg.complete_mask(two.episode_ends)) == pytest.approx(((g1 - g2) ** 2 / 2).sum().item(), rel=1e-9)
     one = Rollout(**{**ro.__dict__, "episode_ends": torch.tensor([0, 1, 0, 0, 0, 0, 0], dtype=torch.float64)[:, None]})
     assert vpg.gradient_variance(actor, one, psi, vpg.complete_mask(one.episode_ends)) == 0.0
+    # row 0 continues an episode begun in the previous rollout: t0-t1 is its rest, not an episode;
+    # the whole episodes are t2 and t3-t5
+    whole = vpg.whole_episode_mask(ends, torch.zeros(1, dtype=torch.float64))
+    assert whole.flatten().tolist() == [0, 0, 1, 1, 1, 1, 0]
+    g2, g3 = episode_grad([2]), episode_grad([3, 4, 5])
+    assert vpg.gradient_variance(actor, ro, psi, whole) == pytest.approx(((g2 - g3) ** 2 / 2).sum().item(), rel=1e-9)
 
 
 def _plumbing_setup(name: str, monkeypatch):

@@ -13,6 +13,7 @@ from rlalign.core.advantages import (
     reinforce_plus_plus_advantages,
     reward_to_go,
     rloo_advantages,
+    sampled_token_gae,
     td_residuals,
     token_gae,
     total_returns,
@@ -136,6 +137,58 @@ def test_token_gae_hand_example():
     # lam = 1: A_t = 1 - V_t on valid tokens
     adv1, _ = token_gae(rewards, values, mask, gamma=1.0, lam=1.0)
     torch.testing.assert_close(adv1, torch.tensor([[0.5, 0.4, 0.3, 0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("tool_value", [0.0, 5.0, -5.0])
+def test_sampled_token_gae_skips_the_environments_tokens_by_hand(tool_value):
+    # completion: 2 model tokens, 3 tool tokens, 2 model tokens (the last ends it), score 1 there; gamma = 1, lam = 0.5.
+    # The decisions s1..s4 at positions 0, 1, 5, 6 with V = 0.1, 0.2, 0.6, 0.8; the tool positions are not time steps:
+    #   delta4 = 1 - 0.8 = 0.2;  delta3 = 0 + 0.8 - 0.6 = 0.2;  delta2 = 0 + 0.6 - 0.2 = 0.4 (s2 -> s3 across the tool reply);
+    #   delta1 = 0 + 0.2 - 0.1 = 0.1
+    #   A4 = 0.2;  A3 = 0.2 + 0.5*0.2 = 0.3;  A2 = 0.4 + 0.5*0.3 = 0.55;  A1 = 0.1 + 0.5*0.55 = 0.375;  R = A + V = [0.475, 0.75, 0.9, 1.0]
+    # whatever V is at the tool positions (the critic is never trained there); 0 at the tool positions and the padding
+    rewards = torch.tensor([[0.0, 0, 0, 0, 0, 0, 1, 0]], dtype=torch.float64)
+    values = torch.tensor([[0.1, 0.2, tool_value, tool_value, tool_value, 0.6, 0.8, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1, 1, 1, 1, 1, 1, 0]])
+    sampled = torch.tensor([[1.0, 1, 0, 0, 0, 1, 1, 0]])
+    adv, ret = sampled_token_gae(rewards, values, mask, sampled, gamma=1.0, lam=0.5)
+    torch.testing.assert_close(adv, torch.tensor([[0.375, 0.55, 0, 0, 0, 0.3, 0.2, 0]], dtype=torch.float64))
+    torch.testing.assert_close(ret, torch.tensor([[0.475, 0.75, 0, 0, 0, 0.9, 1.0, 0]], dtype=torch.float64))
+
+
+def test_sampled_token_gae_gives_a_reward_on_an_environment_token_to_the_choice_before_it():
+    # decisions at 0 and 2, environment tokens at 1 and 3 carrying rewards 0.5 and 2 (e.g. the score on a trailing tool
+    # token); gamma = 0.5, lam = 1, V = 0.4, 0.2 at the decisions:  r' = [0 + 0.5, 0 + 2] = [0.5, 2]
+    #   delta2 = 2 - 0.2 = 1.8;  delta1 = 0.5 + 0.5*0.2 - 0.4 = 0.2;  A2 = 1.8;  A1 = 0.2 + 0.5*1.8 = 1.1
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 2.0]], dtype=torch.float64)
+    values = torch.tensor([[0.4, 7.0, 0.2, -7.0]], dtype=torch.float64)
+    adv, _ = sampled_token_gae(rewards, values, torch.ones(1, 4), torch.tensor([[1.0, 0, 1, 0]]), gamma=0.5, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[1.1, 0, 1.8, 0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sampled_token_gae_is_token_gae_with_the_other_tokens_deleted(seed):
+    # each row's sampled positions picked out by a plain loop (rewards on the other tokens added to the decision before
+    # them), token_gae on that row alone, and put back; rows whose tokens are all sampled (single-turn) are bit-identical
+    g = torch.Generator().manual_seed(seed)
+    B, C = 6, 9
+    lengths = torch.randint(1, C + 1, (B,), generator=g)
+    mask = (torch.arange(C) < lengths[:, None]).double()  # (B, C)
+    sampled = mask * (torch.rand(B, C, generator=g) < 0.6).double()
+    sampled[:, 0] = 1.0  # a completion starts with the policy's token
+    sampled[:2] = mask[:2]  # rows 0 and 1: single-turn
+    rewards, values = torch.randn(B, C, generator=g, dtype=torch.float64) * mask, torch.randn(B, C, generator=g, dtype=torch.float64)
+    adv, ret = sampled_token_gae(rewards, values, mask, sampled, gamma=0.9, lam=0.8)
+    for b in range(B):
+        keep = sampled[b].nonzero().flatten().tolist()
+        folded = [sum(rewards[b, t].item() for t in range(k, (keep + [C])[i + 1])) for i, k in enumerate(keep)]
+        a, r = token_gae(torch.tensor([folded], dtype=torch.float64), values[b, keep][None], torch.ones(1, len(keep)), 0.9, 0.8)
+        expected_a, expected_r = torch.zeros(C, dtype=torch.float64), torch.zeros(C, dtype=torch.float64)
+        expected_a[keep], expected_r[keep] = a[0], r[0]
+        torch.testing.assert_close(adv[b], expected_a, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ret[b], expected_r, rtol=0, atol=1e-12)
+    single_adv, single_ret = token_gae(rewards[:2], values[:2], mask[:2], 0.9, 0.8)
+    assert torch.equal(adv[:2], single_adv) and torch.equal(ret[:2], single_ret)
 
 
 def test_token_gae_equals_env_gae_per_sequence():

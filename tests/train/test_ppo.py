@@ -11,12 +11,13 @@ import math
 import pytest
 import torch
 
-from rlalign.config import ConfigError, load_config
+from rlalign.config import ConfigError, default_yaml, load_config
+from rlalign.core import kl as kl_module
 from rlalign.core.kl import AdaptiveKLController, FixedKLController
 from rlalign.lm.packed import PackedLinear, can_pack_linear
 from rlalign.lm.rewards import RewardFunctionError
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
-from rlalign.train import ppo, rollouts
+from rlalign.train import grpo, ppo, rollouts
 from rlalign.train.checkpoints import CheckpointError
 from rlalign.train.rollouts import RewardTerm
 
@@ -86,6 +87,21 @@ def test_k3_shaping_by_hand():
     torch.testing.assert_close(rewards, torch.tensor([[0.0, 3.0 - 0.5 * (math.exp(-2) + 1)]]))
 
 
+@pytest.mark.parametrize("tool_value", [0.0, 5.0, -5.0])
+def test_gae_skips_the_tool_tokens_whatever_the_critic_says_there(tool_value):
+    # multi-turn completion: 2 model tokens, 3 tool tokens (in the completion, not sampled), 2 model tokens; score 1,
+    # beta 0, gamma 1, lambda 0.5, V = [0.1, 0.2, v, v, v, 0.6, 0.8]. GAE runs over the decisions 0.1, 0.2, 0.6, 0.8:
+    #   delta = [0.2 - 0.1, 0.6 - 0.2, 0.8 - 0.6, 1 - 0.8] = [0.1, 0.4, 0.2, 0.2]
+    #   A = [0.1 + 0.5*0.55, 0.4 + 0.5*0.3, 0.2 + 0.5*0.2, 0.2] = [0.375, 0.55, 0.3, 0.2];  R = A + V = [0.475, 0.75, 0.9, 1.0]
+    # (through the tool tokens, v = 0 would give A = [0.0469, -0.1063, 0.3, 0.2], and v = 5: [2.2344, 4.2688, ...])
+    mask = torch.ones(1, 7)
+    sampled = torch.tensor([[1.0, 1, 0, 0, 0, 1, 1]])
+    values = torch.tensor([[0.1, 0.2, tool_value, tool_value, tool_value, 0.6, 0.8]])
+    _, adv, returns, _ = ppo.ppo_advantages(torch.tensor([1.0]), torch.zeros(1, 7), torch.zeros(1, 7), values, mask, 0.0, "k1", 1.0, 0.5, False, sampled=sampled)
+    torch.testing.assert_close(adv, torch.tensor([[0.375, 0.55, 0, 0, 0, 0.3, 0.2]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.475, 0.75, 0, 0, 0, 0.9, 1.0]]))
+
+
 def test_whitened_advantages_have_zero_mean_unit_std_on_tokens():
     torch.manual_seed(0)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
@@ -130,6 +146,68 @@ def test_kl_controller_choice():
     assert ctl.update(12.0, 10) == pytest.approx(0.1 * 1.02)
 
 
+def test_num_minibatches_must_divide_the_rows_of_a_step(tiny_path, tmp_path, monkeypatch):
+    # 6 rows in 4 minibatches of ceil(6 / 4) = 2 rows would be 3 updates, 10 rows 3 + 3 + 3 + 1, while the learning-rate
+    # schedule counts 4; the minibatches are cut from every process's rows together, so prompts_per_step is the count
+    for rows, minibatches in ((6, 4), (10, 4), (5, 4)):
+        with pytest.raises(ConfigError, match=f"num_minibatches={minibatches} must divide prompts_per_step={rows}"):
+            make_cfg(tiny_path, tmp_path, prompts_per_step=rows, num_minibatches=minibatches)
+    # 12 rows, 4 minibatches, 2 epochs: 8 policy and 8 critic updates of 3 rows, and the cosine schedule ends at 0 on the last
+    sizes = []
+    original = ppo.minibatch_step
+    monkeypatch.setattr(ppo, "minibatch_step", lambda u, loss, micro, *a, **k: sizes.append(sum(len(m) for m in micro)) or original(u, loss, micro, *a, **k))
+    cfg = make_cfg(tiny_path, tmp_path, steps=1, prompts_per_step=12, num_minibatches=4, **{"optim.min_lr_ratio": 0.0})
+    row = ppo.train(cfg, reward_functions=[RewardTerm("digits", 1.0, digit_share)]).history[0]
+    assert sizes == [3] * 16 and row["lr"] == 0.0
+
+
+def test_kl_and_sampling_settings_that_cannot_act_are_refused(tiny_path, tmp_path):
+    with pytest.raises(ConfigError, match="kl_horizon paces the adaptive KL controller: set kl_target"):
+        make_cfg(tiny_path, tmp_path, kl_horizon=10.0)
+    with pytest.raises(ConfigError, match="kl_coef=0 with kl_target"):
+        make_cfg(tiny_path, tmp_path, kl_coef=0.0, kl_target=4.0)
+    with pytest.raises(ValueError, match="beta = 0 is a fixed point"):
+        AdaptiveKLController(0.0, target=4.0)
+    for cls in (ppo.PPOConfig, grpo.GRPOConfig):  # PPO has no dynamic sampling; GRPO has it off by default
+        with pytest.raises(ConfigError, match="max_sampling_rounds caps dynamic sampling's draws"):
+            load_config(cls, None, {"max_sampling_rounds": 9})
+    # what may act is accepted: a fixed beta of 0, the horizon with a target, every default written out in full
+    make_cfg(tiny_path, tmp_path, kl_coef=0.0)
+    make_cfg(tiny_path, tmp_path, kl_target=4.0, kl_horizon=10.0)
+    defaults = tmp_path / "ppo.yaml"
+    defaults.write_text(default_yaml(ppo.PPOConfig))  # rlalign config ppo: kl_horizon and max_sampling_rounds written out
+    assert load_config(ppo.PPOConfig, defaults, []) == ppo.PPOConfig()
+    load_config(grpo.GRPOConfig, None, {"dynamic_sampling": True, "max_sampling_rounds": 9})
+
+
+def test_kl_and_its_controller_average_over_the_rows_trained_on(tiny_path, tmp_path, monkeypatch):
+    # a reference other than the policy's start, so that the KL at pi_old is not 0; every other row cannot be scored
+    # (on_error: skip) and is left out of training: the logged kl, non_score_reward and the adaptive controller's input
+    # are the mean of the per-row KL sums over the 4 rows trained on, and the controller counts those 4 rows
+    reference = build_tiny_checkpoint(tmp_path / "ref", TinyModelSpec(hidden_size=64, num_layers=2, intermediate_size=128), seed=1)
+    seen, fed = {}, []
+    original = ppo.ppo_advantages
+    monkeypatch.setattr(ppo, "ppo_advantages", lambda *a, **k: seen.update(logp=a[1], ref=a[2], mask=a[4], sampled=a[11]) or original(*a, **k))
+    update = AdaptiveKLController.update
+    monkeypatch.setattr(kl_module.AdaptiveKLController, "update", lambda self, kl, n: fed.append((kl, n)) or update(self, kl, n))
+    flaky = RewardTerm("flaky", 1.0, lambda p, c: [float("nan") if i % 2 else 1.0 for i in range(len(c))], on_error="skip")
+    cfg = make_cfg(tiny_path, tmp_path, steps=1, reference=str(reference), kl_target=1.0, kl_horizon=1000.0)
+    row = ppo.train(cfg, reward_functions=[flaky]).history[0]
+    per_row = ((seen["logp"] - seen["ref"]) * seen["mask"]).sum(-1)  # (8,) k1 summed over each completion
+    trusted = torch.arange(8) % 2 == 0
+    assert seen["sampled"].amax(-1).bool().tolist() == trusted.tolist()
+    expected = per_row[trusted].mean().item()
+    assert abs(expected - per_row[trusted].sum().item() / 8) > 1e-2  # the two readings differ: the test tells them apart
+    assert row["kl"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert row["non_score_reward"] == pytest.approx(-0.01 * expected, rel=1e-5, abs=1e-8)
+    assert fed == [(row["kl"], 4)]
+    # no row trained on: no KL measured, nothing logged for it, beta left alone
+    fed.clear()
+    none = RewardTerm("none", 1.0, lambda p, c: [float("nan")] * len(c), on_error="skip")
+    row = ppo.train(cfg, reward_functions=[none]).history[0]
+    assert "kl" not in row and "non_score_reward" not in row and fed == [] and row["beta"] == 0.01
+
+
 def test_resume_equals_straight_run_with_adaptive_kl(tiny_path, tmp_path):
     overrides = {"steps": 4, "save_every": 2, "kl_target": 0.5, "kl_horizon": 50, "optim.warmup_steps": 2, "optim.min_lr_ratio": 0.1}
     rewards = [RewardTerm("digits", 1.0, digit_share)]
@@ -164,7 +242,7 @@ def test_bad_inputs(tiny_path, tmp_path):
         make_cfg(tiny_path, tmp_path, kl_estimator="k2")
     with pytest.raises(ConfigError, match="ppo_epoch.*Did you mean 'ppo_epochs'"):
         make_cfg(tiny_path, tmp_path, ppo_epoch=2)
-    with pytest.raises(ConfigError, match="num_minibatches=9 exceeds prompts_per_step=8"):
+    with pytest.raises(ConfigError, match="num_minibatches=9 must divide prompts_per_step=8"):
         make_cfg(tiny_path, tmp_path, num_minibatches=9)
     with pytest.raises(CheckpointError, match="not a checkpoint"):
         ppo.train(make_cfg(tiny_path, tmp_path), resume=tmp_path, reward_functions=[RewardTerm("digits", 1.0, digit_share)])

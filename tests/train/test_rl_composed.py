@@ -656,11 +656,11 @@ def test_ppo_advantages_by_hand(gamma, lam, whiten, estimator):
         {},  # the defaults: k1, gamma 1, lambda 0.95, whitening, value clip 0.2, fixed beta, 4 epochs x 2 minibatches
         {"kl_estimator": "k3", "gamma": 0.9, "lam": 0.5, "whiten_advantages": False, "value_clip": None, "entropy_coef": 0.05},
         # kl_target: "near" = 0.95 x the rollout's KL, so the controller's error 1/0.95 - 1 is inside its +-0.2 clip
-        {"kl_target": "near", "kl_horizon": 20.0, "missing_eos_penalty": 1.5, "num_minibatches": 3, "ppo_epochs": 2, "aggregation": "seq-mean-token-sum-norm"},
+        {"kl_target": "near", "kl_horizon": 20.0, "missing_eos_penalty": 1.5, "num_minibatches": 2, "ppo_epochs": 2, "aggregation": "seq-mean-token-sum-norm"},
         # a bfloat16 sampler: log pi_old is recomputed by the training forward before the rewards are shaped
         {"sampling.dtype": "bfloat16", "ppo_epochs": 1},
     ],
-    ids=["defaults", "k3-gamma-lambda-unwhitened-unclipped-entropy", "adaptive-kl-eos-penalty-3-minibatches-sum-norm", "recompute-pi-old"],
+    ids=["defaults", "k3-gamma-lambda-unwhitened-unclipped-entropy", "adaptive-kl-eos-penalty-2-minibatches-sum-norm", "recompute-pi-old"],
 )
 def test_ppo_step_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch, overrides):
     # the whole step: scores (minus the missing-EOS penalty), KL-shaped rewards at pi_old (the
@@ -688,7 +688,7 @@ def test_ppo_step_by_hand(tiny_path, ref_path, tmp_path, tokenizer, monkeypatch,
 
     scores = [s - (cfg.missing_eos_penalty or 0.0) * (i == 2) for i, s in enumerate(SCORES)]  # row 2 has no EOS
     advantages, returns, kl = hand_ppo_advantages(scores, old, ref, old_values, 0.2, cfg.kl_estimator, cfg.gamma, cfg.lam, cfg.whiten_advantages)
-    size = -(-4 // cfg.num_minibatches)
+    size = 4 // cfg.num_minibatches
     generator = torch.Generator().manual_seed(3)
     minibatches = [order[i : i + size] for order in (torch.randperm(4, generator=generator).tolist() for _ in range(cfg.ppo_epochs)) for i in range(0, 4, size)]
     assert len(policy_updates) == len(critic_updates) == len(minibatches)
