@@ -100,7 +100,13 @@ def adaptive_kl_coef(beta: float, current_kl: float, target_kl: float, horizon: 
 
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", sec. 2.2 (K_beta = 1
     absorbed into the horizon); seed 003, "adaptive KL".
+
+    Raises:
+        ValueError: when n / horizon >= 5, where one update at e = -0.2 takes beta to 0 or below (a KL bonus).
     """
+    if n_steps >= 5 * horizon:
+        raise ValueError(f"the adaptive KL controller's horizon ({horizon:g}) must exceed a fifth of the {n_steps} sequences an update counts: "
+                         "one update below the target would take beta to 0 or below; raise kl_horizon")
     error = min(max(current_kl / target_kl - 1.0, -0.2), 0.2)
     return beta * (1.0 + error * n_steps / horizon)
 

@@ -123,6 +123,9 @@ class PPOConfig(RLConfig):
             raise ValueError("dynamic_sampling drops groups whose G rewards all tie; PPO samples one completion per prompt, so it has no groups (use GRPO)")
         if self.kl_target is None and self.kl_horizon != type(self).model_fields["kl_horizon"].default:
             raise ValueError("kl_horizon paces the adaptive KL controller: set kl_target too, or leave kl_horizon at its default")
+        if self.kl_target is not None and self.prompts_per_step >= 5 * self.kl_horizon:
+            raise ValueError(f"kl_horizon={self.kl_horizon:g} must exceed prompts_per_step / 5 = {self.prompts_per_step / 5:g}: one controller update "
+                             "below the target would take beta to 0 or below")
         if self.kl_target is not None and self.kl_coef == 0:
             raise ValueError("kl_coef=0 with kl_target: the adaptive controller multiplies beta, so it can never move it from 0; set kl_coef > 0 (the initial beta)")
         return self

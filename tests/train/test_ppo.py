@@ -168,6 +168,12 @@ def test_kl_and_sampling_settings_that_cannot_act_are_refused(tiny_path, tmp_pat
         make_cfg(tiny_path, tmp_path, kl_coef=0.0, kl_target=4.0)
     with pytest.raises(ValueError, match="beta = 0 is a fixed point"):
         AdaptiveKLController(0.0, target=4.0)
+    # beta * (1 - 0.2 n / horizon) <= 0 once n >= 5 horizon: 50 rows at horizon 10 took beta 0.05 to exactly 0 (below: a KL bonus)
+    with pytest.raises(ConfigError, match="kl_horizon=10 must exceed prompts_per_step / 5 = 10"):
+        make_cfg(tiny_path, tmp_path, kl_target=4.0, kl_horizon=10.0, prompts_per_step=50)
+    with pytest.raises(ValueError, match="horizon .10. must exceed a fifth of the 50 sequences"):
+        AdaptiveKLController(0.05, target=4.0, horizon=10.0).update(0.0, 50)
+    assert AdaptiveKLController(0.05, target=4.0, horizon=10.0).update(0.0, 49) == pytest.approx(0.05 * (1 - 0.2 * 4.9))
     for cls in (ppo.PPOConfig, grpo.GRPOConfig):  # PPO has no dynamic sampling; GRPO has it off by default
         with pytest.raises(ConfigError, match="max_sampling_rounds caps dynamic sampling's draws"):
             load_config(cls, None, {"max_sampling_rounds": 9})
