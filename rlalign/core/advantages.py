@@ -30,6 +30,7 @@ __all__ = [
     "overlong_penalty",
     "last_token_index",
     "group_advantages",
+    "tied_groups",
     "rloo_advantages",
     "reinforce_plus_plus_advantages",
 ]
@@ -283,14 +284,30 @@ def group_advantages(
     return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1)
 
 
-def _masked_group_advantages(scores: Tensor, group_size: int, scale: str, eps: float, valid: Tensor) -> Tensor:
-    """:func:`group_advantages` over the ``valid`` completions only (0 for the rest)."""
+def _valid_group_moments(scores: Tensor, group_size: int, valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(grouped scores, valid as numbers, centred scores (0 where not valid), unbiased std over the valid): (B/G, G) x 3, (B/G, 1)."""
     grouped, v = _grouped(scores, group_size), _grouped(valid.to(scores.dtype if scores.is_floating_point() else torch.float32), group_size)  # (B/G, G)
     count = v.sum(dim=1, keepdim=True)  # (B/G, 1)
     mean = (grouped * v).sum(dim=1, keepdim=True) / count.clamp(min=1)
     centred = (grouped - mean) * v  # (B/G, G), 0 where not valid
     group_std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # unbiased, over the valid
-    tied = (group_std <= eps) | (count < 2)
+    return grouped, v, centred, torch.where(count < 2, torch.zeros_like(group_std), group_std)
+
+
+def tied_groups(scores: Tensor, group_size: int, valid: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """The groups whose rewards all tie: the std of the ``valid`` completions' scores (all if None) is at most
+    ``eps``, or fewer than two are valid. They carry no gradient under :func:`group_advantages` (advantage 0),
+    so dynamic sampling drops them (Yu et al. 2025, DAPO, eq. 11). Shapes: scores and valid (B,), groups
+    contiguous; returns (B/G,) bool."""
+    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid
+    _, _, _, group_std = _valid_group_moments(scores, group_size, valid)
+    return (group_std <= eps).view(-1)
+
+
+def _masked_group_advantages(scores: Tensor, group_size: int, scale: str, eps: float, valid: Tensor) -> Tensor:
+    """:func:`group_advantages` over the ``valid`` completions only (0 for the rest)."""
+    grouped, v, centred, group_std = _valid_group_moments(scores, group_size, valid)  # (B/G, G) x 3, (B/G, 1)
+    tied = group_std <= eps  # (B/G, 1), a group with fewer than two valid included (std 0)
     if scale == "group":
         advantages = centred / group_std.clamp(min=eps)
     elif scale == "batch":

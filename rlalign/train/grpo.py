@@ -40,7 +40,7 @@ Metrics (one metrics.jsonl line per step; minibatch statistics are means over th
     ratio_dev, ratio_dev/first   max |r - 1|: over each update / on the first minibatch only (~0)
     entropy               mean per-token entropy of softmax(logits / temperature)
     completion_len/mean|max, completion_len/clipped_frac   lengths; share without EOS
-    frac_zero_std_groups  share of groups whose rewards all tie (they carry no gradient)
+    frac_zero_std_groups  share of groups whose rewards all tie over the rows that count (they carry no gradient)
     adv/std, loss/policy, grad_norm, lr
     time/generate, time/score, time/train (= time/reference + time/old_logp + time/update), tokens_per_s
 
@@ -71,7 +71,7 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.config import ConfigError, load_config
-from rlalign.core.advantages import group_advantages, reinforce_plus_plus_advantages, rloo_advantages
+from rlalign.core.advantages import group_advantages, reinforce_plus_plus_advantages, rloo_advantages, tied_groups
 from rlalign.core.kl import kl_k1, kl_k2, kl_k3, masked_token_kl
 from rlalign.core.losses import entropy_loss, kl_penalty_loss
 from rlalign.lm.rollout import Rollout
@@ -272,7 +272,7 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
     metrics.update(batch.metrics)
     metrics.update(scored_stats(scored))
     metrics.update(completion_stats(rollout, world))
-    metrics["frac_zero_std_groups"] = (scored.scores.view(-1, G).std(dim=1) <= 1e-6).float().mean().item()
+    metrics["frac_zero_std_groups"] = tied_groups(scored.scores, G, trusted_rows(scored)).float().mean().item()  # over the rows that count
     metrics["adv/std"] = all_advantages.std().item()
     metrics["ratio_dev/first"] = updates.first_ratio_dev
     if mismatch is not None:

@@ -268,7 +268,7 @@ def score_rollout(
     term does not apply or its call failed, as in TRL's rewards_per_func; out of the sum) and each term's failed
     rows (B,) bool; ``columns``: the rows' other dataset columns, for the terms that take them. A
     completion no term applies to (every one returned None) has no reward, not 0: it is counted under
-    :data:`NO_TERM_APPLIES` in the failed rows and left out of training, as TRL leaves out its NaN reward.
+    :data:`NO_TERM_APPLIES` in the failed rows and left out of training (TRL leaves its NaN reward out of the baseline).
 
     Every call goes through :func:`rlalign.lm.reward_calls.score_terms`: async terms run
     concurrently, and a failed call is an error naming the term and the prompt unless the term's
@@ -461,12 +461,14 @@ def concat_scored(parts: Sequence[ScoredRollout]) -> ScoredRollout:
 
 
 def reward_stats(total: Tensor, per_term: dict[str, Tensor], failed: dict[str, Tensor] | None = None) -> dict[str, float]:
-    """reward/mean, reward/std and reward/<name>/mean|std of each term over the rows it gave a value
+    """reward/mean and reward/std over the rows every term could score (the rows trained on: a row in
+    ``failed`` has no total reward), reward/<name>/mean|std of each term over the rows it gave a value
     (NaN in ``per_term``: not given; TRL's nanmean and nanstd, and no entry where it gave none);
     reward/<name>/failed, the number of completions whose call of the term failed, for each term in
     ``failed`` that had any."""
     std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # noqa: E731
-    stats = {"reward/mean": total.mean().item(), "reward/std": std(total)}
+    scored = total[_trusted(total, failed or {})]  # (n,)
+    stats = {"reward/mean": scored.mean().item(), "reward/std": std(scored)} if scored.numel() else {}
     for name, values in per_term.items():
         given = values[~values.isnan()]  # (n,)
         if given.numel():
@@ -481,8 +483,12 @@ def reward_stats(total: Tensor, per_term: dict[str, Tensor], failed: dict[str, T
 def trusted_rows(scored: ScoredRollout) -> Tensor:
     """The rows every term could score (no call failed there, none answered UNSCORED): the others are
     left out of training, their advantage 0 and their tokens out of the loss. Shape: (B global,) bool."""
-    untrusted = torch.zeros_like(scored.scores, dtype=torch.bool)
-    for rows in scored.failed.values():
+    return _trusted(scored.scores, scored.failed)
+
+
+def _trusted(scores: Tensor, failed: dict[str, Tensor]) -> Tensor:
+    untrusted = torch.zeros_like(scores, dtype=torch.bool)  # (B,)
+    for rows in failed.values():
         untrusted |= rows.bool()
     return ~untrusted
 

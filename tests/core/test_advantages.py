@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from rlalign.core.advantages import (
     gae,
     group_advantages,
+    tied_groups,
     kl_shaped_rewards,
     last_token_index,
     reinforce_plus_plus_advantages,
@@ -350,3 +351,14 @@ def test_every_completion_valid_is_the_unmasked_estimator(estimator):
           "rpp": lambda **k: reinforce_plus_plus_advantages(scores, 4, **k),
           "rpp-baseline": lambda **k: reinforce_plus_plus_advantages(scores, 4, baseline=True, **k)}[estimator]
     torch.testing.assert_close(fn(valid=torch.ones(12, dtype=torch.bool)), fn(), rtol=1e-5, atol=1e-6)
+
+
+def test_tied_groups_are_judged_on_the_completions_that_count():
+    # [0, 1, 1, 1] looks informative, but its 0 is a completion no reward could score: over the rest, 1, 1, 1 tie (DAPO's
+    # dynamic sampling kept such a group, which carries no gradient); a group with one countable completion ties too
+    scores = torch.tensor([0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 5.0, 0.0, 0.0, 0.0])
+    valid = torch.tensor([False, True, True, True, True, True, True, True, True, False, False, False])
+    assert tied_groups(scores, 4).tolist() == [False, False, False]
+    assert tied_groups(scores, 4, valid).tolist() == [True, False, True]
+    assert group_advantages(scores, 4, valid=valid)[[0, 1, 2, 3, 8]].tolist() == [0.0] * 5  # the groups it calls tied get 0
+    assert tied_groups(torch.tensor([2.0, 2.0 + 1e-7, 3.0, 3.0]), 2).tolist() == [True, True]

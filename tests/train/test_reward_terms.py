@@ -236,6 +236,8 @@ def test_a_completion_no_term_applies_to_has_no_reward_and_leaves_its_groups_bas
     from trl.trainer.utils import nanstd
 
     assert stats["reward/numeric/mean"] == pytest.approx(1 / 6) and stats["reward/numeric/std"] == pytest.approx(0.408248, abs=1e-6)
+    # and so is the total's (the two rows without one are not trained on; counted as 0 they made it 1/8 and 0.3536)
+    assert stats["reward/mean"] == pytest.approx(1 / 6) and stats["reward/std"] == pytest.approx(0.408248, abs=1e-6)
     assert stats["reward/numeric/mean"] == pytest.approx(torch.nanmean(per_term["numeric"]).item())
     assert stats["reward/numeric/std"] == pytest.approx(nanstd(per_term["numeric"]).item())
     assert [row["numeric"] for row in sample_rows(0, scored, 3)] == [None, 1.0, 0.0]  # the samples table: None where not given
