@@ -83,7 +83,7 @@ def sampled_score(policy, tokenizer, prompts: list[str], reward_fn, max_new_toke
         generator=torch.Generator().manual_seed(seed),
     )
     texts = [render_prompt(tokenizer, p) for p in prompts]
-    return float(score_completions([reward_fn], texts, rollout.decode_completions(tokenizer)).mean())
+    return float(score_completions([reward_fn], texts, rollout.decode_completions(tokenizer)).nanmean())  # NaN where unscored
 
 
 def evaluate_policy(path: Path, sft_path: Path, task_name: str, eval_prompts: int, seed: int) -> dict[str, float]:

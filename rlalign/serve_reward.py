@@ -7,18 +7,22 @@ Routes (the JSON protocol of docs/reward_protocol.md, which :class:`rlalign.lm.r
 
 - ``POST /score`` and ``POST /get_reward`` (OpenRLHF ``serve_rm``'s route; the same handler):
   ``{"prompts": [...], "completions": [...], "columns": {name: [one value per row]}, "global_step": n}``
-  -> ``{"rewards": [float | null, ...], "scores": [the same]}`` (``scores`` as OpenRLHF's server sends it).
+  -> ``{"rewards": [float | null, ...], "scores": [the same], "unscored": [row, ...]}`` (``scores`` as
+  OpenRLHF's server sends it; ``unscored``, only when there are any: the rows the function answered
+  :data:`rlalign.lm.reward_calls.UNSCORED` for, null in ``rewards``).
   OpenRLHF's ``query`` (prompt + response text) with ``prompts`` stands for ``completions``: each
   completion is its query with the prompt cut off the front; its ``labels`` become the
   ``--label-column`` column (``answer`` by default) when ``columns`` has none.
 - ``GET /health`` -> ``{"status": "ok", "reward": name}`` (never needs the token).
 
 A function is called as the trainer calls one (:func:`rlalign.lm.rewards.call_reward`, TRL's
-keywords: ``prompts``, ``completions``, the columns it names, ``trainer_state`` with ``global_step``);
-a reward model scores with :class:`rlalign.lm.rewards.RewardModelReward`, loaded as the trainers
-load one. A request that is not the protocol gets 400 ``{"error": ...}`` naming the field; a reward
-function that raises or returns something other than one finite number (or None) per row gets 500
-``{"error": ..., "retryable": false}`` naming the function and the prompt, never a traceback.
+keywords: ``prompts``, ``completions``, the columns it names, ``trainer_state`` with ``global_step``)
+and its scores are taken as the trainer takes them (a float, an int, a bool, a NumPy scalar, a
+one-element tensor, None, or UNSCORED); a reward model scores with
+:class:`rlalign.lm.rewards.RewardModelReward`, loaded as the trainers load one. A request that is not
+the protocol gets 400 ``{"error": ...}`` naming the field; a reward function that raises or returns
+something other than one of those per row gets 500 ``{"error": ..., "retryable": false}`` naming the
+function and the prompt, never a traceback.
 
 One batch at a time: requests are scored in a worker thread (the server keeps answering ``/health``)
 under one lock, since a model's forward already uses every core it is given and a user's function
@@ -54,7 +58,7 @@ from typing import Any
 from rlalign.errors import RLAlignError
 from rlalign.listen import base_url, bound_socket, is_loopback
 from rlalign.lm.remote_reward import check_rewards
-from rlalign.lm.reward_calls import import_reward_function
+from rlalign.lm.reward_calls import UNSCORED, _as_number, import_reward_function
 from rlalign.lm.rewards import RewardFunctionError, call_reward, reward_fn_name
 
 __all__ = [
@@ -158,8 +162,9 @@ def _call(fn: Callable, prompts: list, completions: list, columns: dict[str, lis
     return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
-def score_rows(fn: Callable, prompts: list, completions: list, columns: dict[str, list], context: dict[str, Any], name: str | None = None) -> list[float | None]:
-    """``fn``'s rewards for the rows, checked: one finite float or None each.
+def score_rows(fn: Callable, prompts: list, completions: list, columns: dict[str, list], context: dict[str, Any], name: str | None = None) -> list:
+    """``fn``'s rewards for the rows, checked: one finite float, None or :data:`UNSCORED` each (a bool,
+    a NumPy scalar or a one-element tensor read as a float, as the trainer reads them).
 
     Raises:
         RewardFunctionError: naming the function and the prompt (a batch that raises is re-run one row
@@ -180,7 +185,11 @@ def score_rows(fn: Callable, prompts: list, completions: list, columns: dict[str
                     culprit = i
                     break
         raise RewardFunctionError(f"reward function {name} raised {type(err).__name__}: {str(err)[:300]} (prompt {prompts[culprit]!r:.200})") from err
-    return check_rewards(values, len(prompts), f"reward function {name}", prompts)
+    values = [_as_number(v) for v in values]
+    unscored = {i for i, v in enumerate(values) if v is UNSCORED}
+    values = [None if i in unscored else float(v) if isinstance(v, bool) else v for i, v in enumerate(values)]
+    checked = check_rewards(values, len(prompts), f"reward function {name}", prompts)
+    return [UNSCORED if i in unscored else v for i, v in enumerate(checked)]
 
 
 def load_function(spec: str) -> Callable:
@@ -310,7 +319,9 @@ def create_app(
             rewards = await run_in_threadpool(scored, prompts, completions, columns, context)
         except RewardFunctionError as err:
             return JSONResponse({"error": str(err), "retryable": False}, status_code=500)
-        return JSONResponse({"rewards": rewards, "scores": rewards})
+        unscored = [i for i, v in enumerate(rewards) if v is UNSCORED]
+        rewards = [None if v is UNSCORED else v for v in rewards]
+        return JSONResponse({"rewards": rewards, "scores": rewards, **({"unscored": unscored} if unscored else {})})
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "reward": name})

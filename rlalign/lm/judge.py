@@ -11,21 +11,35 @@ message ``template.format(prompt=..., completion=..., **the row's columns it nam
 may use ``{answer}`` to show a reference; a literal brace is written ``{{``). A prompt given as chat
 messages is shown as "role: content" lines; a completion given as messages, as their contents.
 
-Its answer is parsed by ``pattern`` (default: "Score: 7", "score = 7.5", "7/10"): the first match's
-first group that matched is the number x (the whole match when the pattern has no group); x in
-[min_score, max_score] gives (x - min_score) / (max_score - min_score). An answer with no match, or
-with x out of range, is a parse failure: that completion's reward is None (the term does not apply
-to it and is left out of its sum), it is counted (``judge.failures``; :meth:`JudgeReward.pop_stats`
-gives the count since the last call, for a trainer to log ``reward/<name>/parse_failed``) and
-logged, and when more than ``max_failure_fraction`` of a call's answers fail, the call raises
-:class:`RewardFunctionError` naming the judge, a prompt and the judge's raw answer: a judge that
-cannot follow the format is broken, not a source of zeros. Never a silent 0.
+Its answer is parsed by ``pattern`` (default: "Score: 7", "score = 7.5", "Score: 7/10", "7/10"):
+judges reason first and give their verdict last, so of the pattern's matches the last one counts,
+with two refinements. A group named ``of``, when it matched, is the scale the number is given on
+("7/8"): such a match counts only when ``of`` equals ``max_score`` (else it is a quoted fraction, not
+a verdict, and is passed over). And the pattern's alternatives are in order of preference: a match
+whose number is in an earlier group wins over one whose number is in a later group, wherever they
+are (so the default prefers an explicit "Score: N" to a bare "N/10"). The number x is the match's
+first group that matched (the whole match when the pattern has no group but ``of``); x in
+[min_score, max_score] gives (x - min_score) / (max_score - min_score). An answer with no such
+match, or whose chosen match has x out of range, is a parse failure (never an earlier match): that
+completion's reward is None (the term does not apply to it and is left out of its sum), it is
+counted (``judge.failures``; :meth:`JudgeReward.pop_stats` gives the count since the last call, for
+a trainer to log ``reward/<name>/parse_failed``) and logged, and when more than
+``max_failure_fraction`` of a call's answers fail, the call raises :class:`RewardFunctionError`
+naming the judge, a prompt and the judge's raw answer: a judge that cannot follow the format is
+broken, not a source of zeros. Never a silent 0.
+
+What the judge reads is never taken from the policy as control tokens: a completion (or a prompt,
+a column) containing the literal text "<|im_end|>" reaches a local judge as those characters, not
+as its end-of-turn token (:meth:`LocalJudge.encode`). A ``base_url`` judge gets the text as a
+message's content, which that server tokenises as it does; the common marker shapes are defused
+before they are sent (:class:`ChatEndpoint`).
 
 Who answers is one seam, ``answer(conversations) -> list[str]`` (sync or ``async def``):
 
 - :class:`LocalJudge`: a Hugging Face causal LM and its tokenizer, greedy. The conversation goes
   through the tokenizer's chat template when it has one (with the generation prompt), else its
-  messages' contents joined by blank lines are the prompt text; decoding is rlalign's own sampler
+  messages' contents joined by blank lines are the prompt text; the template's own text is
+  tokenised with its control tokens, each message's content as plain text; decoding is rlalign's own sampler
   (:func:`rlalign.lm.sampling.sample` at temperature 0, which gives ``generate(do_sample=False)``'s
   tokens), ``batch_size`` conversations at a time, at most ``max_new_tokens`` tokens each. Prompts
   longer than the model's context are not truncated: keep the template and completions short enough.
@@ -53,12 +67,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlalign.lm.decode import SamplingParams
-from rlalign.lm.encoding import completion_text, encode_prompts
+from rlalign.lm.encoding import completion_text
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.remote_reward import RETRY_STATUSES, post_json, run_sync
 from rlalign.lm.rewards import RewardFunctionError
 
-__all__ = ["JudgeReward", "LocalJudge", "ChatEndpoint", "DEFAULT_TEMPLATE", "DEFAULT_PATTERN", "parse_score"]
+__all__ = ["JudgeReward", "LocalJudge", "ChatEndpoint", "DEFAULT_TEMPLATE", "DEFAULT_PATTERN", "parse_score", "defuse_markers"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +84,43 @@ DEFAULT_TEMPLATE = (
     "[Prompt]\n{prompt}\n\n[Response]\n{completion}\n\n"
     'Reply with your rating in the form "Score: N" and nothing else.'
 )
-DEFAULT_PATTERN = r"(?i)score[^\w-]{0,5}(-?\d+(?:\.\d+)?)|(-?\d+(?:\.\d+)?)\s*/\s*\d+"
+DEFAULT_PATTERN = r"(?i)(?:score[^\w-]{0,5}(-?\d+(?:\.\d+)?)|(-?\d+(?:\.\d+)?)(?=\s*/\s*\d))(?:\s*/\s*(?P<of>\d+(?:\.\d+)?))?"
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 def parse_score(answer: str, pattern: re.Pattern, min_score: float, max_score: float) -> float | None:
-    """(x - min_score) / (max_score - min_score) for the number x that ``pattern`` finds first in
-    ``answer`` (its first group that matched; the whole match without groups); None when nothing
-    matches or x is outside [min_score, max_score]."""
-    match = pattern.search(answer)
-    if match is None:
-        return None
-    text = next((g for g in match.groups() if g is not None), None) if pattern.groups else match.group(0)
-    try:
-        x = float(text)
-    except (TypeError, ValueError):
-        return None
-    if not (math.isfinite(x) and min_score <= x <= max_score):
+    """(x - min_score) / (max_score - min_score) for the judge's verdict x in ``answer``: of the matches
+    of ``pattern`` whose group ``of`` (if the pattern has one and it matched) equals ``max_score``,
+    those whose number is in the earliest group, and of these the last (the module docstring); x is
+    that group (the whole match without groups). None when there is no such match or x is not a
+    number in [min_score, max_score].
+
+    With the default pattern on a 0-10 scale: "The answer 7/8 is wrong. Score: 1" gives 0.1 (the
+    explicit score; 7/8 is on another scale), "Score: 4/10, then Score: 9" 0.9 (the last), "3/5" None.
+    """
+    of = pattern.groupindex.get("of")
+    numbers = [g for g in range(1, pattern.groups + 1) if g != of]
+    chosen: tuple[int, str] | None = None  # (the group of its number, that number's text)
+    for match in pattern.finditer(answer):
+        if of is not None and match.group(of) is not None and _number(match.group(of)) != max_score:
+            continue  # a fraction on another scale: not a verdict
+        if numbers:
+            group = next((g for g in numbers if match.group(g) is not None), None)
+            if group is None:
+                continue
+            text = match.group(group)
+        else:
+            group, text = 0, match.group(0)
+        if chosen is None or group <= chosen[0]:
+            chosen = (group, text)
+    x = _number(chosen[1]) if chosen is not None else None
+    if x is None or not (math.isfinite(x) and min_score <= x <= max_score):
         return None
     return (x - min_score) / (max_score - min_score)
 
@@ -108,17 +143,44 @@ class LocalJudge:
         self.name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
 
     def prompts(self, conversations: Sequence[Conversation]) -> list[str | Conversation]:
-        """What the model is given: each conversation itself (rendered by the chat template), or without
-        a template its messages' contents joined by blank lines."""
+        """The model's prompt before tokenising: each conversation itself (rendered by the chat template),
+        or without a template its messages' contents joined by blank lines (:meth:`encode` tokenises it)."""
         if getattr(self.tokenizer, "chat_template", None):
             return list(conversations)
         return ["\n\n".join(m["content"] for m in conversation) for conversation in conversations]
+
+    def encode(self, conversation: Conversation) -> list[int]:
+        """The token ids the model reads for one conversation: the chat template's own text (its control
+        tokens included) tokenised as the template's, each message's content as plain text
+        (``split_special_tokens``), so a completion's literal "<|im_end|>" stays characters. Without a
+        chat template the whole prompt is contents: plain text after the tokenizer's special tokens (BOS).
+
+        Raises:
+            RewardFunctionError: when the chat template alters contents in a way other than stripping
+                them (they cannot be told apart from its own text), or the tokenizer still reads a
+                control token in plain text.
+        """
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            pieces = [(_plain_ids(tokenizer, text) if content else tokenizer(text, add_special_tokens=False)["input_ids"], content)
+                      for text, content in _template_pieces(tokenizer, conversation) if text]
+            ids, contents = [i for piece, _ in pieces for i in piece], [piece for piece, content in pieces if content]
+        else:
+            text = "\n\n".join(m["content"] for m in conversation)
+            ids, contents = tokenizer(text, split_special_tokens=True)["input_ids"], [_plain_ids(tokenizer, text)]
+        control = {*tokenizer.all_special_ids, *(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)} - {tokenizer.unk_token_id}
+        if any(control.intersection(piece) for piece in contents):
+            raise RewardFunctionError(
+                f"judge {self.name}: its tokenizer read a control token in a message's plain text (it ignores split_special_tokens), "
+                "so a completion could forge the judge's turns"
+            )
+        return ids
 
     @torch.no_grad()
     def __call__(self, conversations: Sequence[Conversation]) -> list[str]:
         from rlalign.lm.sampling import sample
 
-        ids = encode_prompts(self.tokenizer, self.prompts(conversations))
+        ids = [self.encode(c) for c in conversations]
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0)
         answers: list[str] = []
         with evaluating(self.model):
@@ -129,15 +191,60 @@ class LocalJudge:
         return answers
 
 
+_SLOT = "\ue000rlalign-judge-content-{}\ue000"  # a private-use character: no template writes it, none strips it
+_SLOTS = re.compile("\ue000rlalign-judge-content-(\\d+)\ue000")
+
+
+def _plain_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _template_pieces(tokenizer: PreTrainedTokenizerBase, conversation: Conversation) -> list[tuple[str, bool]]:
+    """The rendered conversation (generation prompt included) as (text, is a message's content) pieces:
+    the template is rendered around a placeholder per message, and the pieces must join to what it
+    renders with the real contents (contents as given, or stripped, as Gemma's and Llama 3's templates do)."""
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    skeleton = tokenizer.apply_chat_template(
+        [{**m, "content": _SLOT.format(i)} for i, m in enumerate(conversation)], tokenize=False, add_generation_prompt=True
+    )
+    parts = _SLOTS.split(skeleton)  # template text, message index, template text, ...
+    for shown in (lambda text: text, str.strip):
+        pieces = [(part, False) if k % 2 == 0 else (shown(conversation[int(part)]["content"]), True) for k, part in enumerate(parts)]
+        if "".join(text for text, _ in pieces) == rendered:
+            return pieces
+    raise RewardFunctionError(
+        "the judge's chat template changes message contents beyond stripping them, so its own text cannot be told apart from "
+        f"the contents, which must be tokenised as plain text (rendered: {rendered[:200]!r})"
+    )
+
+
+_MARKERS = re.compile(r"<(?=[|\uff5c][^\s<>|\uff5c]{1,64}[|\uff5c]>|(?:start|end)_of_turn>)")  # <|im_end|>, <｜end▁of▁sentence｜>, <end_of_turn>
+
+
+def defuse_markers(text: str) -> str:
+    """``text`` with a WORD JOINER (U+2060, invisible) after the "<" of each chat control marker written
+    as text: ChatML's and Llama 3's ``<|...|>``, DeepSeek's ``<｜...｜>``, Gemma's ``<start_of_turn>`` and
+    ``<end_of_turn>``. A server's tokenizer then reads characters there, not its control token."""
+    return _MARKERS.sub("<\u2060", text)
+
+
 class ChatEndpoint:
     """Answers from an OpenAI-compatible server: POST ``{base_url}/chat/completions`` with
     ``{"model", "messages", "temperature": 0, "max_tokens"}``, the answer read from
-    ``choices[0].message.content``. ``base_url`` ends where OpenAI's does, e.g. ``http://127.0.0.1:8000/v1``."""
+    ``choices[0].message.content``. ``base_url`` ends where OpenAI's does, e.g. ``http://127.0.0.1:8000/v1``.
+
+    The server renders the messages with its chat template and tokenises them, control tokens and all
+    (vLLM and SGLang read a literal "<|im_end|>" in a content as the control token), which rlalign
+    cannot change from here. With ``defuse_markers`` (the default) each content goes through
+    :func:`defuse_markers`, so a completion cannot close the judge's turn with the common marker
+    shapes; a template whose markers are plain words (Llama 2's ``[INST]``) stays forgeable, and a
+    local judge (:class:`LocalJudge`) is the one that rules it out."""
 
     def __init__(
         self, base_url: str, model: str, api_key: str | None = None, max_new_tokens: int = 16, timeout: float = 60.0,
-        max_retries: int = 3, backoff: float = 0.5, max_concurrency: int = 8,
+        max_retries: int = 3, backoff: float = 0.5, max_concurrency: int = 8, defuse_markers: bool = True,
     ):
+        self.defuse_markers = defuse_markers
         self.url, self.model, self.max_new_tokens = base_url.rstrip("/") + "/chat/completions", model, max_new_tokens
         self.timeout, self.max_retries, self.backoff, self.max_concurrency = timeout, max_retries, backoff, max_concurrency
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -148,6 +255,8 @@ class ChatEndpoint:
         async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
 
             async def one(conversation: Conversation) -> str:
+                if self.defuse_markers:
+                    conversation = [{**m, "content": defuse_markers(m["content"])} for m in conversation]
                 body = json.dumps({"model": self.model, "messages": conversation, "temperature": 0, "max_tokens": self.max_new_tokens}).encode()
                 what = f"judge {self.name}, message {conversation[-1]['content']!r:.200}"
                 async with limit:
@@ -176,7 +285,9 @@ class JudgeReward:
             :class:`ChatEndpoint`, a scripted function). :meth:`local`, :meth:`from_pretrained` and
             :meth:`remote` build one.
         template: the user message; ``{prompt}``, ``{completion}`` and any row column by name.
-        pattern: a regular expression finding the score in the answer (first group that matched).
+        pattern: a regular expression finding the verdict in the answer: its last match counts, a match
+            in an earlier group before one in a later group, a group named ``of`` being the scale
+            (the module docstring); x is the match's first group that matched.
         max_score, min_score: the score's range; x maps to (x - min_score) / (max_score - min_score).
         system_prompt: a system message before the user message (None: none).
         max_failure_fraction: the largest fraction of a call's answers that may fail to parse; above

@@ -9,8 +9,11 @@ Each batch of ``batch_size`` rows is one POST of JSON (the protocol: docs/reward
     {"prompts": [...], "completions": [...], "columns": {"answer": [...], ...},
      "query": [prompt + completion, ...], "labels": [...], "global_step": 12}
 
-and the server answers ``{"rewards": [float | null, ...]}``, one per row (null: the reward does not
-apply to that row, as a local function's None). ``query``, ``labels`` and the ``rewards`` key are
+and the server answers ``{"rewards": [float | null, ...], "unscored": [row, ...]}``, one reward per
+row: null where the reward does not apply to that row (a local function's None), or where it could
+not be scored, when ``unscored`` (optional, row indices in the request) lists the row (a local
+function's :data:`rlalign.lm.reward_calls.UNSCORED`, which the call then returns for that row, and
+the trainers leave out of training). ``query``, ``labels`` and the ``rewards`` key are
 OpenRLHF's (``openrlhf.cli.serve_rm`` reads ``query``; its agent posts ``query``, ``prompts`` and
 ``labels``), so an OpenRLHF reward server answers these requests too. ``query`` is sent when every
 prompt and completion of the batch is text; ``labels`` when the rows have a ``label_column`` column.
@@ -45,11 +48,13 @@ from typing import Any
 
 import httpx
 
+from rlalign.lm.reward_calls import UNSCORED, EndpointUnavailable
 from rlalign.lm.rewards import RewardFunctionError
 
 __all__ = ["RemoteReward", "RETRY_STATUSES", "post_json", "check_rewards", "run_sync"]
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+REFUSED_STATUSES = frozenset({401, 403, 404, 405})  # the endpoint refuses every request, whatever its rows
 
 
 def run_sync(coroutine):
@@ -87,11 +92,15 @@ async def post_json(
     ``unauthorized``: the message of a 401 answer, in place of the server's (which may quote a token back).
 
     Raises:
-        RewardFunctionError: naming ``url``, the HTTP status and the server's message (or the transport
-            error), and ``what``, once the tries are spent or on an answer that is not retried.
+        EndpointUnavailable: naming ``url``, the HTTP status and the server's message (or the transport
+            error), and ``what``, when the endpoint failed whatever the request held: the tries spent on
+            connection errors, timeouts or ``retry_statuses``, or a 401, 403, 404 or 405 answer.
+        RewardFunctionError: the same, for any other answer that is not retried (a 400, a 500 saying
+            ``"retryable": false``, a body that is not JSON), which may be about the request's rows.
     """
     retry_statuses = frozenset(retry_statuses)
     for attempt in range(max_retries + 1):
+        refused = False
         try:
             async with asyncio.timeout(timeout):
                 response = await client.post(url, content=body, headers={"content-type": "application/json"})
@@ -111,9 +120,11 @@ async def post_json(
                 message = unauthorized
             problem = f"HTTP {response.status_code}: {message}"
             retryable = allowed and response.status_code in retry_statuses
+            refused = response.status_code in REFUSED_STATUSES
         if not retryable or attempt == max_retries:
             tries = f" after {attempt + 1} tries" if attempt else ""
-            raise RewardFunctionError(f"POST {url} failed{tries}: {problem} ({what})")
+            endpoint = retryable or refused  # the endpoint failed, whatever this request's rows
+            raise (EndpointUnavailable if endpoint else RewardFunctionError)(f"POST {url} failed{tries}: {problem} ({what})")
         if on_retry is not None:
             on_retry()
         await asyncio.sleep(backoff * 2**attempt)
@@ -195,11 +206,12 @@ class RemoteReward:
             raise ValueError(f"{self.name}: the bearer token {self._token_source} must be printable ASCII without surrounding spaces")
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}  # kept out of ``headers``, which callers may print
 
-    def __call__(self, prompts: list, completions: list, trainer_state: Any = None, **columns: Sequence) -> list[float | None]:
-        """One reward per completion (None where the server says the reward does not apply)."""
+    def __call__(self, prompts: list, completions: list, trainer_state: Any = None, **columns: Sequence) -> list:
+        """One reward per completion: a float, None where the server says the reward does not apply,
+        :data:`rlalign.lm.reward_calls.UNSCORED` where it says the row could not be scored."""
         return run_sync(self.acall(prompts, completions, trainer_state=trainer_state, **columns))
 
-    async def acall(self, prompts: list, completions: list, trainer_state: Any = None, **columns: Sequence) -> list[float | None]:
+    async def acall(self, prompts: list, completions: list, trainer_state: Any = None, **columns: Sequence) -> list:
         """As the call, with up to ``max_concurrency`` batches in flight; rewards in the rows' order.
         ``trainer_state.global_step`` (when given) goes as ``global_step``; keywords that are not one
         value per row are not sent."""
@@ -215,7 +227,7 @@ class RemoteReward:
         limit = asyncio.Semaphore(self.max_concurrency)
         async with httpx.AsyncClient(timeout=self.timeout, headers={**self.headers, **self._auth}) as client:
 
-            async def batch(start: int) -> list[float | None]:
+            async def batch(start: int) -> list:
                 rows = slice(start, start + self.batch_size)
                 body = self._body(prompts[rows], completions[rows], {k: v[rows] for k, v in columns.items()}, step)
                 async with limit:
@@ -264,12 +276,22 @@ class RemoteReward:
             field = next((f"columns.{k}" for k, v in columns.items() if not _jsonable(v)), None) or next((k for k in ("prompts", "completions") if not _jsonable(payload[k])), "the request")
             raise RewardFunctionError(f"{self.name}: {field} cannot be sent as JSON ({err}) (prompt {prompts[0]!r:.200})") from None
 
-    def _rewards(self, answer: Any, prompts: list) -> list[float | None]:
+    def _rewards(self, answer: Any, prompts: list) -> list:
+        """The batch's rewards: floats, None, and :data:`UNSCORED` for the rows ``unscored`` lists."""
         who = f"{self.name} (POST {self.url})"
         if not isinstance(answer, dict) or "rewards" not in answer:
             keys = sorted(answer) if isinstance(answer, dict) else type(answer).__name__
             raise RewardFunctionError(f"{who} answered without a 'rewards' list (got {keys}) for the batch from prompt {prompts[0]!r:.200}")
-        return check_rewards(answer["rewards"], len(prompts), who, prompts)
+        rewards: list = check_rewards(answer["rewards"], len(prompts), who, prompts)
+        unscored = answer.get("unscored", [])
+        if not isinstance(unscored, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(prompts) or rewards[i] is not None for i in unscored):
+            raise RewardFunctionError(
+                f"{who} answered 'unscored': {str(unscored)[:100]}, not a list of indices of rows whose reward is null "
+                f"(batch of {len(prompts)} from prompt {prompts[0]!r:.200})"
+            )
+        for i in unscored:
+            rewards[i] = UNSCORED
+        return rewards
 
 
 def _jsonable(value: Any) -> bool:

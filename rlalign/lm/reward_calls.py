@@ -22,10 +22,16 @@ Their waiting overlaps: two functions that each wait 1 s cost 1 s, not 2.
 Failures. A call that raises, exceeds ``timeout_s``, returns the wrong number of scores, or returns a
 value that is not a finite number is, by default (``on_error="raise"``), a :class:`RewardFunctionError`
 naming the function and the prompt (a batch that raises is re-run one row at a time to find the
-prompt that does). With ``on_error="skip"`` the term is left out for the rows concerned (the whole
+prompt that does: ``RERUN_CONCURRENCY`` rows at once for an async function, in turn for a
+synchronous one). With ``on_error="skip"`` the term is left out for the rows concerned (the whole
 batch for a timeout or a wrong count, else the rows that raise or give a bad value) and they are
 counted in ``failed``, which the trainers log as ``reward/<term>/failed`` and leave out of
 training (no advantage, no loss: :func:`rlalign.train.rollouts.trusted_rows`). Never a silent 0.
+
+A batch that fails with :class:`EndpointUnavailable` (a server that did not answer after its
+retries, or refuses every request: :func:`rlalign.lm.remote_reward.post_json`) is not re-run row by
+row, which would only ask the server again once per row: the whole batch fails. When a row's re-run
+fails that way, the rows not yet re-run fail with it.
 
 A synchronous function that times out cannot be stopped from outside: its thread runs on until it
 returns, and its result is dropped. An async one is cancelled.
@@ -65,6 +71,8 @@ __all__ = [
     "check_finite",
     "reset_event_loop",
     "UNSCORED",
+    "EndpointUnavailable",
+    "RERUN_CONCURRENCY",
 ]
 
 
@@ -82,6 +90,14 @@ OnError = Literal["raise", "skip"]
 
 class RewardFunctionError(RLAlignError, RuntimeError):
     """A reward function raised, timed out, returned the wrong number of scores, or returned NaN/inf."""
+
+
+class EndpointUnavailable(RewardFunctionError):
+    """The service a reward function asks did not answer (connection error, timeout, 429 or 5xx after the
+    retries) or refuses every request (401, 403, 404, 405): asking it again row by row would only fail again."""
+
+
+RERUN_CONCURRENCY = 8  # rows of a failed batch re-run at once, for an async function
 
 
 def reward_fn_name(fn: Callable) -> str:
@@ -244,8 +260,9 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
             return _all_failed(n)
         raise RewardFunctionError(f"reward function {name} took longer than its timeout_s={policy.timeout_s} (batch of {n}, first prompt {prompts[0]!r})") from outcome
     if isinstance(outcome, BaseException):
-        if n > 1:  # find the rows that raise: alone, each succeeds or fails on its own
-            rows = [_checked(policy, _outcome(policy, [p], [c], _row(columns, i), context), [p], [c], _row(columns, i), context) for i, (p, c) in enumerate(zip(prompts, completions))]
+        if n > 1 and not isinstance(outcome, EndpointUnavailable):  # find the rows that raise: alone, each succeeds or fails on its own
+            outcomes = _rerun_rows(policy, prompts, completions, columns, context)
+            rows = [_checked(policy, o, [p], [c], _row(columns, i), context) for i, (o, p, c) in enumerate(zip(outcomes, prompts, completions))]
             return TermScores(torch.cat([r.values for r in rows]), torch.cat([r.failed for r in rows]))
         if skip:
             return _all_failed(n)
@@ -277,6 +294,37 @@ def _outcome(policy: CallPolicy, prompts: list, completions: list, columns: dict
         return _call(policy, prompts, completions, columns, context)
     except Exception as err:  # noqa: BLE001 - every failure of user code is judged by the policy
         return err
+
+
+def _rerun_rows(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict) -> list:
+    """Each row's outcome alone (its scores or its exception): an async function's rows
+    ``RERUN_CONCURRENCY`` at a time, a synchronous one's in turn. Once a row fails with
+    :class:`EndpointUnavailable`, the rows not yet started get that outcome without a call."""
+    if async_entry(policy.fn) is None:
+        outcomes: list = []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            down = next((o for o in outcomes if isinstance(o, EndpointUnavailable)), None)
+            outcomes.append(down or _outcome(policy, [p], [c], _row(columns, i), context))
+        return outcomes
+    return asyncio.run_coroutine_threadsafe(_rerun_rows_async(policy, prompts, completions, columns, context), _event_loop()).result()
+
+
+async def _rerun_rows_async(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict) -> list:
+    limit, down = asyncio.Semaphore(RERUN_CONCURRENCY), []
+
+    async def one(i: int):
+        async with limit:
+            if down:
+                return down[0]
+            try:
+                coroutine = call_reward(async_entry(policy.fn), [prompts[i]], [completions[i]], _row(columns, i), context)
+                return await _await_with_limit(coroutine, policy.timeout_s)
+            except Exception as err:  # noqa: BLE001 - judged by the policy, as _outcome does
+                if isinstance(err, EndpointUnavailable):
+                    down.append(err)
+                return err
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
 
 def _row(columns: dict, i: int) -> dict:
@@ -328,8 +376,11 @@ def score_completions(
     columns: Mapping[str, Sequence] | None = None,
     context: Mapping[str, object] | None = None,
 ) -> Tensor:
-    """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32. A function may return
-    None for a completion it does not apply to: its term is left out of that completion's sum.
+    """sum_k w_k fn_k(prompts, completions), checked. Returns (B,) float32, NaN for a completion that
+    has no reward: every function returned None for it, or one returned :data:`UNSCORED` (as the
+    trainers leave such a completion out of training). A function returning None for a completion
+    others score is left out of that completion's sum. Average over the scored completions
+    (``total.nanmean()``), never with a NaN read as 0.
 
     ``columns``: the rows' other dataset columns (``answer``, ``tests``, ...), one value per row each;
     ``context``: keywords that are not per row (a trainer passes ``trainer_state``, with ``global_step``).
@@ -337,7 +388,7 @@ def score_completions(
 
     Raises:
         RewardFunctionError: naming the function and the prompt, when one raises or returns
-        something other than one finite number per completion.
+        something other than one finite number, None or UNSCORED per completion.
     """
     if not reward_fns:
         raise ValueError("no reward functions")
@@ -347,13 +398,17 @@ def score_completions(
     policies = [CallPolicy(reward_fn_name(fn), fn) for fn in reward_fns]
     results = score_terms(policies, list(prompts), list(completions), columns, context)
     total = torch.zeros(len(prompts), dtype=torch.float32)  # (B,)
+    scored = torch.zeros(len(prompts), dtype=torch.bool)  # (B,) some function gave a number
+    unscored = torch.zeros(len(prompts), dtype=torch.bool)  # (B,) some function answered UNSCORED
     for policy, weight, result in zip(policies, weights, results):
         name, scores = policy.name, result.values
         applies = ~torch.isnan(scores)
         check_finite(scores[applies], f"reward function {name} returned", [p for p, a in zip(prompts, applies.tolist()) if a], "not finite in float32, the dtype rewards are trained in")
         total += weight * scores.nan_to_num(0.0)
         check_finite(total, f"the reward total after reward function {name} (weight {weight}) is", prompts, "not finite in float32")
-    return total
+        scored |= applies
+        unscored |= result.failed  # on_error is "raise" here, so only UNSCORED marks a row failed
+    return total.masked_fill(~scored | unscored, math.nan)
 
 
 def check_finite(values: Tensor, what: str, prompts: Sequence, why: str) -> None:

@@ -159,7 +159,8 @@ def generation_eval(
     model, tokenizer, prompts: list, reward_fn, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 64, seed: int = 0,
     columns: dict[str, list] | None = None,
 ) -> tuple[float, list[str]]:
-    """Mean ``reward_fn`` of completions of ``prompts`` (text or messages), and the completions;
+    """Mean ``reward_fn`` of completions of ``prompts`` (text or messages) over those it scored (a None or
+    UNSCORED is no 0; NaN when it scored none), and the completions;
     ``columns``: one value per prompt each (e.g. ``answer``), passed to the reward (TRL's convention).
 
     ``temperature=0`` is greedy; otherwise draws use a private generator seeded with ``seed``, so
@@ -179,7 +180,7 @@ def generation_eval(
         completions.extend(rollout.decode_completions(tokenizer))
     model.train(was_training)
     scores = score_completions([reward_fn], texts, completions, columns=columns)
-    return float(scores.mean()), completions
+    return float(scores.nanmean()), completions  # (B,) NaN where unscored
 
 
 def greedy_eval(model, tokenizer, prompts: list, reward_fn, max_new_tokens: int, batch_size: int = 64) -> tuple[float, list[str]]:

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from rlalign.lm.remote_reward import RemoteReward
-from rlalign.lm.reward_calls import async_entry, is_async_reward
+from rlalign.lm.reward_calls import UNSCORED, CallPolicy, async_entry, is_async_reward, score_terms
 from rlalign.lm.rewards import RewardFunctionError, call_reward, score_completions
 from rlalign.serve_reward import create_app, running
 
@@ -196,6 +196,9 @@ def test_nothing_listening_is_an_error_after_the_retries():
         ({"scores": [1.0, 2.0]}, r"answered without a 'rewards' list \(got \['scores'\]\)"),
         ({"rewards": {"a": 1}}, r"returned dict .* not a list of rewards"),
         (b"<html>oops</html>", r"HTTP 200 with a body that is not JSON"),
+        ({"rewards": [1.0, 2.0], "unscored": [1]}, r"answered 'unscored': \[1\], not a list of indices of rows whose reward is null"),
+        ({"rewards": [1.0, None], "unscored": [2]}, r"answered 'unscored': \[2\], not a list of indices"),
+        ({"rewards": [1.0, None], "unscored": 1}, r"answered 'unscored': 1, not a list of indices"),
     ],
 )
 def test_a_wrong_answer_is_an_error_at_once_never_a_zero(payload, error):
@@ -328,3 +331,55 @@ def test_a_token_a_header_cannot_carry_is_refused_without_showing_it():
         with pytest.raises(ValueError, match=r"the bearer token passed as RemoteReward\(token=\.\.\.\) must be printable ASCII") as err:
             RemoteReward("http://127.0.0.1:5000/score", token=bad)
         assert bad not in str(err.value)
+
+
+def test_unscored_rows_come_back_as_unscored_and_leave_training():
+    app, _ = scripted_app((0, 200, {"rewards": [1.0, None, None], "unscored": [2]}))
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score")
+        assert remote(["p"] * 3, ["a", "b", "c"]) == [1.0, None, UNSCORED]  # null alone: does not apply; listed: could not be scored
+        result = score_terms([CallPolicy("remote", remote)], ["p"] * 3, ["a", "b", "c"])[0]
+    assert result.values[0].item() == 1.0 and result.values[1:].isnan().all() and result.failed.tolist() == [False, False, True]
+
+
+# -- a failed batch: the rows are asked again only when a row can be at fault ------------------------
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_server_that_is_down_is_asked_once_per_batch_not_once_per_row(on_error):
+    app, seen = scripted_app((0, 503, {"error": "down"}))
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score", batch_size=64, max_retries=1, backoff=0.0)
+        policy = CallPolicy("remote", remote, on_error=on_error)
+        if on_error == "skip":
+            result = score_terms([policy], ["p"] * 8, ["c"] * 8)[0]
+            assert result.failed.all() and result.values.isnan().all()
+        else:
+            with pytest.raises(RewardFunctionError, match=r"remote raised EndpointUnavailable: POST .* failed after 2 tries: HTTP 503: down"):
+                score_terms([policy], ["p"] * 8, ["c"] * 8)
+    assert len(seen) == 2  # the batch and its 1 retry; re-running the 8 rows alone asked 2 + 8 x 2 = 18 times
+
+
+def test_a_server_refusing_the_token_is_asked_once():
+    app, seen = scripted_app((0, 401, {"error": "no"}))
+    with running(app) as url:
+        result = score_terms([CallPolicy("remote", RemoteReward(f"{url}/score", max_retries=3), on_error="skip")], ["p"] * 5, ["c"] * 5)[0]
+    assert result.failed.all() and len(seen) == 1  # a 401 is not retried, nor asked again per row (1 + 5 before)
+
+
+def test_one_raising_row_in_a_batch_fails_alone_and_the_others_are_scored():
+    calls = []
+
+    def boom(prompts, completions):
+        calls.append(list(completions))
+        if "bad" in completions:
+            raise ValueError("cannot score this")
+        return [float(len(c)) for c in completions]
+
+    with running(create_app(boom)) as url:
+        policy = CallPolicy("remote", RemoteReward(f"{url}/score", max_retries=3, backoff=0.01), on_error="skip")
+        result = score_terms([policy], ["p", "q", "r"], ["ab", "bad", "abcd"])[0]
+    assert result.values[0].item() == 2.0 and result.values[1].isnan() and result.values[2].item() == 4.0
+    assert result.failed.tolist() == [False, True, False]
+    # the server got the batch (and re-ran it row by row itself to name the prompt), then each row alone, in any order
+    assert calls[:3] == [["ab", "bad", "abcd"], ["ab"], ["bad"]] and sorted(map(tuple, calls[3:])) == [("ab",), ("abcd",), ("bad",)]

@@ -103,3 +103,66 @@ def test_a_column_named_like_an_argument_never_replaces_the_completions():
     columns = {"completions": ["from the dataset"] * 2, "prompts": ["dataset prompt"] * 2}
     seen = score_completions([lambda prompts, completions, **kw: [float(c == "generated") for c in completions]], ["p", "q"], ["generated", "generated"], columns=columns)
     assert seen.tolist() == [1.0, 1.0]
+
+
+def test_a_completion_without_a_reward_is_nan_never_zero():
+    from rlalign.lm.reward_calls import UNSCORED
+
+    def timing_out(prompts, completions):
+        return [{"ok": 1.0, "timeout": UNSCORED, "n/a": None}[c] for c in completions]
+
+    total = score_completions([timing_out], ["p"] * 3, ["ok", "timeout", "n/a"])
+    assert total[0].item() == 1.0 and total[1:].isnan().all()  # UNSCORED: could not be scored; None from every term: no reward
+    assert total.nanmean().item() == 1.0  # the mean over the scored completion, where adding 0s gave 1/3
+    # with a second term scoring every row 0.5: None leaves only its own term's sum (0 + 0.5), UNSCORED leaves the row out
+    both = score_completions([timing_out, lambda p, c: [0.5] * len(c)], ["p"] * 3, ["ok", "timeout", "n/a"])
+    assert both[0].item() == 1.5 and both[1].isnan() and both[2].item() == 0.5
+
+
+def test_a_failed_async_batch_is_re_run_rows_at_once_and_a_raising_row_fails_alone():
+    import asyncio
+
+    from rlalign.lm.reward_calls import RERUN_CONCURRENCY, CallPolicy, score_terms
+
+    state = {"in_flight": 0, "most": 0, "calls": 0}
+
+    async def picky(prompts, completions):
+        state["calls"] += 1
+        state["in_flight"] += 1
+        state["most"] = max(state["most"], state["in_flight"])
+        await asyncio.sleep(0)  # every started row gets here before any finishes
+        state["in_flight"] -= 1
+        if "bad" in completions:
+            raise ValueError("cannot score bad")
+        return [1.0] * len(completions)
+
+    completions = ["ok"] * 5 + ["bad"] + ["ok"] * 6
+    result = score_terms([CallPolicy("picky", picky, on_error="skip")], ["p"] * 12, completions)[0]
+    assert result.failed.tolist() == [c == "bad" for c in completions] and result.values.nansum().item() == 11.0
+    assert state["calls"] == 1 + 12 and RERUN_CONCURRENCY == 8 and state["most"] == 8  # one row at a time before: 1
+
+
+def test_once_the_endpoint_is_down_the_remaining_rows_are_not_asked():
+    from rlalign.lm.reward_calls import CallPolicy, EndpointUnavailable, score_terms
+
+    calls = []
+
+    def flaky(prompts, completions):
+        calls.append(list(completions))
+        if len(completions) > 1:
+            raise ValueError("one row is bad")
+        if completions == ["b"]:
+            raise EndpointUnavailable("POST http://x/score failed after 4 tries: ConnectError")
+        return [1.0]
+
+    result = score_terms([CallPolicy("flaky", flaky, on_error="skip")], ["p"] * 4, ["a", "b", "c", "d"])[0]
+    assert calls == [["a", "b", "c", "d"], ["a"], ["b"]]  # c and d are not asked of a server that is down
+    assert result.failed.tolist() == [False, True, True, True] and result.values[0].item() == 1.0
+
+    def down(prompts, completions):
+        calls.append(list(completions))
+        raise EndpointUnavailable("POST http://x/score failed after 4 tries: ConnectError")
+
+    calls.clear()
+    assert score_terms([CallPolicy("down", down, on_error="skip")], ["p"] * 4, ["a", "b", "c", "d"])[0].failed.all()
+    assert calls == [["a", "b", "c", "d"]]  # the batch's failure is the endpoint's: not split

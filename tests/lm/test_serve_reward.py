@@ -204,6 +204,30 @@ def test_async_functions_none_and_tensors_are_served():
         assert RemoteReward(f"{url}/score")(["p", "q"], ["", "x"]) == [0.5, 0.5]
 
 
+def test_scores_the_trainer_takes_are_served_and_unscored_rows_stay_unscored():
+    import numpy as np
+
+    from rlalign.lm.reward_calls import UNSCORED, CallPolicy, score_terms
+
+    def mixed(prompts, completions):
+        kinds = {"f32": np.float32(0.25), "bool": True, "npbool": np.bool_(False), "i64": np.int64(3), "0d": torch.tensor(1.5),
+                 "1el": torch.tensor([2.5]), "none": None, "timeout": UNSCORED}
+        return [kinds[c] for c in completions]
+
+    rows = ["f32", "bool", "npbool", "i64", "0d", "1el", "none", "timeout"]
+    local = score_terms([CallPolicy("mixed", mixed)], ["p"] * 8, rows)[0]
+    with running(create_app(mixed)) as url:
+        answer = httpx.post(f"{url}/score", json={"prompts": ["p"] * 8, "completions": rows}, timeout=30)
+        remote = RemoteReward(f"{url}/score", batch_size=3)  # the unscored row is row 1 of the third request
+        served = remote(["p"] * 8, rows)
+        through = score_terms([CallPolicy("remote", remote)], ["p"] * 8, rows)[0]
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"rewards": [0.25, 1.0, 0.0, 3.0, 1.5, 2.5, None, None], "scores": [0.25, 1.0, 0.0, 3.0, 1.5, 2.5, None, None], "unscored": [7]}
+    assert served == [0.25, 1.0, 0.0, 3.0, 1.5, 2.5, None, UNSCORED]
+    assert torch.equal(through.values.isnan(), local.values.isnan()) and torch.equal(through.failed, local.failed)
+    assert through.failed.tolist() == [False] * 7 + [True] and through.values.nan_to_num(-1).tolist() == [0.25, 1.0, 0.0, 3.0, 1.5, 2.5, -1, -1]
+
+
 def test_after_a_function_raises_the_server_goes_on_scoring():
     def picky(prompts, completions):
         if "bad" in completions:

@@ -308,6 +308,10 @@ def test_generation_eval_passes_each_prompts_own_columns(tmp_path):
 
     score, _ = generation_eval(load_policy(path), load_tokenizer(path), ["1+1=", "1+1="], answer_is_a, 2, columns={"answer": ["a", "b"]})
     assert seen == ["a", "b"] and score == 0.5  # the same prompt twice, each row with its own answer
+    # a row the reward cannot score is no 0: the mean is over the scored rows (1.0, not 0.5)
+    score, _ = generation_eval(load_policy(path), load_tokenizer(path), ["1+1=", "1+1="], lambda completions, answer, **kwargs:
+                               [1.0 if a == "a" else None for a in answer], 2, columns={"answer": ["a", "b"]})
+    assert score == 1.0
 
 
 def test_greedy_eval_is_generation_eval_at_temperature_zero(tmp_path):
