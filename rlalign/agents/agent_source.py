@@ -13,8 +13,13 @@ Per step: the step's n prompt records, G episodes each (E = n G), run at once (a
 An agent returns its final answer (text), a dict with ``answer`` and/or ``reward``, or None (the
 last reply's content is the answer). The reward terms score the answer against the record's
 columns (as the last completion of a single-turn rollout); a returned ``reward`` is added as the term
-"agent". An episode that raises, times out or passes ``max_calls`` fails: its answer is "" (metric
-agent/failed), and the calls it made are still trained.
+"agent"; one that is not a number or not finite is an error naming the agent and the prompt
+(:func:`rlalign.agents.environment.checked_reward`). An episode that raises, times out or passes
+``max_calls`` fails: its answer is "" (metric agent/failed), and the calls it made are still trained.
+The endpoint samples every call at the run's ``sampling`` settings (a request asking for another
+temperature, top_p or top_k gets a 400), so the rows' log-probs are those of the policy they are
+trained as; a call whose client left before its reply (a timeout, then the client's retry) is not
+recorded (metric agent/abandoned_calls).
 
 How an episode's calls are trained. Episode e of the step made k_e calls (choices of a call with n > 1
 are calls too), c = 1..k_e, each with the prompt ids p_c it was rendered to and the completion ids
@@ -59,6 +64,7 @@ from typing import Any
 import torch
 
 from rlalign.agents.agent_config import AgentConfig
+from rlalign.agents.environment import checked_reward
 from rlalign.agents.openai_server import CallRecord, PolicyServer
 from rlalign.config import ConfigError
 from rlalign.lm.data import PromptExample
@@ -99,24 +105,21 @@ class Episode:
 
     calls: list[CallRecord]
     answer: str
-    reward: float | None = None
+    reward: Any = None  # a float once checked (AgentSource._episodes); None: no reward of its own
     error: str | None = None  # None: the agent returned
     seconds: float = 0.0
 
 
-def _outcome(result: Any, calls: list[CallRecord]) -> tuple[str, float | None]:
-    """(answer, reward) of what an agent returned (module docstring)."""
+def _outcome(result: Any, calls: list[CallRecord]) -> tuple[str, Any]:
+    """(answer, reward as returned: checked by :func:`checked_reward`) of what an agent returned (module docstring)."""
     last = calls[-1].text if calls else ""
     if result is None:
         return last, None
     if isinstance(result, str):
         return result, None
     if isinstance(result, dict):
-        reward = result.get("reward")
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
-            raise TypeError(f"the agent's 'reward' must be a number, got {reward!r}")
         answer = result.get("answer", last)
-        return (answer if isinstance(answer, str) else str(answer)), None if reward is None else float(reward)
+        return (answer if isinstance(answer, str) else str(answer)), result.get("reward")
     raise TypeError(f"the agent returned {type(result).__name__}; expected text, a dict with 'answer' / 'reward', or None")
 
 
@@ -224,7 +227,10 @@ class AgentSource:
         (and so their calls' uniforms)."""
         gate = asyncio.Semaphore(self.cfg.max_concurrency)
         ids = [f"{prefix}{step}-p{first + i}-g{j}" for i in range(len(records)) for j in range(G)]
-        return list(await asyncio.gather(*(self._episode(server, ids[e], records[e // G], gate) for e in range(len(ids)))))
+        episodes = list(await asyncio.gather(*(self._episode(server, ids[e], records[e // G], gate) for e in range(len(ids)))))
+        for e, episode in enumerate(episodes):  # once every episode has ended: an error stops the step, not the others' episodes
+            episode.reward = checked_reward(episode.reward, f"agent {self.cfg.function}", records[e // G].get("prompt"))
+        return episodes
 
     def next(self, state) -> ScoredBatch:
         t0 = time.perf_counter()
@@ -234,25 +240,26 @@ class AgentSource:
         world = self.scorer.world
         share = world.shard(len(examples), "prompts_per_step")  # this rank's prompts; its endpoint is its own
         records = [{**ex.metadata, "prompt": ex.prompt} for ex in examples[share]]
-        batches = server.batches
+        batches, abandoned = server.batches, server.abandoned
         episodes = asyncio.run(self._episodes(server, state.step, records, G, first=share.start))
         pad = self.scorer.tokenizer.pad_token_id
         rollout, row_episode = episode_rows(episodes, pad)
         t1 = time.perf_counter()
         scored = self.scorer(examples, _last_calls(episodes, G, pad), [ep.answer for ep in episodes], state.step)
         if distributed.any_rank(any(ep.reward is not None for ep in episodes), self.scorer.world):  # the agent's own reward: the term "agent"
-            scored = add_score_term(scored, "agent", torch.tensor([ep.reward or 0.0 for ep in episodes]), self.scorer.world,
+            scored = add_score_term(scored, "agent", torch.tensor([0.0 if ep.reward is None else ep.reward for ep in episodes]), self.scorer.world,
                                     torch.tensor([ep.reward is not None for ep in episodes]))
         calls = [len(ep.calls) for ep in episodes]
         sums = torch.tensor([sum(calls), sum(ep.error is not None for ep in episodes), sum(ep.seconds for ep in episodes), len(episodes),
-                             max(server.batches - batches, 1)], dtype=torch.float64)
-        n_calls, failed, seconds, n_episodes, n_batches = distributed.all_sum(sums, world).tolist()  # every rank's episodes
+                             max(server.batches - batches, 1), server.abandoned - abandoned], dtype=torch.float64)
+        n_calls, failed, seconds, n_episodes, n_batches, n_abandoned = distributed.all_sum(sums, world).tolist()  # every rank's episodes
         metrics = {
             "agent/calls": n_calls / n_episodes,
             "agent/calls_max": distributed.all_max(float(max(calls)), world),
             "agent/failed": failed / n_episodes,
             "agent/seconds": seconds / n_episodes,
             "agent/calls_per_batch": n_calls / n_batches,  # requests an endpoint sampled together
+            "agent/abandoned_calls": n_abandoned / n_episodes,  # calls whose client left before the reply: not trained
         }
         if world.view:  # a producer's view of a learner's share: the learner weighs the shards' ratio by its batches
             metrics["weight/agent/calls_per_batch"] = n_batches
@@ -338,7 +345,8 @@ def agent_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], re
 
     def make_server() -> PolicyServer:
         return PolicyServer(tokenizer, generate, eval_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature, 1.0, 0,
-                            max_calls=agent_cfg.max_calls, max_context=context, batch_wait_s=agent_cfg.batch_wait_ms / 1000, seed=cfg.seed)
+                            max_calls=agent_cfg.max_calls, max_context=context, batch_wait_s=agent_cfg.batch_wait_ms / 1000, seed=cfg.seed,
+                            sampling_from_requests=True)  # not trained: a request's own temperature is served
 
     def evaluate(step: int) -> tuple[dict, list]:
         runner = AgentSource(agent, agent_cfg, None, prompts, len(prompts), cfg.seed, cfg.aggregation, make_server)
@@ -349,7 +357,7 @@ def agent_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], re
             runner.close()
         last = _last_calls(episodes, G, tokenizer.pad_token_id)
         scored = score_shard(rewards, tokenizer, list(prompts), last, [ep.answer for ep in episodes], G, distributed.World(), step=max(step, 0))
-        total = scored.scores + torch.tensor([ep.reward or 0.0 for ep in episodes])  # (prompts x G,)
+        total = scored.scores + torch.tensor([0.0 if ep.reward is None else ep.reward for ep in episodes])  # (prompts x G,)
         passed = (total >= eval_cfg.pass_threshold).view(-1, G)  # (prompts, G)
         metrics = {
             "eval/success": passed.float().mean().item(), "eval/reward/mean": total.mean().item(),

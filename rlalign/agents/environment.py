@@ -24,6 +24,10 @@ the chat template shows). One object serves one episode: the trainer makes one p
 instantiated with no arguments; :func:`environment_factory` takes ``module:Class``, a class or a
 zero-argument callable).
 
+A reward that is not a number (None: no reward; a bool, a NumPy scalar or a one-element tensor counts as
+its value, as for reward terms) or not finite is a :class:`rlalign.lm.reward_calls.RewardFunctionError`
+naming the environment and the prompt (:func:`checked_reward`), never a NaN in the scores.
+
 Tool errors never reach the trainer: an unknown tool, arguments that do not fit the signature, an
 exception in the tool become the text of the tool message ("error: ..."), which the policy reads.
 
@@ -45,9 +49,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rlalign.agents.tool_calls import ToolCall, call_id, tool_message, tool_schemas
+import torch
 
-__all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object"]
+from rlalign.agents.tool_calls import ToolCall, call_id, tool_message, tool_schemas
+from rlalign.lm.reward_calls import RewardFunctionError, _as_number, check_finite
+
+__all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object", "checked_reward"]
 
 Message = dict[str, Any]
 
@@ -68,6 +75,22 @@ def load_object(spec: str) -> Any:
     except (ImportError, AttributeError) as err:
         raise ValueError(f"{spec!r} cannot be imported: {err}") from None
     return obj
+
+
+def checked_reward(value: Any, who: str, prompt: Any) -> float | None:
+    """An environment's or agent's own reward as a float (None: it gave none), by the reward terms' convention
+    (:mod:`rlalign.lm.reward_calls`: a number, a bool, a NumPy scalar or a one-element tensor).
+
+    Raises:
+        RewardFunctionError: naming ``who`` and ``prompt`` when it is not a number, or not finite in float32.
+    """
+    value = _as_number(value)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)):
+        raise RewardFunctionError(f"{who} returned {value!r:.80} for prompt {prompt!r}: expected a finite number, or None for no reward")
+    check_finite(torch.tensor([float(value)]), f"{who} returned", [prompt], "expected a finite number in float32, the dtype rewards are trained in")
+    return float(value)
 
 
 def environment_factory(env: str | type | Callable[[], Any]) -> Callable[[], Any]:
@@ -109,6 +132,7 @@ class EnvRunner:
 
     def __init__(self, env: Any, max_result_chars: int = 1000):
         self.env, self.max_result_chars = env, max_result_chars
+        self.prompt: Any = None  # the record's prompt (what a reward error names)
         names = list(getattr(env, "tools", []) or [])
         self.tools: dict[str, Callable] = {}
         for name in names:
@@ -129,6 +153,7 @@ class EnvRunner:
 
     async def reset(self, record: Mapping[str, Any]) -> str | list[Message]:
         prompt = await _call(self.env.reset, record)
+        self.prompt = record.get("prompt", prompt) if isinstance(record, Mapping) else prompt
         if not isinstance(prompt, (str, list)) or not prompt:
             raise ValueError(f"environment {type(self.env).__name__}.reset returned {prompt!r:.80}; expected a non-empty text or list of messages")
         return prompt
@@ -171,8 +196,7 @@ class EnvRunner:
         fn = getattr(self.env, "reward", None)
         if not callable(fn):
             return None
-        value = await _call(fn, answer)
-        return None if value is None else float(value)
+        return checked_reward(await _call(fn, answer), f"environment {type(self.env).__name__}.reward", self.prompt)
 
     @property
     def done(self) -> bool:

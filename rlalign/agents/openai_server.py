@@ -12,13 +12,22 @@ served, not recorded) or ``/episodes/{id}/v1`` (calls recorded under episode ``i
 no change beyond the base URL it is given).
 
 A request takes ``messages`` (system / user / assistant, with ``tool_calls``, / tool; content as text
-or text parts), ``tools`` (function JSON schemas), ``n``, ``temperature``, ``top_p``, ``max_tokens``
-(or ``max_completion_tokens``) and ``stop``; ``model`` is any name. Other fields the ``openai``
-client may send (``seed``, ``user``, ...) are ignored; ``stream: true`` is refused. Its prompt is the
+or text parts), ``tools`` (function JSON schemas), ``n``, ``temperature``, ``top_p``, ``top_k``,
+``max_tokens`` (or ``max_completion_tokens``) and ``stop``; ``model`` is any name. Other fields the
+``openai`` client may send (``seed``, ``user``, ...) are ignored; ``stream: true`` is refused, and so
+are sampling options the sampler does not have (``frequency_penalty``, ``presence_penalty``,
+``logit_bias``, ``min_p``, ``repetition_penalty`` other than their neutral values). Its prompt is the
 chat template's rendering of the messages with the tools (``add_generation_prompt``), tokenised
-once; its completion is sampled by :func:`rlalign.lm.sampling.sample`. A request without
-``temperature`` / ``top_p`` / ``max_tokens`` gets the server's defaults; ``max_tokens`` is capped
-at ``max_new_tokens`` (the run's ``sampling.max_new_tokens``).
+once; its completion is sampled by :func:`rlalign.lm.sampling.sample`. ``max_tokens`` is capped at
+``max_new_tokens`` (the run's ``sampling.max_new_tokens``); without it, that cap.
+
+Sampling settings: the calls' log-probs are trained as the log-probs of the run's policy at the
+run's ``sampling.temperature`` / ``top_p`` / ``top_k`` (log pi_old, the behaviour policy of the
+importance weights), so the server samples at those (``temperature``, ``top_p``, ``top_k``) and a
+request that asks for other values gets a 400 naming the field and the run's value; one that leaves
+them out, or gives the run's values, is served (the ``openai`` client sends none unless asked). With
+``sampling_from_requests`` (the evaluation's endpoint: nothing is trained) a request's values are
+used and the server's are the defaults.
 
 The reply is OpenAI's ``chat.completion`` object: a choice per sample with its message (content, and
 ``tool_calls`` parsed from the text when the request gave tools), ``finish_reason`` (``tool_calls``
@@ -30,11 +39,19 @@ is not open gets 404, one past its ``max_calls`` 400 (param ``max_calls``).
 Safety: it listens on a loopback address only (another host is refused), since anyone who can reach
 it can sample the policy; there is no authentication.
 
+Tool calls are parsed from the reply with its special tokens kept (Mistral's ``[TOOL_CALLS]`` is one),
+as :mod:`rlalign.agents.episodes` parses them; the content returned has them removed.
+
 Recording: each choice of each call is a :class:`CallRecord` of the episode: the prompt ids as
 rendered, the completion ids exactly as sampled (never decoded and encoded again; cut after the token
 that completes a stop string, EOS kept), the sampler's log-probs of those ids, and whether it hit
 ``max_tokens``. A call's uniforms come from a generator seeded by (seed, episode, call index):
-which requests a batch happens to hold does not change a call's draws.
+which requests a batch happens to hold does not change a call's draws. A call whose client has gone
+(it timed out, and the ``openai`` client retried) is not recorded, since its reply reached no one: the
+handler watches for the client's disconnect while the call waits, and checks once more before
+recording (``abandoned`` counts them; a request abandoned before it was sampled is not sampled, and
+does not count against ``max_calls``). A client that leaves after that check, while the reply is
+being sent, still has its call recorded.
 
 Batching: handlers put requests on a queue; one worker thread (the only one to run the policy) takes
 the first, waits up to ``batch_wait_s`` for more (at most ``max_batch_rows`` rows), and samples each
@@ -91,6 +108,7 @@ class ChatRequest:
     max_tokens: int | None
     stop: list[str]
     model: str
+    top_k: int | None = None  # -1 and 0: off
 
 
 @dataclass
@@ -159,6 +177,9 @@ def _integer(body: dict, key: str, low: int, high: int) -> int | None:
     return value
 
 
+_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "min_p": 0, "repetition_penalty": 1}  # sampling options the sampler lacks: their neutral values
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """The fields of a chat-completions body, checked.
 
@@ -183,9 +204,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
+    for key, neutral in _UNSUPPORTED.items():
+        if body.get(key) is not None and body[key] != neutral:
+            raise RequestError(f"{key}: not supported by this endpoint (the policy is sampled as it is trained); leave it out or give {neutral}, got {body[key]!r}", key)
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias: not supported by this endpoint (the policy is sampled as it is trained); leave it out", "logit_bias")
     return ChatRequest(
         [_message(m, i) for i, m in enumerate(messages)], tools or None, _integer(body, "n", 1, 128) or 1,
         _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0), max_tokens, stop, str(body.get("model") or "policy"),
+        _integer(body, "top_k", -1, 1 << 30),
     )
 
 
@@ -246,9 +273,9 @@ def model_generate(model, tokenizer) -> Generate:
     return generate
 
 
-def _stop_cut(tokenizer, ids: list[int], text: str, stop: Sequence[str]) -> tuple[int, int] | None:
-    """(tokens to keep, characters of content) when a stop string occurs in ``text``: the shortest prefix of
-    ``ids`` whose text contains the earliest stop string, and the text before it; None when none occurs."""
+def _stop_cut(tokenizer, ids: list[int], text: str, stop: Sequence[str]) -> tuple[int, int, str] | None:
+    """(tokens to keep, characters of content, the stop string) when a stop string occurs in ``text``: the shortest
+    prefix of ``ids`` whose text contains the earliest stop string, and the text before it; None when none occurs."""
     found = [(text.find(s), s) for s in stop if s in text]
     if not found:
         return None
@@ -260,7 +287,14 @@ def _stop_cut(tokenizer, ids: list[int], text: str, stop: Sequence[str]) -> tupl
             high = mid
         else:
             low = mid + 1
-    return low, at
+    return low, at, s
+
+
+def _without_special(tokenizer, text: str | None) -> str | None:
+    """``text`` without the tokenizer's special tokens (what ``skip_special_tokens`` drops); None when nothing is left."""
+    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
+        text = (text or "").replace(token, "")
+    return (text or "").strip() or None
 
 
 @dataclass
@@ -270,12 +304,14 @@ class _Job:
     noise: Tensor | None  # (N, n)
     n: int
     future: Future = field(default_factory=Future)
+    abandoned: bool = False  # its client left before it was sampled: the worker skips it
 
 
 @dataclass
 class _Episode:
     calls: list[CallRecord] = field(default_factory=list)
-    requests: int = 0
+    requests: int = 0  # call indices handed out
+    abandoned: int = 0  # calls whose client left before the reply (not recorded, not counted against max_calls)
 
 
 class PolicyServer:
@@ -285,7 +321,10 @@ class PolicyServer:
         tokenizer: renders the messages and decodes the replies.
         generate: samples a batch (:data:`Generate`); called on the worker thread only.
         max_new_tokens: the cap (and default) of ``max_tokens``.
-        temperature, top_p, top_k: the defaults of requests that leave them out (top_k: always).
+        temperature, top_p, top_k: the run's sampling settings: the calls are sampled at them (module docstring),
+            and a request asking for others gets 400.
+        sampling_from_requests: serve a request's own temperature / top_p / top_k, the above being the defaults
+            (an endpoint whose calls are not trained: the evaluation's).
         call_format: the tool-call syntax of the model's replies (:mod:`rlalign.agents.tool_calls`); None: the
             one its chat template writes (tags without one).
         max_calls: requests one episode may make; past that, 400.
@@ -298,7 +337,9 @@ class PolicyServer:
         self, tokenizer, generate: Generate, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
         call_format=None, max_calls: int = 16, max_context: int | None = None,
         batch_wait_s: float = 0.005, max_batch_rows: int = 256, seed: int = 0, host: str = "127.0.0.1", model_name: str = "policy",
+        sampling_from_requests: bool = False,
     ):
+        from rlalign.agents.episodes import end_of_turn_ids
         from rlalign.agents.tool_calls import call_format as format_named
         from rlalign.listen import is_loopback
 
@@ -306,11 +347,14 @@ class PolicyServer:
             raise ValueError(f"PolicyServer: host must be a loopback address (the endpoint has no authentication), got {host!r}")
         self.tokenizer, self.generate = tokenizer, generate
         self.call_format = call_format or format_named("auto", tokenizer)
+        self.end_ids = set(end_of_turn_ids(tokenizer))  # a reply's last token that ends the turn, dropped before its calls are parsed
         self.max_new_tokens, self.defaults, self.top_k = max_new_tokens, (temperature, top_p), top_k
+        self.sampling_from_requests = sampling_from_requests
         self.max_calls, self.max_context, self.batch_wait_s, self.max_batch_rows = max_calls, max_context, batch_wait_s, max_batch_rows
         self.seed, self.host, self.model_name = seed, host, model_name
         self.base = ""
         self.batches = 0  # sampling batches run (requests gathered together count once)
+        self.abandoned = 0  # calls whose client left before their reply: not recorded
         self._episodes: dict[str, _Episode] = {}
         self._lock = threading.Lock()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -369,6 +413,9 @@ class PolicyServer:
                 rows += job.n
             by_params: dict[SamplingParams, list[_Job]] = {}
             for job in jobs:
+                if job.abandoned:
+                    job.future.cancel()
+                    continue
                 by_params.setdefault(job.params, []).append(job)
             for params, group in by_params.items():
                 self._run(params, group)
@@ -402,7 +449,7 @@ class PolicyServer:
             record = self._episodes.get(episode)
             if record is None:
                 raise RequestError(f"episode {episode!r} is not open (finished, timed out, or never started)", None, 404)
-            if record.requests >= self.max_calls:
+            if record.requests - record.abandoned >= self.max_calls:
                 raise RequestError(f"episode {episode!r}: more than max_calls={self.max_calls} calls", "max_calls")
             record.requests += 1
             return record.requests - 1
@@ -412,6 +459,26 @@ class PolicyServer:
         digest = hashlib.sha256(key.encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         return torch.rand((steps, n), generator=generator)  # (N, n)
+
+    def _sampling(self, request: ChatRequest) -> tuple[float, float, int]:
+        """(temperature, top_p, top_k) of a request: the run's (module docstring), or with ``sampling_from_requests``
+        the request's where it gives them (top_p 0 and top_k -1: unset and off).
+
+        Raises:
+            RequestError: a value other than the run's, naming the field, the run's value and the config key.
+        """
+        run = {"temperature": self.defaults[0], "top_p": self.defaults[1], "top_k": self.top_k}
+        asked = {"temperature": request.temperature, "top_p": request.top_p, "top_k": None if request.top_k is None else max(request.top_k, 0)}
+        if self.sampling_from_requests:
+            asked["top_p"] = asked["top_p"] or None
+            return tuple(run[k] if asked[k] is None else asked[k] for k in run)
+        for key, value in asked.items():
+            if value is not None and value != run[key]:
+                raise RequestError(
+                    f"{key}: this endpoint samples at the run's sampling.{key}={run[key]:g}, since the calls are trained as the policy's samples "
+                    f"at it; leave {key} out of the request or give {run[key]:g}, got {value:g} (to sample at {value:g}, set sampling.{key}={value:g} "
+                    "in the run's config)", key)
+        return run["temperature"], run["top_p"], run["top_k"]
 
     def prepare(self, body: Any, episode: str | None) -> tuple[ChatRequest, _Job]:
         """The request parsed, rendered and reserved against its episode, as a job for the worker.
@@ -429,12 +496,22 @@ class PolicyServer:
         steps = min(request.max_tokens or self.max_new_tokens, self.max_new_tokens)
         if self.max_context is not None and len(prompt) + steps > self.max_context:
             raise RequestError(f"messages: the prompt has {len(prompt)} tokens, which with max_tokens={steps} exceeds the context of {self.max_context}", "messages")
-        temperature = self.defaults[0] if request.temperature is None else request.temperature
-        top_p = self.defaults[1] if request.top_p is None or request.top_p == 0 else request.top_p
-        params = SamplingParams(steps, temperature, self.top_k if temperature > 0 else 0, top_p)
+        temperature, top_p, top_k = self._sampling(request)
+        params = SamplingParams(steps, temperature, top_k if temperature > 0 else 0, top_p)
         index = self._reserve(episode)
         noise = None if params.greedy else self._noise(episode, index, steps, request.n)
         return request, _Job(prompt, params, noise, request.n)
+
+    def _reply_calls(self, ids: list[int], text: str, stop: str | None, tools: list[dict]) -> tuple[str | None, list[dict]]:
+        """(content, calls) of a reply to a request with tools: the calls parsed from the reply with its special tokens
+        kept (a format's marker may be one: Mistral's ``[TOOL_CALLS]``) and its ending token dropped, as
+        :mod:`rlalign.agents.episodes` parses them; the content without special tokens (``text`` when there is no call)."""
+        body = ids[:-1] if ids and ids[-1] in self.end_ids else ids
+        raw = self.tokenizer.decode(body, skip_special_tokens=False)
+        if stop is not None and stop in raw:
+            raw = raw[: raw.rfind(stop)]
+        content, calls = parse_calls(self.call_format, raw, tools)
+        return (text, []) if not calls else (_without_special(self.tokenizer, content), calls)
 
     def finish(self, request: ChatRequest, job: _Job, samples: list[tuple[list[int], list[float], bool]], episode: str | None) -> dict:
         """The OpenAI reply of a sampled job; its choices recorded under ``episode``."""
@@ -444,7 +521,7 @@ class PolicyServer:
             cut = _stop_cut(self.tokenizer, ids, text, request.stop)
             if cut is not None:
                 ids, logps, truncated, text = ids[: cut[0]], logps[: cut[0]], False, text[: cut[1]]
-            content, calls = parse_calls(self.call_format, text, request.tools) if request.tools else (text, [])
+            content, calls = self._reply_calls(ids, text, cut[2] if cut else None, request.tools) if request.tools else (text, [])
             reason = "tool_calls" if calls else "length" if truncated else "stop"
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -468,11 +545,17 @@ class PolicyServer:
     def app(self):
         """The Starlette app of the routes (module docstring)."""
         import asyncio
+        import contextlib
 
         from starlette.applications import Starlette
         from starlette.requests import Request
         from starlette.responses import JSONResponse
         from starlette.routing import Route
+
+        async def disconnect(request: Request) -> None:
+            """Returns when the client has closed the connection (the body is read by then)."""
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
 
         async def completions(request: Request) -> JSONResponse:
             episode = request.path_params.get("episode")
@@ -485,8 +568,21 @@ class PolicyServer:
             except RequestError as err:
                 return JSONResponse(err.body(), status_code=err.status)
             self._jobs.put(job)
+            sampled, gone = asyncio.wrap_future(job.future), asyncio.ensure_future(disconnect(request))
+            await asyncio.wait({sampled, gone}, return_when=asyncio.FIRST_COMPLETED)
+            left = gone.done()
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # an error reading the connection: as good as gone
+                await gone
+            if left or await request.is_disconnected():  # nobody reads the reply: not recorded (module docstring)
+                job.abandoned = True
+                with self._lock:
+                    self.abandoned += 1
+                    if episode in self._episodes:
+                        self._episodes[episode].abandoned += 1
+                return JSONResponse({"error": {"message": "the client closed the request", "type": "client_closed", "param": None, "code": None}}, status_code=499)
             try:
-                samples = await asyncio.wrap_future(job.future)
+                samples = sampled.result()
             except Exception as err:
                 return JSONResponse({"error": {"message": f"sampling failed: {type(err).__name__}: {str(err)[:300]}", "type": "server_error", "param": None, "code": None}}, status_code=500)
             return JSONResponse(self.finish(chat, job, samples, episode))

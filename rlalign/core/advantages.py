@@ -171,7 +171,7 @@ def sampled_token_gae(rewards: Tensor, values: Tensor, mask: Tensor, sampled: Te
     Rewards before a row's first sampled token are dropped (no decision of the policy precedes them).
 
     Args:
-        rewards: per-token rewards, 0 on padding. Shape: (B, C).
+        rewards: per-token rewards (those on padding are ignored). Shape: (B, C).
         values: critic values V(s_t); only those at sampled positions are read. Shape: (B, C).
         mask: 1 on completion tokens (sampled or not). Shape: (B, C).
         sampled: 1 on the tokens the policy chose, inside ``mask``. Shape: (B, C).
@@ -290,8 +290,8 @@ def _valid_group_moments(scores: Tensor, group_size: int, valid: Tensor) -> tupl
     count = v.sum(dim=1, keepdim=True)  # (B/G, 1)
     mean = (grouped * v).sum(dim=1, keepdim=True) / count.clamp(min=1)
     centred = (grouped - mean) * v  # (B/G, G), 0 where not valid
-    group_std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # unbiased, over the valid
-    return grouped, v, centred, torch.where(count < 2, torch.zeros_like(group_std), group_std)
+    group_std = ((centred**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # unbiased, over the valid; 0 with fewer than two
+    return grouped, v, centred, group_std
 
 
 def tied_groups(scores: Tensor, group_size: int, valid: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -6,7 +6,10 @@
 Each step's ``n`` prompt records each get ``group_size`` episodes (:func:`rlalign.agents.episodes.run_episodes`),
 sampled by the policy (or its sampling copy). Rewards: the reward terms score each episode's final
 answer (the last assistant turn), and the environment's own reward, where it gives one, is the term
-"environment" (:class:`rlalign.train.sources.Scorer`); either or both. GRPO and PPO take it like any
+"environment" (:class:`rlalign.train.sources.Scorer`); either or both. An episode that ran past
+``environment.timeout_s`` is left out of training (its unfinished turn is no answer to score): marked failed
+as :data:`TIMED_OUT` (``reward/environment_timeout/failed``: how many), so its advantage is 0 and its
+tokens are out of the loss. GRPO and PPO take it like any
 source, and :class:`rlalign.train.async_source.AsyncSource` runs it in a producer process (the
 environment must then be importable: a class or ``module:Class``, not a lambda).
 
@@ -38,7 +41,9 @@ from rlalign.train.rl_eval import pass_at_ks
 from rlalign.train.rollouts import RewardTerm, prompt_batch, score_shard
 from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_generator
 
-__all__ = ["EnvironmentSource", "make_environment_source", "sample_episodes", "global_episode_metrics", "evaluate_episodes", "episode_evaluator"]
+__all__ = ["TIMED_OUT", "EnvironmentSource", "make_environment_source", "sample_episodes", "global_episode_metrics", "evaluate_episodes", "episode_evaluator"]
+
+TIMED_OUT = "environment_timeout"  # the failed rows' entry of episodes past environment.timeout_s (reward/environment_timeout/failed)
 
 
 def _records(examples: Sequence[PromptExample]) -> list[dict[str, Any]]:
@@ -95,7 +100,7 @@ class EnvironmentSource(SampledSource):
         )
         return Sampled(
             state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
-            global_episode_metrics(episodes, self.scorer.world),
+            global_episode_metrics(episodes, self.scorer.world), failed={TIMED_OUT: episodes.timed_out.clone()},  # every step, so every rank has the entry
         )
 
 
@@ -120,7 +125,7 @@ def evaluate_episodes(
                 generator=generator, timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
             )
         scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=max(step, 0))
-        total = scored.scores + torch.tensor([r or 0.0 for r in episodes.env_rewards])  # (B,)
+        total = scored.scores + torch.tensor([0.0 if r is None else r for r in episodes.env_rewards])  # (B,) rewards checked by EnvRunner.reward
         totals.append(total)
         parts.append(episodes)
         for r in range(min(rows_logged - len(table), len(total))):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from rlalign.core.evaluation import pass_at_k
+from rlalign.lm.reward_calls import check_finite
 from rlalign.lm.data import PromptExample, load_prompts
 from rlalign.lm.encoding import encode_prompts
 from rlalign.lm.model_modes import attention_kernel, evaluating
@@ -157,7 +158,9 @@ def tool_evaluator(cfg, policy: nn.Module, tokenizer, prompts: Sequence[PromptEx
                 out = tool_rollout(policy, tokenizer, records, lambda: ToolEnvironment(registry, fmt, tools_cfg.max_turns, tools_cfg.max_result_chars),
                                    fmt, params, n, tools_cfg.max_turns, generator)
             scored = score_shard(rewards, tokenizer, batch, out.rollout, out.final_texts, n, distributed.World(), step=max(step, 0))
-            total = scored.scores + torch.tensor([r or 0.0 for r in out.env_rewards])  # (B,)
+            env = torch.tensor([0.0 if r is None else r for r in out.env_rewards], dtype=torch.float32)  # (B,)
+            check_finite(env, "the environment's reward is", scored.prompts, "not a finite number in float32")
+            total = scored.scores + env  # (B,)
             totals.append(total)
             turns.append(out.turns.float())
             messages.append(out.tool_messages.float())

@@ -21,7 +21,9 @@ Every way of making a rollout is a source, and GRPO and PPO take any of them:
 
 Rewards are scored inside the source (:class:`Scorer`: the weighted reward terms, then the shaping a
 trainer asks for: DAPO's overlong punishment, PPO's missing-EOS penalty), so that a producer process
-scores while the learner learns.
+scores while the learner learns. Rows a source could not finish (an environment episode past its time
+limit) are marked failed under a name of their own (``ScoredRollout.failed``, logged as
+``reward/<name>/failed``) and left out of training as a failed reward call's rows are.
 
 The sampling uniforms of step s come from a generator of their own, seeded by the run's seed and s
 (:func:`sampling_generator`): whichever process samples step s, and whenever, it draws the same tokens
@@ -33,25 +35,28 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from rlalign.core.advantages import overlong_penalty
+from rlalign.core.advantages import overlong_penalty, tied_groups
 from rlalign.lm.data import DataError, PromptExample
 from rlalign.lm.encoding import example_tokens
+from rlalign.lm.reward_calls import check_finite
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.tools import ToolRegistry
 from rlalign.train import distributed
-from rlalign.train.rollouts import RewardTerm, ScoredRollout, add_score_term, concat_scored, prompt_batch, sample_shard, score_shard, select_rows
+from rlalign.train.rollouts import (
+    NO_TERM_APPLIES, RewardTerm, ScoredRollout, add_score_term, concat_scored, prompt_batch, sample_shard, score_shard, select_rows, trusted_rows,
+)
 from rlalign.train.seeding import batch_order
 from rlalign.train.tool_rollout import ToolRollout, sample_tool_shard, tool_registry
 
 __all__ = [
     "ScoredBatch", "Sampled", "RolloutSource", "Scorer", "SampledSource", "DynamicSource", "ToolSource", "OfflineSource", "MixedSource",
-    "sampling_generator", "on_policy_step", "data_completions", "tokenized_rollout", "make_source", "make_scorer",
+    "sampling_generator", "on_policy_step", "data_completions", "tokenized_rollout", "make_source", "make_scorer", "mark_failed",
 ]
 
 
@@ -122,15 +127,33 @@ class Scorer:
     overlong: tuple[int, float, int] | None = None
     max_steps: int = 0  # the run's steps, the reward functions' trainer_state.max_steps
 
-    def __call__(self, examples: list[PromptExample], rollout: Rollout, completions: list[str], step: int, env_rewards: Sequence[float | None] | None = None) -> ScoredRollout:
+    def __call__(self, examples: list[PromptExample], rollout: Rollout, completions: list[str], step: int, env_rewards: Sequence[float | None] | None = None,
+                 failed: dict[str, Tensor] | None = None) -> ScoredRollout:
+        """``env_rewards``: this rank's rows' environment rewards (None: none given); ``failed``: name -> this rank's rows
+        (B,) bool that the source could not finish, left out of training (:func:`mark_failed`; every rank passes the same names)."""
         scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step,
                              max_steps=self.max_steps)
         if env_rewards is not None and distributed.any_rank(any(r is not None for r in env_rewards), self.world):  # an environment's own reward
-            scored = add_score_term(scored, "environment", torch.tensor([r or 0.0 for r in env_rewards]), self.world, torch.tensor([r is not None for r in env_rewards]))
+            values = torch.tensor([0.0 if r is None else r for r in env_rewards], dtype=torch.float32)  # (B,)
+            check_finite(values, "the environment's reward is", scored.prompts, "not a finite number in float32")
+            scored = add_score_term(scored, "environment", values, self.world, torch.tensor([r is not None for r in env_rewards]))
+        for name, rows in (failed or {}).items():
+            scored = mark_failed(scored, name, rows, self.world)
         if self.overlong is not None:
             buffer, penalty, max_new_tokens = self.overlong
             scored = add_score_term(scored, "overlong", penalty * overlong_penalty(rollout.completion_lengths(), max_new_tokens, buffer), self.world)
         return scored
+
+
+def mark_failed(scored: ScoredRollout, name: str, local_rows: Tensor, world: distributed.World) -> ScoredRollout:
+    """``scored`` with this rank's rows ``local_rows`` (B,) bool marked failed under ``name`` (every rank's gathered):
+    :func:`rlalign.train.rollouts.trusted_rows` leaves them out of training, ``reward/<name>/failed`` counts them,
+    and they no longer count under ``no_term_applies``."""
+    rows = distributed.gather_rows(local_rows.float(), world).bool()  # (B global,)
+    failed = {**scored.failed, name: rows}
+    if NO_TERM_APPLIES in failed:
+        failed[NO_TERM_APPLIES] = failed[NO_TERM_APPLIES] & ~rows
+    return replace(scored, failed=failed)
 
 
 def make_scorer(cfg, tokenizer, rewards: Sequence[RewardTerm], world: distributed.World) -> Scorer:
@@ -176,7 +199,7 @@ class SampledSource:
     def score(self, sampled: Sampled) -> ScoredBatch:
         """The sampled step, scored by the reward terms (and the trainer's shaping)."""
         t0 = time.perf_counter()
-        scored = self.scorer(sampled.examples, sampled.rollout, sampled.completions, sampled.step, sampled.env_rewards)
+        scored = self.scorer(sampled.examples, sampled.rollout, sampled.completions, sampled.step, sampled.env_rewards, sampled.failed)
         return ScoredBatch(
             sampled.examples, sampled.rollout, scored, sampled.token_mask, dict(sampled.metrics), sampled.step, sampled.generate_s, time.perf_counter() - t0,
         )
@@ -203,12 +226,14 @@ class Sampled:
     generate_s: float
     env_rewards: Sequence[float | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, Tensor] | None = None  # name -> (B,) bool: rows the source could not finish (left out of training)
 
 
 @dataclass
 class DynamicSource(SampledSource):
-    """DAPO dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards all tie has zero
-    advantages and carries no gradient, so it is dropped, and ``n`` more prompts are drawn (the next
+    """DAPO dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards all tie (over the
+    completions that count: :func:`rlalign.core.advantages.tied_groups`; the total reward, shaping such as
+    the overlong punishment included) has zero advantages and carries no gradient, so it is dropped, and ``n`` more prompts are drawn (the next
     data positions) until the step holds ``n`` informative groups, at most ``max_rounds`` draws; past
     that, tied groups fill the step in draw order (they add nothing to the gradient, and keep the
     step's shape). ``position``: prompts drawn so far (the checkpoint's data position on resume)."""
@@ -231,7 +256,7 @@ class DynamicSource(SampledSource):
             t1 = time.perf_counter()
             scored = self.scorer(examples, rollout, rollout.decode_completions(self.scorer.tokenizer), state.step)
             generate_s, score_s = generate_s + t1 - t0, score_s + time.perf_counter() - t1
-            draws.append((examples, rollout, scored, scored.scores.view(-1, G).std(dim=1) > 1e-6))
+            draws.append((examples, rollout, scored, ~tied_groups(scored.scores, G, trusted_rows(scored))))  # over the rows that count
         self.position = position
         # informative groups in draw order, then tied ones to fill: (draw, group) pairs
         order = [(d, g) for want in (True, False) for d, draw in enumerate(draws) for g in range(n) if bool(draw[3][g]) == want][:n]

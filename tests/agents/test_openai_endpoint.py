@@ -1,11 +1,13 @@
 """The policy behind an OpenAI-compatible endpoint, asked by the ``openai`` client on the loopback
-address: messages, n, greedy decoding equal to rlalign's sampler, max_tokens, stop, tool calls, the
-token-exact record, batching of concurrent requests, and OpenAI-style errors."""
+address: messages, n, greedy decoding equal to rlalign's sampler, max_tokens, stop, tool calls (in
+the families' formats, special-token markers included), the token-exact record, the run's sampling
+settings, calls whose client left, batching of concurrent requests, and OpenAI-style errors."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
+from rlalign.agents.agent_source import Episode, episode_rows  # noqa: E402
 from rlalign.agents.openai_server import PolicyServer, model_generate, render_chat  # noqa: E402
 from rlalign.agents.tool_calls import TAGS, tool_schemas  # noqa: E402
 from rlalign.lm.models import load_tokenizer  # noqa: E402
@@ -20,6 +23,8 @@ from rlalign.lm.rollout import Rollout  # noqa: E402
 from rlalign.lm.sampling import SamplingParams, sample  # noqa: E402
 from rlalign.tasks import lookup as lk  # noqa: E402
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint  # noqa: E402
+from rlalign.train.passes import rollout_token_logprobs  # noqa: E402
+from tests.agents.families import family_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 USER = [{"role": "user", "content": "Which is heavier, the brom or the tiva?"}]
@@ -79,7 +84,7 @@ def test_temperature_zero_equals_rlalign_greedy_sample_and_logprobs(tiny):
     prompt = render_chat(tok, USER, None)
     greedy = sample(model, [prompt], SamplingParams(8, 0.0), tok.pad_token_id, [tok.eos_token_id])
     expected = greedy.completion_ids[0][greedy.completion_mask[0].bool()].tolist()
-    with PolicyServer(tok, model_generate(model, tok), max_new_tokens=8) as server:
+    with PolicyServer(tok, model_generate(model, tok), max_new_tokens=8, temperature=0.0) as server:  # a run at temperature 0
         server.open_episode("e")
         reply = client(server, "e").chat.completions.create(model="policy", messages=USER, temperature=0)
         (call,) = server.close_episode("e")
@@ -185,7 +190,8 @@ def test_the_record_is_the_sampled_ids_where_decoding_and_encoding_again_would_d
     [
         ({"temperature": 5}, "temperature"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"stop": [""]}, "stop"),
         ({"stream": True}, "stream"), ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ({"tools": [{"type": "function"}]}, "tools"), ({"top_p": 2}, "top_p"),
+        ({"tools": [{"type": "function"}]}, "tools"), ({"top_p": 2}, "top_p"), ({"extra_body": {"top_k": -2}}, "top_k"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logit_bias": {"5": 10}}, "logit_bias"),
     ],
 )
 def test_malformed_requests_get_400_naming_the_field(tiny, body, field):
@@ -226,3 +232,89 @@ def test_the_endpoint_listens_on_loopback_by_default_and_on_another_loopback_add
         with PolicyServer(tok, scripted(tok, [chars(tok, "x")]), max_new_tokens=4, **kwargs) as server:
             assert server.url().startswith(base)
             assert [m.id for m in client(server).models.list().data] == ["policy"]
+
+
+@pytest.mark.parametrize(("family", "reply", "content"), [
+    ("mistral", 'Let me look.[TOOL_CALLS][{"name": "lookup", "arguments": {"name": "brom"}}]</s>', "Let me look."),  # [TOOL_CALLS]: a special token
+    ("llama3", '<|python_tag|>{"name": "lookup", "parameters": {"name": "brom"}}<|eom_id|>', None),  # <|python_tag|>: one too
+    ("hermes", '<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n</tool_call><|im_end|>', None),
+])
+def test_tool_calls_are_parsed_with_special_tokens_kept_and_the_content_has_none(family, reply, content):
+    """As the episodes parse them (rlalign.agents.episodes): a marker that is a special token is still there to parse;
+    the content returned is what the text holds before the call, without special tokens."""
+    tok = family_tokenizer(family)
+    ids = tok(reply, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True).count("[TOOL_CALLS]") + tok.decode(ids, skip_special_tokens=True).count("python_tag") == 0
+    with PolicyServer(tok, scripted(tok, [ids]), max_new_tokens=128) as server:
+        server.open_episode("e")
+        choice = client(server, "e").chat.completions.create(model="policy", messages=USER, tools=tool_schemas([lk.lookup])).choices[0]
+        (call,) = server.close_episode("e")
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("lookup", {"name": "brom"})]
+    assert call.completion_ids == ids and call.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(("body", "field", "run", "value"), [
+    ({"temperature": 0.3}, "temperature", "1", "0.3"), ({"temperature": 0}, "temperature", "1", "0"), ({"top_p": 0.5}, "top_p", "1", "0.5"),
+    ({"extra_body": {"top_k": 5}}, "top_k", "0", "5"),
+])
+def test_a_request_for_other_sampling_settings_than_the_runs_gets_400_naming_the_setting(tiny, body, field, run, value):
+    """The calls are trained as the run's policy at sampling.temperature (log pi_old, the importance weights'
+    behaviour policy): a request asking for other settings is refused, not served and trained as if it were."""
+    _, tok = tiny
+    with PolicyServer(tok, scripted(tok, [chars(tok, "x")]), max_new_tokens=4) as server:
+        server.open_episode("e")
+        with pytest.raises(openai.BadRequestError) as err:
+            client(server, "e").chat.completions.create(model="policy", messages=USER, **body)
+        assert server.close_episode("e") == []
+    message = err.value.body["message"]
+    assert err.value.body["param"] == field and message.startswith(f"{field}: this endpoint samples at the run's sampling.{field}={run}")
+    assert f"got {value} (to sample at {value}, set sampling.{field}={value} in the run's config)" in message
+
+
+def test_calls_are_sampled_at_the_runs_settings_and_their_logprobs_are_the_training_forwards(tiny):
+    """A run at temperature 0.7: requests that leave the settings out, or give the run's, are served at 0.7, and
+    the recorded log-probs equal the training forward's at 0.7. The evaluation's endpoint serves a request's own."""
+    model, tok = tiny
+    with PolicyServer(tok, model_generate(model, tok), max_new_tokens=8, temperature=0.7) as server:
+        server.open_episode("e")
+        c = client(server, "e")
+        c.chat.completions.create(model="policy", messages=USER)
+        c.chat.completions.create(model="policy", messages=USER, temperature=0.7, top_p=1.0, extra_body={"top_k": 0})
+        calls = server.close_episode("e")
+    rollout, _ = episode_rows([Episode(calls, "")], tok.pad_token_id)
+    with torch.no_grad():
+        trained = rollout_token_logprobs(model, rollout, 0.7)  # (2, C)
+    mask = rollout.completion_mask.bool()
+    assert (trained - rollout.logprobs)[mask].abs().max() < 1e-5
+    with PolicyServer(tok, model_generate(model, tok), max_new_tokens=8, temperature=0.7, sampling_from_requests=True) as server:
+        greedy = client(server).chat.completions.create(model="policy", messages=USER, temperature=0)
+    expected = sample(model, [render_chat(tok, USER, None)], SamplingParams(8, 0.0), tok.pad_token_id, [tok.eos_token_id])
+    assert greedy.choices[0].message.content == tok.decode(expected.completion_ids[0][expected.completion_mask[0].bool()], skip_special_tokens=True)
+
+
+def test_a_call_whose_client_left_is_not_recorded_and_its_retry_is(tiny):
+    """The client times out while its call waits (the sampler busy), then retries, as the openai client does: the
+    episode records the one call whose reply the agent got; the abandoned one does not count against max_calls=1."""
+    import httpx
+
+    _, tok = tiny
+    busy, replies = threading.Event(), scripted(tok, [chars(tok, "first"), chars(tok, "second")])
+
+    def generate(prompts, params, noise):
+        busy.wait(60)  # the first batch waits until the test lets it go
+        return replies(prompts, params, noise)
+
+    with PolicyServer(tok, generate, max_new_tokens=8, max_calls=1) as server:
+        server.open_episode("e")
+        url, body = server.url("e") + "/chat/completions", {"model": "policy", "messages": USER}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url, json=body, timeout=0.3)
+        deadline = time.monotonic() + 30
+        while getattr(server, "abandoned", 0) == 0 and time.monotonic() < deadline:  # the handler sees the client go
+            time.sleep(0.01)
+        busy.set()
+        retry = httpx.post(url, json=body, timeout=60)
+        calls = server.close_episode("e")
+    assert retry.status_code == 200, retry.text
+    assert server.abandoned == 1 and [c.text for c in calls] == [retry.json()["choices"][0]["message"]["content"]] == ["second"]

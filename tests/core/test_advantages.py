@@ -161,10 +161,13 @@ def test_sampled_token_gae_gives_a_reward_on_an_environment_token_to_the_choice_
     # decisions at 0 and 2, environment tokens at 1 and 3 carrying rewards 0.5 and 2 (e.g. the score on a trailing tool
     # token); gamma = 0.5, lam = 1, V = 0.4, 0.2 at the decisions:  r' = [0 + 0.5, 0 + 2] = [0.5, 2]
     #   delta2 = 2 - 0.2 = 1.8;  delta1 = 0.5 + 0.5*0.2 - 0.4 = 0.2;  A2 = 1.8;  A1 = 0.2 + 0.5*1.8 = 1.1
-    rewards = torch.tensor([[0.0, 0.5, 0.0, 2.0]], dtype=torch.float64)
-    values = torch.tensor([[0.4, 7.0, 0.2, -7.0]], dtype=torch.float64)
-    adv, _ = sampled_token_gae(rewards, values, torch.ones(1, 4), torch.tensor([[1.0, 0, 1, 0]]), gamma=0.5, lam=1.0)
-    torch.testing.assert_close(adv, torch.tensor([[1.1, 0, 1.8, 0]], dtype=torch.float64))
+    # Row 2: an environment token before the first decision (its reward 3 follows no choice: dropped), one decision (V 0.4)
+    # with an environment token after it (reward 0.5), then padding (its 9 ignored): A = 0.5 - 0.4 = 0.1
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 2.0], [3.0, 0.0, 0.5, 9.0]], dtype=torch.float64)
+    values = torch.tensor([[0.4, 7.0, 0.2, -7.0], [5.0, 0.4, 5.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0]])
+    adv, _ = sampled_token_gae(rewards, values, mask, torch.tensor([[1.0, 0, 1, 0], [0, 1, 0, 0]]), gamma=0.5, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[1.1, 0, 1.8, 0], [0, 0.1, 0, 0]], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -362,3 +365,8 @@ def test_tied_groups_are_judged_on_the_completions_that_count():
     assert tied_groups(scores, 4, valid).tolist() == [True, False, True]
     assert group_advantages(scores, 4, valid=valid)[[0, 1, 2, 3, 8]].tolist() == [0.0] * 5  # the groups it calls tied get 0
     assert tied_groups(torch.tensor([2.0, 2.0 + 1e-7, 3.0, 3.0]), 2).tolist() == [True, True]
+    # no valid completion (a prompt no reward could score at all) ties; two valid ones that differ do not; eps 0: exact ties only
+    none_valid = tied_groups(torch.tensor([1.0, 2.0, 1.0, 2.0, 3.0, 5.0]), 3, torch.tensor([False, False, False, True, True, False]))
+    assert none_valid.tolist() == [True, False]
+    assert group_advantages(torch.tensor([1.0, 2.0, 1.0, 2.0]), 2, valid=torch.tensor([False, False, True, True])).tolist() == [0, 0, -0.7071067690849304, 0.7071067690849304]
+    assert tied_groups(torch.tensor([4.0, 4.0, 4.0, 4.5]), 2, eps=0.0).tolist() == [True, False]

@@ -21,6 +21,7 @@ from rlalign.config import ConfigError, load_config  # noqa: E402
 from rlalign.lm.data import load_prompts  # noqa: E402
 from rlalign.lm.encoding import completion_text  # noqa: E402
 from rlalign.lm.models import load_policy, load_tokenizer  # noqa: E402
+from rlalign.lm.reward_calls import RewardFunctionError  # noqa: E402
 from rlalign.tasks import lookup as lk  # noqa: E402
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint  # noqa: E402
 from rlalign.train import grpo, ppo  # noqa: E402
@@ -87,6 +88,17 @@ def kind_agent(base_url: str, record: dict) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     reply = client.chat.completions.create(model="policy", messages=record["prompt"], max_tokens=3).choices[0].message.content
     return {"answer": reply, "reward": 1.0 if record["kind"] == "heavier" else 0.0}
+
+
+def nan_reward_agent(base_url: str, record: dict) -> dict:
+    """One call; its own reward NaN on 'heavier' questions (a bug in its scoring), 1 on the rest."""
+    openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(model="policy", messages=record["prompt"], max_tokens=2)
+    return {"answer": "x", "reward": float("nan") if record["kind"] == "heavier" else 1.0}
+
+
+def text_reward_agent(base_url: str, record: dict) -> dict:
+    openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(model="policy", messages=record["prompt"], max_tokens=2)
+    return {"answer": "x", "reward": "1.0"}
 
 
 def correct(prompts: list, completions: list, answer: list, **columns) -> list[float]:
@@ -254,6 +266,25 @@ def test_an_agent_that_raises_fails_its_episode_and_its_calls_are_still_rows(tin
         source.close()
     assert batch.metrics["agent/failed"] == 1.0 and batch.rollout.batch_size == 4
     assert batch.scored.scores.tolist() == [0.0] * 4  # the answer of a failed episode is ""
+
+
+@pytest.mark.parametrize(("function", "shown", "why"), [
+    ("nan_reward_agent", "nan", "expected a finite number in float32"), ("text_reward_agent", "'1.0'", "expected a finite number, or None for no reward"),
+])
+def test_an_agents_reward_that_is_not_a_finite_number_is_an_error_naming_the_agent_and_the_prompt(tiny_path, tmp_path, function, shown, why):
+    """As a reward term's NaN is: not a NaN score in every advantage of its group, nor a failed episode."""
+    cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, function)
+    records = [r for r in lk.prompt_records("train", 16) if r["kind"] == "heavier"][:2]
+    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(records))
+    try:
+        with pytest.raises(RewardFunctionError) as err:
+            source.next(grpo.TrainState(step=0, generator=torch.Generator()))
+    finally:
+        source.close()
+    prompts = [repr(r["prompt"]) for r in records]
+    message = str(err.value)
+    assert message.startswith(f"agent {HERE}:{function} returned {shown} for prompt ") and why in message
+    assert message.split(" for prompt ")[1].split(": expected")[0] in prompts
 
 
 def test_agent_config_errors(tiny_path, tmp_path):

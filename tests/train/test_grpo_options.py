@@ -180,6 +180,16 @@ def test_dynamic_sampling_fills_the_step_with_tied_groups_after_its_last_draw(ti
     assert row["dynamic/draws"] == 3 and row["dynamic/filled_groups"] == 2 and row["dynamic/tied_groups"] == 6 and row["frac_zero_std_groups"] == 1.0
 
 
+def test_dynamic_sampling_judges_a_group_on_the_completions_that_count(tiny_path, tmp_path):
+    # each group's first completion cannot be scored (None: no reward, left out) and the others all score 1: [-, 1, 1]
+    # ties, though its totals [0, 1, 1] differ (one draw was kept as informative before, with every advantage 0)
+    first_unscored = [grpo.RewardTerm("ones", 1.0, lambda prompts, completions: [None if i % 3 == 0 else 1.0 for i in range(len(completions))])]
+    cfg = make_cfg(tiny_path, tmp_path / "run", dynamic_sampling=True, max_sampling_rounds=2, steps=1, group_size=3, prompts_per_step=2)
+    row = grpo.train(cfg, reward_functions=first_unscored).history[0]
+    assert row["dynamic/draws"] == 2 and row["dynamic/tied_groups"] == 4 and row["dynamic/filled_groups"] == 2
+    assert row["frac_zero_std_groups"] == 1.0 and row["reward/no_term_applies/failed"] == 2
+
+
 def test_rollouts_concatenate_with_their_padding_and_groups(minibatch):
     # the second part made wider (one more prompt pad on the left, two more completion pads on the right)
     _, rollout, _ = minibatch  # 2 prompts x 2 samples
