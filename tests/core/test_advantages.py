@@ -370,3 +370,5 @@ def test_tied_groups_are_judged_on_the_completions_that_count():
     assert none_valid.tolist() == [True, False]
     assert group_advantages(torch.tensor([1.0, 2.0, 1.0, 2.0]), 2, valid=torch.tensor([False, False, True, True])).tolist() == [0, 0, -0.7071067690849304, 0.7071067690849304]
     assert tied_groups(torch.tensor([4.0, 4.0, 4.0, 4.5]), 2, eps=0.0).tolist() == [True, False]
+    ties = group_advantages(torch.tensor([4.0, 4.0, 4.0, 4.5]), 2, eps=0.0, valid=torch.ones(4, dtype=torch.bool))  # 0, not 0 / 0
+    assert ties.tolist() == [0.0, 0.0, -0.7071067690849304, 0.7071067690849304]
