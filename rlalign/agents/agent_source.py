@@ -72,6 +72,7 @@ from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.lm.reward_calls import is_async_reward
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
+from rlalign.lm.models import stop_token_ids
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 from rlalign.train.rl_eval import pass_at_ks
@@ -287,7 +288,7 @@ def policy_generate(updater, tokenizer, sampling, model_cfg):
         policy, sampler = updater.module, updater.sampler()
         precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()
         with precision, evaluating(sampler), attention_kernel(sampler, sampling.attn_implementation):
-            return sample(sampler, prompts, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], noise=noise, compile=sampling.compile,
+            return sample(sampler, prompts, params, tokenizer.pad_token_id, stop_token_ids(policy, tokenizer), noise=noise, compile=sampling.compile,
                           cuda_graphs=sampling.cuda_graphs).to("cpu")
 
     return generate
@@ -341,7 +342,7 @@ def agent_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], re
 
     def generate(batch, params, noise):
         with forward_precision(cfg.model, policy), evaluating(policy), attention_kernel(policy, cfg.sampling.attn_implementation):
-            return sample(policy, batch, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], noise=noise).to("cpu")
+            return sample(policy, batch, params, tokenizer.pad_token_id, stop_token_ids(policy, tokenizer), noise=noise).to("cpu")
 
     def make_server() -> PolicyServer:
         return PolicyServer(tokenizer, generate, eval_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature, 1.0, 0,

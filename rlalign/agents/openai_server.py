@@ -76,6 +76,7 @@ from torch import Tensor
 
 from rlalign.lm.decode import SamplingParams
 from rlalign.lm.rollout import Rollout
+from rlalign.lm.models import stop_token_ids
 
 __all__ = [
     "RequestError", "ChatRequest", "CallRecord", "parse_chat_request", "parse_calls", "calls_as_text", "render_chat", "model_generate", "PolicyServer",
@@ -268,7 +269,7 @@ def model_generate(model, tokenizer) -> Generate:
     from rlalign.lm.sampling import sample
 
     def generate(prompts: list[list[int]], params: SamplingParams, noise: Tensor | None) -> Rollout:
-        return sample(model, prompts, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], noise=noise).to("cpu")
+        return sample(model, prompts, params, tokenizer.pad_token_id, stop_token_ids(model, tokenizer), noise=noise).to("cpu")
 
     return generate
 

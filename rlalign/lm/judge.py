@@ -69,6 +69,7 @@ from transformers import PreTrainedTokenizerBase
 from rlalign.lm.decode import SamplingParams
 from rlalign.lm.encoding import completion_text
 from rlalign.lm.model_modes import evaluating
+from rlalign.lm.models import stop_token_ids
 from rlalign.lm.remote_reward import RETRY_STATUSES, post_json, run_sync
 from rlalign.lm.rewards import RewardFunctionError
 
@@ -136,9 +137,7 @@ class LocalJudge:
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
             raise ValueError("the judge's tokenizer has neither a pad nor an EOS token")
         self.model, self.tokenizer, self.max_new_tokens, self.batch_size = model, tokenizer, max_new_tokens, batch_size
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_token_ids = sorted({*eos, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
+        self.eos_token_ids = sorted(stop_token_ids(model, tokenizer))
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.name = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
 

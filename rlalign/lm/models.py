@@ -304,6 +304,17 @@ def unwrap_causal_lm(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if _is_peft(model) else model
 
 
+def stop_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS and every id ``model``'s generation config lists
+    (``eos_token_id``, an id or a list: an instruct model's end of turn, e.g. Llama 3's ``<|eot_id|>``), where
+    transformers' ``generate`` and TRL stop. ``model`` may be wrapped (DDP, FSDP2, peft, a sampling copy)."""
+    inner = getattr(model, "module", model)  # DDP
+    config = getattr(unwrap_causal_lm(inner), "generation_config", None)
+    listed = getattr(config, "eos_token_id", None)
+    ids = [tokenizer.eos_token_id, *([listed] if isinstance(listed, int) else list(listed or []))]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
 def cache_argument(model: nn.Module) -> str:
     """The keyword ``model``'s forward takes its KV cache by: ``cache`` from transformers 5.24 on,
     ``past_key_values`` before (and in models whose forward still names it so)."""

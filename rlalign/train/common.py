@@ -22,7 +22,7 @@ from transformers import AutoConfig
 from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.encoding import encode_prompts, render_prompt
-from rlalign.lm.models import load_policy, load_tokenizer, resolve_model_path
+from rlalign.lm.models import load_policy, load_tokenizer, resolve_model_path, stop_token_ids
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.train.bf16_adamw import StochasticRoundingAdamW
@@ -176,7 +176,7 @@ def generation_eval(
     for start in range(0, len(prompts), batch_size):
         ids = encode_prompts(tokenizer, prompts[start : start + batch_size])
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-        rollout = sample(model, ids, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], generator=generator)
+        rollout = sample(model, ids, params, tokenizer.pad_token_id, stop_token_ids(model, tokenizer), generator=generator)
         completions.extend(rollout.decode_completions(tokenizer))
     model.train(was_training)
     scores = score_completions([reward_fn], texts, completions, columns=columns)

@@ -34,6 +34,7 @@ from rlalign.lm.encoding import encode_prompts
 from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.lm.tools import ToolEnvironment, format_for
+from rlalign.lm.models import stop_token_ids
 from rlalign.tasks import TASKS
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
@@ -85,7 +86,7 @@ def evaluate_policy(
         ids = encode_prompts(tokenizer, [ex.prompt for ex in batch[shard]])
         columns = slice((start + shard.start) * n, (start + shard.stop) * n)
         with distributed.gathered(policy), forward_precision(model_cfg, policy), evaluating(policy):
-            rollout = sample(policy, ids, params, tokenizer.pad_token_id, [tokenizer.eos_token_id], n, noise=noise[:, columns])
+            rollout = sample(policy, ids, params, tokenizer.pad_token_id, stop_token_ids(policy, tokenizer), n, noise=noise[:, columns])
         rollout = rollout.to("cpu")
         scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), n, world, step=max(step, 0), uneven=True,
                              max_steps=max_steps)

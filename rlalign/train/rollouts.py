@@ -26,7 +26,7 @@ from rlalign.lm.data import DataError, PromptExample, load_prompts
 from rlalign.lm.encoding import completion_text, encode_prompts, render_prompt
 from rlalign.lm.heads import load_reward_model
 from rlalign.lm.model_modes import attention_kernel, evaluating
-from rlalign.lm.models import load_tokenizer
+from rlalign.lm.models import load_tokenizer, stop_token_ids
 from rlalign.lm.reward_calls import CallPolicy, import_reward_function, score_terms
 from rlalign.lm.rewards import REWARD_INPUT_TEXT, RewardModelReward, call_reward, check_finite, exact_match, format_check, math_answer, reward_fn_name, reward_input_of
 from rlalign.lm.rollout import Rollout
@@ -310,7 +310,7 @@ def sample_shard(
     policy, sampler = updater.module, updater.sampler()
     precision = forward_precision(model_cfg, policy) if sampler is policy else contextlib.nullcontext()  # a copy is already low-precision
     with distributed.gathered(policy), precision, evaluating(sampler), attention_kernel(sampler, sampling.attn_implementation):
-        rollout = sample(sampler, ids, sampling.params(), tokenizer.pad_token_id, [tokenizer.eos_token_id], group_size, noise=noise[:, rows], compile=sampling.compile,
+        rollout = sample(sampler, ids, sampling.params(), tokenizer.pad_token_id, stop_token_ids(policy, tokenizer), group_size, noise=noise[:, rows], compile=sampling.compile,
                          cuda_graphs=sampling.cuda_graphs)
     return rollout.to("cpu")
 

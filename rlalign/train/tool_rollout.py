@@ -52,6 +52,7 @@ from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import SamplingParams, left_pad, sample
 from rlalign.lm.tools import Environment, ToolEnvironment, ToolFormat, ToolRegistry, format_for, render_observation
+from rlalign.lm.models import stop_token_ids
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 
@@ -138,8 +139,8 @@ def tool_rollout(
     Returns:
         :class:`ToolRollout`, tensors on the CPU.
     """
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    stop = [eos, *_stop_token(tokenizer, fmt)]
+    pad, ends = tokenizer.pad_token_id, stop_token_ids(model, tokenizer)  # EOS and the generation config's end of turn
+    stop = [*ends, *_stop_token(tokenizer, fmt)]
     rows = [record for record in records for _ in range(group_size)]  # (B,)
     envs = [make_env() for _ in rows]
     prompts = encode_prompts(tokenizer, [env.reset(record) for env, record in zip(envs, rows)])
@@ -162,7 +163,7 @@ def tool_rollout(
         for i, r in enumerate(active):
             new = out.completion_ids[i][out.completion_mask[i].bool()].tolist()
             logp = out.logprobs[i][: len(new)].tolist()
-            ended = bool(new) and new[-1] == eos
+            ended = bool(new) and new[-1] in ends
             cut = None if ended else _cut_after_close(tokenizer, new, fmt.close)
             if cut is not None:
                 new, logp = new[:cut], logp[:cut]

@@ -48,6 +48,7 @@ class Updater:
     _sampling_copy: nn.Module | None = field(default=None, repr=False)
     _copy_at: int = -1  # the value of ``updates`` when the copy was last refreshed
     row_costs: dict = field(default_factory=dict, repr=False)  # micro_batch_size auto: what a row of each probed shape keeps (rlalign.train.memory_plan)
+    world: distributed.World = field(default_factory=distributed.World, repr=False)  # the ranks that update this model together
 
     @classmethod
     def create(
@@ -61,7 +62,7 @@ class Updater:
             check_bfloat16_steps([p for p in model.parameters() if p.requires_grad], cfg.lr)  # every rank holds the whole model here: all raise alike
         model = distributed.wrap(model, world, sharding)
         optimizer, scheduler = make_optimizer(model.parameters(), cfg, total_updates)
-        return cls(model, optimizer, scheduler, cfg.grad_clip, sampling_dtype, pack_sampler)
+        return cls(model, optimizer, scheduler, cfg.grad_clip, sampling_dtype, pack_sampler, world=world)
 
     @property
     def module(self) -> nn.Module:
@@ -151,9 +152,20 @@ class Updater:
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(f"update {self.updates + 1}: the loss is {loss_value} and the gradient norm {norm_value}")
         self.optimizer.step()
+        if not self.finite_weights():  # a finite gradient can still step the weights past float range (a learning rate of 1e38)
+            raise NonFiniteError(f"update {self.updates + 1}: the weights are not finite after it (the loss was {loss_value:g}, the gradient norm "
+                                 f"{norm_value:g}, the learning rate {self.lr:g})")
         self.scheduler.step()
         self.updates += 1
         return norm_value
+
+    def finite_weights(self) -> bool:
+        """Whether every parameter is finite, on every rank of :attr:`world` (each checks its own shards under FSDP2)."""
+        tensors = [p.detach() for p in self.model.parameters()]
+        tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard
+        tensors = [t for t in tensors if t.numel()]
+        peak = torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]).max() if tensors else torch.zeros(())  # max |w|, no overflow
+        return distributed.all_max(float(not torch.isfinite(peak)), self.world) == 0
 
     def state_dict(self) -> dict:
         """Optimiser (full, gathered from every rank under FSDP2: call it on every rank) and schedule."""

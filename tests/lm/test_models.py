@@ -168,6 +168,24 @@ def test_lora_dropout_is_the_configured_one_and_the_models_own_stays_off(tmp_pat
     assert load_policy(tmp_path, lora=LoraConfig(r=4)).config.resid_pdrop == 0.0  # the default: no dropout anywhere
 
 
+def test_completions_stop_where_the_generation_config_says(llama_checkpoint):
+    # an instruct model lists its end of turn beside the EOS (Llama 3: <|eot_id|>): transformers' generate and TRL stop at
+    # every id listed; sampling stopped at the tokenizer's EOS alone and ran on past the end of the turn
+    from rlalign.lm.models import stop_token_ids
+    from rlalign.lm.sampling import SamplingParams, sample
+
+    policy, tokenizer = load_policy(llama_checkpoint), load_tokenizer(llama_checkpoint)
+    eos = tokenizer.eos_token_id
+    assert stop_token_ids(policy, tokenizer) == [eos]
+    policy.generation_config.eos_token_id = [eos, 7, eos]
+    assert stop_token_ids(policy, tokenizer) == [eos, 7]
+    assert stop_token_ids(load_policy(llama_checkpoint, lora=LoraConfig(r=4)), tokenizer) == [eos]  # through peft
+    policy.generation_config.eos_token_id = list(range(len(tokenizer)))  # every token ends a completion: one token each
+    rollout = sample(policy, [[1, 14, 15]] * 3, SamplingParams(max_new_tokens=6), 0, stop_token_ids(policy, tokenizer),
+                     generator=torch.Generator().manual_seed(0))
+    assert rollout.completion_mask.sum(-1).tolist() == [1, 1, 1] and not rollout.truncated.any()
+
+
 def test_dtype_and_tokenizer_options(llama_checkpoint):
     policy = load_policy(llama_checkpoint, dtype="bfloat16")
     assert next(policy.parameters()).dtype == torch.bfloat16

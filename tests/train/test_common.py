@@ -312,6 +312,11 @@ def test_generation_eval_passes_each_prompts_own_columns(tmp_path):
     score, _ = generation_eval(load_policy(path), load_tokenizer(path), ["1+1=", "1+1="], lambda completions, answer, **kwargs:
                                [1.0 if a == "a" else None for a in answer], 2, columns={"answer": ["a", "b"]})
     assert score == 1.0
+    # it stops where the model's generation config says (an end of turn beside the EOS): every id listed, one token each
+    policy = load_policy(path)
+    policy.generation_config.eos_token_id = list(range(policy.config.vocab_size))
+    _, completions = generation_eval(policy, load_tokenizer(path), ["1+1=", "2+2="], answer_is_a, 4, columns={"answer": ["a", "b"]})
+    assert all(len(c) <= 1 for c in completions), completions
 
 
 def test_greedy_eval_is_generation_eval_at_temperature_zero(tmp_path):

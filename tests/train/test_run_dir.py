@@ -138,6 +138,16 @@ def test_a_diverging_run_stops_with_the_step_and_the_last_good_checkpoint_and_wr
         main(["--debug", *args[:2], *args[2:-3], f"output_dir={tmp_path / 'debug'}", "optim.lr=1e30", "optim.grad_clip=null", "optim.warmup_steps=0"])
 
 
+def test_an_update_that_steps_the_weights_past_float_range_stops_the_run_before_anything_is_saved(tmp_path, capsys):
+    # a finite loss and gradient with a learning rate of 1e38: the update makes the weights inf, and final/ and the step's
+    # checkpoint were written with them, exit 0
+    args = ["rm", *RM, f"output_dir={tmp_path}", "max_steps=2", "save_every=1", "optim.lr=1e38", "optim.warmup_steps=0"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("rlalign rm: step 0 stopped: update 1: the weights are not finite after it (the loss was"), err
+    assert "The last good checkpoint is none" in err and not (tmp_path / "final").exists() and not list_checkpoints(tmp_path)
+
+
 def test_bad_inputs_get_one_message_and_exit_2(tmp_path, capsys):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("max_steps: 3\noptim: {lr: 1e-3\n")
