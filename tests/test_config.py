@@ -48,3 +48,14 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(Recipe, bad)
+
+
+def test_adam_betas_and_the_tiny_models_heads_are_checked_with_the_config():
+    # both surfaced mid-start as tracebacks from torch and transformers (after the tiny model's directory was made)
+    from rlalign.train.reward_model import RMConfig
+
+    with pytest.raises(ConfigError, match=r"optim.betas.1 = 1.5: Input should be less than 1"):
+        load_config(RMConfig, None, ["optim.betas=[0.9, 1.5]"])
+    with pytest.raises(ConfigError, match=r"hidden_size=30 must be divisible by num_heads=4"):
+        load_config(RMConfig, None, ["model.tiny.hidden_size=30"])
+    assert load_config(RMConfig, None, ["optim.betas=[0.0, 0.999]", "model.tiny.hidden_size=32"]).optim.betas == (0.0, 0.999)

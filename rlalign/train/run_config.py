@@ -5,7 +5,7 @@ trackers (:class:`RunConfig`, which each trainer's config extends).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, model_validator
 
@@ -22,12 +22,15 @@ __all__ = [
 ]
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]  # an Adam moment's decay (torch refuses any other mid-run)
+
+
 class OptimConfig(Config):
     """AdamW with linear warm-up then cosine decay to ``min_lr_ratio`` * lr."""
 
     lr: float = Field(1e-3, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay (AdamW)")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam beta1, beta2")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="Adam beta1, beta2 (each in [0, 1))")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 over this many steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of lr (cosine decay); 1 = constant")
@@ -47,6 +50,12 @@ class TinyModelConfig(Config):
     num_heads: int = Field(4, ge=1, description="attention heads (hidden_size must be divisible by it)")
     intermediate_size: int = Field(256, ge=8, description="width of the MLP")
     seed: int = Field(0, description="seed of the random initialisation")
+
+    @model_validator(mode="after")
+    def _heads_divide_the_width(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_heads={self.num_heads} (each head gets hidden_size / num_heads)")
+        return self
 
 
 class ModelConfig(Config):

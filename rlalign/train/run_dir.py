@@ -6,6 +6,8 @@
   the same directory fails at once, naming the holder's process id.
 - A fresh run refuses a directory that already holds a run (metrics, checkpoints, a final model)
   unless the config says ``overwrite: true``; then the old contents go before anything is written.
+  What a start that failed before its first step left (a built tiny ``base_model``, empty logs) is
+  cleared without asking: there is nothing of a run to lose, and the corrected command runs.
 - A resumed run continues in its directory. The checkpoint must come from the same trainer, and the
   fields that define the run (model, data, batch shape, seed, optimiser, ...) must match; every
   difference is named. Lines of ``metrics.jsonl``, ``samples.jsonl`` and ``eval_samples.jsonl`` from the resumed step on are
@@ -63,7 +65,7 @@ def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
     if checkpoint is not None:
         check_resumable(cfg, checkpoint)
     if used and not resuming_here:
-        if not cfg.overwrite:
+        if not cfg.overwrite and _trained(run_dir):  # a start that failed before its first step (a built base_model, no metrics) is cleared
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} already holds a run ({', '.join(used)}); choose another output_dir, "
                 "continue it with --resume, or set overwrite=true to delete it first"
@@ -87,6 +89,12 @@ def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     if checkpoint is not None:
         cut_logs(run_dir, checkpoint.step)
+
+
+def _trained(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds something of a run that trained: a logged step, a checkpoint or a final model."""
+    metrics = run_dir / "metrics.jsonl"
+    return (run_dir / "final").exists() or bool(list_checkpoints(run_dir)) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 def _input_paths(cfg: Config) -> list[Path]:

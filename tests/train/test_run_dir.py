@@ -17,6 +17,7 @@ from rlalign.train import run_dir
 from rlalign.train.checkpoints import CheckpointError, list_checkpoints, load_checkpoint
 from rlalign.train.metrics import read_metrics
 from rlalign.train.reward_model import RMConfig, train
+from rlalign.lm.data import DataError
 from rlalign.train.updater import NonFiniteError
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "progress=false"]
@@ -44,6 +45,19 @@ def test_a_fresh_run_refuses_a_used_output_dir_unless_told_to_overwrite(tmp_path
     train(rm_cfg(tmp_path, "max_steps=1", "overwrite=true"))
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [-1, 0]  # nothing of the first run mixed in
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+
+
+def test_a_start_that_failed_before_its_first_step_does_not_block_the_corrected_command(tmp_path):
+    # a bad data file is found after the tiny base model was built into output_dir/base_model; the fixed command was
+    # refused ("already holds a run (base_model)") and --resume had no checkpoint to go on from
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"chosen": "a", "rejected": "b"}\n{"chosen": 1}\n')
+    out = tmp_path / "run"
+    with pytest.raises(DataError):
+        train(rm_cfg(out, f"data.train_file={bad}", f"data.eval_file={bad}", "max_steps=1"))
+    assert (out / "base_model").exists()
+    train(rm_cfg(out, "max_steps=1"))  # the corrected command
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [-1, 0]
 
 
 def test_resume_names_every_run_defining_difference_and_allows_more_steps(tmp_path):
