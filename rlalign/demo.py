@@ -146,6 +146,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     sft_pref_path = out / "sft_preference" / "final"
     rm_cfg = load_config(reward_model.RMConfig, None, {
         **common, "output_dir": str(out / "rm_preference"), "model.path": str(sft_pref_path), "max_steps": cfg.rm_steps, "eval_every": cfg.rm_steps,
+        "use_margin": False,  # the task's margins are its hidden rule's gaps: the demo's reward model learns the ranking alone
     })
     rm_metrics = timed("reward_model", reward_model.train, rm_cfg)
     ppo_cfg = load_config(ppo.PPOConfig, None, {

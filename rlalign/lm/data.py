@@ -316,6 +316,23 @@ def _present(row: dict, column: str) -> bool:
     return row.get(column) is not None
 
 
+_UNHONOURED = {  # columns TRL's trainers read that rlalign does not: what TRL does with them
+    "images": "TRL feeds them to a vision-language model; rlalign trains text-only language models",
+    "image": "TRL feeds it to a vision-language model; rlalign trains text-only language models",
+    "tools": "TRL renders the row's tool schemas into its chat template; rlalign's SFT, reward model and DPO do not",
+    "chat_template_kwargs": "TRL passes them to the row's chat template (e.g. enable_thinking); rlalign's SFT, reward model and DPO do not",
+}
+
+
+def _refuse_unhonoured(row: Any, where: str, columns: Sequence[str]) -> None:
+    """A row with a column TRL would act on and rlalign would silently drop is an error naming it (a rename through
+    ``data.columns`` keeps it as plain data)."""
+    found = [c for c in columns if isinstance(row, dict) and _present(row, c)]
+    if found:
+        raise DataError(f"{where}: column {found[0]!r}: {_UNHONOURED[found[0]]}, so the row would not train as it does in TRL; "
+                        f"remove the column, or rename it with data.columns to keep it as plain data")
+
+
 def _non_empty(examples: list, name: str, kind: str) -> list:
     if not examples:
         raise DataError(f"{name}: the {kind} dataset is empty")
@@ -328,12 +345,14 @@ def load_prompts(source: Source, split: str = "train", subset: str | None = None
     out = []
     for label, row in rows:
         where = f"{name}, {label}"
+        _refuse_unhonoured(row, where, ["images", "image"])
         row = _require(row, ["prompt"], where)
         out.append(PromptExample(_check_prompt(row["prompt"], where), {k: v for k, v in row.items() if k != "prompt"}))
     return _non_empty(out, name, "prompt")
 
 
 def _sft_example(row: Any, where: str) -> SFTExample:
+    _refuse_unhonoured(row, where, list(_UNHONOURED))
     if isinstance(row, dict) and not _present(row, "prompt") and _present(row, "messages"):
         messages = _messages(row["messages"])
         if messages is None:
@@ -368,6 +387,7 @@ def load_preferences(source: Source, split: str = "train", subset: str | None = 
     out, same = [], []
     for label, row in rows:
         where = f"{name}, {label}"
+        _refuse_unhonoured(row, where, list(_UNHONOURED))
         row = _require(row, ["prompt", "chosen", "rejected"] if isinstance(row, dict) and "prompt" in row else ["chosen", "rejected"], where)
         margin = row.get("margin")
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin)):

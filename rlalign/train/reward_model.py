@@ -5,7 +5,7 @@
 
 (seed 003, section 4; ``rlalign.core.losses.bradley_terry_loss``). r is a scalar head on the
 backbone's last hidden state read at the EOS closing prompt + response (:class:`ScalarHeadModel`).
-The margin m is the pair's ``margin`` column when ``use_margin`` (Llama 2, Touvron et al. 2023);
+The margin m is the pair's ``margin`` column (Llama 2, Touvron et al. 2023) when the data has one, as in TRL (``use_margin``);
 c > 0 is reward centring (Eisenstein et al. 2023), which pins the mean reward near 0 so later PPO
 sees rewards on a stable scale. Chosen and rejected responses go through one forward pass.
 
@@ -44,6 +44,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from rlalign.config import ConfigError
 from rlalign.core.losses import bradley_terry_loss
 from rlalign.lm.data import PreferenceExample, load_preferences
 from rlalign.lm.encoding import collate_preferences, example_tokens, explicit_prompt
@@ -88,7 +89,9 @@ class RMConfig(SupervisedConfig):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20), description="AdamW and schedule")
     batch_size: int = Field(32, ge=1, description="pairs per step")
     max_steps: int = Field(150, ge=1, description="optimizer steps")
-    use_margin: bool = Field(False, description="subtract each pair's margin inside the sigmoid")
+    use_margin: bool | None = Field(
+        None, description="subtract each pair's margin inside the sigmoid; null = when the data has a 'margin' column (TRL's rule), true = it must"
+    )
     center_coef: float = Field(0.0, ge=0, description="reward centring: weight of mean((r_c + r_r)^2)")
     eval_every: int = Field(100, ge=1, description="evaluate on held-out pairs every this many steps (and at the end)")
     eval_batch_size: int = Field(128, ge=1, description="pairs per forward at eval")
@@ -134,6 +137,19 @@ def evaluate_pairs(
     return {"eval/accuracy": float(stats.accuracy), "eval/margin": float(stats.margin_mean), "eval/loss": float(loss), "eval/reward_mean": float(stats.reward_mean)}
 
 
+def margins_used(use_margin: bool | None, pairs: list[PreferenceExample]) -> bool:
+    """Whether the loss subtracts the pairs' margins: ``use_margin``, or (None) whether any pair has one, as TRL's
+    RewardTrainer does.
+
+    Raises:
+        ConfigError: ``use_margin`` true for pairs without a margin column.
+    """
+    has = any(ex.margin is not None for ex in pairs)
+    if use_margin and not has:
+        raise ConfigError("use_margin: true, but the training pairs have no 'margin' column; set use_margin: null or false")
+    return has if use_margin is None else use_margin
+
+
 def pair_cut_report(tokenizer, examples: list[PreferenceExample], limit: int, split_prompt: bool = False) -> str:
     """One line: how many of the pairs ``examples`` the cut at ``limit`` tokens shortens (a pair's length: its prompt and its
     longer response, the prompt first made explicit if ``split_prompt``, as DPO encodes it), and the longest."""
@@ -161,6 +177,7 @@ def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
     run = start_run(cfg, cfg.batch_size, "batch_size", resume)
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         train_set, eval_set = _datasets(cfg)
+        use_margin = margins_used(cfg.use_margin, train_set)
         limit = cfg.data.length_limit()
         if run.world.is_main:
             print(pair_cut_report(run.tokenizer, train_set[:2048] + eval_set, limit))
@@ -173,12 +190,12 @@ def train(cfg: RMConfig, resume: str | Path | None = None) -> dict[str, float]:
 
         def batch_loss(trained, pairs: list[PreferenceExample]):
             r_c, r_r, margin = pair_rewards(trained, run.tokenizer, pairs, limit)
-            loss, stats = bradley_terry_loss(r_c, r_r, margin if cfg.use_margin else None, cfg.center_coef)
+            loss, stats = bradley_terry_loss(r_c, r_r, margin if use_margin else None, cfg.center_coef)
             local = {"loss/rm": float(loss.detach()), "accuracy": float(stats.accuracy), "margin": float(stats.margin_mean), "reward/mean": float(stats.reward_mean)}
             return loss, local, float(len(pairs))  # a mean over pairs
 
         def evaluate(model) -> dict[str, float]:
-            return evaluate_pairs(model, run.tokenizer, eval_set, limit, cfg.eval_batch_size, cfg.use_margin, cfg.center_coef)
+            return evaluate_pairs(model, run.tokenizer, eval_set, limit, cfg.eval_batch_size, use_margin, cfg.center_coef)
 
         return supervised_loop(cfg, run, model, train_set, batch_loss, evaluate, "rm", "eval/accuracy", "pairs")
 

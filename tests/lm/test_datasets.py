@@ -195,3 +195,18 @@ def test_a_text_that_already_ends_with_eos_gets_no_second_one():
     for text in ("hello", "hello<eos>"):
         ids, targets = example_tokens(tokenizer, None, text)
         assert ids == [bos, *hello, eos] and targets == [1] * 7
+
+
+@pytest.mark.parametrize("column,value,loader", [
+    ("images", ["a.png"], load_prompts), ("image", "a.png", load_sft), ("tools", [{"type": "function"}], load_sft),
+    ("chat_template_kwargs", {"enable_thinking": False}, load_preferences),
+])
+def test_a_column_trl_acts_on_and_rlalign_would_drop_is_an_error_naming_it(column, value, loader):
+    # TRL feeds images to a vision-language model and renders per-row tools and chat_template_kwargs through the template:
+    # rlalign dropped them silently (no tool schemas in the prompt, an empty think block trained as a target)
+    row = {"prompt": "2+2=", "completion": "4", "chosen": "4", "rejected": "5", column: value}
+    with pytest.raises(DataError, match=rf"row 1: column '{column}': .*remove the column, or rename it with data.columns"):
+        loader([row])
+    assert loader([{k: v for k, v in row.items() if k != column}])  # without it the row loads
+    renamed = loader([row], columns={column: f"my_{column}"})  # renamed: plain data
+    assert renamed

@@ -20,7 +20,7 @@ TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.inte
 @pytest.mark.slow
 def test_reward_model_ranks_held_out_pairs(tmp_path):
     cfg = load_config(RMConfig, None, TINY + [f"output_dir={tmp_path}", "max_steps=60", "eval_every=60", "data.num_train=2560", "data.num_eval=300",
-                                              "optim.lr=2e-3", "center_coef=0.01"])
+                                              "optim.lr=2e-3", "center_coef=0.01", "use_margin=false"])
     result = train(cfg)
     assert result["eval/accuracy"] >= 0.9, result
     assert result["eval/accuracy"] > result["eval/accuracy_initial"]
@@ -83,3 +83,14 @@ def test_pairs_are_cut_at_trls_length_for_files_and_the_cut_is_reported():
              PreferenceExample("zz", "ab", "ba")]
     report = pair_cut_report(build_char_tokenizer(), pairs, 8)
     assert report == "data: max_length=8 cuts 2 of the 4 pairs checked (the longest has 11 tokens)"
+
+
+def test_margins_are_used_when_the_data_has_them_as_in_trl():
+    from rlalign.lm.data import PreferenceExample
+    from rlalign.train.reward_model import margins_used
+
+    with_margin, without = [PreferenceExample("p", "a", "b", 1.5), PreferenceExample("p", "a", "c")], [PreferenceExample("p", "a", "b")]
+    assert margins_used(None, with_margin) and not margins_used(None, without)  # null: TRL's rule
+    assert not margins_used(False, with_margin) and margins_used(True, with_margin)
+    with pytest.raises(ConfigError, match="use_margin: true, but the training pairs have no 'margin' column"):
+        margins_used(True, without)

@@ -306,11 +306,13 @@ def hand_bt(rewards, margins, use_margin: bool, center_coef: float) -> torch.Ten
     return loss / len(rewards)
 
 
-@pytest.mark.parametrize("use_margin,center_coef", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
+@pytest.mark.parametrize("use_margin,center_coef", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3), ("null", 0.0)])
 def test_rm_loss_and_gradient_equal_bradley_terry_by_hand(rm_batch_loss, use_margin, center_coef):
-    # the data carry margins in every case: with use_margin=false they must be ignored
+    # the data carry margins in every case: with use_margin=false they must be ignored; null (the default) uses them,
+    # as TRL's RewardTrainer does whenever the data has a margin column
     model = make_rm("llama")
     loss, stats, count = rm_batch_loss(use_margin, center_coef)(model, RM_PAIRS)
+    use_margin = use_margin is not False
     loss.backward()
     trainer_grads = _grads(model)
 
