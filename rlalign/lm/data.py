@@ -59,6 +59,7 @@ class DataError(RLAlignError, ValueError):
 class PromptExample:
     prompt: Prompt
     metadata: dict[str, Any] = field(default_factory=dict)  # other columns (e.g. a reference answer)
+    where: str = field(default="", compare=False, repr=False)  # "FILE, line N" (or row N) for messages; "" when not from a file
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,10 @@ def _require(row: Any, columns: Sequence[str], where: str) -> dict:
         raise DataError(f"{where}: expected an object with columns {list(columns)}, got {type(row).__name__}")
     missing = [c for c in columns if c not in row or row[c] is None]
     if missing:
-        raise DataError(f"{where}: missing column(s) {missing}; expected columns {list(columns)}, found {sorted(row)}")
+        empty = [c for c in missing if c in row]  # a JSON null, or a key other rows have and this one lacks (datasets fills None)
+        found = sorted(c for c in row if row[c] is not None)
+        raise DataError(f"{where}: missing or null column(s) {missing}; expected columns {list(columns)}, found {found}"
+                        + (f" (null: {empty})" if empty else ""))
     return row
 
 
@@ -347,7 +351,7 @@ def load_prompts(source: Source, split: str = "train", subset: str | None = None
         where = f"{name}, {label}"
         _refuse_unhonoured(row, where, ["images", "image"])
         row = _require(row, ["prompt"], where)
-        out.append(PromptExample(_check_prompt(row["prompt"], where), {k: v for k, v in row.items() if k != "prompt"}))
+        out.append(PromptExample(_check_prompt(row["prompt"], where), {k: v for k, v in row.items() if k != "prompt"}, where))
     return _non_empty(out, name, "prompt")
 
 

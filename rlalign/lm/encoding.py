@@ -133,7 +133,7 @@ def example_tokens(
     ``completion_only`` False every token is a target."""
     if prompt is None and isinstance(completion, str):  # closed by EOS unless it already ends with it (TRL's rule)
         ids = tokenizer(completion)["input_ids"]
-        ids = ids if tokenizer.eos_token and completion.rstrip().endswith(tokenizer.eos_token) else ids + [tokenizer.eos_token_id]
+        ids = ids if tokenizer.eos_token and completion.endswith(tokenizer.eos_token) else ids + [tokenizer.eos_token_id]
         return ids, [1] * len(ids)
     if prompt is None:
         return _conversation_tokens(tokenizer, completion, completion_only)

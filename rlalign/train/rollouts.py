@@ -82,9 +82,15 @@ def check_prompt_lengths(prompts: Sequence[PromptExample], tokenizer, context: i
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + max_new_tokens > context:
         raise DataError(
-            f"prompt record {longest} is {lengths[longest]} tokens, and with sampling.max_new_tokens={max_new_tokens} it exceeds "
+            f"{_named(prompts, longest)}: the prompt is {lengths[longest]} tokens, and with "
+            f"sampling.max_new_tokens={max_new_tokens} it exceeds "
             f"the model's {context} positions; shorten the prompts or lower max_new_tokens"
         )
+
+
+def _named(prompts: Sequence[PromptExample], i: int) -> str:
+    """Where prompt record ``i`` comes from ("FILE, line N"), or its place among the records (0-based) when not from a source that says."""
+    return prompts[i].where or f"prompt record {i}"
 
 
 def prompt_batch(prompts: Sequence[PromptExample], step: int, batch_size: int, seed: int) -> list[PromptExample]:
@@ -127,7 +133,7 @@ def _references(prompts: Sequence[PromptExample], tokenizer, function: str, colu
     prompt text has several values."""
     missing = [i for i, ex in enumerate(prompts) if column not in ex.metadata]
     if missing:
-        raise ConfigError(f"reward function {function!r} needs a {column!r} column in the prompts; prompt record {missing[0]} has none")
+        raise ConfigError(f"reward function {function!r} needs a {column!r} column in the prompts; {_named(prompts, missing[0])} has none")
     references: dict[str, str | None] = {}
     for ex in prompts:
         text, value = render_prompt(tokenizer, ex.prompt), str(ex.metadata[column])
@@ -176,7 +182,7 @@ def _code_rows(prompts: Sequence[PromptExample], tokenizer, code_format: str) ->
         try:
             code_tests(row, code_format)
         except TestsError as err:
-            raise DataError(f"prompt record {i}: {err}") from None
+            raise DataError(f"{_named(prompts, i)}: {err}") from None
         text = render_prompt(tokenizer, ex.prompt)
         rows[text] = row if rows.get(text, row) == row else None
     return rows

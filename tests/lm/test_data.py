@@ -29,8 +29,11 @@ def test_jsonl_text_and_chat_prompts(tmp_path):
 
 def test_missing_column_names_file_line_and_expectation(tmp_path):
     path = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "c", "answer": "d"}])
-    with pytest.raises(DataError, match=r"sft\.jsonl, line 2: missing column\(s\) \['completion'\]; expected columns \['prompt', 'completion'\]"):
+    with pytest.raises(DataError, match=r"sft\.jsonl, line 2: missing or null column\(s\) \['completion'\]; expected columns \['prompt', 'completion'\]"):
         load_sft(path)
+    # datasets fills a key other rows have with None: that row was said to miss 'completion' while "found" listing it
+    with pytest.raises(DataError, match=r"row 2: missing or null column\(s\) \['completion'\]; .* found \['answer', 'prompt'\] \(null: \['completion'\]\)"):
+        load_sft([{"prompt": "a", "completion": "b"}, {"prompt": "c", "answer": "d", "completion": None}])
 
 
 def test_malformed_rows_are_errors(tmp_path):
@@ -67,7 +70,7 @@ def test_parquet_through_datasets(tmp_path):
     prefs = load_preferences(tmp_path / "prefs.parquet")
     assert prefs == [PreferenceExample("a", "bb", "c", 1.5), PreferenceExample("d", "e", "f", None)]
     Dataset.from_list([{"prompt": "a"}]).to_parquet(str(tmp_path / "bad.parquet"))
-    with pytest.raises(DataError, match=r"bad\.parquet, row 1: missing column\(s\) \['completion'\]"):
+    with pytest.raises(DataError, match=r"bad\.parquet, row 1: missing or null column\(s\) \['completion'\]"):
         load_sft(tmp_path / "bad.parquet")
 
 

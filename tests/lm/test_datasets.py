@@ -195,6 +195,8 @@ def test_a_text_that_already_ends_with_eos_gets_no_second_one():
     for text in ("hello", "hello<eos>"):
         ids, targets = example_tokens(tokenizer, None, text)
         assert ids == [bos, *hello, eos] and targets == [1] * 7
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    assert example_tokens(tokenizer, None, "hello<eos>\n")[0] == [bos, *hello, eos, *newline, eos]  # TRL's test: the text ends otherwise
 
 
 @pytest.mark.parametrize("column,value,loader", [

@@ -476,5 +476,5 @@ def test_prompts_come_from_exactly_one_source(tiny_path, tmp_path):
 def test_a_reward_that_needs_a_column_names_the_first_record_without_it(tiny_path, tmp_path):
     records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}, {"prompt": "3+3=", "answer": "6"}, {"prompt": "4+4="}]
     cfg = make_cfg(tiny_path, tmp_path, rewards=[{"function": "exact_match"}])
-    with pytest.raises(ConfigError, match="needs a 'answer' column in the prompts; prompt record 1 has none"):
+    with pytest.raises(ConfigError, match="needs a 'answer' column in the prompts; <in-memory records>, row 2 has none"):
         grpo.train(cfg, prompts=records)

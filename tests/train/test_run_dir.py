@@ -214,7 +214,7 @@ def test_prompts_that_do_not_fit_the_context_are_an_error_at_load(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     base = [f"model.path={path}", "progress=false", "plots=false", "steps=1", "prompts_per_step=2", "group_size=2", "rewards=[{function: exact_match}]"]
     cfg = load_config(grpo.GRPOConfig, None, [*base, f"output_dir={tmp_path / 'a'}", "sampling.max_new_tokens=8"])
-    with pytest.raises(DataError, match="prompt record 1 is 10 tokens, and with sampling.max_new_tokens=8 it exceeds the model's 16 positions"):
+    with pytest.raises(DataError, match="<in-memory records>, row 2: the prompt is 10 tokens, and with sampling.max_new_tokens=8 it exceeds the model's 16 positions"):
         grpo.train(cfg, prompts=[{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+30+40=", "answer": "82"}])
 
 
