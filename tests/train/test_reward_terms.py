@@ -284,3 +284,14 @@ def test_reward_logs_average_over_draws_and_write_plain_values_and_an_environmen
     with_env = add_score_term(draw(0.5), "environment", torch.tensor([1.0, 0.0]), distributed.World(), torch.tensor([True, False]))
     assert trusted_rows(with_env).tolist() == [True, True]
     assert trusted_rows(add_score_term(draw(0.5), "overlong", torch.tensor([1.0, 0.0]), distributed.World())).tolist() == [False, True]
+
+
+def test_a_reward_model_given_as_a_reward_function_points_to_the_config_term():
+    # TRL takes a model or its id among reward_funcs; here the model raised "You must specify exactly one of input_ids..."
+    # when called with texts, and the id "must be a RewardTerm or a callable"
+    from rlalign.config import ConfigError
+    from rlalign.train.rollouts import as_reward_term
+
+    for term in ("runs/rm/final", torch.nn.Linear(2, 1)):
+        with pytest.raises(ConfigError, match=r"is not a reward function here: give its directory as a term of the config, rewards: \[\{reward_model: PATH\}\]"):
+            as_reward_term(term)
