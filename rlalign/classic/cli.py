@@ -7,6 +7,12 @@ greedy evaluations; a few of the algorithm's update metrics), and prints the fin
 
     rlalign classic ppo --env CartPole-v1 --config configs/classic/ppo_cartpole.yaml --seed 2
     rlalign classic q_learning --env rlalign/Maze2x3-v0 total_steps=2000
+
+Before anything is written: the config is validated, the environment is made once and checked
+against the algorithm (``common.check_env``; the ``module:EnvId`` form imports ``module``), and an
+``--out`` that already holds a run is refused unless ``overwrite=true`` is given (then that run's
+files go first; other files stay). A run that meets a non-finite number stops with one message
+(``common.FiniteGuard``) and saves no weights and no curves.png; its logs so far stay in ``--out``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
+import shutil
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,8 +30,8 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlalign.classic.common import RunLog
-from rlalign.config import load_config
+from rlalign.classic.common import NonFiniteError, RunLog, check_env
+from rlalign.config import ConfigError, load_config
 
 # algorithm -> (module, config class)
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -35,6 +43,9 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "ppo": ("rlalign.classic.ppo", "PPOConfig"),
 }
 ALIASES = {"vi": "value_iteration", "q": "q_learning", "reinforce": "vpg"}
+# what a run writes in --out: a directory holding any of them (or what an LM trainer writes) holds a run
+RUN_FILES = ("config.yaml", "returns.jsonl", "metrics.jsonl", "evals.jsonl", "curves.png", "table.npy",
+             "q_network.safetensors", "actor.safetensors", "critic.safetensors")
 # update metrics drawn in curves.png besides the returns (those an algorithm logs; Q-learning logs none)
 CURVE_METRICS: dict[str, tuple[str, ...]] = {
     "value_iteration": ("bellman_residual",),  # max_s |V_new(s) - V(s)| against the sweep: no env steps, no episodes
@@ -56,7 +67,8 @@ class CLILog(RunLog):
         self.last_step = 0  # env steps done, as last reported
 
     def _write(self, name: str, record: dict[str, Any]) -> None:
-        self.files[name].write(json.dumps(record) + "\n")
+        strict = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}  # NaN/inf as null: strict JSON
+        self.files[name].write(json.dumps(strict, allow_nan=False) + "\n")
 
     def episode(self, step: int, ret: float) -> None:
         super().episode(step, ret)
@@ -89,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(
             name,
             help=canonical if name in ALIASES else importlib.import_module(ALGORITHMS[name][0]).__doc__.splitlines()[0],
-            epilog="config keys (key=value):\n" + _describe(canonical),
+            epilog="config keys (key=value):\n" + _describe(canonical)
+            + f"\n  {'overwrite':<24} start afresh in an --out that holds a run, deleting that run's files first (default false: an error)",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("--env", required=True, help="Gymnasium id, e.g. CartPole-v1, FrozenLake-v1, rlalign/Maze2x3-v0")
@@ -109,11 +122,13 @@ def run(args: argparse.Namespace) -> int:
     algo = ALIASES.get(args.algo, args.algo)
     module_name, cls_name = ALGORITHMS[algo]
     module = importlib.import_module(module_name)
-    overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
+    overwrite, overrides = _take_overwrite(list(args.overrides))
+    overrides += [f"seed={args.seed}"] if args.seed is not None else []
     cfg = load_config(getattr(module, cls_name), args.config, overrides)
-    safe_env = args.env.replace("/", "_")
+    env_id = check_env(args.env, module.ENV_KIND)  # made once here: a bad id or space fails before anything is written
+    safe_env = args.env.replace("/", "_").replace(":", "_")
     out = Path(args.out or f"runs/classic/{algo}_{safe_env}_s{cfg.seed}")
-    out.mkdir(parents=True, exist_ok=True)
+    _claim_out(out, overwrite)
     (out / "config.yaml").write_text(yaml.safe_dump({"algo": algo, "env": args.env, **cfg.model_dump()}))
 
     console = Console()
@@ -121,11 +136,15 @@ def run(args: argparse.Namespace) -> int:
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console, transient=False) as progress:
         log = CLILog(out, progress, progress.add_task("starting" if total else algo, total=total))
-        result = module.train(cfg, args.env, log)
+        try:
+            result = module.train(cfg, env_id, log)
+        except NonFiniteError as err:
+            raise NonFiniteError(f"{err}; stopped, no weights saved (the logs so far are in {out})") from err
+        finally:
+            log.close()
         seconds = result.log.train_seconds()
         if total is None:
             progress.update(log.task, total=1, completed=1)
-        log.close()
     _save_agent(result.agent, out)
     final_eval = None if total is None else (log.last_step, result.eval_return)  # value iteration: a model sweep, no learning curve to end
     write_curves(out / "curves.png", f"{algo} on {args.env} — {out}", log, CURVE_METRICS[algo], final_eval, "env step" if total else "sweep")
@@ -138,6 +157,41 @@ def run(args: argparse.Namespace) -> int:
         f"{seconds:.1f}s training; logs and curves.png in {out}"
     )
     return 0
+
+
+def _take_overwrite(overrides: list[str]) -> tuple[bool, list[str]]:
+    """``overwrite=true|false`` out of the key=value overrides (a choice of this invocation, not of the
+    recipe, so not a config key), and the other overrides."""
+    overwrite, rest = False, []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() != "overwrite":
+            rest.append(item)
+            continue
+        parsed = yaml.safe_load(value) if value.strip() else None
+        if not isinstance(parsed, bool):
+            raise ConfigError(f"overwrite = {value!r}: must be true or false")
+        overwrite = parsed
+    return overwrite, rest
+
+
+def _claim_out(out: Path, overwrite: bool) -> None:
+    """Make ``out`` ready for a fresh run: refuse it when it holds a run (a classic one or an LM
+    trainer's), unless ``overwrite``; then delete that run's files (only those: other files stay)."""
+    from rlalign.train.run_dir import RUN_FILES as LM_RUN_FILES
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file, not a directory; choose another --out")
+    used = [name for name in dict.fromkeys(RUN_FILES + LM_RUN_FILES) if (out / name).exists()]
+    if used and not overwrite:
+        raise ConfigError(
+            f"--out {str(out)!r} already holds a run ({', '.join(used)}); choose another --out, "
+            "or add overwrite=true to delete that run's files first"
+        )
+    for name in used:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def write_curves(out: Path, title: str, log: RunLog, metrics: tuple[str, ...], final_eval: tuple[int, float] | None, xlabel: str = "env step") -> Path:

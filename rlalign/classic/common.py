@@ -1,6 +1,8 @@
 """What the classic algorithms share: seeding, the config fields every run has, small MLPs with
 orthogonal initialisation, episode-return tracking, the greedy evaluation loop, the on-policy
-rollout collector (VPG, TRPO and PPO), and the run log that the CLI and the benchmark listen to.
+rollout collector (VPG, TRPO and PPO), the run log that the CLI and the benchmark listen to, the
+check that an environment suits an algorithm (:func:`check_env`), and the guard that stops a run
+at the first reward, loss, parameter or network output that is not finite (:class:`FiniteGuard`).
 
 Deliberate simplifications: discrete action spaces only; the deep algorithms need Box (vector)
 observations, the tabular ones Discrete observations or the maze's one-hot vectors.
@@ -8,22 +10,32 @@ observations, the tabular ones Discrete observations or the maze's one-hot vecto
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 import gymnasium as gym
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import AfterValidator, Field, field_validator
 from torch import Tensor, nn
 
-from rlalign.config import Config
+from rlalign.config import Config, ConfigError
+from rlalign.errors import RLAlignError
 
 __all__ = [
     "ClassicConfig",
+    "Hidden",
+    "FLOAT32_MAX",
+    "NonFiniteError",
+    "FiniteGuard",
+    "EnvKind",
+    "check_env",
+    "num_actions",
+    "num_states",
     "Result",
     "RunLog",
     "Rollout",
@@ -43,10 +55,21 @@ __all__ = [
 ]
 
 ActFn = Callable[[np.ndarray], int]  # one observation -> one action
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4e38: networks, rollouts and the replay buffer hold float32
+
+
+def _hidden_sizes(sizes: list[int]) -> list[int]:
+    if any(n < 1 for n in sizes):
+        raise ValueError("every hidden layer size must be >= 1 (a 0-wide layer cuts the output off from the input); [] is a linear network")
+    return sizes
+
+
+Hidden = Annotated[list[int], AfterValidator(_hidden_sizes)]  # hidden layer sizes of an MLP
 
 
 class ClassicConfig(Config):
-    """Fields every classic run has; each algorithm's config derives from this."""
+    """Fields every classic run has; each algorithm's config derives from this. Every float must
+    lie in float32's range, in which the networks compute (clip_coef=1e40 would overflow)."""
 
     seed: int = Field(1, description="seeds Python, NumPy, torch and the environments")
     total_steps: int = Field(100_000, ge=1, description="environment steps to train for (all envs together)")
@@ -54,6 +77,111 @@ class ClassicConfig(Config):
     eval_episodes: int = Field(10, ge=1, description="episodes per evaluation")
     target_return: float | None = Field(None, description="stop early once an evaluation's mean return reaches this")
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads; small MLPs are fastest on one thread")
+
+    @field_validator("*")
+    @classmethod
+    def _in_float32_range(cls, value: Any) -> Any:
+        if isinstance(value, float) and abs(value) > FLOAT32_MAX:
+            raise ValueError(f"beyond float32's range (|x| <= {FLOAT32_MAX:.3g}), in which the networks compute")
+        return value
+
+
+class NonFiniteError(RLAlignError, FloatingPointError):
+    """A reward beyond float32's range, or a loss, parameter or network output that is NaN or
+    infinite: the run stops there (the CLI saves no weights)."""
+
+
+@dataclass(frozen=True)
+class FiniteGuard:
+    """Stops a run at the first number that is not finite, naming the algorithm, the env step and
+    the quantity. ``hints`` maps each network ("actor", "critic", "q-network") to what to suspect
+    when it goes non-finite, e.g. ``{"critic": "critic_lr=1e+30 too high?"}``.
+
+    Checked: every reward as it arrives (finite in float32, as the rollouts and the replay buffer
+    store it), the returns and advantages computed from a rollout, the policy's logits before an
+    action is sampled and the critic's values, and after every update its losses, the network's
+    parameters and its outputs on the update's observations (parameters can be finite and still so
+    large that the outputs overflow).
+    """
+
+    algo: str
+    env_id: str
+    hints: dict[str, str]
+
+    def rewards(self, step: int, rewards: float | np.ndarray) -> None:
+        """Rewards of env step ``step``, one per environment."""
+        r = np.atleast_1d(np.asarray(rewards, dtype=np.float64))
+        bad = ~(np.abs(r) <= FLOAT32_MAX)  # NaN compares False
+        if bad.any():
+            raise NonFiniteError(
+                f"{self.algo}: env {self.env_id} returned the reward {float(r[bad][0]):g} at step {step}; "
+                f"rewards must be finite in float32 (|r| <= {FLOAT32_MAX:.3g})"
+            )
+
+    def returns(self, step: int, quantities: dict[str, Tensor]) -> None:
+        """Returns, advantages or Psi computed from the rollout that ended at ``step``."""
+        for name, value in quantities.items():
+            if not torch.isfinite(value).all():
+                raise NonFiniteError(
+                    f"{self.algo}: the {name} of the rollout ending at step {step} are not finite "
+                    f"(env {self.env_id}'s rewards overflow float32 when summed?)"
+                )
+
+    def outputs(self, step: int, net: str, values: Tensor, when: str = "at") -> None:
+        """``net``'s outputs ``values``, computed at (or after the update at) env step ``step``."""
+        if not torch.isfinite(values).all():
+            raise NonFiniteError(f"{self.algo}: the {net}'s outputs are not finite {when} step {step} ({self.hints[net]})")
+
+    def update(self, step: int, net_name: str, net: nn.Module, losses: dict[str, Tensor | float], inputs: Tensor | None = None) -> None:
+        """After the update at env step ``step``: its ``losses``, ``net``'s parameters, and its
+        outputs on ``inputs`` (the update's observations), all finite."""
+        hint = self.hints[net_name]
+        for name, value in losses.items():
+            value = value.item() if isinstance(value, Tensor) else float(value)
+            if not math.isfinite(value):
+                raise NonFiniteError(f"{self.algo}: the {name} is {value} at the update at step {step} ({hint})")
+        if not all(bool(torch.isfinite(p).all()) for p in net.parameters()):
+            raise NonFiniteError(f"{self.algo}: the {net_name}'s parameters are not finite after the update at step {step} ({hint})")
+        if inputs is not None:
+            with torch.no_grad():
+                self.outputs(step, net_name, net(inputs), when="after the update at")
+
+
+EnvKind = Literal["vector", "tabular", "model"]  # what an algorithm needs: vector observations, tabular states, a model
+
+
+def check_env(env_id: str, kind: EnvKind) -> str:
+    """The registered id of ``env_id``, after checking that it exists and has what an algorithm of
+    ``kind`` needs; one ConfigError naming the env and what is allowed otherwise. Gymnasium's
+    ``module:EnvId`` form imports ``module`` (which registers EnvId) and returns ``EnvId``, so that
+    training and evaluation make the same environment by the same id."""
+    import rlalign.classic.maze  # noqa: F401  (registers rlalign/Maze2x3-v0)
+
+    env_name = env_id
+    if ":" in env_id:
+        module, env_name = env_id.split(":", 1)
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"--env {env_id!r}: cannot import module {module!r}, which should register {env_name!r} ({err})") from err
+    try:
+        gym.spec(env_name)
+        env = gym.make(env_name)
+    except (gym.error.Error, ImportError) as err:
+        raise ConfigError(f"--env {env_id!r}: {err}") from err
+    try:
+        if kind == "vector":
+            obs_size(env.observation_space)
+        elif kind == "tabular":
+            num_states(env)
+        elif not hasattr(env.unwrapped, "P"):
+            raise ConfigError("value_iteration needs the environment's model env.unwrapped.P (toy-text: FrozenLake, CliffWalking, Taxi, the maze); this one has none")
+        num_actions(env.action_space)
+    except ConfigError as err:
+        raise ConfigError(f"--env {env_id!r}: {err}") from None
+    finally:
+        env.close()
+    return env_name
 
 
 @dataclass
@@ -133,8 +261,32 @@ def mlp(sizes: list[int], activation: type[nn.Module] = nn.Tanh, out_gain: float
 def obs_size(space: gym.Space) -> int:
     """Length of a flat Box observation; the deep algorithms need one."""
     if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
-        raise ValueError(f"deep classic algorithms need a flat Box observation space, got {space}")
+        raise ConfigError(f"dqn, vpg, trpo and ppo need vector observations (a flat Box), not {_space(space)}; q_learning and value_iteration take Discrete ones")
     return int(space.shape[0])
+
+
+def num_actions(space: gym.Space) -> int:
+    """Number of actions of a Discrete action space; every classic algorithm needs one."""
+    if not isinstance(space, gym.spaces.Discrete):
+        raise ConfigError(f"the classic algorithms need a Discrete action space, not {_space(space)} (continuous actions are not supported)")
+    return int(space.n)
+
+
+def _space(space: gym.Space) -> str:
+    """A space in a few characters: Box(4,) (its shape), Discrete(16)."""
+    return f"Box{space.shape}" if isinstance(space, gym.spaces.Box) else str(space)
+
+
+def num_states(env: gym.Env) -> int:
+    """Number of tabular states: the model's (the maze's one-hot observations), else a Discrete observation space's."""
+    if hasattr(env.unwrapped, "P"):
+        return len(env.unwrapped.P)
+    if not isinstance(env.observation_space, gym.spaces.Discrete):
+        raise ConfigError(
+            f"q_learning needs Discrete observations (or a model env.unwrapped.P, as the maze has), not {_space(env.observation_space)}; "
+            "dqn, vpg, trpo and ppo take vector ones"
+        )
+    return int(env.observation_space.n)
 
 
 def state_index(obs: Any) -> int:
@@ -178,8 +330,9 @@ def evaluate(act: ActFn, env_id: str, episodes: int, seed: int) -> list[float]:
     """Undiscounted return of ``episodes`` episodes of ``act`` (usually greedy), env seeded once."""
     import rlalign.classic.maze  # noqa: F401
 
-    spec = gym.spec(env_id)
-    env = gym.make(env_id, max_episode_steps=None if spec.max_episode_steps else 1000)  # CliffWalking has no limit
+    env = gym.make(env_id)  # the same call as training (the module:EnvId form included)
+    if env.spec is None or env.spec.max_episode_steps is None:  # CliffWalking has no limit
+        env = gym.wrappers.TimeLimit(env, max_episode_steps=1000)
     returns = []
     obs, _ = env.reset(seed=seed)
     for _ in range(episodes):
@@ -248,9 +401,11 @@ def collect_rollout(
     tracker: EpisodeTracker,
     log: RunLog,
     step: int,
+    guard: FiniteGuard | None = None,
 ) -> tuple[Rollout, np.ndarray, int]:
     """Sample ``num_steps`` steps from every env with pi(a|s) = softmax(policy(s)).
 
+    ``guard`` checks the logits before each action is sampled, every reward and the critic's values.
     Returns the rollout, the observation to continue from and the env-step counter.
     """
     n = envs.num_envs
@@ -260,9 +415,14 @@ def collect_rollout(
     for t in range(num_steps):
         obs_t = torch.as_tensor(obs, dtype=torch.float32)  # (N, obs_dim)
         with torch.no_grad():
-            logp_all = torch.log_softmax(policy(obs_t), dim=-1)  # (N, A), as categorical_logp computes it
+            logits = policy(obs_t)  # (N, A)
+            if guard is not None:
+                guard.outputs(step + t * n, "actor", logits)
+            logp_all = torch.log_softmax(logits, dim=-1)  # (N, A), as categorical_logp computes it
             action = torch.multinomial(logp_all.exp(), 1)  # (N, 1)
         obs, reward, terminated, truncated, info = envs.step(action.squeeze(1).numpy())
+        if guard is not None:
+            guard.rewards(step + (t + 1) * n, reward)
         done = terminated | truncated
         for i in np.flatnonzero(done):
             finals.append((t, int(i), info["final_obs"][i]))
@@ -285,6 +445,8 @@ def collect_rollout(
             next_values = torch.cat([values[1:], last[None]])  # (T, N)
             for t, i, final in finals:
                 next_values[t, i] = value(torch.as_tensor(final, dtype=torch.float32)).squeeze(-1)
+            if guard is not None:
+                guard.outputs(step, "critic", torch.cat([values, next_values]))
     rollout = Rollout(
         obs=obs_all,
         actions=torch.stack(act_buf),

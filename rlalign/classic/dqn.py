@@ -28,18 +28,23 @@ from rlalign.core.bellman import polyak_update_, q_learning_target
 from rlalign.classic.common import (
     ClassicConfig,
     EpisodeTracker,
+    FiniteGuard,
+    Hidden,
     Result,
     RunLog,
     finish,
     linear_schedule,
     maybe_evaluate,
     mlp,
+    num_actions,
     obs_size,
     seed_everything,
     torch_act,
 )
 
-__all__ = ["DQNConfig", "ReplayBuffer", "train"]
+__all__ = ["DQNConfig", "ENV_KIND", "ReplayBuffer", "train"]
+
+ENV_KIND = "vector"  # what common.check_env asks of the environment
 
 
 class DQNConfig(ClassicConfig):
@@ -60,7 +65,7 @@ class DQNConfig(ClassicConfig):
     eps_end: float = Field(0.04, ge=0.0, le=1.0, description="final exploration probability")
     exploration_fraction: float = Field(0.16, gt=0.0, le=1.0, description="fraction of the run over which epsilon decays")
     loss: Literal["huber", "mse"] = Field("huber", description="TD-error loss (the seed uses mse)")
-    hidden: list[int] = Field([256, 256], description="hidden layer sizes of the Q-network (ReLU)")
+    hidden: Hidden = Field([256, 256], description="hidden layer sizes of the Q-network (ReLU), each >= 1")
     max_grad_norm: float = Field(10.0, gt=0.0, description="global gradient-norm clip")
 
 
@@ -95,7 +100,8 @@ def train(cfg: DQNConfig, env_id: str, log: RunLog | None = None) -> Result:
     log = log or RunLog()
     rng = np.random.default_rng(cfg.seed)
     env = gym.make(env_id)
-    n_actions = int(env.action_space.n)
+    n_actions = num_actions(env.action_space)
+    guard = FiniteGuard("dqn", env_id, {"q-network": f"lr={cfg.lr:g} too high?"})
     q_net = mlp([obs_size(env.observation_space), *cfg.hidden, n_actions], activation=nn.ReLU)
     target_net = copy.deepcopy(q_net).requires_grad_(False)
     optimizer = torch.optim.Adam(q_net.parameters(), lr=cfg.lr, fused=True)
@@ -108,6 +114,7 @@ def train(cfg: DQNConfig, env_id: str, log: RunLog | None = None) -> Result:
         eps = linear_schedule(cfg.eps_start, cfg.eps_end, int(cfg.exploration_fraction * cfg.total_steps), step)
         action = int(rng.integers(n_actions)) if rng.random() < eps else greedy(obs)
         next_obs, reward, terminated, truncated, _ = env.step(action)
+        guard.rewards(step, reward)
         buffer.add(obs, action, float(reward), next_obs, terminated)
         for ret in tracker.step(np.array([reward]), np.array([terminated or truncated])):
             log.episode(step, ret)
@@ -126,6 +133,7 @@ def train(cfg: DQNConfig, env_id: str, log: RunLog | None = None) -> Result:
                 optimizer.step()
                 if cfg.target == "ema":
                     polyak_update_(target_net.parameters(), q_net.parameters(), cfg.tau)
+            guard.update(step, "q-network", q_net, {"TD loss": loss}, b_obs)
             log.update(step, {"loss/td": loss.item(), "q/mean": q.mean().item(), "epsilon": eps})
             log.progress(step)
         if cfg.target == "hard" and step % cfg.target_update_interval == 0:

@@ -16,12 +16,14 @@ masked_whiten); this file is only the loop.
 from __future__ import annotations
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from rlalign.classic.common import (
     ClassicConfig,
     EpisodeTracker,
+    FiniteGuard,
+    Hidden,
     Result,
     RunLog,
     categorical_logp,
@@ -30,6 +32,7 @@ from rlalign.classic.common import (
     make_vec_env,
     maybe_evaluate,
     mlp,
+    num_actions,
     obs_size,
     seed_everything,
     torch_act,
@@ -39,7 +42,9 @@ from rlalign.core.kl import entropy_from_logits
 from rlalign.core.losses import clipped_surrogate_loss, entropy_loss, explained_variance, value_loss
 from rlalign.core.masks import masked_whiten
 
-__all__ = ["PPOConfig", "train"]
+__all__ = ["PPOConfig", "ENV_KIND", "train"]
+
+ENV_KIND = "vector"  # what common.check_env asks of the environment
 
 
 class PPOConfig(ClassicConfig):
@@ -62,7 +67,16 @@ class PPOConfig(ClassicConfig):
     vf_coef: float = Field(0.5, ge=0.0, description="value loss coefficient c1")
     max_grad_norm: float = Field(0.5, gt=0.0, description="global gradient-norm clip")
     target_kl: float | None = Field(None, gt=0.0, description="stop the epochs early when approx_kl exceeds this")
-    hidden: list[int] = Field([64, 64], description="hidden sizes of the actor and of the critic (tanh)")
+    hidden: Hidden = Field([64, 64], description="hidden sizes of the actor and of the critic (tanh), each >= 1")
+
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> PPOConfig:
+        if self.num_minibatches > self.num_envs * self.num_steps:
+            raise ValueError(
+                f"num_minibatches = {self.num_minibatches} is more than the batch of num_envs * num_steps = "
+                f"{self.num_envs * self.num_steps} transitions; at most {self.num_envs * self.num_steps}"
+            )
+        return self
 
 
 def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
@@ -71,7 +85,7 @@ def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
     torch.set_num_threads(cfg.torch_threads)
     log = log or RunLog()
     envs = make_vec_env(env_id, cfg.num_envs, cfg.seed)
-    dim, n_actions = obs_size(envs.single_observation_space), int(envs.single_action_space.n)
+    dim, n_actions = obs_size(envs.single_observation_space), num_actions(envs.single_action_space)
     actor = mlp([dim, *cfg.hidden, n_actions], out_gain=0.01)
     critic = mlp([dim, *cfg.hidden, 1], out_gain=1.0)
     params = [*actor.parameters(), *critic.parameters()]
@@ -80,6 +94,7 @@ def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
     minibatch_size = batch_size // cfg.num_minibatches
     num_iterations = max(cfg.total_steps // batch_size, 1)
     tracker, greedy = EpisodeTracker(cfg.num_envs), torch_act(actor)
+    guard = FiniteGuard("ppo", env_id, {"actor": f"lr={cfg.lr:g} too high?", "critic": f"lr={cfg.lr:g} too high?"})
     obs, _ = envs.reset(seed=cfg.seed)
     step = last_eval = 0
 
@@ -87,8 +102,9 @@ def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
         frac = 1.0 - iteration / num_iterations  # 1 -> 1/num_iterations
         optimizer.param_groups[0]["lr"] = cfg.lr * frac if cfg.anneal_lr else cfg.lr
         clip = cfg.clip_coef * frac if cfg.anneal_clip else cfg.clip_coef
-        ro, obs, step = collect_rollout(envs, obs, actor, critic, cfg.num_steps, tracker, log, step)
+        ro, obs, step = collect_rollout(envs, obs, actor, critic, cfg.num_steps, tracker, log, step, guard)
         adv, returns = gae(ro.rewards, ro.values, ro.next_values, ro.terminated, ro.episode_ends, cfg.gamma, cfg.gae_lambda)  # (T, N)
+        guard.returns(step, {"GAE returns": returns, "advantages": adv})
 
         b_obs, b_act, b_logp = ro.obs.flatten(0, 1), ro.actions.flatten(), ro.logp.flatten()  # (B, dim), (B,), (B,)
         b_adv, b_ret, b_val = adv.flatten(), returns.flatten(), ro.values.flatten()  # (B,)
@@ -110,6 +126,8 @@ def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
                 optimizer.step()
             if cfg.target_kl is not None and pg_stats.approx_kl > cfg.target_kl:
                 break
+        guard.update(step, "actor", actor, {"policy loss": pg_loss}, b_obs)
+        guard.update(step, "critic", critic, {"value loss": v_loss}, b_obs)
 
         log.update(step, {
             "loss/policy": pg_loss.item(), "loss/value": v_loss.item(), "entropy": ent_stats.entropy.item(),

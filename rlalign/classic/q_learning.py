@@ -15,9 +15,24 @@ import gymnasium as gym
 import numpy as np
 from pydantic import Field
 
-from rlalign.classic.common import ClassicConfig, EpisodeTracker, Result, RunLog, finish, linear_schedule, maybe_evaluate, seed_everything, state_index
+from rlalign.classic.common import (
+    ClassicConfig,
+    EpisodeTracker,
+    FiniteGuard,
+    Result,
+    RunLog,
+    finish,
+    linear_schedule,
+    maybe_evaluate,
+    num_actions,
+    num_states,
+    seed_everything,
+    state_index,
+)
 
-__all__ = ["QLearningConfig", "train"]
+__all__ = ["QLearningConfig", "ENV_KIND", "train"]
+
+ENV_KIND = "tabular"  # what common.check_env asks of the environment
 
 
 class QLearningConfig(ClassicConfig):
@@ -40,8 +55,8 @@ def train(cfg: QLearningConfig, env_id: str, log: RunLog | None = None) -> Resul
     log = log or RunLog()
     rng = np.random.default_rng(cfg.seed)
     env = gym.make(env_id)
-    n_states = len(env.unwrapped.P) if hasattr(env.unwrapped, "P") else int(env.observation_space.n)
-    n_actions = int(env.action_space.n)
+    n_states, n_actions = num_states(env), num_actions(env.action_space)
+    guard = FiniteGuard("q_learning", env_id, {})
     q = np.zeros((n_states, n_actions))  # (S, A)
     tracker, last_eval = EpisodeTracker(1), 0
 
@@ -55,6 +70,7 @@ def train(cfg: QLearningConfig, env_id: str, log: RunLog | None = None) -> Resul
         alpha = linear_schedule(cfg.alpha, cfg.alpha_end, cfg.total_steps, step)
         a = int(rng.integers(n_actions)) if rng.random() < eps else int(q[s].argmax())
         obs, reward, terminated, truncated, _ = env.step(a)
+        guard.rewards(step, reward)
         s2 = state_index(obs)
         target = reward + cfg.gamma * (0.0 if terminated else q[s2].max())
         q[s, a] += alpha * (target - q[s, a])

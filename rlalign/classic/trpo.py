@@ -27,6 +27,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from rlalign.classic.common import (
     ClassicConfig,
     EpisodeTracker,
+    FiniteGuard,
+    Hidden,
     Result,
     RunLog,
     categorical_logp,
@@ -35,6 +37,7 @@ from rlalign.classic.common import (
     make_vec_env,
     maybe_evaluate,
     mlp,
+    num_actions,
     obs_size,
     seed_everything,
     torch_act,
@@ -44,7 +47,9 @@ from rlalign.core.kl import categorical_kl
 from rlalign.core.losses import clipped_surrogate_loss, explained_variance, value_loss
 from rlalign.core.masks import masked_whiten
 
-__all__ = ["TRPOConfig", "conjugate_gradient", "line_search", "train"]
+__all__ = ["TRPOConfig", "ENV_KIND", "conjugate_gradient", "line_search", "train"]
+
+ENV_KIND = "vector"  # what common.check_env asks of the environment
 
 
 class TRPOConfig(ClassicConfig):
@@ -122,18 +127,21 @@ def train(cfg: TRPOConfig, env_id: str, log: RunLog | None = None) -> Result:
     torch.set_num_threads(cfg.torch_threads)
     log = log or RunLog()
     envs = make_vec_env(env_id, cfg.num_envs, cfg.seed)
-    dim, n_actions = obs_size(envs.single_observation_space), int(envs.single_action_space.n)
+    dim, n_actions = obs_size(envs.single_observation_space), num_actions(envs.single_action_space)
     actor = mlp([dim, *cfg.hidden, n_actions], out_gain=0.01)
     critic = mlp([dim, *cfg.hidden, 1], out_gain=1.0)
     critic_opt = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, fused=True)
     batch_size = cfg.num_envs * cfg.num_steps
     tracker, greedy = EpisodeTracker(cfg.num_envs), torch_act(actor)
+    guard = FiniteGuard("trpo", env_id, {"actor": f"max_kl={cfg.max_kl:g} too high or cg_damping={cfg.cg_damping:g} too low?",
+                                         "critic": f"critic_lr={cfg.critic_lr:g} too high?"})
     obs, _ = envs.reset(seed=cfg.seed)
     step = last_eval = 0
 
     while step < cfg.total_steps:
-        ro, obs, step = collect_rollout(envs, obs, actor, critic, cfg.num_steps, tracker, log, step)
+        ro, obs, step = collect_rollout(envs, obs, actor, critic, cfg.num_steps, tracker, log, step, guard)
         adv, returns = gae(ro.rewards, ro.values, ro.next_values, ro.terminated, ro.episode_ends, cfg.gamma, cfg.gae_lambda)  # (T, N)
+        guard.returns(step, {"GAE returns": returns, "advantages": adv})
         b_obs, b_act, b_logp = ro.obs.flatten(0, 1), ro.actions.flatten(), ro.logp.flatten()  # (B, dim), (B,), (B,)
         b_adv = masked_whiten(adv.flatten()) if cfg.norm_adv else adv.flatten()  # (B,)
         with torch.no_grad():
@@ -158,6 +166,7 @@ def train(cfg: TRPOConfig, env_id: str, log: RunLog | None = None) -> Result:
         full_step = torch.sqrt(2 * cfg.max_kl / (direction @ fisher_vector(direction))) * direction
         old_params = parameters_to_vector(actor.parameters()).detach()
         accepted, surr, kl = line_search(actor, old_params, full_step, surrogate_kl, cfg.max_kl, cfg.backtrack_iters, cfg.backtrack_coef)
+        guard.update(step, "actor", actor, {"surrogate": surr}, b_obs)
 
         b_ret, b_val = returns.flatten(), ro.values.flatten()  # (B,)
         for _ in range(cfg.critic_updates):
@@ -166,6 +175,7 @@ def train(cfg: TRPOConfig, env_id: str, log: RunLog | None = None) -> Result:
                 critic_opt.zero_grad()
                 v_loss.backward()
                 critic_opt.step()
+        guard.update(step, "critic", critic, {"value loss": v_loss}, b_obs)
         log.update(step, {
             "surrogate": surr, "kl": kl, "accepted": float(accepted), "loss/value": v_loss.item(),
             "explained_variance": explained_variance(b_val, b_ret).item(),

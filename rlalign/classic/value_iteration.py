@@ -20,7 +20,9 @@ from pydantic import Field
 from rlalign.config import Config
 from rlalign.classic.common import Result, RunLog, evaluate, seed_everything, state_index
 
-__all__ = ["ValueIterationConfig", "value_iteration", "policy_value", "tabular_model", "train"]
+__all__ = ["ValueIterationConfig", "ENV_KIND", "value_iteration", "policy_value", "tabular_model", "train"]
+
+ENV_KIND = "model"  # what common.check_env asks of the environment
 
 Model = dict[int, dict[int, list[tuple[float, int, float, bool]]]]
 

@@ -48,6 +48,8 @@ from torch.nn.utils import parameters_to_vector
 from rlalign.classic.common import (
     ClassicConfig,
     EpisodeTracker,
+    FiniteGuard,
+    Hidden,
     Result,
     Rollout,
     RunLog,
@@ -57,6 +59,7 @@ from rlalign.classic.common import (
     make_vec_env,
     maybe_evaluate,
     mlp,
+    num_actions,
     obs_size,
     seed_everything,
     torch_act,
@@ -67,6 +70,7 @@ from rlalign.core.masks import masked_whiten
 
 __all__ = [
     "VPGConfig",
+    "ENV_KIND",
     "PSI_CHOICES",
     "complete_mask",
     "whole_episode_mask",
@@ -76,6 +80,7 @@ __all__ = [
     "train",
 ]
 
+ENV_KIND = "vector"  # what common.check_env asks of the environment
 Psi = Literal["total_return", "reward_to_go", "reward_to_go_baseline", "gae"]
 PSI_CHOICES: tuple[str, ...] = ("total_return", "reward_to_go", "reward_to_go_baseline", "gae")
 
@@ -94,7 +99,7 @@ class VPGConfig(ClassicConfig):
     gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (psi=gae)")
     norm_adv: bool = Field(False, description="whiten Psi over the counted steps")
     measure_variance: bool = Field(False, description="log the gradient variance of all four Psi every rollout")
-    hidden: list[int] = Field([64, 64], description="hidden sizes of the policy and of the baseline (tanh)")
+    hidden: Hidden = Field([64, 64], description="hidden sizes of the policy and of the baseline (tanh), each >= 1")
 
 
 def complete_mask(episode_ends: Tensor) -> Tensor:
@@ -187,22 +192,24 @@ def train(cfg: VPGConfig, env_id: str, log: RunLog | None = None) -> Result:
     torch.set_num_threads(cfg.torch_threads)
     log = log or RunLog()
     envs = make_vec_env(env_id, cfg.num_envs, cfg.seed)
-    dim, n_actions = obs_size(envs.single_observation_space), int(envs.single_action_space.n)
+    dim, n_actions = obs_size(envs.single_observation_space), num_actions(envs.single_action_space)
     actor = mlp([dim, *cfg.hidden, n_actions], out_gain=0.01)
     critic = mlp([dim, *cfg.hidden, 1], out_gain=1.0)
     actor_opt = torch.optim.Adam(actor.parameters(), lr=cfg.lr, fused=True)
     critic_opt = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr, fused=True)
     tracker, greedy = EpisodeTracker(cfg.num_envs), torch_act(actor)
+    guard = FiniteGuard("vpg", env_id, {"actor": f"lr={cfg.lr:g} too high?", "critic": f"critic_lr={cfg.critic_lr:g} too high?"})
     obs, _ = envs.reset(seed=cfg.seed)
     starts = torch.ones(cfg.num_envs)  # (N,) 1 where the next rollout's row 0 begins an episode
     step = last_eval = 0
 
     while step < cfg.total_steps:
-        ro, obs, step = collect_rollout(envs, obs, actor, critic, cfg.num_steps, tracker, log, step)
+        ro, obs, step = collect_rollout(envs, obs, actor, critic, cfg.num_steps, tracker, log, step, guard)
         whole = whole_episode_mask(ro.episode_ends, starts)  # (T, N) episodes begun and ended in the rollout
         starts = ro.episode_ends[-1]  # (N,) an episode ended on the last row: the next rollout begins one
         mask = whole if cfg.psi == "total_return" else complete_mask(ro.episode_ends)  # (T, N) R(tau) needs the start
         psi, target = compute_psi(cfg.psi, ro, cfg.gamma, cfg.gae_lambda)  # (T, N)
+        guard.returns(step, {"Psi": psi, "regression targets": target})
         if cfg.norm_adv:
             psi = masked_whiten(psi, mask)
         stats: dict[str, float] = {"counted_frac": mask.mean().item()}
@@ -215,11 +222,13 @@ def train(cfg: VPGConfig, env_id: str, log: RunLog | None = None) -> Result:
         actor_opt.zero_grad()
         pg_loss.backward()
         actor_opt.step()
+        guard.update(step, "actor", actor, {"policy loss": pg_loss}, ro.obs)
         for _ in range(cfg.critic_updates if cfg.psi in ("reward_to_go_baseline", "gae") else 0):
             v_loss, _ = value_loss(critic(ro.obs).squeeze(-1), target, mask)
             critic_opt.zero_grad()
             v_loss.backward()
             critic_opt.step()
+            guard.update(step, "critic", critic, {"value loss": v_loss}, ro.obs)
         log.update(step, {"loss/policy": pg_loss.item(), **stats})
         last_eval = maybe_evaluate(cfg, env_id, greedy, log, step, last_eval)
         if log.stop:

@@ -1,7 +1,9 @@
-"""The real CLI with tiny budgets (logs, weights, curves.png), and every recipe in configs/classic validates."""
+"""The real CLI with tiny budgets (logs, weights, curves.png), every recipe in configs/classic validates,
+and bad input (environments, settings, --out, numbers that blow up) is one message with exit 2."""
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,137 @@ def test_recipes_validate(recipe):
     module, cls = ALGORITHMS[algo]
     cfg = load_config(getattr(importlib.import_module(module), cls), recipe)
     assert cfg.model_dump()  # every key was known and every value in range
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: one message, exit 2, nothing written or lost
+# --------------------------------------------------------------------------------------------
+
+
+def strict_json_lines(path: Path) -> list[dict]:
+    """The lines of a JSONL file, read as strict JSON (a bare NaN or Infinity is an error)."""
+
+    def refuse(constant):
+        raise ValueError(f"{path.name} holds a bare {constant}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    """``rlalign classic ARGV``: (exit status, stderr)."""
+    rc = main(["classic", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+TINY = {
+    "dqn": ["total_steps=400", "learning_starts=20", "train_freq=10", "gradient_steps=2", "batch_size=8", "hidden=[8]", "eval_episodes=1"],
+    "vpg": ["total_steps=200", "num_envs=1", "num_steps=100", "hidden=[8]", "eval_episodes=1"],
+    "trpo": ["total_steps=200", "num_envs=1", "num_steps=100", "hidden=[8]", "eval_episodes=1"],
+    "ppo": ["total_steps=200", "num_envs=1", "num_steps=100", "hidden=[8]", "update_epochs=2", "eval_episodes=1"],
+}
+
+
+@pytest.mark.parametrize("algo, setting, message", [
+    ("dqn", "lr=1e30", r"dqn: the .* at the update at step \d+ \(lr=1e\+30 too high\?\)"),
+    ("vpg", "critic_lr=1e30", r"vpg: the .* at the update at step \d+ \(critic_lr=1e\+30 too high\?\)"),
+    ("ppo", "lr=1e30", r"ppo: the .* step \d+ \(lr=1e\+30 too high\?\)"),
+    ("trpo", "critic_lr=1e30", r"trpo: the .* at the update at step \d+ \(critic_lr=1e\+30 too high\?\)"),
+])
+def test_a_learning_rate_that_blows_up_stops_the_run_with_no_weights_saved(algo, setting, message, tmp_path, capsys):
+    # Before: dqn and trpo exited 0 with NaN weights saved, vpg and ppo died in torch.multinomial (a traceback).
+    rc, err = run_cli(capsys, algo, "--env", "CartPole-v1", "--out", tmp_path, *TINY[algo], setting)
+    assert rc == 2 and re.fullmatch(f"rlalign classic: {message}; stopped, no weights saved \\(the logs so far are in {re.escape(str(tmp_path))}\\)\n", err), err
+    assert not list(tmp_path.glob("*.safetensors")) and not (tmp_path / "curves.png").exists()
+    for name in ("metrics", "returns", "evals"):
+        strict_json_lines(tmp_path / f"{name}.jsonl")
+
+
+@pytest.mark.parametrize("algo", ["q_learning", "dqn", "vpg", "trpo", "ppo"])
+def test_a_reward_infinite_in_float32_stops_the_run_naming_env_and_step(algo, huge_reward_envs, tmp_path, capsys):
+    # Before: vpg and ppo raised from torch.multinomial; trpo saved a NaN critic; dqn logged "loss/td": Infinity; all but the two exited 0.
+    vector, tabular = huge_reward_envs
+    env = tabular if algo == "q_learning" else vector
+    rc, err = run_cli(capsys, algo, "--env", env, "--out", tmp_path, *TINY.get(algo, ["total_steps=50"]))
+    assert rc == 2 and err.startswith(
+        f"rlalign classic: {algo}: env {env} returned the reward 1e+39 at step 1; rewards must be finite in float32 (|r| <= 3.4e+38); stopped, no weights saved"
+    ), err
+    assert not list(tmp_path.glob("*.safetensors")) and not (tmp_path / "table.npy").exists()
+
+
+def test_metrics_lines_are_strict_json(tmp_path):
+    from rlalign.classic.cli import CLILog
+
+    log = CLILog(tmp_path, progress=None, task=None)
+    log.update(3, {"loss": float("nan"), "kl": float("inf"), "ok": 0.5})
+    log.close()
+    assert strict_json_lines(tmp_path / "metrics.jsonl") == [{"step": 3, "loss": None, "kl": None, "ok": 0.5}]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ppo", "--env", "NoSuchEnv-v0"], "--env 'NoSuchEnv-v0': Environment `NoSuchEnv` doesn't exist"),
+    (["ppo", "--env", "CartPole-v99"], "--env 'CartPole-v99': Environment version `v99` for environment `CartPole` doesn't exist"),
+    (["ppo", "--env", "nosuchmodule:Foo-v0"], "--env 'nosuchmodule:Foo-v0': cannot import module 'nosuchmodule'"),
+    (["q_learning", "--env", "CartPole-v1"], "--env 'CartPole-v1': q_learning needs Discrete observations"),
+    (["dqn", "--env", "FrozenLake-v1"], "--env 'FrozenLake-v1': dqn, vpg, trpo and ppo need vector observations (a flat Box), not Discrete(16)"),
+    (["ppo", "--env", "Pendulum-v1"], "--env 'Pendulum-v1': the classic algorithms need a Discrete action space, not Box(1,)"),
+    (["vi", "--env", "CartPole-v1"], "--env 'CartPole-v1': value_iteration needs the environment's model"),
+    (["ppo", "--env", "CartPole-v1", "hidden=[0]"], "hidden = [0]: every hidden layer size must be >= 1"),
+    (["ppo", "--env", "CartPole-v1", "num_minibatches=1000", "num_envs=1", "num_steps=10"], "num_minibatches = 1000 is more than the batch"),
+    (["ppo", "--env", "CartPole-v1", "clip_coef=1e40"], "clip_coef = '1e40': beyond float32's range"),
+    (["ppo", "--env", "CartPole-v1", "overwrite=maybe"], "overwrite = 'maybe': must be true or false"),
+])
+def test_bad_envs_and_settings_are_one_message_before_anything_is_written(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, argv[0], "--out", out, *argv[1:])
+    assert rc == 2 and err.startswith("rlalign classic: ") and message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# --out: one run per directory unless overwrite=true
+# --------------------------------------------------------------------------------------------
+
+
+PPO_TINY = ["ppo", "--env", "CartPole-v1", "total_steps=64", "num_envs=1", "num_steps=32", "update_epochs=1", "hidden=[8]", "eval_episodes=1"]
+
+
+def test_a_second_run_into_an_out_that_holds_a_run_is_refused_and_changes_nothing(tmp_path, capsys):
+    assert run_cli(capsys, *PPO_TINY, "--out", tmp_path)[0] == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    rc, err = run_cli(capsys, *PPO_TINY, "seed=7", "--out", tmp_path)
+    assert rc == 2 and err == (
+        f"rlalign classic: --out '{tmp_path}' already holds a run (config.yaml, returns.jsonl, metrics.jsonl, evals.jsonl, curves.png, "
+        "actor.safetensors, critic.safetensors); choose another --out, or add overwrite=true to delete that run's files first\n"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_overwrite_true_replaces_the_old_run_whole_and_keeps_other_files(tmp_path, capsys):
+    assert run_cli(capsys, *PPO_TINY, "--out", tmp_path)[0] == 0
+    (tmp_path / "notes.txt").write_text("mine")
+    rc, _ = run_cli(capsys, "dqn", "--env", "CartPole-v1", "--out", tmp_path, "overwrite=true", *TINY["dqn"])
+    assert rc == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.yaml", "curves.png", "evals.jsonl", "metrics.jsonl", "notes.txt", "q_network.safetensors", "returns.jsonl"
+    ]  # no actor or critic of the ppo run left beside the q-network
+    assert "algo: dqn" in (tmp_path / "config.yaml").read_text() and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_an_out_with_only_other_files_is_used(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert run_cli(capsys, *PPO_TINY, "--out", tmp_path)[0] == 0
+    assert (tmp_path / "actor.safetensors").is_file() and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------------------------
+# Gymnasium's module:EnvId form, end to end
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_module_env_form_trains_evaluates_and_saves(env_module, tmp_path, capsys):
+    # Before: trained, then the evaluation's gym.spec raised NameNotFound: exit 1, no network saved.
+    module, env_id = env_module
+    out = tmp_path / "out"
+    rc, _ = run_cli(capsys, "dqn", "--env", f"{module}:{env_id}", "--out", out, *TINY["dqn"])
+    assert rc == 0 and (out / "q_network.safetensors").is_file()
+    assert f"env: {module}:{env_id}" in (out / "config.yaml").read_text()  # recorded as given, so the command reruns

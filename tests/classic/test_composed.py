@@ -36,7 +36,7 @@ from gymnasium import spaces
 from torch import Tensor, nn
 
 from rlalign.classic import dqn, ppo, q_learning, trpo, vpg
-from rlalign.classic.common import EpisodeTracker, Rollout, RunLog, collect_rollout, linear_schedule
+from rlalign.classic.common import EpisodeTracker, FiniteGuard, Rollout, RunLog, collect_rollout, linear_schedule
 
 torch.set_num_threads(1)
 
@@ -226,8 +226,9 @@ def patch_on_policy(monkeypatch, module, batch: Batch) -> SimpleNamespace:
     obs, next_obs = torch.tensor(batch.obs, dtype=torch.float64), torch.tensor(batch.next_obs, dtype=torch.float64)
     actions = torch.tensor(batch.actions)
 
-    def fake_collect(envs, last_obs, policy, value, num_steps, tracker, log, step):
+    def fake_collect(envs, last_obs, policy, value, num_steps, tracker, log, step, guard):
         T, N = actions.shape
+        assert isinstance(guard, FiniteGuard) and guard.env_id == "fixed-batch"
         assert num_steps == T and envs.num_envs == N and step == len(rollouts) * T * N
         assert last_obs is envs.obs  # continues from the reset, then from where the last rollout stopped
         assert isinstance(tracker, EpisodeTracker) and len(tracker.running) == N and isinstance(log, RunLog)
