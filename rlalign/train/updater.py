@@ -164,8 +164,10 @@ class Updater:
         tensors = [p.detach() for p in self.model.parameters()]
         tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard
         tensors = [t for t in tensors if t.numel()]
-        peak = torch.stack([n.float() for n in torch._foreach_norm(tensors, float("inf"))]).max() if tensors else torch.zeros(())  # max |w|, no overflow
-        return distributed.all_max(float(not torch.isfinite(peak)), self.world) == 0
+        norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)]) if tensors else torch.zeros(1)  # (P,) one fused pass (a CPU max-|w| is ~100x slower)
+        bad = not bool(torch.isfinite(norms).all()) and any(  # a NaN or inf weight makes its norm so; an inf norm may be overflow: look exactly
+            not bool(torch.isfinite(torch.stack(torch.aminmax(t.flatten()))).all()) for t, n in zip(tensors, norms) if not torch.isfinite(n))
+        return distributed.all_max(float(bad), self.world) == 0
 
     def state_dict(self) -> dict:
         """Optimiser (full, gathered from every rank under FSDP2: call it on every rank) and schedule."""

@@ -162,6 +162,21 @@ def test_an_update_that_steps_the_weights_past_float_range_stops_the_run_before_
     assert "The last good checkpoint is none" in err and not (tmp_path / "final").exists() and not list_checkpoints(tmp_path)
 
 
+def test_the_weight_check_tells_huge_finite_weights_from_non_finite_ones():
+    # the fused check reads each tensor's norm, which overflows for huge finite weights: those are looked at exactly
+    from rlalign.train.updater import Updater
+
+    layer = torch.nn.Linear(4, 4)
+    updater = Updater(layer, torch.optim.SGD(layer.parameters(), lr=0.1), None, None)
+    with torch.no_grad():
+        layer.weight.fill_(1e30)  # a norm of 4e30: finite; squares of 1e30 overflow float32 inside a norm
+        assert updater.finite_weights()
+        layer.weight[0, 0] = float("inf")
+        assert not updater.finite_weights()
+        layer.weight[0, 0], layer.bias[1] = 0.0, float("nan")
+        assert not updater.finite_weights()
+
+
 def test_bad_inputs_get_one_message_and_exit_2(tmp_path, capsys):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("max_steps: 3\noptim: {lr: 1e-3\n")
