@@ -90,7 +90,7 @@ def _run(argv: list[str]) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"rlalign {command}", description=text)
     module.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    args = _parse(parser, argv[1:])
     try:
         return int(module.run(args) or 0)
     except (RLAlignError, OSError) as err:
@@ -103,6 +103,13 @@ def _run(argv: list[str]) -> int:
             raise
         print(f"rlalign {command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command's arguments, its positionals (``key.sub=value`` overrides) allowed before, between and after
+    the options (``grpo a=1 --resume DIR b=2``); a command with sub-commands parses as argparse does."""
+    nested = any(action.nargs in (argparse.PARSER, argparse.REMAINDER) for action in parser._actions)
+    return parser.parse_args(argv) if nested else parser.parse_intermixed_args(argv)
 
 
 def _quiet_libraries() -> None:

@@ -2,23 +2,29 @@
 
     cfg = load_config(GRPOConfig, "configs/grpo_arithmetic.yaml", ["optim.lr=1e-4", "seed=3"])
 
-Every config class derives from :class:`Config`, which forbids unknown keys. Errors are raised as
-:class:`ConfigError` naming the key, the value and what is allowed.
+Every config class derives from :class:`Config`, which forbids unknown keys and refuses a boolean
+for a number. Errors are raised as :class:`ConfigError` naming the key, the value and what is
+allowed; a config file must be UTF-8 YAML with each key once per mapping (a repeated key names its
+lines).
 """
 
 from __future__ import annotations
 
+import codecs
 import difflib
+import io
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from rlalign.errors import RLAlignError
 
-__all__ = ["Config", "ConfigError", "load_config", "parse_overrides", "apply_overrides"]
+__all__ = ["Config", "ConfigError", "load_config", "read_yaml", "parse_overrides", "apply_overrides"]
 
 
 class ConfigError(RLAlignError, ValueError):
@@ -31,6 +37,61 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True, allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """``batch_size: true`` is an error, not 1 (pydantic's lax mode would take a bool for an int or a float)."""
+        if _bool_for_number(cls.model_fields[info.field_name].annotation, value):
+            raise ValueError("a boolean where a number goes: write the number (e.g. 1 or 0.5)")
+        return value
+
+
+def _bool_for_number(annotation: Any, value: Any) -> bool:
+    """Whether ``value`` holds a bool where ``annotation`` wants an int or a float (and takes no bool), also inside
+    lists, tuples and dict values."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _bool_for_number(typing.get_args(annotation)[0], value)
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    if isinstance(value, bool):
+        return any(o in (int, float) for o in options) and not any(o in (bool, Any, object) for o in options)
+    for option in options:
+        origin, args = typing.get_origin(option), typing.get_args(option)
+        if origin in (list, tuple, set, frozenset) and isinstance(value, (list, tuple)) and args:
+            items = args if origin is tuple and Ellipsis not in args and len(args) == len(value) else [args[0]] * len(value)
+            if any(_bool_for_number(a, v) for a, v in zip(items, value)):
+                return True
+        elif origin is dict and isinstance(value, dict) and len(args) == 2:
+            if any(_bool_for_number(args[1], v) for v in value.values()):
+                return True
+    return False
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error (YAML itself keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' merges; keys after it may override its keys
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(key, seen[key], key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+            except TypeError:  # an unhashable key: the constructor below names it
+                continue
+        return super().construct_mapping(node, deep)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping."""
+
+    def __init__(self, key: Any, first_line: int, mark: yaml.Mark):
+        where = f"on line {first_line}" if first_line == mark.line + 1 else f"on lines {first_line} and {mark.line + 1}"
+        super().__init__(f"key {key!r} is given twice ({where}); keep one")
+        self.key, self.first_line, self.line = key, first_line, mark.line + 1
+
 
 C = TypeVar("C", bound=Config)
 
@@ -38,7 +99,9 @@ C = TypeVar("C", bound=Config)
 def _parse_value(text: str) -> Any:
     """'3' -> 3, '1e-4' -> 0.0001, 'true' -> True, '[1, 2]' -> [1, 2], 'abc' -> 'abc' (YAML scalars)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"override value {text!r}: {err}") from None
     except yaml.YAMLError:
         return text
 
@@ -104,13 +167,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     source = "defaults"
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            with path.open() as f:
-                loaded = yaml.safe_load(f) or {}  # a syntax error's message names the file, line and column
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        loaded = read_yaml(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level, got {type(loaded).__name__}")
         data = loaded
@@ -126,6 +183,34 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         return cls.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(cls, err, source)) from None
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in the file ``path``: UTF-8 text, each key once per mapping.
+
+    Raises:
+        ConfigError: no such file, a directory, not UTF-8 (naming the line), a syntax error or a repeated key (naming the line).
+    """
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give the YAML file inside it")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    raw = path.read_bytes()
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise ConfigError(f"config file {str(path)!r} is UTF-16 text; rlalign reads UTF-8: save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: byte {raw[err.start]:#04x} on line {line}; save it as UTF-8") from None
+    stream = io.StringIO(text)
+    stream.name = str(path)  # named in a syntax error's message, with the line and column
+    try:
+        return yaml.load(stream, Loader=_UniqueKeyLoader)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"config file {str(path)!r}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

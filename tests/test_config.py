@@ -59,3 +59,64 @@ def test_adam_betas_and_the_tiny_models_heads_are_checked_with_the_config():
     with pytest.raises(ConfigError, match=r"hidden_size=30 must be divisible by num_heads=4"):
         load_config(RMConfig, None, ["model.tiny.hidden_size=30"])
     assert load_config(RMConfig, None, ["optim.betas=[0.0, 0.999]", "model.tiny.hidden_size=32"]).optim.betas == (0.0, 0.999)
+
+
+class Numbers(Config):
+    steps: int = 1
+    limit: int | None = None
+    scale: float = 1.0
+    weights: dict[str, float] = {}
+    flag: bool = False
+    choice: bool | int = 0
+
+
+def test_a_boolean_for_a_number_is_an_error_and_numbers_still_parse(tmp_path):
+    # pydantic's lax mode took `steps: true` as 1 and `scale: false` as 0.0, silently
+    for override in ("steps=true", "limit=false", "scale=true", "weights={a: true}", "optim.betas=[true, 0.9]"):
+        cls = Recipe if override.startswith("optim") else Numbers
+        with pytest.raises(ConfigError, match=r"= (True|False|\[True, 0.9\]|\{'a': True\}): a boolean where a number goes"):
+            load_config(cls, None, [override])
+    path = tmp_path / "r.yaml"
+    path.write_text("steps: true\n")
+    with pytest.raises(ConfigError, match=rf"\({path}\):\n  steps = True: a boolean where a number goes"):
+        load_config(Numbers, path)
+    cfg = load_config(Numbers, None, ["steps=4.0", "limit=3", "scale=2", "weights={a: 1}", "flag=true", "choice=true"])
+    assert (cfg.steps, cfg.limit, cfg.scale, cfg.weights, cfg.flag, cfg.choice) == (4, 3, 2.0, {"a": 1.0}, True, True)
+    assert type(cfg.steps) is int and type(cfg.scale) is float
+    with pytest.raises(ConfigError, match="fractional part"):
+        load_config(Numbers, None, ["steps=4.5"])
+    with pytest.raises(ValueError, match="a boolean where a number goes"):
+        cfg.steps = True  # assignments are validated too
+
+
+def test_a_key_given_twice_is_an_error_naming_the_key_and_its_lines(tmp_path):
+    # YAML keeps the last of two equal keys silently: max_steps 2 then 3 ran 3 steps
+    path = tmp_path / "r.yaml"
+    path.write_text("seed: 1\ngroup_size: 2\nseed: 3\n")
+    with pytest.raises(ConfigError, match=rf"config file '{path}': key 'seed' is given twice \(on lines 1 and 3\); keep one"):
+        load_config(Recipe, path)
+    path.write_text("optim: {lr: 0.1, lr: 0.2}\n")
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice \(on line 1\)"):
+        load_config(Recipe, path)
+    with pytest.raises(ConfigError, match=r"override value '\{a: 1, a: 2\}': key 'a' is given twice"):
+        parse_overrides(["weights={a: 1, a: 2}"])
+    path.write_text("base: &base {lr: 0.1, betas: [0.5, 0.5]}\noptim:\n  <<: *base\n  lr: 0.2\n")  # a merge, then a key of it overridden: fine
+    from rlalign.config import read_yaml
+
+    assert read_yaml(path)["optim"] == {"lr": 0.2, "betas": [0.5, 0.5]}
+
+
+def test_config_files_that_are_not_utf8_or_are_directories_are_named(tmp_path):
+    utf16 = tmp_path / "utf16.yaml"
+    utf16.write_bytes("seed: 1\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=rf"config file '{utf16}' is UTF-16 text; rlalign reads UTF-8: save it as UTF-8"):
+        load_config(Recipe, utf16)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("seed: 1\n# caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"config file '{latin1}' is not UTF-8 text: byte 0xe9 on line 2; save it as UTF-8"):
+        load_config(Recipe, latin1)
+    with pytest.raises(ConfigError, match=rf"config file '{tmp_path}' is a directory; give the YAML file inside it"):
+        load_config(Recipe, tmp_path)
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes("seed: 2\n".encode("utf-8-sig"))  # UTF-8 with a byte-order mark: fine
+    assert load_config(Recipe, bom).seed == 2

@@ -9,7 +9,8 @@ optimizer / scheduler given to :func:`save_checkpoint`; the trainers keep theirs
 instead, one entry per updater), ``trainer_state.pt`` (step, Python / NumPy / torch RNG states,
 data position, extra state: all tensors and plain containers, read back with
 ``torch.load(weights_only=True)``), ``config.yaml`` and ``checkpoint.json`` (written last; its
-presence is what makes a directory a checkpoint; it names the config class that wrote it). A
+presence is what makes a directory a checkpoint; it names the config class that wrote it and holds
+the fingerprints of the run's inputs, :func:`rlalign.train.run_dir.input_fingerprints`). A
 checkpoint is written in a temporary sibling directory, fsynced and moved into place with
 ``os.replace`` (:func:`replace_dir`, also used for ``final/``), so a crash at any moment leaves the
 previous checkpoints whole and no half-written one under a real name.
@@ -69,6 +70,7 @@ class Checkpoint:
     extra: dict[str, Any]
     config: dict[str, Any]
     trainer: str | None = None  # the config class that wrote it (e.g. GRPOConfig); None for an older checkpoint
+    inputs: dict[str, dict[str, str]] | None = None  # the run's inputs as it started: {config key: {path, fingerprint}}; None for an older checkpoint
 
 
 def _checkpoint_root(run_dir: str | Path) -> Path:
@@ -103,12 +105,14 @@ def save_checkpoint(
     data_position: int = 0,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = 3,
+    inputs: dict[str, dict[str, str]] | None = None,
 ) -> Path:
     """Write ``<run_dir>/checkpoints/step_<step>`` atomically; keep the newest ``keep_last`` (None = all).
 
     ``model`` is anything with ``save_pretrained`` (a transformers or peft model, a
     :class:`rlalign.lm.heads.ScalarHeadModel`, :class:`rlalign.train.loop.SavedModels`). ``extra``
-    must hold tensors and plain containers.
+    must hold tensors and plain containers. ``inputs``: the fingerprints of what the run reads, kept in ``checkpoint.json``
+    for a resumption to compare (:func:`rlalign.train.run_dir.input_fingerprints`).
     """
     root = _checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -127,6 +131,8 @@ def save_checkpoint(
         config_dict = config.model_dump(mode="json") if isinstance(config, Config) else (config or {})
         (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
         marker = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(), "config": type(config).__name__ if isinstance(config, Config) else None}
+        if inputs is not None:
+            marker["inputs"] = inputs
         (tmp / CHECKPOINT_MARKER).write_text(json.dumps(marker))
         replace_dir(tmp, final)  # fsynced, then renamed into place: a crash leaves the old one or the new one
     except BaseException:
@@ -216,7 +222,7 @@ def _read_checkpoint(path: Path) -> Checkpoint:
     """One checkpoint directory, every file checked: its state files load, its weights files have a whole header."""
     current = path / CHECKPOINT_MARKER
     try:
-        json.loads(current.read_text())
+        marker = json.loads(current.read_text())
         current = path / "optimizer.pt"
         optim = torch.load(current, weights_only=True)
         current = path / "trainer_state.pt"
@@ -238,5 +244,6 @@ def _read_checkpoint(path: Path) -> Checkpoint:
         data_position=int(state["data_position"]),
         extra=state["extra"],
         config=config,
-        trainer=json.loads((path / CHECKPOINT_MARKER).read_text()).get("config"),
+        trainer=marker.get("config"),
+        inputs=marker.get("inputs"),
     )

@@ -8,8 +8,8 @@ loop, checkpoints, the final model.
 
 A checkpoint after ``n`` steps is ``<output_dir>/checkpoints/step_<n>`` (weights and tokenizer in
 ``model/``, every updater's optimiser and schedule, the RNGs and the sampling generator, the
-config); ``--resume DIR`` (a checkpoint, or a run directory: its latest) continues with step ``n``,
-so a resumed run is the uninterrupted one. The trained model ends in ``<output_dir>/final``.
+config, the fingerprints of the run's inputs); ``--resume DIR`` (a checkpoint, or a run directory: its latest)
+continues with step ``n``, so a resumed run is the uninterrupted one. The trained model ends in ``<output_dir>/final``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from rlalign.train.metrics import MetricsLogger, plot_metrics, read_metrics
 from rlalign.train.rl_eval import evaluate_policy, load_eval_prompts, tool_evaluator
 from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
 from rlalign.train.run_config import ModelConfig
-from rlalign.train.run_dir import claim_run_dir
+from rlalign.train.run_dir import claim_run_dir, run_inputs
 from rlalign.train.seeding import restore_rng_state, set_seed
 from rlalign.train.updater import NonFiniteError, Updater
 
@@ -89,6 +90,7 @@ class Run:
     checkpoint: Checkpoint | None = None
     lock: Any = field(default=None, repr=False)  # the open lock file of run_dir (rank 0), held for the run's life
     adapter_path: Path | None = None  # a saved LoRA adapter the policy keeps training (model.adapter: train)
+    inputs: dict[str, dict[str, str]] | None = None  # rank 0: the fingerprints of the run's inputs, kept in its checkpoints
 
     def load_policy(self, model_cfg: ModelConfig) -> nn.Module:
         """The trained causal LM: from the checkpoint when resuming (LoRA adapters included), else the
@@ -142,11 +144,12 @@ def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Pa
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     set_seed(cfg.seed)
-    run_dir, lock = Path(cfg.output_dir), None
+    run_dir, lock, inputs = Path(cfg.output_dir), None, None
     try:
         with world.main_first():
             if world.is_main:
                 lock = claim_run_dir(cfg, checkpoint)  # the run's lock, let go of by Run.__exit__
+                inputs = run_inputs(cfg, checkpoint)  # before anything reads them
             base_path = prepare_model_path(cfg.model, run_dir)
         tokenizer = load_tokenizer(base_path, cfg.model.gguf_file)
         if tokenizer.eos_token_id is None:
@@ -156,7 +159,7 @@ def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Pa
             lock.close()
         raise
     adapter_path = resolve_model_path(cfg.model.path).resolve() if cfg.model.adapter == "train" and cfg.model.path and is_adapter_dir(resolve_model_path(cfg.model.path)) else None
-    return Run(world, run_dir, base_path, tokenizer, world.device(cfg.model.device), checkpoint, lock, adapter_path)
+    return Run(world, run_dir, base_path, tokenizer, world.device(cfg.model.device), checkpoint, lock, adapter_path, inputs)
 
 
 @dataclass
@@ -292,14 +295,14 @@ class SavedModels:
 
 
 def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: SavedModels, updaters: dict[str, Updater], tokenizer,
-                     data_position: int, extra: dict[str, Any]) -> None:
+                     data_position: int, extra: dict[str, Any], inputs: dict[str, dict[str, str]] | None = None) -> None:
     """Checkpoint after ``state.step`` steps (named by it): weights, optimisers and schedules of
-    every updater, RNGs, the generator, and ``extra`` (e.g. the KL controller). Rank 0 writes
-    (every rank holds the same weights and optimiser state under DDP); the others wait."""
+    every updater, RNGs, the generator, ``extra`` (e.g. the KL controller) and ``inputs`` (:attr:`Run.inputs`).
+    Rank 0 writes (every rank holds the same weights and optimiser state under DDP); the others wait."""
     with models.gathered():  # collective under FSDP2, like the optimiser states below
         extra = {**extra, **state.state_dict(), **{f"updater/{name}": u.state_dict() for name, u in updaters.items()}}
         if state.world.is_main:
-            save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last)
+            save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last, inputs)
     state.world.barrier()
 
 
@@ -374,6 +377,9 @@ def _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_si
                first_record, evaluate, eval_every) -> tuple[list[dict[str, float]], Path]:
     history: list[dict[str, float]] = []
     is_main = state.world.is_main
+    if run.checkpoint is not None and state.step >= total_steps and is_main:  # a checkpoint past the end was refused (run_dir.check_resumable)
+        print(f"{run.checkpoint.path} is at step {state.step}, this run's end: no steps to run; its weights are written to "
+              f"{run.run_dir / 'final'}", file=sys.stderr, flush=True)
 
     def evaluation(step: int, log: MetricsLogger) -> dict[str, float]:
         metrics, rows = evaluate(step)
@@ -414,7 +420,7 @@ def _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_si
             stop = distributed.all_max(float(stops.signal is not None), state.world) > 0  # every rank stops at the same step
             if (cfg.save_every and state.step % cfg.save_every == 0) or state.step == total_steps or stop:
                 position = state.step * batch_size if state.data_position is None else state.data_position
-                write_checkpoint(run.run_dir, cfg, state, models, updaters, run.tokenizer, position, checkpoint_extra())
+                write_checkpoint(run.run_dir, cfg, state, models, updaters, run.tokenizer, position, checkpoint_extra(), run.inputs)
             if stop:
                 raise RunStopped(
                     f"stopped by {stops.signal or 'a signal to another process'} after step {state.step - 1}, saved in "

@@ -12,13 +12,18 @@
   fields that define the run (model, data, batch shape, seed, optimiser, ...) must match; every
   difference is named. Lines of ``metrics.jsonl``, ``samples.jsonl`` and ``eval_samples.jsonl`` from the resumed step on are
   cut, so each step has exactly one line; checkpoints after the resumed step are an error (they
-  belong to a run that went further: resume from the latest, or into another directory).
+  belong to a run that went further: resume from the latest, or into another directory). A
+  checkpoint past the run's end (more steps than ``steps`` / ``max_steps``) is an error.
+- The contents behind the run's input paths (models and data files, :func:`input_fingerprints`) are
+  recorded in its checkpoints as it starts; a resumption whose inputs changed behind the same path
+  is an error naming each one (an older checkpoint without the record resumes unchecked).
 - Temporary directories a killed run left behind are removed.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -28,7 +33,7 @@ from typing import Any
 from rlalign.config import Config, ConfigError
 from rlalign.train.checkpoints import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint, remove_stale_temp_dirs
 
-__all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs"]
+__all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs", "input_fingerprints", "run_inputs"]
 
 LOCK_FILE = ".rlalign.lock"
 # what a run writes in its directory; the trackers' files too (report_to): tensorboard/ events, the W&B run in wandb/ and its id
@@ -97,11 +102,81 @@ def _trained(run_dir: Path) -> bool:
     return (run_dir / "final").exists() or bool(list_checkpoints(run_dir)) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
+def _inputs(cfg: Config) -> list[tuple[str, str, bool]]:
+    """(config key, path as configured, whether it is a model) of what a run reads: its model, reference, critic, teacher,
+    reward and judge models, and its training data (``eval.data`` is left out: evaluation may change on a resume)."""
+    data = getattr(cfg, "data", None)
+    models = [("model.path", getattr(getattr(cfg, "model", None), "path", None)), ("reference", getattr(cfg, "reference", None)),
+              ("critic.path", getattr(getattr(cfg, "critic", None), "path", None)), ("teacher", getattr(cfg, "teacher", None))]
+    for i, term in enumerate(getattr(cfg, "rewards", None) or []):
+        models += [(f"rewards[{i}].reward_model", term.reward_model), (f"rewards[{i}].judge.model", getattr(term.judge, "model", None))]
+    files = [(f"data.{name}", getattr(data, name, None)) for name in ("train_file", "eval_file", "path")]
+    return [(key, str(path), True) for key, path in models if path] + [(key, str(path), False) for key, path in files if path]
+
+
 def _input_paths(cfg: Config) -> list[Path]:
-    """The directories a run reads: its model, reference, reward models and critic."""
-    paths = [getattr(cfg.model, "path", None), getattr(cfg, "reference", None), getattr(getattr(cfg, "critic", None), "path", None)]
-    paths += [term.reward_model for term in getattr(cfg, "rewards", [])]
-    return [Path(p).resolve() for p in paths if p]
+    """The files and directories a run reads (:func:`_inputs`), resolved."""
+    return [Path(path).resolve() for _, path, _ in _inputs(cfg)]
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+MODEL_CONFIG_FILES = ("config.json", "adapter_config.json")
+CHUNK = 1 << 20  # bytes read at each end of a weights file, or of a large data file
+WHOLE_DATA_LIMIT = 256 << 20  # data up to this size is hashed whole
+
+
+def input_fingerprints(cfg: Config) -> dict[str, dict[str, str]]:
+    """{config key: {"path": as configured, "fingerprint": sha256 hex}} of every local model directory and data file or
+    directory the run reads (:func:`_inputs`); a Hugging Face Hub id (not a local path) has none.
+
+    A model directory's fingerprint covers its weights files' names and sizes, their first and last MiB, and the whole of
+    ``config.json`` / ``adapter_config.json``; data (a file, or a directory's files bar hidden ones) is hashed whole up to
+    256 MiB in all, above that by each file's size and its first and last MiB. Cheap (a few MiB read per model), and any
+    retrained or replaced model or edited data changes it."""
+    out = {}
+    for key, path, is_model in _inputs(cfg):
+        root = Path(path)
+        if not root.exists():
+            continue
+        if root.is_file():
+            files = [root]
+        elif is_model:
+            files = sorted(f for f in root.iterdir() if f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name in MODEL_CONFIG_FILES))
+        else:
+            files = sorted(f for f in root.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts))
+        sizes = [f.stat().st_size for f in files]
+        whole = not is_model and sum(sizes) <= WHOLE_DATA_LIMIT
+        digest = hashlib.sha256()
+        for file, size in zip(files, sizes):
+            digest.update(f"{file.relative_to(root) if file != root else file.name}\0{size}\0".encode())
+            with file.open("rb") as f:
+                if whole or file.name in MODEL_CONFIG_FILES or size <= 2 * CHUNK:
+                    for block in iter(lambda: f.read(CHUNK), b""):
+                        digest.update(block)
+                else:
+                    digest.update(f.read(CHUNK))
+                    f.seek(size - CHUNK)
+                    digest.update(f.read(CHUNK))
+        out[key] = {"path": path, "fingerprint": digest.hexdigest()}
+    return out
+
+
+def run_inputs(cfg: Config, checkpoint: Checkpoint | None) -> dict[str, dict[str, str]]:
+    """What a run records in its checkpoints as its inputs: those of its fresh start, carried on through every resumption
+    (:func:`check_resumable` compared them); for a resumption of an older checkpoint without them, today's."""
+    if checkpoint is not None and checkpoint.inputs is not None:
+        return checkpoint.inputs
+    return input_fingerprints(cfg)
+
+
+def _changed_inputs(cfg: Config, checkpoint: Checkpoint) -> list[tuple[str, str]]:
+    """(config key, path) of each input recorded in ``checkpoint`` whose contents now differ behind the same path (one no
+    longer there, or set to another path where that may change, is not compared: its loader or the config check speaks)."""
+    if checkpoint.inputs is None:
+        return []
+    now = input_fingerprints(cfg)
+    return [(key, then["path"]) for key, then in checkpoint.inputs.items()
+            if key in now and now[key]["path"] == then.get("path") and now[key]["fingerprint"] != then.get("fingerprint")]
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -148,6 +223,19 @@ def check_resumable(cfg: Config, checkpoint: Checkpoint) -> None:
         raise CheckpointError(
             f"cannot resume from {checkpoint.path}: the run's config differs in\n{lines}\n"
             "resume with the checkpoint's values, or start a new run from its weights (model.path set to its model/ directory)"
+        )
+    for key in ("steps", "max_steps"):
+        if isinstance(now.get(key), int) and checkpoint.step > now[key]:
+            raise CheckpointError(
+                f"cannot resume from {checkpoint.path}: it is after step {checkpoint.step}, past this run's end ({key}={now[key]}); "
+                f"resume with {key} of at least {checkpoint.step}, or start a new run from its weights (model.path set to its model/ directory)"
+            )
+    inputs = _changed_inputs(cfg, checkpoint)
+    if inputs:
+        lines = "\n".join(f"  {key}: {path} holds other contents than when the run started" for key, path in inputs)
+        raise CheckpointError(
+            f"cannot resume from {checkpoint.path}: what the run reads changed behind the same path\n{lines}\n"
+            "resume with the original contents at that path, or start a new run (another output_dir, or overwrite=true)"
         )
 
 
