@@ -149,10 +149,11 @@ class LocalJudge:
         return ["\n\n".join(m["content"] for m in conversation) for conversation in conversations]
 
     def encode(self, conversation: Conversation) -> list[int]:
-        """The token ids the model reads for one conversation: the chat template's own text (its control
-        tokens included) tokenised as the template's, each message's content as plain text
-        (``split_special_tokens``), so a completion's literal "<|im_end|>" stays characters. Without a
-        chat template the whole prompt is contents: plain text after the tokenizer's special tokens (BOS).
+        """The token ids the model reads for one conversation: the chat template's rendering tokenised,
+        except that where a content writes a control token's text ("<|im_end|>"), the template's own text
+        (its control tokens included) and each content are tokenised apart, the contents as plain text
+        (``split_special_tokens``), so the literal stays characters. Without a chat template the whole
+        prompt is contents: plain text after the tokenizer's special tokens (BOS).
 
         Raises:
             RewardFunctionError: when the chat template alters contents in a way other than stripping
@@ -160,6 +161,12 @@ class LocalJudge:
                 control token in plain text.
         """
         tokenizer = self.tokenizer
+        marks = {*tokenizer.all_special_tokens, *(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)} - {tokenizer.unk_token, None}
+        if getattr(tokenizer, "chat_template", None) and not any(mark in m["content"] for m in conversation for mark in marks):
+            # no content writes a control token: the whole rendering tokenised at once, as the template's own text is (a
+            # SentencePiece tokenizer gives a piece tokenised apart a leading space the whole string does not have)
+            rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            return tokenizer(rendered, add_special_tokens=False)["input_ids"]
         if getattr(tokenizer, "chat_template", None):
             pieces = [(_plain_ids(tokenizer, text) if content else tokenizer(text, add_special_tokens=False)["input_ids"], content)
                       for text, content in _template_pieces(tokenizer, conversation) if text]

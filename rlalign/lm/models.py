@@ -227,7 +227,8 @@ def load_policy(
 ) -> nn.Module:
     """A trainable causal LM (the model's own dropout off; LoRA's ``dropout`` on the adapters' input as
     configured, 0 by default). ``lora`` adds fresh adapters; a directory holding a saved adapter
-    (``adapter_config.json``) reloads the base named there with that adapter, trainable, with its saved dropout.
+    (``adapter_config.json``) reloads the base named there with that adapter, trainable, every dropout off (as
+    it was saved, a PEFT adapter often has 0.05-0.1, which would make an RL step's first ratio differ from 1).
     ``attn_implementation``: transformers' attention kernel (None = its default).
     """
     path = Path(path)
@@ -237,7 +238,7 @@ def load_policy(
         _check_weight_adapter(path)
         base_path = json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"]
         base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file, attn_implementation)
-        return PeftModel.from_pretrained(disable_dropout(base), str(path), is_trainable=True).to(device)
+        return disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)  # a saved adapter's dropout too: off
     model = disable_dropout(_from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation))
     if lora is not None:
         model = apply_lora(model, lora)  # after disable_dropout: the adapters keep lora.dropout

@@ -100,7 +100,7 @@ async def post_json(
     """
     retry_statuses = frozenset(retry_statuses)
     for attempt in range(max_retries + 1):
-        refused = False
+        refused, status = False, None
         try:
             async with asyncio.timeout(timeout):
                 response = await client.post(url, content=body, headers={"content-type": "application/json"})
@@ -110,6 +110,7 @@ async def post_json(
         except httpx.TransportError as err:
             problem, retryable = f"{type(err).__name__}: {err}", True
         else:
+            status = response.status_code
             if response.status_code < 400:
                 try:
                     return response.json()
@@ -123,7 +124,7 @@ async def post_json(
             refused = response.status_code in REFUSED_STATUSES
         if not retryable or attempt == max_retries:
             tries = f" after {attempt + 1} tries" if attempt else ""
-            endpoint = retryable or refused  # the endpoint failed, whatever this request's rows
+            endpoint = (retryable and status != 500) or refused  # the endpoint failed, whatever this request's rows (a 500 may be a row's: OpenRLHF's serve_rm)
             raise (EndpointUnavailable if endpoint else RewardFunctionError)(f"POST {url} failed{tries}: {problem} ({what})")
         if on_retry is not None:
             on_retry()

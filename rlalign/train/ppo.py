@@ -293,8 +293,9 @@ def ppo_step(
     seq_kl = distributed.gather_rows(kl.sum(-1), world)  # (B global,)
     counted = distributed.gather_rows((sampled.sum(-1) > 0).float(), world)  # (B global,) the rows trained on (not left out by on_error: skip)
     mean_kl = ((seq_kl * counted).sum() / counted.sum()).item() if counted.any() else None
+    sequences = int(counted.sum()) if batch.row_episode is None else batch.row_episode[counted.bool()].unique().numel()  # an agent's: episodes
     if mean_kl is not None:  # no row trained on: no KL measured, beta stays
-        kl_ctl.update(mean_kl, int(counted.sum()))
+        kl_ctl.update(mean_kl, sequences)
 
     metrics = updates.means()
     metrics.update(rows_plan.metrics())

@@ -70,7 +70,7 @@ def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
     if checkpoint is not None:
         check_resumable(cfg, checkpoint)
     if used and not resuming_here:
-        if not cfg.overwrite and _trained(run_dir):  # a start that failed before its first step (a built base_model, no metrics) is cleared
+        if not cfg.overwrite and not _failed_start(run_dir, used):  # what a start that failed before its first step left is cleared
             raise ConfigError(
                 f"output_dir {str(run_dir)!r} already holds a run ({', '.join(used)}); choose another output_dir, "
                 "continue it with --resume, or set overwrite=true to delete it first"
@@ -96,10 +96,12 @@ def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
         cut_logs(run_dir, checkpoint.step)
 
 
-def _trained(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds something of a run that trained: a logged step, a checkpoint or a final model."""
+def _failed_start(run_dir: Path, used: list[str]) -> bool:
+    """Whether ``used`` (the run files in ``run_dir``) is only what a start that failed before its first step leaves:
+    the tiny model it built (``base_model``) and an empty metrics log. Anything else (a logged line, samples, a
+    tracker's files, a checkpoint) is a run's and is never deleted without ``overwrite``."""
     metrics = run_dir / "metrics.jsonl"
-    return (run_dir / "final").exists() or bool(list_checkpoints(run_dir)) or (metrics.is_file() and metrics.stat().st_size > 0)
+    return all(name == "base_model" or (name == "metrics.jsonl" and metrics.is_file() and metrics.stat().st_size == 0) for name in used)
 
 
 def _inputs(cfg: Config) -> list[tuple[str, str, bool]]:

@@ -78,7 +78,7 @@ class SFTConfig(SupervisedConfig):
     eval_every: int = Field(250, ge=1, description="evaluate every this many steps (and at the start and end)")
     eval_batch_size: int = Field(128, ge=1, description="pairs per forward / prompts per sampling batch at eval")
     max_new_tokens: int | None = Field(
-        None, ge=1, description="tokens generated per eval prompt; null = the task's default (files: the longest eval reference's tokens and its EOS)"
+        None, ge=1, description="tokens generated per eval prompt; null = the task's default (files: the longest eval reference's tokens and its EOS, at most data.max_length)"
     )
 
 
@@ -94,7 +94,8 @@ def _datasets(cfg: SFTConfig, tokenizer) -> tuple[list[SFTExample], list[SFTExam
     data = cfg.data
     if data.train_file is not None:
         train_set, eval_set = data.load_files(load_sft)
-        return train_set, eval_set, _EvalSpec(None, cfg.max_new_tokens or max(reference_tokens(tokenizer, eval_set), default=32), 0.0)
+        longest = min(max(reference_tokens(tokenizer, eval_set), default=32), max_length(cfg))  # a reference past max_length is cut in training too
+        return train_set, eval_set, _EvalSpec(None, cfg.max_new_tokens or longest, 0.0)
     task = TASKS[data.task]
     train_set = load_sft(task.sft_records("train", data.num_train, cfg.seed))
     eval_set = load_sft(task.sft_records("eval", data.num_eval, cfg.seed))

@@ -160,8 +160,8 @@ class Updater:
         return norm_value
 
     def finite_weights(self) -> bool:
-        """Whether every parameter is finite, on every rank of :attr:`world` (each checks its own shards under FSDP2)."""
-        tensors = [p.detach() for p in self.model.parameters()]
+        """Whether every trained parameter is finite, on every rank of :attr:`world` (each checks its own shards under FSDP2)."""
+        tensors = [p.detach() for p in self.model.parameters() if p.requires_grad]  # a frozen weight (a LoRA base) cannot move
         tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: this rank's shard
         tensors = [t for t in tensors if t.numel()]
         norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)]) if tensors else torch.zeros(1)  # (P,) one fused pass (a CPU max-|w| is ~100x slower)

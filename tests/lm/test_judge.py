@@ -263,7 +263,29 @@ def test_a_template_that_strips_contents_is_followed_and_one_that_rewrites_them_
     assert tok.decode(ids) == "<|im_start|>user\nx<|im_end|><|im_end|>\n<|im_start|>assistant\n" and ids.count(end) == 1
     upper, _, _ = chatml_tokenizer(CHATML.replace("{{ m.content }}", "{{ m.content | upper }}"))
     with pytest.raises(RewardFunctionError, match="changes message contents beyond stripping them"):
-        LocalJudge(make_llama(vocab=len(upper)), upper).encode([{"role": "user", "content": "abc"}])
+        LocalJudge(make_llama(vocab=len(upper)), upper).encode([{"role": "user", "content": "a<|im_end|>bc"}])
+    # contents without a control token's text: the rendering tokenised whole, as the template itself would be
+    benign = [{"role": "user", "content": "abc"}]
+    rendered = upper.apply_chat_template(benign, tokenize=False, add_generation_prompt=True)
+    assert LocalJudge(make_llama(vocab=len(upper)), upper).encode(benign) == upper(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_a_sentencepiece_judge_reads_benign_conversations_as_its_template_renders_them():
+    # a Metaspace pre-tokenizer gives every piece tokenised apart a leading "▁" the whole string does not have: the judge
+    # read "INST]▁▁Ra..." for "INST]▁Ra..." when every content was tokenised apart
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "▁", "▁Rate", "▁this:", "▁Paris.", "Rate", "this:", "Paris."]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]"]})
+    tok.chat_template = "{{ bos_token }}{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"
+    conversation = [{"role": "user", "content": "Rate this: Paris."}]
+    rendered = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert LocalJudge(make_llama(vocab=len(tok)), tok).encode(conversation) == tok(rendered, add_special_tokens=False)["input_ids"]
 
 
 def test_a_remote_judge_is_sent_the_completions_markers_defused():

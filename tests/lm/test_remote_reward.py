@@ -360,6 +360,15 @@ def test_a_server_that_is_down_is_asked_once_per_batch_not_once_per_row(on_error
     assert len(seen) == 2  # the batch and its 1 retry; re-running the 8 rows alone asked 2 + 8 x 2 = 18 times
 
 
+def test_a_plain_500_may_be_a_rows_and_its_rows_are_asked_again():
+    # OpenRLHF's serve_rm answers a row's exception with a plain 500 (no "retryable": false): only a down endpoint
+    # (503, a timeout, refused connections) fails the batch as a whole; a 500 that keeps coming re-runs the rows
+    app, seen = scripted_app((0, 500, {"error": "row 3 broke"}))
+    with running(app) as url:
+        result = score_terms([CallPolicy("remote", RemoteReward(f"{url}/score", max_retries=1, backoff=0.0), on_error="skip")], ["p"] * 3, ["c"] * 3)[0]
+    assert result.failed.all() and len(seen) == 2 + 3 * 2  # the batch (and its retry), then each row (and its retry)
+
+
 def test_a_server_refusing_the_token_is_asked_once():
     app, seen = scripted_app((0, 401, {"error": "no"}))
     with running(app) as url:

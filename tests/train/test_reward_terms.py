@@ -292,6 +292,14 @@ def test_a_reward_model_given_as_a_reward_function_points_to_the_config_term():
     from rlalign.config import ConfigError
     from rlalign.train.rollouts import as_reward_term
 
-    for term in ("runs/rm/final", torch.nn.Linear(2, 1)):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    for term in ("runs/rm/final", GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10))):
         with pytest.raises(ConfigError, match=r"is not a reward function here: give its directory as a term of the config, rewards: \[\{reward_model: PATH\}\]"):
             as_reward_term(term)
+
+    class Scorer(torch.nn.Module):  # a callable module with TRL's signature is a reward function like any other
+        def forward(self, completions, **kwargs):
+            return [1.0] * len(completions)
+
+    assert as_reward_term(Scorer()).name

@@ -58,6 +58,13 @@ def test_a_start_that_failed_before_its_first_step_does_not_block_the_corrected_
     assert (out / "base_model").exists()
     train(rm_cfg(out, "max_steps=1"))  # the corrected command
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [-1, 0]
+    # anything beyond a failed start's leftovers is a run's, never deleted without overwrite (a tracker's files, samples)
+    kept = tmp_path / "kept"
+    (kept / "base_model").mkdir(parents=True)
+    (kept / "samples.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(rm_cfg(kept, "max_steps=1"))
+    assert (kept / "samples.jsonl").read_text() == '{"step": 0}\n'
 
 
 def test_resume_names_every_run_defining_difference_and_allows_more_steps(tmp_path):

@@ -143,6 +143,8 @@ def test_file_eval_generates_enough_tokens_to_match_its_longest_reference(tmp_pa
     tokenizer = build_char_tokenizer()
     cfg = load_config(SFTConfig, None, [f"data.train_file={data}", f"data.eval_file={data}"])
     assert _datasets(cfg, tokenizer)[2].max_new_tokens == 45  # the longest reference and its EOS
+    short = load_config(SFTConfig, None, [f"data.train_file={data}", f"data.eval_file={data}", "data.max_length=20"])
+    assert _datasets(short, tokenizer)[2].max_new_tokens == 20  # at most data.max_length: a 5000-token reference decoded 5001 tokens a prompt
     assert length_report(tokenizer, _datasets(cfg, tokenizer)[1], 45) is None
     capped = load_config(SFTConfig, None, [f"data.train_file={data}", f"data.eval_file={data}", "max_new_tokens=32"])
     assert _datasets(capped, tokenizer)[2].max_new_tokens == 32  # as set, and said:
