@@ -90,14 +90,17 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """No progress bars from ``datasets`` for the duration (restored after)."""
+    """No progress bars from ``datasets`` for the duration, and none of its error log lines (a file it cannot parse
+    is named by rlalign's own message, with the line counted from 1; restored after)."""
     from datasets.utils import logging as datasets_logging
 
-    was_enabled = datasets_logging.is_progress_bar_enabled()
+    was_enabled, level = datasets_logging.is_progress_bar_enabled(), datasets_logging.get_verbosity()
     datasets_logging.disable_progress_bar()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
     try:
         yield
     finally:
+        datasets_logging.set_verbosity(level)
         if was_enabled:
             datasets_logging.enable_progress_bar()
 

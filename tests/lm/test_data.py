@@ -36,10 +36,12 @@ def test_missing_column_names_file_line_and_expectation(tmp_path):
         load_sft([{"prompt": "a", "completion": "b"}, {"prompt": "c", "answer": "d", "completion": None}])
 
 
-def test_malformed_rows_are_errors(tmp_path):
+def test_malformed_rows_are_errors(tmp_path, capfd):
     bad_json = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, "{not json"])
+    capfd.readouterr()
     with pytest.raises(DataError, match=r"bad\.jsonl, line 2: not valid JSON"):
         load_prompts(bad_json)
+    assert "Failed to load JSON" not in capfd.readouterr().err  # datasets' own line ("in row 1", 0-based) was printed before ours
     wrong_type = _jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "chosen": "b", "rejected": 3}])
     with pytest.raises(DataError, match=r"t\.jsonl, line 1: column 'rejected' must be a string"):
         load_preferences(wrong_type)
