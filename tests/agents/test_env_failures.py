@@ -22,6 +22,7 @@ from rlalign.train.rollouts import select_rows
 from rlalign.train.sources import ScoredBatch, Scorer
 from tests.agents.families import family_tokenizer
 from tests.agents.test_episodes import CALL, SPEC, ids_of, script
+from tests.train.test_agent_source import _FixedSource
 from tests.train.test_rl_composed import assert_same_grads, grads, sgd_updater
 
 torch.set_num_threads(1)
@@ -55,17 +56,6 @@ class _Sampler:
 
     def sampler(self):
         return self.module
-
-
-class _FixedSource:
-    def __init__(self, batch):
-        self.batch = batch
-
-    def next(self, state):
-        return self.batch
-
-    def publish(self, policy, version):
-        return 0.0
 
 
 def _cfg(group_size: int) -> grpo.GRPOConfig:
