@@ -7,8 +7,13 @@ exception it refines (``ValueError``, ``RuntimeError``, ...), so ``except ValueE
 
 from __future__ import annotations
 
-__all__ = ["RLAlignError"]
+__all__ = ["RLAlignError", "NonFiniteError"]
 
 
 class RLAlignError(Exception):
     """Bad input, or a run that cannot go on: the message says what and where."""
+
+
+class NonFiniteError(RLAlignError, FloatingPointError):
+    """A number a run cannot go on from: a loss, gradient norm, reward, parameter or network output that is NaN
+    or infinite (or past float32's range). The run stops there and no weights of that step are saved."""

@@ -24,7 +24,7 @@ from pydantic import AfterValidator, Field, field_validator
 from torch import Tensor, nn
 
 from rlalign.config import Config, ConfigError
-from rlalign.errors import RLAlignError
+from rlalign.errors import NonFiniteError
 
 __all__ = [
     "ClassicConfig",
@@ -84,11 +84,6 @@ class ClassicConfig(Config):
         if isinstance(value, float) and abs(value) > FLOAT32_MAX:
             raise ValueError(f"beyond float32's range (|x| <= {FLOAT32_MAX:.3g}), in which the networks compute")
         return value
-
-
-class NonFiniteError(RLAlignError, FloatingPointError):
-    """A reward beyond float32's range, or a loss, parameter or network output that is NaN or
-    infinite: the run stops there (the CLI saves no weights)."""
 
 
 @dataclass(frozen=True)

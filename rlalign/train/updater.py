@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from rlalign.config import ConfigError
-from rlalign.errors import RLAlignError
+from rlalign.errors import NonFiniteError
 from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
 from rlalign.train.bf16_adamw import check_bfloat16_steps
@@ -28,10 +28,6 @@ from rlalign.train.common import make_optimizer, memory_named
 from rlalign.train.run_config import OptimConfig
 
 __all__ = ["Updater", "NonFiniteError", "minibatch_step"]
-
-
-class NonFiniteError(RLAlignError, FloatingPointError):
-    """A loss or gradient norm that is NaN or infinite: the update is not applied."""
 
 
 @dataclass
