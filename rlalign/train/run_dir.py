@@ -32,6 +32,7 @@ from typing import Any
 
 from rlalign.config import Config, ConfigError
 from rlalign.train.checkpoints import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint, remove_stale_temp_dirs
+from rlalign.train.common import ADAPTER_CONFIG
 
 __all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs", "input_fingerprints", "run_inputs"]
 
@@ -106,14 +107,25 @@ def _failed_start(run_dir: Path, used: list[str]) -> bool:
 
 def _inputs(cfg: Config) -> list[tuple[str, str, bool]]:
     """(config key, path as configured, whether it is a model) of what a run reads: its model, reference, critic, teacher,
-    reward and judge models, and its training data (``eval.data`` is left out: evaluation may change on a resume)."""
+    reward and judge models (and the base a saved adapter among them loads), and its training data (``eval.data`` is left
+    out: evaluation may change on a resume)."""
     data = getattr(cfg, "data", None)
     models = [("model.path", getattr(getattr(cfg, "model", None), "path", None)), ("reference", getattr(cfg, "reference", None)),
               ("critic.path", getattr(getattr(cfg, "critic", None), "path", None)), ("teacher", getattr(cfg, "teacher", None))]
     for i, term in enumerate(getattr(cfg, "rewards", None) or []):
         models += [(f"rewards[{i}].reward_model", term.reward_model), (f"rewards[{i}].judge.model", getattr(term.judge, "model", None))]
+    models = [(key, str(path)) for key, path in models if path]
+    models += [(f"{key} (its adapter's base)", base) for key, path in models if (base := _adapter_base(path))]
     files = [(f"data.{name}", getattr(data, name, None)) for name in ("train_file", "eval_file", "path")]
-    return [(key, str(path), True) for key, path in models if path] + [(key, str(path), False) for key, path in files if path]
+    return [(key, path, True) for key, path in models] + [(key, str(path), False) for key, path in files if path]
+
+
+def _adapter_base(path: str) -> str | None:
+    """The base model a saved LoRA adapter at ``path`` loads (its ``adapter_config.json``), or None for anything else."""
+    try:
+        return json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _input_paths(cfg: Config) -> list[Path]:

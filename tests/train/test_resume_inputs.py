@@ -83,6 +83,27 @@ def test_input_fingerprints_change_with_the_contents_behind_a_path_and_skip_hub_
     assert sorted(run_dir.input_fingerprints(distill)) == ["teacher"]  # (the tiny model built from the config: no input)
 
 
+def test_a_saved_adapters_base_is_fingerprinted_too(tmp_path):
+    """A LoRA adapter directory loads the base its adapter_config.json names: a base replaced behind that path changes
+    what the run trains, so it is an input of its own."""
+    from rlalign.train.sft import SFTConfig
+
+    base = build_tiny_checkpoint(tmp_path / "base", SPEC, seed=0)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base), "peft_type": "LORA"}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    data = _rows(tmp_path / "train.jsonl", 2)
+    cfg = load_config(SFTConfig, None, [f"model.path={adapter}", f"data.train_file={data}", f"data.eval_file={data}"])
+    first = run_dir.input_fingerprints(cfg)
+    assert sorted(first) == ["data.eval_file", "data.train_file", "model.path", "model.path (its adapter's base)"]
+    assert first["model.path (its adapter's base)"]["path"] == str(base)
+    shutil.rmtree(base)
+    build_tiny_checkpoint(base, SPEC, seed=1)  # the base retrained behind the same path; the adapter untouched
+    now = run_dir.input_fingerprints(cfg)
+    assert now["model.path"] == first["model.path"] and now["model.path (its adapter's base)"] != first["model.path (its adapter's base)"]
+
+
 def test_resuming_after_the_model_or_data_changed_behind_the_same_path_is_an_error(tmp_path):
     from rlalign.train.sft import train
 
