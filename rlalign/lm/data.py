@@ -68,6 +68,7 @@ class SFTExample:
 
     prompt: Prompt | None
     completion: str | Messages
+    where: str = field(default="", compare=False, repr=False)  # "FILE, line N" (or row N) for messages; "" when not from a file
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class PreferenceExample:
     chosen: str | Messages
     rejected: str | Messages
     margin: float | None = None
+    where: str = field(default="", compare=False, repr=False)  # "FILE, line N" (or row N) for messages; "" when not from a file
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,16 +368,16 @@ def _sft_example(row: Any, where: str) -> SFTExample:
             raise DataError(f"{where}: column 'messages' must be a list of {{'role': str, 'content': str}} messages, got {row['messages']!r:.80}")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: column 'messages' has no assistant message to learn from")
-        return SFTExample(None, messages)
+        return SFTExample(None, messages, where)
     if isinstance(row, dict) and not _present(row, "prompt") and _present(row, "text"):
         if not isinstance(row["text"], str) or not row["text"]:
             raise DataError(f"{where}: column 'text' must be a non-empty string, got {row['text']!r:.80}")
-        return SFTExample(None, row["text"])
+        return SFTExample(None, row["text"], where)
     if isinstance(row, dict) and not _present(row, "prompt"):
         raise DataError(f"{where}: expected the columns of one of TRL's SFT types ('text'; 'messages'; 'prompt' and 'completion'), found {sorted(row)}")
     row = _require(row, ["prompt", "completion"], where)
     prompt = _check_prompt(row["prompt"], where)
-    return SFTExample(prompt, _check_response(row, "completion", where, prompt))
+    return SFTExample(prompt, _check_response(row, "completion", where, prompt), where)
 
 
 def load_sft(source: Source, split: str = "train", subset: str | None = None, columns: Mapping[str, str] | None = None) -> list[SFTExample]:
@@ -403,7 +405,7 @@ def load_preferences(source: Source, split: str = "train", subset: str | None = 
         chosen, rejected = _check_response(row, "chosen", where, prompt), _check_response(row, "rejected", where, prompt)
         if prompt is None and isinstance(chosen, str) != isinstance(rejected, str):
             raise DataError(f"{where}: with no 'prompt', 'chosen' and 'rejected' must both be texts or both be conversations")
-        example = PreferenceExample(prompt, chosen, rejected, None if margin is None else float(margin))
+        example = PreferenceExample(prompt, chosen, rejected, None if margin is None else float(margin), where)
         if example.chosen == example.rejected:
             same.append(where)
         else:

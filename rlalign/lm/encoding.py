@@ -172,9 +172,16 @@ def sft_row(tokenizer: PreTrainedTokenizerBase, ex: SFTExample, max_length: int,
     return ids[:max_length], is_target[:max_length], len(ids)
 
 
+def _at(ex: SFTExample | PreferenceExample) -> str:
+    """"FILE, line N: " for a message about an example read from a file, else ""."""
+    return f"{ex.where}: " if ex.where else ""
+
+
 def _shown(ex: SFTExample) -> str:
+    """The example as a message names it: its file and line where it has them, with the start of its text."""
     text = repr(ex.prompt if ex.prompt is not None else ex.completion)
-    return text if len(text) <= 80 else text[:77] + "..."
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"at {ex.where} ({text})" if ex.where else text
 
 
 def collate_sft(tokenizer: PreTrainedTokenizerBase, examples: Sequence[SFTExample], max_length: int = 512, completion_only: bool = True) -> SFTBatch:
@@ -280,9 +287,9 @@ def explicit_prompt(example: PreferenceExample) -> PreferenceExample:
     if isinstance(chosen, str) and 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
         shared -= 1  # the responses start with the space (TRL's convention)
     if shared == 0:
-        raise DataError(f"a pair with no prompt column whose chosen and rejected responses share no start, so no prompt can be extracted: "
-                        f"chosen {chosen!r:.60}, rejected {rejected!r:.60}")
-    return PreferenceExample(chosen[:shared], chosen[shared:], rejected[shared:], example.margin)
+        raise DataError(f"{_at(example)}a pair with no prompt column whose chosen and rejected responses share no start, so no prompt can be "
+                        f"extracted: chosen {chosen!r:.60}, rejected {rejected!r:.60}")
+    return PreferenceExample(chosen[:shared], chosen[shared:], rejected[shared:], example.margin, example.where)
 
 
 @dataclass
@@ -322,7 +329,7 @@ def collate_preference_completions(
     for ex in map(explicit_prompt, examples):
         prompt = _encode_prompt(tokenizer, ex.prompt)
         if not prompt:
-            raise DataError(f"the prompt {ex.prompt!r:.60} has no token: give the tokenizer a BOS token or the pair a non-empty prompt")
+            raise DataError(f"{_at(ex)}the prompt {ex.prompt!r:.60} has no token: give the tokenizer a BOS token or the pair a non-empty prompt")
         chosen, rejected = (_completion_ids(tokenizer, ex.prompt, response) for response in (ex.chosen, ex.rejected))
         keep = max(1, max_length - max(len(chosen), len(rejected)))  # prompt tokens kept
         prompt = prompt[-keep:]

@@ -115,3 +115,16 @@ def test_preference_batch_puts_chosen_then_rejected(tokenizer):
     assert tokenizer.decode(batch.input_ids[0][batch.attention_mask[0].bool()].tolist()) == "<bos>abb<eos>"
     assert tokenizer.decode(batch.input_ids[3][batch.attention_mask[3].bool()].tolist()) == "<bos>dfff<eos>"
     assert batch.margin.tolist() == [2.0, 0.0]
+
+
+def test_an_example_the_cut_or_the_tokenizer_leaves_nothing_of_is_named_by_file_and_line(tokenizer, tmp_path):
+    from rlalign.lm.encoding import explicit_prompt
+
+    sft = load_sft(_jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "completion": "2"}, {"prompt": "1234567890" * 3, "completion": "x"}]))
+    collate_sft(tokenizer, sft[:1], max_length=8)
+    with pytest.raises(DataError, match=r"max_length=8 cuts every target token of the example at .*sft\.jsonl, line 2 \('1234567890"):
+        collate_sft(tokenizer, sft, max_length=8)
+    pairs = load_preferences(_jsonl(tmp_path / "pairs.jsonl", [{"chosen": "Q: a", "rejected": "Q: b"}, {"chosen": "abc", "rejected": "xyz"}]))
+    assert explicit_prompt(pairs[0]).where.endswith("pairs.jsonl, line 1")  # the extracted prompt keeps its place
+    with pytest.raises(DataError, match=r"pairs\.jsonl, line 2: a pair with no prompt column whose chosen and rejected responses share no start"):
+        explicit_prompt(pairs[1])
