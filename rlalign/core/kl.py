@@ -70,11 +70,12 @@ def categorical_kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     return (p_logp.exp() * (p_logp - q_logp)).sum(-1)
 
 
-def entropy_from_logits(logits: Tensor, chunk_rows: int = 1024) -> Tensor:
-    """H = logsumexp(z) - sum_v softmax(z)_v z_v, computed ``chunk_rows`` rows at a time.
+def entropy_from_logits(logits: Tensor, chunk_rows: int = 1024, temperature: float = 1.0) -> Tensor:
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v with z = logits / temperature, computed ``chunk_rows`` rows at a time.
 
     Chunking keeps the float32 softmax of at most ``chunk_rows`` rows alive at once instead of
-    several (B, T, V) copies; gradients flow through.
+    several (B, T, V) copies; gradients flow through. The temperature divides each chunk after its
+    float32 cast, so bfloat16 logits lose no precision to a bfloat16 division (as ``token_logprobs``).
 
     Args:
         logits: Shape: (..., V), any float dtype.
@@ -86,6 +87,7 @@ def entropy_from_logits(logits: Tensor, chunk_rows: int = 1024) -> Tensor:
     for start in range(0, flat.shape[0], chunk_rows):
         compute_dtype = torch.promote_types(flat.dtype, torch.float32)
         chunk = flat[start : start + chunk_rows].to(compute_dtype)
+        chunk = chunk / temperature if temperature != 1.0 else chunk
         masked_out = torch.isneginf(chunk)
         if masked_out.any():  # p = 0 there and must add 0 * z = 0, not 0 * -inf = NaN (only then a copy, saving a bool mask)
             chunk = chunk.masked_fill(masked_out, torch.finfo(compute_dtype).min)

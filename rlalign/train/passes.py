@@ -180,7 +180,7 @@ def logprobs_and_entropy(logits: Tensor, completion_ids: Tensor, temperature: fl
     entropy bonus in the loss) the entropy keeps its gradient; otherwise it is a detached statistic
     from the log-probs' own pass over the logits. Shapes: (B, C, V), (B, C) -> (B, C), (B, C)."""
     if entropy_grad:
-        return token_logprobs(logits, completion_ids, temperature), entropy_from_logits(logits / temperature)
+        return token_logprobs(logits, completion_ids, temperature), entropy_from_logits(logits, temperature=temperature)
     return token_logprobs_and_entropy(logits, completion_ids, temperature)
 
 

@@ -103,6 +103,19 @@ def test_entropy_from_the_same_pass_by_hand_and_against_the_separate_functions()
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
 
 
+def test_an_entropy_bonus_on_bfloat16_logits_logs_the_entropy_the_statistic_logs():
+    """passes.logprobs_and_entropy: with an entropy bonus (the entropy keeps its gradient) and without it (a statistic of
+    the log-probs' pass), bfloat16 logits at a temperature give the same entropy, to float32 round-off."""
+    from rlalign.train.passes import logprobs_and_entropy
+
+    logits = (4 * torch.randn(2, 3, 5000, generator=torch.Generator().manual_seed(3))).bfloat16()
+    tokens = torch.randint(0, 5000, (2, 3), generator=torch.Generator().manual_seed(4))
+    _, statistic = logprobs_and_entropy(logits, tokens, 0.7, entropy_grad=False)
+    _, bonus = logprobs_and_entropy(logits.requires_grad_(), tokens, 0.7, entropy_grad=True)
+    assert bonus.requires_grad
+    torch.testing.assert_close(bonus.detach(), statistic, atol=2e-5, rtol=0)
+
+
 def test_masked_out_vocabulary_entries_add_nothing_to_the_entropy():
     from rlalign.core.kl import entropy_from_logits
     from rlalign.core.logprobs import token_logprobs_and_entropy
