@@ -48,19 +48,26 @@ class OutOfMemory(RLAlignError, MemoryError):
 
 
 @contextlib.contextmanager
-def memory_named(what: str, rows: int, tokens: int):
-    """Turn an out-of-memory error inside the block (``what``: the pass, of ``rows`` rows x ``tokens``
-    completion tokens at once) into one :class:`OutOfMemory` naming the settings to lower."""
+def memory_named(what: str, rows: int, tokens: int | None, head_split: bool = True, planned: bool = True):
+    """Turn an out-of-memory error inside the block (``what``: the pass, of ``rows`` rows x ``tokens`` completion tokens
+    at once, or ``rows`` examples where ``tokens`` is None; a CUDA one, or a CPU allocation that failed) into one
+    :class:`OutOfMemory` naming the settings that lower it: fewer rows at once while there are several (``planned``: the
+    run may plan them from ``model.memory_fraction``), the LM head in chunks where ``head_split`` (the pass's log-probs
+    may come from the hidden states, not the logits)."""
     try:
         yield
-    except torch.OutOfMemoryError as err:
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):  # the CPU allocator's failure
+            raise
         detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise OutOfMemory(
-            f"out of memory in {what} ({rows} rows x {tokens} completion tokens at once): set micro_batch_size below {rows} (rows per "
-            "forward and backward; the same update; with micro_batch_size: auto, a lower model.memory_fraction), or "
-            "model.gradient_checkpointing: true, or a lower model.logits_limit_mb (the LM head in chunks instead of the logits) "
-            f"({detail})"
-        ) from None
+        head = ", or a lower model.logits_limit_mb (the LM head in chunks instead of the logits)" if head_split else ""
+        auto = "; with micro_batch_size: auto, a lower model.memory_fraction" if planned else ""
+        if rows > 1:
+            advice = f"set micro_batch_size below {rows} (rows per forward and backward; the same update{auto}), or model.gradient_checkpointing: true{head}"
+        else:
+            advice = f"it runs one row at a time already: set model.gradient_checkpointing: true{head}, or shorter rows, or a smaller model"
+        held = f"{rows} rows x {tokens} completion tokens" if tokens is not None else f"{rows} examples"
+        raise OutOfMemory(f"out of memory in {what} ({held} at once): {advice} ({detail})") from None
 
 
 ADAPTER_CONFIG = "adapter_config.json"  # what peft writes beside a saved adapter

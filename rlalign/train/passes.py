@@ -100,6 +100,11 @@ def head_chunks(model: nn.Module, layout_from: nn.Module | None = None) -> nn.Li
     return head if layout_from is None or head is None or lm_head_of(layout_from) is not None else None
 
 
+def _splits_head(model: nn.Module, layout_from: nn.Module, compiled: bool) -> bool:
+    """Whether ``model``'s pass may run its LM head in chunks (so ``model.logits_limit_mb`` bounds its logits)."""
+    return not compiled and head_chunks(distributed.unwrap(model), layout_from) is not None
+
+
 @functools.cache
 def compiled_completion_logits() -> Callable[..., Tensor]:
     """:func:`rlalign.lm.logprobs.completion_logits` under ``torch.compile`` with dynamic shapes, so
@@ -215,7 +220,7 @@ def reference_logprobs(
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
     largest = max((len(torch.arange(rollout.batch_size)[rows]) for rows in batches), default=0)
     with reference_policy(distributed.unwrap(policy), reference) as ref, evaluating(ref), distributed.gathered(ref), autocast_context(autocast, ref), \
-            memory_named("the reference pass", largest, rollout.completion_ids.shape[1]):
+            memory_named("the reference pass", largest, rollout.completion_ids.shape[1], _splits_head(reference if reference is not None else policy, policy, compiled)):
         for rows in batches:
             logprobs[rows] = rollout_token_logprobs(ref, rollout.select(rows), temperature, compiled, logits_limit_mb, policy)
     return logprobs
@@ -233,7 +238,7 @@ def training_logprobs(
     runner, policy = policy, distributed.unwrap(policy)
     logprobs = torch.zeros_like(rollout.logprobs)  # (B, C)
     largest = max(len(torch.arange(rollout.batch_size)[batch]) for batch in minibatches)
-    with autocast_context(autocast, policy), evaluating(policy), memory_named("the pi_old pass", largest, rollout.completion_ids.shape[1]):
+    with autocast_context(autocast, policy), evaluating(policy), memory_named("the pi_old pass", largest, rollout.completion_ids.shape[1], _splits_head(policy, runner, compiled)):
         for rows in minibatches:
             logprobs[rows] = rollout_token_logprobs(policy, rollout.select(rows), temperature, compiled, logits_limit_mb, runner)
     return logprobs

@@ -63,7 +63,7 @@ from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
-from rlalign.train.common import forward_precision
+from rlalign.train.common import forward_precision, memory_named
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, print_summary, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.memory_plan import Pass, plan_rows
 from rlalign.train.objectives import policy_objective, sampler_weights
@@ -245,7 +245,7 @@ def ppo_step(
     rows_plan = plan_rows(passes, rollout, cfg.micro_batch_size, minibatch, cfg.model, world, policy.row_costs, cfg.compile)
     pass_rows = rows_plan.no_grad  # rows per no-grad forward
     ref_logp = reference_logprobs(policy.model, reference, rollout, temperature, pass_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C)
-    with torch.no_grad(), forward_precision(cfg.model, critic.module):
+    with torch.no_grad(), forward_precision(cfg.model, critic.module), memory_named("the critic's value pass", min(pass_rows, n), rollout.completion_ids.shape[1], False):
         old_values = torch.cat([critic_values(critic.module, mb).cpu() for mb in rollout.minibatches(pass_rows)])  # (B, C)
     t_ref = time.perf_counter()
     mismatch, sampler_logp = None, rollout.logprobs  # (B, C) the sampler's log-probs

@@ -25,7 +25,7 @@ from pydantic import Field, model_validator
 
 from rlalign.config import Config
 from rlalign.train import distributed
-from rlalign.train.common import forward_precision
+from rlalign.train.common import forward_precision, memory_named
 from rlalign.train.loop import Run, SavedModels, TrainState, resume_state, run_steps
 from rlalign.train.run_config import OptimConfig, RunConfig
 from rlalign.train.seeding import batch_order
@@ -134,8 +134,9 @@ def supervised_loop(
 
         # the step's gradient accumulated over micro-batches of cfg.micro_batch_size examples (the same update, less memory)
         micro_batches = [micro_loss(examples[s : s + size]) for s in range(0, len(examples), size)]
-        grad_norm, scale = updater.accumulated_step(micro_batches, partial(distributed.loss_scale, world=world),
-                                                    partial(distributed.loss_share, world=world))  # the mean over every rank's count
+        with memory_named("the update's forward and backward", min(size, len(examples)), None, head_split=False, planned=False):
+            grad_norm, scale = updater.accumulated_step(micro_batches, partial(distributed.loss_scale, world=world),
+                                                        partial(distributed.loss_share, world=world))  # the mean over every rank's count
         count = sum(c for _, _, c in parts)
         metrics = distributed.reduce_stats(distributed.merge_micro_stats(parts), count, scale, world)
         metrics.update({

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from rlalign.config import ConfigError
 from rlalign.errors import NonFiniteError
+from rlalign.lm.logprobs import lm_head_of
 from rlalign.lm.models import cast_copy, copy_weights
 from rlalign.train import distributed
 from rlalign.train.bf16_adamw import check_bfloat16_steps
@@ -205,7 +206,7 @@ def minibatch_step(
     # fewer micro-batches (fewer rows: PPO's shuffled minibatches, an agent's calls) one more row weighted 0
     calls = [micro_loss(rows, present) for rows in micro_rows]
     calls += [micro_loss(micro_rows[0][:1], 0.0, padding=True)] * (int(distributed.all_max(len(calls), world)) - len(calls))
-    with memory_named("the update's forward and backward", max(len(rows) for rows in micro_rows), mask.shape[1]):
+    with memory_named("the update's forward and backward", max(len(rows) for rows in micro_rows), mask.shape[1], lm_head_of(updater.model) is not None):
         grad_norm, scale = updater.accumulated_step(calls, partial(distributed.loss_scale, world=world), partial(distributed.loss_share, world=world))
     stats = distributed.reduce_stats(distributed.merge_micro_stats(parts), sum(tokens for _, tokens, _ in parts), scale, world)
     return stats, grad_norm

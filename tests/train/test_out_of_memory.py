@@ -29,6 +29,24 @@ def test_an_out_of_memory_error_names_the_pass_and_the_settings():
     with pytest.raises(ValueError):  # any other error passes through as it is
         with memory_named("a pass", 1, 1):
             raise ValueError("not memory")
+    with pytest.raises(RuntimeError, match="^shapes"):
+        with memory_named("a pass", 1, 1):
+            raise RuntimeError("shapes do not match")
+
+
+def test_a_pass_of_one_row_or_without_a_split_head_is_not_told_to_lower_what_cannot_help():
+    with pytest.raises(OutOfMemory) as caught:  # one row already: no micro_batch_size below 1
+        with memory_named("the reference pass", 1, 300):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    assert str(caught.value).startswith("out of memory in the reference pass (1 rows x 300 completion tokens at once): it runs one row at a time already: "
+                                        "set model.gradient_checkpointing: true, or a lower model.logits_limit_mb")
+    assert "micro_batch_size" not in str(caught.value) and "shorter rows, or a smaller model" in str(caught.value)
+    with pytest.raises(OutOfMemory) as caught:  # a critic (no LM head) of a supervised run (no auto plan), on a CPU
+        with memory_named("the update's forward and backward", 8, None, head_split=False, planned=False):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes.")
+    assert str(caught.value).startswith("out of memory in the update's forward and backward (8 examples at once): set micro_batch_size below 8 "
+                                        "(rows per forward and backward; the same update), or model.gradient_checkpointing: true (")
+    assert "logits_limit_mb" not in str(caught.value) and "memory_fraction" not in str(caught.value)
 
 
 def out_of_memory(*args, **kwargs):
@@ -65,3 +83,27 @@ def test_the_no_grad_passes_name_their_largest_batch_and_the_completion_width(mo
         passes.reference_logprobs(policy, reference, rollout, 1.0, batches)
     with pytest.raises(OutOfMemory, match=r"^out of memory in the pi_old pass \(2 rows x 7 completion tokens at once\)"):
         passes.training_logprobs(policy, rollout, 1.0, batches)
+
+
+def test_the_critics_value_pass_and_a_supervised_update_name_themselves(tiny_path, tmp_path, monkeypatch):
+    from rlalign.config import load_config
+    from rlalign.train import ppo, sft
+    from tests.train.test_ppo import digit_share, make_cfg as make_ppo_cfg
+
+    values = ppo.critic_values
+
+    def values_out_of_memory_without_grad(*args, **kwargs):  # the old values' no-grad pass only
+        if torch.is_grad_enabled():
+            return values(*args, **kwargs)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(ppo, "critic_values", values_out_of_memory_without_grad)
+    with pytest.raises(OutOfMemory, match=r"^out of memory in the critic's value pass \(8 rows x \d+ completion tokens at once\): set micro_batch_size below 8"):
+        ppo.train(make_ppo_cfg(tiny_path, tmp_path, steps=1), reward_functions=[digit_share])
+    monkeypatch.undo()
+
+    cfg = load_config(sft.SFTConfig, None, [f"model.path={tiny_path}", f"output_dir={tmp_path / 'sft'}", "data.task=arithmetic", "max_steps=1",
+                                            "batch_size=4", "micro_batch_size=2", "progress=false", "plots=false"])
+    monkeypatch.setattr(torch.Tensor, "backward", out_of_memory)
+    with pytest.raises(OutOfMemory, match=r"^out of memory in the update's forward and backward \(2 examples at once\): set micro_batch_size below 2"):
+        sft.train(cfg)
