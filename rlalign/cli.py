@@ -94,7 +94,7 @@ def _run(argv: list[str]) -> int:
     try:
         return int(module.run(args) or 0)
     except (RLAlignError, OSError) as err:
-        if debug or (not isinstance(err, RLAlignError) and err.errno != errno.ENOSPC):
+        if debug or (not isinstance(err, RLAlignError) and err.errno not in WRITE_ERRORS):
             raise
         print(f"rlalign {command}: {_message(err)}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
@@ -122,10 +122,13 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
 
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)  # a disk or directory the run cannot write: one message
+
+
 def _message(err: Exception) -> str:
     """One line (or a few) that says what went wrong, where."""
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return f"no space left on device writing {err.filename or 'the output directory'}"
+    if isinstance(err, OSError) and err.errno in WRITE_ERRORS:
+        return f"cannot write {err.filename or 'the output directory'}: {err.strerror or os.strerror(err.errno)}"
     return str(err)
 
 

@@ -9,8 +9,9 @@ optimizer / scheduler given to :func:`save_checkpoint`; the trainers keep theirs
 instead, one entry per updater), ``trainer_state.pt`` (step, Python / NumPy / torch RNG states,
 data position, extra state: all tensors and plain containers, read back with
 ``torch.load(weights_only=True)``), ``config.yaml`` and ``checkpoint.json`` (written last; its
-presence is what makes a directory a checkpoint; it names the config class that wrote it and holds
-the fingerprints of the run's inputs, :func:`rlalign.train.run_dir.input_fingerprints`). A
+presence is what makes a directory a checkpoint; it names the config class that wrote it, lists every
+other file with its size, and holds the fingerprints of the run's inputs,
+:func:`rlalign.train.run_dir.input_fingerprints`). A
 checkpoint is written in a temporary sibling directory, fsynced and moved into place with
 ``os.replace`` (:func:`replace_dir`, also used for ``final/``), so a crash at any moment leaves the
 previous checkpoints whole and no half-written one under a real name.
@@ -18,8 +19,10 @@ previous checkpoints whole and no half-written one under a real name.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -50,6 +53,8 @@ __all__ = [
 
 CHECKPOINT_MARKER = "checkpoint.json"
 CHECKPOINT_FORMAT = 1
+STEP_NAME = re.compile(r"step_(\d+)")  # a checkpoint's directory name (a copy such as step_00000006.bak is none)
+WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 
 class CheckpointError(RLAlignError, ValueError):
@@ -86,7 +91,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = _checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.name.startswith("step_") and is_checkpoint(p)), key=lambda p: int(p.name[5:]))
+    return sorted((p for p in root.iterdir() if STEP_NAME.fullmatch(p.name) and is_checkpoint(p)), key=lambda p: int(p.name[5:]))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -130,19 +135,40 @@ def save_checkpoint(
         torch.save({"step": step, "data_position": data_position, "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
         config_dict = config.model_dump(mode="json") if isinstance(config, Config) else (config or {})
         (tmp / "config.yaml").write_text(yaml.safe_dump(config_dict, sort_keys=False))
-        marker = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(), "config": type(config).__name__ if isinstance(config, Config) else None}
+        marker = {"format": CHECKPOINT_FORMAT, "step": step, "time": time.time(), "config": type(config).__name__ if isinstance(config, Config) else None,
+                  "files": {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}}
         if inputs is not None:
             marker["inputs"] = inputs
         (tmp / CHECKPOINT_MARKER).write_text(json.dumps(marker))
         replace_dir(tmp, final)  # fsynced, then renamed into place: a crash leaves the old one or the new one
-    except BaseException:
+    except BaseException as err:
+        full = disk_full(err, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from err
         raise
     if keep_last is not None:  # the oldest go; never one after this step (a resumed run refuses to start beside those)
         kept = [p for p in list_checkpoints(run_dir) if int(p.name[5:]) <= step]
         for old in kept[:-keep_last]:
+            (old / CHECKPOINT_MARKER).unlink()  # first: a removal cut short leaves no checkpoint that looks whole
             shutil.rmtree(old)
     return final
+
+
+def disk_full(err: BaseException, path: Path) -> OSError | None:
+    """An ``OSError(ENOSPC)`` naming ``path`` when ``err`` (raised writing under it) came from a full disk, whatever its
+    kind: torch, safetensors and tokenizers raise their own (a RuntimeError "unexpected pos", a SafetensorError or an
+    Exception "No space left on device (os error 28)"); else None."""
+    if isinstance(err, OSError):
+        return None  # the caller's message reads it as it is
+    text = str(err)
+    try:
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
+    except OSError:
+        free = None
+    if "No space left on device" in text or "os error 28" in text or (free is not None and free < 2**20):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
 
 
 def fsync_tree(path: str | Path) -> None:
@@ -218,6 +244,28 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     raise CheckpointError(f"cannot resume from {path}: none of its {len(candidates)} checkpoints is readable (warnings above name the bad files)")
 
 
+class _MissingFile(Exception):
+    pass
+
+
+def _missing_file(path: Path, marker: dict) -> None:
+    """Check that every file ``checkpoint.json`` lists is there at its size (an older checkpoint, listing none: that
+    every model directory under ``model/`` holds a weights file); :class:`_MissingFile` names the one that is not."""
+    listed = marker.get("files")
+    if listed is None:
+        configs = [c.parent for name in ("config.json", "adapter_config.json") for c in (path / "model").rglob(name)]
+        listed = {}
+        for folder in configs or [path / "model"]:
+            if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
+                raise _MissingFile(f"{folder.relative_to(path)} holds no weights file")
+    for name, size in listed.items():
+        file = path / name
+        if not file.is_file():
+            raise _MissingFile(f"{name} is missing")
+        if file.stat().st_size != size:
+            raise _MissingFile(f"{name} has {file.stat().st_size} bytes, not the {size} written")
+
+
 def _read_checkpoint(path: Path) -> Checkpoint:
     """One checkpoint directory, every file checked: its state files load, its weights files have a whole header."""
     current = path / CHECKPOINT_MARKER
@@ -229,9 +277,13 @@ def _read_checkpoint(path: Path) -> Checkpoint:
         state = torch.load(current, weights_only=True)
         current = path / "config.yaml"
         config = yaml.safe_load(current.read_text()) or {}
+        current = path / CHECKPOINT_MARKER
+        _missing_file(path, marker)
         for current in sorted((path / "model").rglob("*.safetensors")):
             with safe_open(str(current), "pt"):  # reads and checks the header against the file's size
                 pass
+    except _MissingFile as err:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {err}") from None
     except Exception as err:  # torch, yaml, json and safetensors each raise their own kinds
         raise CheckpointError(f"checkpoint {path} is unreadable: {current} ({type(err).__name__}: {err})") from None
     return Checkpoint(

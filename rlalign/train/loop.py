@@ -39,7 +39,7 @@ from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
 from rlalign.train import distributed
 from rlalign.train.common import is_adapter_dir, prepare_model_path
-from rlalign.train.checkpoints import Checkpoint, CheckpointError, latest_checkpoint, load_checkpoint, replace_dir, save_checkpoint
+from rlalign.train.checkpoints import Checkpoint, CheckpointError, disk_full, latest_checkpoint, load_checkpoint, replace_dir, save_checkpoint
 from rlalign.train.metrics import MetricsLogger, plot_metrics, read_metrics
 from rlalign.train.rl_eval import evaluate_policy, load_eval_prompts, tool_evaluator
 from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
@@ -319,8 +319,11 @@ def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed
                 models.save_pretrained(tmp, merged)
                 tokenizer.save_pretrained(tmp)
                 replace_dir(tmp, final)
-            except BaseException:
+            except BaseException as err:
+                full = disk_full(err, tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
+                if full is not None:
+                    raise full from err
                 raise
     world.barrier()
     return final

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +68,18 @@ def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
     set corrupt later checkpoints aside, delete an old run on ``overwrite``, cut the logs back."""
     remove_stale_temp_dirs(run_dir)
     used = [name for name in RUN_FILES if (run_dir / name).exists()]
-    resuming_here = checkpoint is not None and checkpoint.path.parent.parent.resolve() == run_dir.resolve()
+    resuming_here = checkpoint is not None and checkpoint.path.resolve().parent.parent == run_dir.resolve()  # a link to one of its checkpoints too
     if checkpoint is not None:
         check_resumable(cfg, checkpoint)
     if used and not resuming_here:
         if not cfg.overwrite and not _failed_start(run_dir, used):  # what a start that failed before its first step left is cleared
+            resume = ", continue it with --resume" if list_checkpoints(run_dir) else ""  # (none: it stopped before its first checkpoint)
             raise ConfigError(
-                f"output_dir {str(run_dir)!r} already holds a run ({', '.join(used)}); choose another output_dir, "
-                "continue it with --resume, or set overwrite=true to delete it first"
+                f"output_dir {str(run_dir)!r} already holds a run ({', '.join(used)}); choose another output_dir{resume}, "
+                "or set overwrite=true to delete it first"
             )
-        inputs = [path for path in _input_paths(cfg) if any(_inside(path, run_dir / name) for name in used)]
+        read = _input_paths(cfg) + ([checkpoint.path.resolve()] if checkpoint is not None else [])
+        inputs = [path for path in read if any(_inside(path, run_dir / name) for name in used)]
         if inputs:
             raise ConfigError(f"overwrite=true would delete {inputs[0]}, which this run reads; choose another output_dir")
     if resuming_here:
@@ -88,7 +91,8 @@ def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
                 "resume from the latest (--resume with the run directory), or into another output_dir"
             )
         for path in later:  # unreadable (the resume fell back past them): kept for a look, out of the run's way
-            path.rename(path.with_name(f".corrupt_{path.name}"))
+            aside = path.with_name(f".corrupt_{path.name}")
+            path.rename(aside if not aside.exists() else path.with_name(f".corrupt_{path.name}_{os.getpid()}_{time.time_ns()}"))
     elif used:
         for name in used:
             path = run_dir / name

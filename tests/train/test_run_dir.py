@@ -110,6 +110,52 @@ def test_stale_temp_dirs_go_and_a_corrupt_latest_checkpoint_falls_back_to_the_pr
     assert (tmp_path / "checkpoints" / ".corrupt_step_00000002").is_dir()  # kept for a look
 
 
+def test_a_checkpoint_missing_a_file_falls_back_a_copy_beside_them_is_ignored_and_corrupt_ones_go_aside_each_time(tmp_path):
+    train(rm_cfg(tmp_path, "max_steps=3", "save_every=1", "keep_last=5"))
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000003", tmp_path / "checkpoints" / "step_00000003.bak")  # a user's copy
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002", "step_00000003"]
+    (tmp_path / "checkpoints" / "step_00000003" / "model" / "model.safetensors").unlink()  # its weights lost, the rest whole
+    with pytest.raises(CheckpointError, match="step_00000003 is incomplete: model/model.safetensors is missing"):
+        load_checkpoint(tmp_path / "checkpoints" / "step_00000003")
+    with pytest.warns(RuntimeWarning, match="step_00000003 is incomplete"):
+        assert load_checkpoint(tmp_path).step == 2
+    for _ in range(2):  # step 3 redone, then lost again: the second corrupt copy goes aside beside the first
+        with pytest.warns(RuntimeWarning, match="step_00000003 is incomplete"):
+            train(rm_cfg(tmp_path, "max_steps=3", "save_every=1", "keep_last=5"), resume=tmp_path)
+        (tmp_path / "checkpoints" / "step_00000003" / "model" / "model.safetensors").write_bytes(b"")
+    assert len(list((tmp_path / "checkpoints").glob(".corrupt_step_00000003*"))) == 2
+    marker = tmp_path / "checkpoints" / "step_00000002" / "checkpoint.json"  # an older checkpoint lists no files: its model directory is looked at
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}))
+    assert load_checkpoint(marker.parent).step == 2
+    (marker.parent / "model" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="step_00000002 is incomplete: model holds no weights file"):
+        load_checkpoint(marker.parent)
+
+
+def test_a_link_to_a_checkpoint_of_the_run_resumes_it_in_place_even_with_overwrite(tmp_path):
+    run = tmp_path / "run"
+    train(rm_cfg(run, "max_steps=2", "save_every=1", "keep_last=5", "optim.min_lr_ratio=1.0"))
+    (tmp_path / "best").symlink_to(run / "checkpoints" / "step_00000002")
+    train(rm_cfg(run, "max_steps=3", "save_every=1", "keep_last=5", "optim.min_lr_ratio=1.0", "overwrite=true"), resume=tmp_path / "best")
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000001", "step_00000002", "step_00000003"]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss/rm" in r] == [0, 1, 2]
+    archive = run / "checkpoints" / "archive"  # another run kept inside this one's checkpoints/
+    shutil.copytree(run, tmp_path / "copy", ignore=shutil.ignore_patterns(".rlalign.lock"))
+    shutil.move(tmp_path / "copy", archive)
+    with pytest.raises(ConfigError, match="overwrite=true would delete .*archive/checkpoints/step_00000003, which this run reads"):
+        train(rm_cfg(run, "max_steps=4", "save_every=1", "keep_last=5", "optim.min_lr_ratio=1.0", "overwrite=true"),
+              resume=archive / "checkpoints" / "step_00000003")
+    assert (archive / "checkpoints" / "step_00000003" / "checkpoint.json").is_file()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_a_resume(tmp_path):
+    train(rm_cfg(tmp_path, "max_steps=1", "save_every=5"))  # final/ only, no checkpoint
+    shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
+    with pytest.raises(ConfigError, match=r"already holds a run \(.*\); choose another output_dir, or set overwrite=true") as caught:
+        train(rm_cfg(tmp_path, "max_steps=1"))
+    assert "--resume" not in str(caught.value)
+
+
 def test_a_final_model_moved_aside_by_a_killed_swap_comes_back(tmp_path):
     from rlalign.train.checkpoints import remove_stale_temp_dirs
 
@@ -276,7 +322,54 @@ def test_disk_full_is_one_message_naming_the_path(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(common.torch, "save", full)
     assert main(["rm", *RM, f"output_dir={tmp_path}", "max_steps=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("rlalign rm: no space left on device writing ") and "optimizer.pt" in err, err
+    assert err.startswith("rlalign rm: cannot write ") and err.endswith("optimizer.pt: No space left on device"), err
+
+
+@pytest.mark.parametrize("error, free", [
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1024 vs 0"), 0),  # torch.save on a full disk: no errno
+    (Exception("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"), 10**9),
+])
+def test_a_full_disk_is_one_message_whatever_the_writer_raises(tmp_path, monkeypatch, capsys, error, free):
+    import shutil as shutil_module
+
+    import rlalign.train.checkpoints as checkpoints
+    import rlalign.train.common as common
+
+    def fails(*args, **kwargs):
+        raise error
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(common.torch, "save", fails)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage._replace(free=free))
+    assert main(["rm", *RM, f"output_dir={tmp_path / 'run'}", "max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"rlalign rm: cannot write {tmp_path / 'run' / 'checkpoints'}/.tmp_step_") and err.endswith(": No space left on device"), err
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # nothing half-written left
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage._replace(free=10**9))
+    with pytest.raises(RuntimeError, match="^not the disk"):  # any other error, with room on the disk, is as it was
+        checkpoints.save_checkpoint(tmp_path / "other", 1, _Failing(RuntimeError("not the disk")))
+
+
+class _Failing:
+    def __init__(self, error):
+        self.error = error
+
+    def save_pretrained(self, path):
+        raise self.error
+
+
+def test_a_directory_the_run_cannot_write_is_one_message(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import rlalign.train.common as common
+
+    def denied(obj, path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(common.torch, "save", denied)
+    assert main(["rm", *RM, f"output_dir={tmp_path}", "max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("rlalign rm: cannot write ") and err.endswith("optimizer.pt: Permission denied"), err
 
 
 def test_the_rlalign_script_imports_a_module_function_reward_from_the_current_directory(tmp_path):
