@@ -99,11 +99,11 @@ def test_stale_temp_dirs_go_and_a_corrupt_latest_checkpoint_falls_back_to_the_pr
     (tmp_path / ".tmp_final_999").mkdir()
     weights = tmp_path / "checkpoints" / "step_00000002" / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # truncated by a crash
-    with pytest.raises(CheckpointError, match="step_00000002 is unreadable: .*model.safetensors"):
+    with pytest.raises(CheckpointError, match="step_00000002 is incomplete: model/model.safetensors has 100 bytes, not the"):
         load_checkpoint(tmp_path / "checkpoints" / "step_00000002")  # asked for by name: an error
-    with pytest.warns(RuntimeWarning, match="step_00000002 is unreadable: .*model.safetensors.*trying the previous"):
+    with pytest.warns(RuntimeWarning, match="step_00000002 is incomplete: model/model.safetensors.*trying the previous"):
         assert load_checkpoint(tmp_path).step == 1
-    with pytest.warns(RuntimeWarning, match="step_00000002 is unreadable"):
+    with pytest.warns(RuntimeWarning, match="step_00000002 is incomplete"):
         train(rm_cfg(tmp_path, "max_steps=2", "save_every=1"), resume=tmp_path)  # the corrupt step 2 is set aside, step 2 redone
     assert not list(tmp_path.glob(".tmp_*")) and not list((tmp_path / "checkpoints").glob(".tmp_*"))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
