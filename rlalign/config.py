@@ -252,7 +252,7 @@ def describe_fields(cls: type[Config], prefix: str = "") -> list[tuple[str, str,
     (``model.lora.r``; ``rewards[].function`` for a list of configs)."""
     rows = []
     for name, info in cls.model_fields.items():
-        dotted = f"{prefix}{name}"
+        dotted = f"{prefix}{info.alias or name}"  # what a user writes (environment.class)
         nested = _config_class(info.annotation)
         default = info.get_default(call_default_factory=True)
         if nested is not None and (isinstance(default, (Config, list)) or default is None):
@@ -287,11 +287,12 @@ def default_yaml(cls: type[Config]) -> str:
                 out.append(f"{indent}# {info.description}")
             value = values[name]
             nested = _config_class(info.annotation)
+            key = info.alias or name  # what a user writes (environment.class)
             if nested is not None and isinstance(value, dict):
-                out.append(f"{indent}{name}:")
+                out.append(f"{indent}{key}:")
                 out.extend(emit(nested, value, indent + "  "))
             else:
-                out.append(f"{indent}{name}: {yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix(chr(10) + '...')}")
+                out.append(f"{indent}{key}: {yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix(chr(10) + '...')}")
         return out
 
     return "\n".join(emit(cls, cls().model_dump(mode="json"), "")) + "\n"

@@ -30,6 +30,8 @@ def test_a_trainers_help_lists_every_config_field(capsys):
         assert all(f"  {name}  (" in out for name in fields), command
         assert "model.lora.r  (int, default 16)" in out and "model.adapter  (merge | train, default merge)" in out
     assert {"data.path", "data.columns", "rewards[].function", "rewards[].reward_model"} <= {row[0] for row in describe_fields(config_class("grpo"))}
+    fields = {row[0] for row in describe_fields(config_class("grpo"))}
+    assert "environment.class" in fields and "environment.cls" not in fields  # a field's alias, as users write it (README, YAML)
 
 
 def test_config_prints_each_commands_defaults_as_yaml_that_loads_back(capsys, tmp_path):
