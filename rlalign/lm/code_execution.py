@@ -34,18 +34,23 @@ How a score is made, so that a program cannot forge it. The prompt's tests are p
 the sandbox: every top-level ``assert`` is a test case (``assert a and b``: two), every other
 statement is setup code. Each case is split in two. The sub-expressions that need the program (calls
 of its functions, names it defines: ``f(2)``, ``area(r)``) go into the sandbox; the rest of the
-assert (literals, arithmetic, comparisons, ``and`` / ``or`` / ``not``, and a few pure builtins such
-as ``abs``, ``len``, ``sorted``, ``math.isclose``) stays here. A harness runs the program, then the
-setup, then each sub-expression, and reports its ``repr`` on a pipe; here each value is parsed back
-as a Python literal and the rest of the assert is evaluated on it. So:
+assert (literals, arithmetic, comparisons, ``and`` / ``or`` / ``not``, and the pure builtins of
+:data:`_OUTSIDE_FUNCTIONS` such as ``abs``, ``len``, ``sorted``, ``bin``, ``pow``, ``chr``, ``type``,
+``math.isclose``) stays here; a call of any other builtin, or an assert that calls nothing of the
+program's, is refused when the tests load. The checker of rlalign.lm.code_harness (the "asserts"
+mode) has the program's process run the program, then the setup, then evaluate each case's
+sub-expressions and answer with their ``repr``; the checker, another process, times each case in
+the CPU seconds of the program's process (the program can neither switch that clock off nor stop
+the checker) and reports; here each value is parsed back as a Python literal and the rest of the
+assert is evaluated on it. So:
 
 - an early exit (``os._exit``, ``sys.exit``, a signal, an ``atexit`` handler) reports nothing: 0;
 - a test that raises or passes its time limit, an exception the program swallows, or a value that is
   not a plain literal (an object whose ``__eq__`` always answers True) fails that test; patching
   ``math.isclose`` or ``builtins`` inside the sandbox changes nothing here;
-- a program that writes reports itself sees only the sub-expressions (``f(2)``), never the expected
-  values or the operators applied to them, so it must produce the values a solution would; a report
-  with a missing, repeated or extra test, or one cut off at the size cap, scores 0 for every test.
+- a program sees only the sub-expressions (``f(2)``), never the expected values or the operators
+  applied to them, so it must produce the values a solution would; the report is the checker's,
+  each line carrying a nonce the program never sees.
 
 A test's weakness stays its own: ``assert is_prime(7)`` is passed by any function returning True.
 """
@@ -53,6 +58,7 @@ A test's weakness stays its own: ``assert is_prime(7)`` is passed by any functio
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import json
 import math
@@ -62,7 +68,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rlalign.lm.code_formats import FORBID_PROCESSES, IO_COLUMNS, CallTests, CheckTests, Job, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests, run_limits
+from rlalign.lm.code_formats import (
+    FORBID_PROCESSES, IO_COLUMNS, REPORT_KB, CallTests, CheckTests, Job, Scores, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests,
+    run_checker, scores,
+)
+from rlalign.lm.code_harness import MAX_LINE, literal
 from rlalign.lm.reward_calls import UNSCORED
 from rlalign.lm.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
@@ -75,69 +85,17 @@ CODE_FORMATS = ("auto", "asserts", "mbpp", "humaneval", "stdio", "call")
 CODE_COLUMNS = ("tests", "test", "entry_point", "test_list", "test_setup_code", "test_imports", *IO_COLUMNS, "private_tests", "generated_tests", "fn_name")
 
 
-# Runs inside the sandbox: the program, the setup, then each case's expression(s), each under its
-# limit of CPU seconds (ITIMER_PROF: the time this process ran, not the time the host took to run
-# it); one report line per case on fd 3: "<index>\t<kind>\t<repr of the list of the values' reprs>".
-# A program that swallows the TimeoutError gets a second alarm soon after, which fails its case and
-# ends the run; one that turns the alarm off meets RLIMIT_CPU. The wall-clock backstop is the
-# sandbox's, outside: no line of this report (which the program can write to) can claim it. The
-# program may start no process (forbid_processes): its CPU time would escape the alarm; threads count.
-# Written by rlalign, not the policy; no import beyond the interpreter's own start and ctypes.
-_HARNESS = FORBID_PROCESSES + """import _signal, os
-def _main():
-    with open("cases.py") as file:
-        start_cpu, case_cpu, stop, cases = eval(file.read(), {"__builtins__": {}})
-    forbid_processes()
-    running = ["-1", 0]  # the report index of what runs, and the CPU alarms it has had
-    def over_cpu(*_):
-        running[1] += 1
-        if running[1] > 1:  # the first TimeoutError was swallowed
-            os.write(3, (running[0] + "\\terror\\tTimeoutError\\n").encode())
-            os._exit(0)
-        _signal.setitimer(_signal.ITIMER_PROF, 0.5)
-        raise TimeoutError
-    def limit(index, cpu):
-        running[0], running[1] = index, 0
-        _signal.signal(_signal.SIGPROF, over_cpu)
-        _signal.setitimer(_signal.ITIMER_PROF, cpu)
-    scope = {"__name__": "__main__", "__builtins__": __builtins__}
-    sources = []
-    for name in ("program.py", "setup.py"):  # both read before the program runs
-        with open(name) as file:
-            sources.append((name, file.read()))
-    for name, source in sources:
-        limit("-1", start_cpu)
-        try:
-            exec(compile(source, name, "exec"), scope)
-            _signal.setitimer(_signal.ITIMER_PROF, 0)
-        except BaseException as err:
-            _signal.setitimer(_signal.ITIMER_PROF, 0)
-            os.write(3, ("-1\\terror\\t" + name + ": " + type(err).__name__ + "\\n").encode())
-            return
-    for index, expressions in enumerate(cases):
-        limit(str(index), case_cpu)
-        try:
-            values = [repr(eval(compile(expression, "test_%d" % index, "eval"), scope)) for expression in expressions]
-            _signal.setitimer(_signal.ITIMER_PROF, 0)
-            line = "%d\\tok\\t%r\\n" % (index, values)
-        except BaseException as err:
-            _signal.setitimer(_signal.ITIMER_PROF, 0)
-            line = "%d\\terror\\t%s\\n" % (index, type(err).__name__)
-            if stop:
-                os.write(3, line.encode())
-                return
-        os.write(3, line.encode())
-_main()
-os._exit(0)  # the report is whole: no atexit handler or thread of the program's may hold the run
-"""
-
-
-# Functions the check outside the sandbox may call on reported values: pure, on plain literals.
+# Functions the check outside the sandbox may call on reported values: pure, on plain literals. The
+# builtins an expected value is written with (``bin(10)[2:]``, ``pow(2, 10)``, ``chr(98)``) are among
+# them: evaluated here, the program cannot redefine them; a call of any other builtin is refused (_untrusted_leaf).
 _OUTSIDE_FUNCTIONS = {
     "abs": abs, "round": round, "len": len, "min": min, "max": max, "sum": sum, "sorted": sorted, "set": set, "frozenset": frozenset,
     "list": list, "tuple": tuple, "dict": dict, "str": str, "int": int, "float": float, "bool": bool, "all": all, "any": any,
     "isinstance": isinstance, "range": range, "reversed": reversed, "zip": zip, "enumerate": enumerate, "math.isclose": math.isclose, "math.sqrt": math.sqrt, "math.floor": math.floor, "math.ceil": math.ceil,
+    "bin": bin, "oct": oct, "hex": hex, "chr": chr, "ord": ord, "pow": pow, "divmod": divmod, "repr": repr, "format": format, "type": type,
+    "map": map, "filter": filter, "complex": complex,
 }
+_BUILTIN_NAMES = frozenset(dir(builtins))
 _OUTSIDE_NODES = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare, ast.IfExp,
                   ast.Subscript, ast.Slice, ast.keyword, ast.Load, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
 
@@ -153,11 +111,68 @@ class TestCase:
     check: str
 
     def passes(self, values: list[object]) -> bool:
-        scope = {"__builtins__": {}, **{f"__leaf_{k}": v for k, v in enumerate(values)}, **_OUTSIDE_FUNCTIONS, "math": _Math}
+        scope = {"__builtins__": {}, **{f"__leaf_{k}": v for k, v in enumerate(values)}, **_OUTSIDE_FUNCTIONS, **_BOUNDED, "math": _Math}
         try:
-            return bool(eval(self.check, scope))  # noqa: S307 - the check holds the tests' own operators on plain literals
-        except Exception:  # e.g. 3 < "a", a wrong type for len
+            return bool(eval(_bounded_check(self.check), scope))  # noqa: S307 - the check holds the tests' own operators on plain literals
+        except Exception:  # e.g. 3 < "a", a wrong type for len, a result past the bounds below
             return False
+
+
+# The check runs here, in the trainer, on values the program chose: an operator that could make its result
+# arbitrarily large from a small value (2 ** f(x), [0] * f(x), 1 << f(x), range(f(x))) is bounded, and a case
+# whose check would pass the bound fails (a solution's values keep far inside it).
+MAX_RESULT_BITS = 1 << 22  # an int of ~1.26 million digits
+MAX_RESULT_ITEMS = 1 << 24  # elements of a sequence made by * or range
+
+
+class ResultTooLarge(ValueError):
+    """A check's operator would make a result past :data:`MAX_RESULT_BITS` / :data:`MAX_RESULT_ITEMS`."""
+
+
+def _bounded_pow(base, exponent, modulus=None):
+    if modulus is None and isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1 and exponent * base.bit_length() > MAX_RESULT_BITS:
+        raise ResultTooLarge("a power past the bound")
+    return pow(base, exponent) if modulus is None else pow(base, exponent, modulus)
+
+
+def _bounded_mult(left, right):
+    sequences = (str, bytes, list, tuple)
+    for seq, n in ((left, right), (right, left)):
+        if isinstance(seq, sequences) and isinstance(n, int) and len(seq) * n > MAX_RESULT_ITEMS:
+            raise ResultTooLarge("a repeated sequence past the bound")
+    if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_RESULT_BITS:
+        raise ResultTooLarge("a product past the bound")
+    return left * right
+
+
+def _bounded_lshift(left, right):
+    if isinstance(left, int) and isinstance(right, int) and left and left.bit_length() + right > MAX_RESULT_BITS:
+        raise ResultTooLarge("a shift past the bound")
+    return left << right
+
+
+def _bounded_range(*args):
+    if len(made := range(*args)) > MAX_RESULT_ITEMS:
+        raise ResultTooLarge("a range past the bound")
+    return made
+
+
+_BOUNDED = {"pow": _bounded_pow, "range": _bounded_range, "__pow": _bounded_pow, "__mult": _bounded_mult, "__lshift": _bounded_lshift}
+_BOUNDED_OPERATORS = {ast.Pow: "__pow", ast.Mult: "__mult", ast.LShift: "__lshift"}
+
+
+class _BoundOperators(ast.NodeTransformer):
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        name = _BOUNDED_OPERATORS.get(type(node.op))
+        return node if name is None else ast.copy_location(ast.Call(ast.Name(name, ast.Load()), [node.left, node.right], []), node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bounded_check(check: str):
+    """``check`` compiled with its ``**``, ``*`` and ``<<`` through the bounded functions above."""
+    tree = ast.fix_missing_locations(_BoundOperators().visit(ast.parse(check, mode="eval")))
+    return compile(tree, "check", "eval")
 
 
 class _Math:
@@ -184,14 +199,18 @@ def _setup_names(statements: list[ast.stmt]) -> set[str]:
 
 
 def _untrusted_leaf(leaves: list[str], setup_names: set[str]) -> str | None:
-    """The first leaf that is not a call of the program's own function (a name the setup code does not bind), else None.
-    Everything a leaf computes runs in the sandbox, where the program could redefine it (``math.pi = 0``, an
-    ``expected`` of the setup code, a comprehension, a helper of the setup code or a module's function): only the
-    program's own answers may come from there, every expected value must be computed here."""
+    """Why the first leaf that is not a call of the program's own function (a name neither the setup code
+    binds nor a builtin) cannot be one, else None. Everything a leaf computes runs in the sandbox, where the
+    program could redefine it (``math.pi = 0``, an ``expected`` of the setup code, a comprehension, a helper
+    of the setup code, a module's function, a builtin such as ``hash`` it shadows): only the program's own
+    answers may come from there, every expected value must be computed here."""
     for leaf in leaves:
         node = ast.parse(leaf, mode="eval").body
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in setup_names):
-            return leaf
+        name = node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else None
+        if name in _BUILTIN_NAMES:
+            return f"{leaf} calls the builtin {name}, which the program could redefine, and which is not evaluated outside the sandbox"
+        if name is None or name in setup_names:
+            return f"{leaf} would be computed next to the program, which could redefine it"
     return None
 
 
@@ -242,47 +261,24 @@ def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
             split = ast.fix_missing_locations(_split(part, leaves))
             untrusted = _untrusted_leaf(leaves, setup_names)
             if untrusted is not None:
-                raise TestsError(f"assert {source} (line {statement.lineno}): {untrusted} would be computed next to the program, which "
-                                 f"could redefine it; a case may only call the program's functions, its expected values literals: {tests[:200]!r}")
+                raise TestsError(f"assert {source} (line {statement.lineno}): {untrusted}; a case may only call the program's functions, "
+                                 f"its expected values literals or pure builtins: {tests[:200]!r}")
+            if not leaves:  # e.g. `assert sum([1, 2]) == 3` for a program's own sum: the builtin would answer, whatever the program
+                raise TestsError(f"assert {source} (line {statement.lineno}) calls none of the program's functions, so it checks nothing of "
+                                 f"the program (a function named as one of {', '.join(sorted(_OUTSIDE_FUNCTIONS))} is evaluated as that builtin): {tests[:200]!r}")
             cases.append(TestCase(tuple(leaves), ast.unparse(split)))
     if not cases:
         raise TestsError(f"tests have no top-level assert statement, so nothing could be checked: {tests[:200]!r}")
     return "\n".join(setup) + "\n", cases
 
 
-def score_report(report: bytes, cases: list[TestCase]) -> list[bool]:
-    """Which cases passed, from the harness's report lines: exactly one line per case. Any line that is
-    malformed, names no case, or repeats one, and any case without a line, fails the whole report."""
-    results: dict[int, bool] = {}
-    for line in report.decode(errors="replace").splitlines():
-        index_text, _, rest = line.partition("\t")
-        kind, _, payload = rest.partition("\t")
-        try:
-            index = int(index_text)
-        except ValueError:
-            return [False] * len(cases)
-        if index in results or not 0 <= index < len(cases):
-            return [False] * len(cases)
-        results[index] = kind == "ok" and _passes(cases[index], payload)
-    if len(results) != len(cases):
-        return [False] * len(cases)
-    return [results[i] for i in range(len(cases))]
-
-
-def _settled(report: bytes, n_cases: int, stop: bool) -> bool:
-    """Whether a report cut short still decides the score: every case has its line, or (``stop``,
-    all or nothing) one case failed."""
-    lines = [line.split("\t") for line in report.decode(errors="replace").splitlines()]
-    done = {parts[0] for parts in lines if len(parts) >= 2}
-    return len(done) >= n_cases or (stop and any(parts[1] != "ok" for parts in lines if len(parts) >= 2))
-
-
 def _passes(case: TestCase, payload: str) -> bool:
+    """Whether a case passes on its reported payload, the list of its expressions' reprs, each parsed as a plain literal."""
     try:
-        texts = ast.literal_eval(payload)  # the list of the values' reprs
+        texts = literal(payload)
         if not isinstance(texts, list) or not all(isinstance(text, str) for text in texts):
             return False
-        values = [ast.literal_eval(text) for text in texts]
+        values = [literal(text) for text in texts]
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # not a plain literal: an object the program made up
         return False
     return len(values) == len(case.expressions) and case.passes(values)
@@ -295,17 +291,13 @@ class AssertTests:
     setup: str
     cases: tuple[TestCase, ...]
 
-    def run(self, job: Job) -> list[bool]:
-        """Which cases passed. Raises WallTimeout when the run reached its wall-clock backstop."""
-        expressions = [list(case.expressions) for case in self.cases]
-        files = {"harness.py": _HARNESS, "program.py": job.program, "setup.py": self.setup,
-                 "cases.py": repr((job.start_timeout_s, job.case_timeout_s, job.stop, expressions))}
-        wall, cpu = run_limits(job, len(self.cases))
-        result = job.sandbox.run(files, ["harness.py"], timeout_s=wall, cpu_s=cpu)
-        passed = score_report(result.report, list(self.cases))
-        if result.timed_out and not (any(passed) or _settled(result.report, len(self.cases), job.stop)):
-            raise WallTimeout(f"the run reached its wall-clock backstop of {wall:g} s within its CPU limits")
-        return passed
+    def run(self, job: Job) -> Scores:
+        """Which cases passed: the checker (rlalign.lm.code_harness) asks the program's process to evaluate
+        each case's expressions, timing each in its CPU seconds from outside that process. Raises
+        WallTimeout when the run reached its wall-clock backstop."""
+        requests = [repr(("eval", list(case.expressions))) for case in self.cases]
+        lines = run_checker(job, "asserts", len(requests), {"requests": requests, "max_lines": [MAX_LINE] * len(requests)}, {"setup.py": self.setup})
+        return scores(job, lines, len(self.cases), lambda case, status, payload: status == "ok" and _passes(self.cases[case], payload))
 
 
 def code_tests(row: Mapping[str, object] | str, code_format: str = "auto") -> AssertTests | CheckTests | StdioTests | CallTests:
@@ -407,9 +399,15 @@ class CodeExecutionReward:
     more, and if that run reaches it too, the completion is counted in ``reward/code_execution/timed_out``
     and, by ``on_timeout``, left out of training ("skip": :data:`rlalign.lm.reward_calls.UNSCORED`, also
     counted in ``reward/code_execution/failed``) or scored 0 ("zero"). Retried runs are counted in ``reward/code_execution/retried``
-    (:meth:`pop_stats`)."""
+    (:meth:`pop_stats`).
+
+    Sizes. A case's output (stdout, or a returned value) may take 4 times its expected output plus
+    1 MiB (at most 16 MiB; an asserts value 4 MiB); past that the case fails and the completion is
+    counted in ``reward/code_execution/output_cut``. A completion scored with a case the checker never
+    reported (its run ended early, out of memory) is counted in ``reward/code_execution/unreported``."""
 
     name = "code_execution"
+    COUNTS = ("retried", "timed_out", "output_cut", "unreported")  # what pop_stats counts
 
     def __init__(
         self, tests: Mapping[str, str | Mapping] | None = None, timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None,
@@ -426,11 +424,11 @@ class CodeExecutionReward:
                 code_tests(row, code_format)  # bad tests fail here, before training
         self.code_format, self.partial_credit = code_format, partial_credit
         self.timeout_s, self.case_timeout_s, self.wall_factor, self.on_timeout = timeout_s, case_timeout_s, wall_factor, on_timeout
-        self.sandbox = Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb), allow_weak=allow_weak_sandbox)
+        self.sandbox = Sandbox(SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_report_kb=REPORT_KB), allow_weak=allow_weak_sandbox)
         if self.sandbox.missing is None:
             check_process_guard(self.sandbox)
         self.max_workers = max_workers or 2 * len(os.sched_getaffinity(0))  # a run waits on its processes part of the time
-        self._counts = {"retried": 0, "timed_out": 0}
+        self._counts = dict.fromkeys(self.COUNTS, 0)
         self._counts_lock = threading.Lock()
 
     def _one(self, prompt: str, completion: str, row: Mapping | str):
@@ -438,7 +436,11 @@ class CodeExecutionReward:
         tests = code_tests(row, self.code_format)
         for attempt in range(2):
             try:
-                passed = tests.run(job)
+                result = tests.run(job)
+                for key, count in (("output_cut", result.cut), ("unreported", result.unreported)):
+                    if count:
+                        self._count(key)
+                passed = result.passed
                 return sum(passed) / len(passed) if self.partial_credit else float(all(passed))
             except WallTimeout:
                 self._count("retried" if attempt == 0 else "timed_out")
@@ -449,9 +451,10 @@ class CodeExecutionReward:
             self._counts[key] += 1
 
     def pop_stats(self) -> dict[str, int]:
-        """Runs retried and completions timed out since the last call (the trainers log them as reward/<name>/<key>)."""
+        """Since the last call (the trainers log them as reward/<name>/<key>): runs retried, and completions
+        timed out, with a case over its output cap, or with a case left unreported."""
         with self._counts_lock:
-            counts, self._counts = self._counts, {"retried": 0, "timed_out": 0}
+            counts, self._counts = self._counts, dict.fromkeys(self.COUNTS, 0)
         return counts
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list:

@@ -56,10 +56,11 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from rlalign.errors import RLAlignError
-from rlalign.lm.code_harness import _ARCH_SYSCALLS, forbid_processes, literal
+from rlalign.lm.code_harness import _ARCH_SYSCALLS, _SET_OWNER, REPORT_SHORT, forbid_processes, literal, seccomp_program
 from rlalign.lm.sandbox import Sandbox
+from rlalign.lm.sandbox_os import _STARTED
 
-__all__ = ["Job", "WallTimeout", "run_limits", "FORBID_PROCESSES", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS", "extract_code"]
+__all__ = ["Job", "Scores", "WallTimeout", "run_limits", "run_checker", "output_cap", "REPORT_KB", "FORBID_PROCESSES", "CheckTests", "StdioTests", "CallTests", "check_tests", "io_tests", "same_output", "same_value", "IO_COLUMNS", "extract_code"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -70,8 +71,11 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 HARNESS = Path(__file__).with_name("code_harness.py").read_text()
-# code_harness.forbid_processes as source, for programs run by another harness (the asserts format's)
-FORBID_PROCESSES = f"import os\n_ARCH_SYSCALLS = {_ARCH_SYSCALLS!r}\n" + inspect.getsource(forbid_processes) + "\n"
+# code_harness.forbid_processes as source, for a probe run alone (rlalign.lm.code_execution.check_process_guard)
+FORBID_PROCESSES = (f"import os\n_ARCH_SYSCALLS = {_ARCH_SYSCALLS!r}\n_SET_OWNER = {_SET_OWNER!r}\n" + inspect.getsource(seccomp_program) + "\n"
+                    + inspect.getsource(forbid_processes) + "\n")
+REPORT_KB = 32 << 10  # the report cap (SandboxLimits.max_report_kb) of the code reward's sandbox: the checker keeps within it
+OUTPUT_CEILING = 16 << 20  # the most bytes one case's stdout (or returned value) may take, however long its expected one
 IO_COLUMNS = ("input_output", "verification_info", "public_tests")  # a row with one of these has stdio or call cases
 
 
@@ -97,6 +101,26 @@ class Job:
     wall_factor: float = 10.0  # the wall-clock backstop of a case (or a start), as a multiple of its CPU seconds
 
 
+@dataclass(frozen=True)
+class Scores:
+    """One run's result: which cases passed; how many failed for an output (stdout, or a value's
+    ``repr``) over its cap (``cut``: :func:`output_cap`); how many have no report line although
+    nothing decided them (``unreported``: the checker ended early, e.g. the run out of memory).
+    Both are counted by the reward (reward/code_execution/output_cut, .../unreported), never silent."""
+
+    passed: tuple[bool, ...]
+    cut: int = 0
+    unreported: int = 0
+
+
+def output_cap(expected: str | bytes) -> int:
+    """The most bytes a case's output may take: 4 times its expected output plus 1 MiB (room for
+    longer number formats, trailing spaces), at most :data:`OUTPUT_CEILING`; an output past it fails
+    its case, counted in ``cut``."""
+    size = len(expected.encode("utf-8", "replace") if isinstance(expected, str) else expected)
+    return min(OUTPUT_CEILING, 4 * size + (1 << 20))
+
+
 def run_limits(job: Job, n_cases: int) -> tuple[float, float]:
     """(wall seconds, CPU seconds per process) of one sandbox run of ``n_cases`` cases: CPU enough for
     the start (twice: the program and the setup, or a restarted server) and every case, plus a second
@@ -105,19 +129,27 @@ def run_limits(job: Job, n_cases: int) -> tuple[float, float]:
     return job.wall_factor * cpu, cpu
 
 
-def _run(job: Job, mode: str, n_cases: int, fields: dict) -> dict[int, tuple[str, str]]:
-    """One sandbox run of the checker; {case: (status, payload)} from its nonce-prefixed report lines."""
+def run_checker(job: Job, mode: str, n_cases: int, fields: dict, files: dict[str, str] | None = None) -> dict[int, tuple[str, str]]:
+    """One sandbox run of the checker (rlalign.lm.code_harness) in ``mode`` ("check", "call", "stdio",
+    "asserts"), ``fields`` added to its job, ``files`` to the program's; {case: (status, payload)}
+    from its nonce-prefixed report lines. The checker is told how much of the report's cap its long
+    lines may take (room left for a short line per case), so no line is lost at the cap.
+
+    Raises:
+        WallTimeout: when a case, or the run, reached its wall-clock backstop with cases unscored.
+    """
     nonce = secrets.token_hex(16)
+    budget = job.sandbox.limits.max_report_kb * 1024 - len(_STARTED) - REPORT_SHORT * (n_cases + 4)
     request = {"mode": mode, "nonce": nonce, "stop": job.stop, "case_timeout": job.case_timeout_s, "start_timeout": job.start_timeout_s,
-               "wall_factor": job.wall_factor, **fields}
+               "wall_factor": job.wall_factor, "report_budget": budget, **fields}
     wall, cpu = run_limits(job, n_cases)
-    files = {"harness.py": HARNESS, "program.py": job.program}
+    files = {"harness.py": HARNESS, "program.py": job.program, **(files or {})}
     result = job.sandbox.run(files, ["harness.py", "checker"], stdin=repr(request).encode(), timeout_s=wall, cpu_s=cpu)
     lines: dict[int, tuple[str, str]] = {}
     for line in result.report.decode("utf-8", "replace").split("\n"):
         parts = line.split("\t", 3)
         if len(parts) != 4 or parts[0] != nonce:
-            continue  # not the checker's (it cannot be forged without the nonce), or cut at the size cap
+            continue  # not the checker's (it cannot be forged without the nonce)
         if parts[2] == "fatal":
             raise RLAlignError(f"the code checker cannot run here: {parts[3]}")
         if parts[2] == "wall":  # only the checker can say it (the nonce)
@@ -126,12 +158,25 @@ def _run(job: Job, mode: str, n_cases: int, fields: dict) -> dict[int, tuple[str
             case = int(parts[1])
         except ValueError:
             continue
-        if 0 <= case < n_cases and case not in lines:
-            lines[case] = (parts[2], parts[3])
-    settled = job.stop and any(status not in ("ok", "pass") for status, _ in lines.values())  # all or nothing: a failure decides it
-    if result.timed_out and len(lines) < n_cases and not settled:
+        if -1 <= case < n_cases and case not in lines:
+            lines[case] = (parts[2], parts[3])  # -1: what ended the check outside every case
+    if result.timed_out and not _settled(job, lines, n_cases):
         raise WallTimeout(f"the run reached its wall-clock backstop of {wall:g} s with {n_cases - len(lines)} of {n_cases} cases unscored")
     return lines
+
+
+def _settled(job: Job, lines: dict[int, tuple[str, str]], n_cases: int) -> bool:
+    """Whether the report decides every case: each has its line, the checker said what ended it
+    (case -1), or (all or nothing) a case failed."""
+    return len(lines.keys() - {-1}) >= n_cases or -1 in lines or (job.stop and any(status not in ("ok", "pass") for status, _ in lines.values()))
+
+
+def scores(job: Job, lines: dict[int, tuple[str, str]], n_cases: int, passes) -> Scores:
+    """:class:`Scores` of a report's ``lines``, ``passes(case, status, payload)`` deciding each case that has one."""
+    passed = tuple(case in lines and bool(passes(case, *lines[case])) for case in range(n_cases))
+    cut = sum(status == "too_long" for case, (status, _) in lines.items() if case >= 0)
+    unreported = 0 if _settled(job, lines, n_cases) else n_cases - len(lines.keys() - {-1})
+    return Scores(passed, cut, unreported)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,11 +195,11 @@ class CheckTests:
     free: tuple[str, ...]
     n_cases: int
 
-    def run(self, job: Job) -> list[bool]:
+    def run(self, job: Job) -> Scores:
         helpers, defined = prompt_helpers(job.prompt, self.entry_point)
         proxied = [self.entry_point, *(name for name in self.free if name not in defined and name != self.entry_point)]
-        lines = _run(job, "check", self.n_cases, {"helpers": helpers, "test": self.test, "entry_point": self.entry_point, "proxied": proxied})
-        return [lines.get(case, ("", ""))[0] == "pass" for case in range(self.n_cases)]
+        lines = run_checker(job, "check", self.n_cases, {"helpers": helpers, "test": self.test, "entry_point": self.entry_point, "proxied": proxied})
+        return scores(job, lines, self.n_cases, lambda case, status, payload: status == "pass")
 
 
 def check_tests(test: str, entry_point: str) -> CheckTests:
@@ -260,16 +305,15 @@ class StdioTests:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
 
-    def run(self, job: Job) -> list[bool]:
-        requests = [repr(("stdio", text)) for text in self.inputs]
-        lines = _run(job, "stdio", len(requests), {"requests": requests})
-        return [_stdio_passes(lines.get(case), expected) for case, expected in enumerate(self.outputs)]
+    def run(self, job: Job) -> Scores:
+        caps = [output_cap(expected) for expected in self.outputs]  # stdout bytes; its repr, escapes and all, at most 4 times that
+        requests = [repr(("stdio", text, cap)) for text, cap in zip(self.inputs, caps)]
+        lines = run_checker(job, "stdio", len(requests), {"requests": requests, "max_lines": [4 * cap + 64 for cap in caps]})
+        return scores(job, lines, len(requests), lambda case, status, payload: status == "ok" and _stdio_passes(payload, self.outputs[case]))
 
 
-def _stdio_passes(line: tuple[str, str] | None, expected: str) -> bool:
-    if line is None or line[0] != "ok":
-        return False
-    code, _, stdout = line[1].partition("\t")
+def _stdio_passes(payload: str, expected: str) -> bool:
+    code, _, stdout = payload.partition("\t")
     try:
         return code == "0" and same_output(literal(stdout), expected)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
@@ -284,17 +328,16 @@ class CallTests:
     args: tuple[tuple, ...]
     expected: tuple
 
-    def run(self, job: Job) -> list[bool]:
+    def run(self, job: Job) -> Scores:
         requests = [repr(("call", self.fn_name, tuple(args), {})) for args in self.args]
-        lines = _run(job, "call", len(requests), {"requests": requests})
-        return [_call_passes(lines.get(case), expected) for case, expected in enumerate(self.expected)]
+        max_lines = [output_cap(repr(expected)) for expected in self.expected]
+        lines = run_checker(job, "call", len(requests), {"requests": requests, "max_lines": max_lines})
+        return scores(job, lines, len(requests), lambda case, status, payload: status == "ok" and _call_passes(payload, self.expected[case]))
 
 
-def _call_passes(line: tuple[str, str] | None, expected) -> bool:
-    if line is None or line[0] != "ok":
-        return False
+def _call_passes(payload: str, expected) -> bool:
     try:
-        return same_value(literal(line[1]), expected)
+        return same_value(literal(payload), expected)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return False
 
@@ -303,9 +346,10 @@ def same_output(output: str, expected: str) -> bool:
     """Whether a program's stdout matches the expected output, by LiveCodeBench's rule (its
     ``grade_stdio``): both stripped, split into lines, each line stripped; the same number of lines,
     and each pair equal, or with equal whitespace-separated tokens where every token is a number
-    equal as a ``Decimal`` ("1.50" == "1.5"). Beyond LiveCodeBench, two tokens written as floats (a
-    point or an exponent in either) also match within APPS's tolerance (its ``np.allclose``:
-    |a - b| <= 1e-8 + 1e-5 |b|), so "0.3333333" matches "0.333333333"; integers stay exact."""
+    equal as a ``Decimal`` ("1.50" == "1.5"). Beyond LiveCodeBench, a number matches an expected
+    token written as a float (a point or an exponent in the expected one) within APPS's tolerance
+    (its ``np.allclose``: |a - b| <= 1e-8 + 1e-5 |b|), so "0.3333333" matches "0.333333333"; an
+    expected integer is matched exactly, however the program writes its answer ("1e9" is not "1000000007")."""
     got, want = [line.strip() for line in output.strip().split("\n")], [line.strip() for line in expected.strip().split("\n")]
     return len(got) == len(want) and all(a == b or _same_tokens(a.split(), b.split()) for a, b in zip(got, want))
 
@@ -322,7 +366,7 @@ def _same_tokens(got: list[str], want: list[str]) -> bool:
             return False
         if x == y:
             continue
-        if not any(c in token for token in (a, b) for c in ".eE") or not (x.is_finite() and y.is_finite()):
+        if not any(c in b for c in ".eE") or not (x.is_finite() and y.is_finite()):  # the expected token's form decides: an integer is exact
             return False
         if abs(float(x) - float(y)) > 1e-8 + 1e-5 * abs(float(y)):
             return False

@@ -1,4 +1,4 @@
-"""The two processes of a code sandbox run for the check, stdio and call formats (rlalign.lm.code_formats).
+"""The two processes of a code sandbox run for the check, stdio, call and asserts formats (rlalign.lm.code_formats, rlalign.lm.code_execution).
 
 This file runs inside the sandbox, on the standard library only, started by the sandbox's boot.py:
 
@@ -9,10 +9,14 @@ The checker reads its job from stdin (a Python literal written by the trainer), 
 dumpable (so the program, the same user, can neither ptrace it, read its memory, nor open its
 descriptors), starts the server, asks it for each case (a call, or one run of the program on one
 input) with a limit of CPU seconds per case (killing and restarting the server when it is passed),
-and writes one line per case on fd 3: ``<nonce>\\t<case>\\t<status>\\t<payload>``.
+and writes one line per case on fd 3: ``<nonce>\\t<case>\\t<status>\\t<payload>``; a long line that
+would pass what the trainer's report cap leaves becomes a short ``too_long`` one, so none is lost.
 
 Time. A case's limit is CPU time: what the program's process ran, read from its CPU-time clock
-(``clock_getcpuclockid``), so a host that runs it slowly does not fail it. The wall clock is a
+(``clock_getcpuclockid``), so a host that runs it slowly does not fail it. It is read while the
+checker waits and again when the answer has come (in the stdio mode, the child's rusage once it has
+ended): a case whose answer took more fails, however it was produced. The program's processes may
+signal no other process (:func:`forbid_processes`), so they cannot stop the one timing them. The wall clock is a
 backstop only, ``wall_factor`` times longer: a case that reaches it reports ``wall`` and the run
 stops there, and the trainer runs it again (rlalign.lm.code_execution). In the stdio mode the server
 watches the CPU clock of the child running the case. The program may start threads (its process's
@@ -23,6 +27,8 @@ server, and reports whether each case statement passed.
 
 The server runs the program: in the call and check modes it executes it once (``__name__`` is
 "solution", so a ``__main__`` block does not run) and answers calls with the ``repr`` of the value;
+in the asserts mode it executes it as ``__main__``, then the tests' setup code in its globals, and
+answers each case with the ``repr`` of its expressions' values (rlalign.lm.code_execution);
 in the stdio mode it forks a child per case that runs the program as ``__main__`` with the case's
 input on stdin, and answers with the exit code and what it wrote on stdout.
 
@@ -35,32 +41,55 @@ import os
 import sys
 
 PR_SET_DUMPABLE = 4
-MAX_LINE = 4 << 20  # longest answer line the checker reads from the server
-MAX_STDOUT = 1 << 20  # stdout kept of one stdio case
-# (AUDIT_ARCH, clone, clone3, the other syscalls that start a process) of the architectures whose numbers are known here
-_ARCH_SYSCALLS = {"x86_64": (0xC000003E, 56, 435, (57, 58)), "aarch64": (0xC00000B7, 220, 435, ())}
+MAX_LINE = 4 << 20  # longest answer line the checker reads from the server, unless its job sets each case's
+INT_DIGITS = 100_000  # the longest int (in decimal digits) a value may carry, both ways (Python's own default: 4300)
+REPORT_SHORT = 512  # a report line this long is always written: the trainer's report budget keeps room for one per case
+# the syscall numbers forbid_processes filters, by architecture: AUDIT_ARCH, clone, clone3, the other calls that
+# start a process, those that signal a process given as their first argument (kill, tgkill, rt_sigqueueinfo,
+# rt_tgsigqueueinfo), those that may signal another process and are never needed (tkill, pidfd_send_signal), fcntl, ioctl
+_ARCH_SYSCALLS = {"x86_64": (0xC000003E, 56, 435, (57, 58), (62, 234, 129, 297), (200, 424), 72, 16),
+                  "aarch64": (0xC00000B7, 220, 435, (), (129, 131, 138, 240), (130, 424), 25, 29)}
+_SET_OWNER = (8, 15, 0x8901, 0x8902)  # F_SETOWN, F_SETOWN_EX (fcntl); FIOSETOWN, SIOCSPGRP (ioctl): who gets an fd's SIGIO
+
+
+def seccomp_program(arch, pid):
+    """The BPF program of :func:`forbid_processes` for ``arch`` (a row of :data:`_ARCH_SYSCALLS`) in process
+    ``pid``: a list of (code, jt, jf, k), jumps resolved from labels (forward only, as BPF's are)."""
+    audit_arch, clone, clone3, others, signals, never, fcntl, ioctl = arch
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
+    rows = [(ld, None, None, 4), (jeq, None, "deny", audit_arch), (ld, None, None, 0), (jge, "deny", None, 0x40000000),  # another ABI: nothing
+            (jeq, "nosys", None, clone3), (jeq, "clone", None, clone)]
+    rows += [(jeq, "deny", None, number) for number in (*others, *never)]
+    rows += [(jeq, "self", None, number) for number in signals]
+    rows += [(jeq, "fcntl", None, fcntl), (jeq, "ioctl", None, ioctl), (ret, None, None, 0x7FFF0000)]
+    blocks = {"clone": [(ld, None, None, 16), (jset, "allow", "deny", 0x00010000)],  # clone's flags: CLONE_THREAD, a thread
+              "self": [(ld, None, None, 16), (jeq, "allow", "deny", pid)],  # a signal to this process (its threads) only
+              "fcntl": [(ld, None, None, 24), *[(jeq, "deny", None, cmd) for cmd in _SET_OWNER[:2]], (ret, None, None, 0x7FFF0000)],
+              "ioctl": [(ld, None, None, 24), *[(jeq, "deny", None, cmd) for cmd in _SET_OWNER[2:]], (ret, None, None, 0x7FFF0000)],
+              "allow": [(ret, None, None, 0x7FFF0000)], "deny": [(ret, None, None, 0x00050001)], "nosys": [(ret, None, None, 0x00050026)]}
+    labels = {}
+    for name, block in blocks.items():
+        labels[name] = len(rows)
+        rows += block
+    return [(code, 0 if jt is None else labels[jt] - i - 1, 0 if jf is None else labels[jf] - i - 1, k) for i, (code, jt, jf, k) in enumerate(rows)]
 
 
 def forbid_processes():
-    """A seccomp filter on this process and everything it execs: no new process. fork, vfork and a
-    clone without CLONE_THREAD fail with EPERM; clone3, whose flags a filter cannot read, fails with
-    ENOSYS (so the C library falls back to clone); any syscall of another ABI (i386, x32) fails. A
-    thread is allowed: it is part of the process, whose CPU-time clock counts it; a process would
-    run outside that clock. Returns False where this architecture's numbers are not known or the
-    kernel refuses the filter (nothing installed)."""
+    """A seccomp filter on this process and everything it execs: no new process, and no signal to
+    another one. fork, vfork and a clone without CLONE_THREAD fail with EPERM; clone3, whose flags a
+    filter cannot read, fails with ENOSYS (so the C library falls back to clone); any syscall of
+    another ABI (i386, x32) fails. A thread is allowed: it is part of the process, whose CPU-time
+    clock counts it; a process would run outside that clock. kill, tgkill and the sigqueue calls
+    reach this process only, tkill and pidfd_send_signal nothing, and no descriptor's SIGIO may be
+    sent to another process (fcntl F_SETOWN, ioctl FIOSETOWN): so the program cannot stop the
+    process that times it (its checker, or the stdio server) while it works. Returns False where
+    this architecture's numbers are not known or the kernel refuses the filter (nothing installed)."""
     import ctypes  # noqa: PLC0415 - only where a program runs
 
     arch = _ARCH_SYSCALLS.get(os.uname().machine)
     if arch is None:
         return False
-    audit_arch, clone, clone3, others = arch
-    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|{JEQ,JGE,JSET}|K, BPF_RET|K
-    allow, eperm, enosys, m = 0x7FFF0000, 0x00050001, 0x00050026, len(others)
-    program = [(load, 0, 0, 4), (jeq, 1, 0, audit_arch), (ret, 0, 0, eperm),  # another ABI: nothing
-               (load, 0, 0, 0), (jge, m + 6, 0, 0x40000000), (jeq, m + 6, 0, clone3), (jeq, m + 1, 0, clone)]
-    program += [(jeq, m + 3 - i, 0, number) for i, number in enumerate(others)]
-    program += [(ret, 0, 0, allow), (load, 0, 0, 16), (jset, 0, 1, 0x00010000), (ret, 0, 0, allow), (ret, 0, 0, eperm), (ret, 0, 0, enosys)]
-    # clone's flags (args[0]'s low word): CLONE_THREAD allowed ^, else denied; then the answers to clone3 and the rest
+    program = seccomp_program(arch, os.getpid())
 
     class Filter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
@@ -75,10 +104,20 @@ def forbid_processes():
     return libc.prctl(22, 2, ctypes.byref(Program(len(program), filters)), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
+def allow_long_ints():
+    """Raise this process's limit on int <-> str conversions to :data:`INT_DIGITS` digits (never lower
+    it): an honest value such as ``10 ** 5000`` must cross as its ``repr`` and be parsed back, which
+    Python's default of 4300 digits refuses; the bound keeps the parse of a hostile value cheap."""
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    if 0 < limit < INT_DIGITS:
+        sys.set_int_max_str_digits(INT_DIGITS)
+
+
 def literal(text: str):
     """The plain Python literal ``text`` (what ``ast.literal_eval`` accepts, plus ``inf`` and ``nan`` as
-    ``repr`` writes them), built without running any code. Raises ValueError, TypeError, SyntaxError,
-    RecursionError or MemoryError on anything else."""
+    ``repr`` writes them), built without running any code; ints of up to :data:`INT_DIGITS` digits.
+    Raises ValueError, TypeError, SyntaxError, RecursionError or MemoryError on anything else."""
+    allow_long_ints()
     return _literal(compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST).body, 0)
 
 
@@ -123,6 +162,10 @@ class _Wall(BaseException):
     """A call reached the wall-clock backstop: the run stops, and the trainer runs it again."""
 
 
+class _TooLong(BaseException):
+    """A call's answer passed its size cap: its case fails, counted apart (the trainer's ``output_cut``)."""
+
+
 def cpu_seconds(pid):
     """CPU seconds process ``pid`` has run so far (its CPU-time clock), or None when it has ended."""
     import time  # noqa: PLC0415 - only where a case is timed
@@ -151,11 +194,12 @@ class Server:
         os.close(request_read)
         os.close(answer_write)
         self.buffer = b""
-        line = self.read(self.start_cpu)
-        self.loaded = "ready" if line == "ready" else "wall" if self.timed_out == "wall" else "timeout" if self.timed_out else (line or "its process ended").replace("\t", ": ")
+        line = self.read(self.start_cpu, MAX_LINE)
+        self.loaded = "ready" if line == "ready" else self.timed_out if self.timed_out in ("wall", "timeout") else (line or "its process ended").replace("\t", ": ")
 
-    def ask(self, request):
-        """(status, payload) of one request: ("ok", ...), ("error", what went wrong), or ("wall", "")
+    def ask(self, request, max_line=MAX_LINE):
+        """(status, payload) of one request: ("ok", ...), ("error", what went wrong), ("too_long", why)
+        when its answer passed ``max_line`` bytes (or the program's output its cap), or ("wall", "")
         when the program's start or this request reached the wall-clock backstop (not its CPU limit)."""
         if self.pid is None:
             self.start()
@@ -165,20 +209,21 @@ class Server:
             return "error", "program: " + self.loaded
         try:
             write_all(self.requests, (request + "\n").encode())
-            line = self.read(self.case_cpu)
+            line = self.read(self.case_cpu, max_line)
         except OSError:  # it closed its end: it has ended
             line = None
         if line is None:
-            what = "wall" if self.timed_out == "wall" else "timeout" if self.timed_out else "the program's process ended"
+            what = self.timed_out or "the program's process ended"
             self.kill()
-            return ("wall", "") if what == "wall" else ("error", what)
+            return ("wall", "") if what == "wall" else ("too_long", "an answer over %d bytes" % max_line) if what == "too_long" else ("error", what)
         status, _, payload = line.partition("\t")
-        return ("ok", payload) if status == "ok" else ("error", payload or status)
+        return (status, payload) if status in ("ok", "too_long") else ("error", payload or status)
 
-    def read(self, cpu_limit):
+    def read(self, cpu_limit, max_line):
         """The next answer line, or None: when the server's process has run ``cpu_limit`` CPU seconds
-        since the call (``timed_out`` "cpu"), at ``wall_factor`` times that in wall-clock seconds
-        (``timed_out`` "wall"), at the end of the pipe, or past MAX_LINE."""
+        since the call (``timed_out`` "timeout"), checked while waiting and again when the answer has
+        come (a program that stops this process while it works is caught then), at ``wall_factor``
+        times that in wall-clock seconds ("wall"), past ``max_line`` bytes ("too_long"), or at the end of the pipe."""
         import select  # noqa: PLC0415 - only where a server runs
         import time  # noqa: PLC0415
 
@@ -191,14 +236,20 @@ class Server:
             used = (cpu_seconds(self.pid) or start) - start
             left = deadline - time.monotonic()
             if used >= cpu_limit or left <= 0:
-                self.timed_out = "cpu" if used >= cpu_limit else "wall"
+                self.timed_out = "timeout" if used >= cpu_limit else "wall"
                 return None
             if not poller.poll(min(left, cpu_limit - used, 0.5) * 1000 + 1):  # CPU time passes no faster than the wall clock a thread
                 continue
             chunk = os.read(self.answers, 1 << 16)
-            if not chunk or len(self.buffer) > MAX_LINE:
+            if not chunk:
                 return None
             self.buffer += chunk
+            if self.buffer.find(b"\n", 0, max_line + 1) < 0 and len(self.buffer) > max_line:
+                self.timed_out = "too_long"
+                return None
+        if (cpu_seconds(self.pid) or start) - start >= cpu_limit:  # the CPU its answer took, however long this process waited
+            self.timed_out = "timeout"
+            return None
         line, _, self.buffer = self.buffer.partition(b"\n")
         return line.decode("utf-8", "replace")
 
@@ -222,11 +273,18 @@ def write_all(fd, data):
 
 def checker():
     os.set_inheritable(3, False)  # the report pipe never reaches the program
+    allow_long_ints()
     job = eval(sys.stdin.buffer.read().decode(), {"__builtins__": {}})  # noqa: S307 - a literal the trainer wrote
-    nonce, stop = job["nonce"], job["stop"]
+    nonce, stop, budget = job["nonce"], job["stop"], [job["report_budget"]]
 
     def report(case, status, payload=""):
-        write_all(3, ("%s\t%s\t%s\t%s\n" % (nonce, case, status, payload.replace("\n", " "))).encode("utf-8", "replace"))
+        """One report line; a long one that would pass the report's budget (the trainer's cap, less room
+        for a short line per case) becomes a short ``too_long`` line: the report is never cut."""
+        line = ("%s\t%s\t%s\t%s\n" % (nonce, case, status, payload.replace("\n", " "))).encode("utf-8", "replace")
+        if len(line) > REPORT_SHORT and len(line) > budget[0]:
+            line = ("%s\t%s\ttoo_long\ta report line of %d bytes, over what is left of the report's cap\n" % (nonce, case, len(line))).encode()
+        budget[0] -= len(line) if len(line) > REPORT_SHORT else 0
+        write_all(3, line)
 
     import ctypes  # noqa: PLC0415 - before the server starts: the program may never read this process
 
@@ -238,12 +296,13 @@ def checker():
         if job["mode"] == "check":
             run_check(job, server, report)
         else:
-            for case, request in enumerate(job["requests"]):
-                status, payload = server.ask(request)
+            for case, (request, max_line) in enumerate(zip(job["requests"], job["max_lines"])):
+                status, payload = server.ask(request, max_line)
                 report(case, status, payload)
                 if status == "wall":
                     break  # the trainer runs it all again
                 if stop and (status != "ok" or (job["mode"] == "stdio" and not payload.startswith("0\t"))):
+                    report(-1, "stopped", "case %d failed" % case)  # the rest are not reported: the trainer knows why
                     break  # an error, a timeout or a run that did not exit 0 fails whatever the expected values
     finally:
         server.kill()
@@ -257,6 +316,8 @@ def run_check(job, server, report):
             status, payload = server.ask(repr(("call", name, args, kwargs)))
             if status == "wall":
                 raise _Wall
+            if status == "too_long":
+                raise _TooLong(payload)
             if status != "ok":  # the program's exception, by its builtin class where it names one (a check may expect it)
                 error = getattr(builtins, payload, None)
                 if error in (StopIteration, StopAsyncIteration):  # raised through map() or a for loop it would end it silently
@@ -274,7 +335,8 @@ def run_check(job, server, report):
     def case(index, error):
         if isinstance(error, _Wall):
             raise error
-        report(index, "fail" if error is not None else "pass", "" if error is None else type(error).__name__ + ": " + str(error)[:200])
+        status = "pass" if error is None else "too_long" if isinstance(error, _TooLong) else "fail"
+        report(index, status, "" if error is None else type(error).__name__ + ": " + str(error)[:200])
         if error is not None and job["stop"]:
             raise _Stop
 
@@ -286,7 +348,7 @@ def run_check(job, server, report):
         exec(compile(job["test"], "test", "exec"), scope)
         scope["check"](scope[job["entry_point"]])
     except _Stop:
-        pass
+        report(-1, "stopped", "a case failed")
     except _Wall:
         report(-1, "wall")
     except BaseException as err:  # outside every case: the remaining cases are not reported, so they fail
@@ -299,19 +361,29 @@ def run_check(job, server, report):
 
 
 def server(mode, case_cpu):
+    """Run the program (and, in the asserts mode, the tests' setup code after it, in its globals) and
+    answer the checker's requests on fd 4: a call, an expression to evaluate (asserts), or a stdio run."""
     def answer(text):
         write_all(4, (text.replace("\n", " ") + "\n").encode("utf-8", "replace"))
 
-    with open("program.py") as file:
-        source = file.read()
-    scope = {"__name__": "solution", "__builtins__": builtins}
+    allow_long_ints()  # for the program's own values too (its stdio children inherit it)
+    sources = []
+    for name in ("program.py", "setup.py") if mode == "asserts" else ("program.py",):  # all read before the program runs
+        with open(name) as file:
+            sources.append((name, file.read()))
+    scope = {"__name__": "__main__" if mode == "asserts" else "solution", "__builtins__": builtins}
     try:
-        code = compile(source, "program.py", "exec")
-        if mode != "stdio":  # this process runs the program (in the stdio mode, each case's child does)
+        if mode == "stdio":  # each case's child runs the program; this process, which times them, stays out of their reach
+            import ctypes  # noqa: PLC0415
+
+            ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+            code = compile(sources[0][1], "program.py", "exec")
+        else:
             forbid_processes()
-            exec(code, scope)
+            for name, source in sources:
+                exec(compile(source, name, "exec"), scope)
     except BaseException as err:
-        answer("error\t" + type(err).__name__)
+        answer("error\t" + name + ": " + type(err).__name__)
         return
     answer("ready")
     names = {"__builtins__": {}, "inf": float("inf"), "nan": float("nan"), "set": set, "frozenset": frozenset}
@@ -319,10 +391,13 @@ def server(mode, case_cpu):
         for line in requests:
             request = eval(line, names)  # noqa: S307 - the checker's request: a literal
             if request[0] == "stdio":
-                answer(run_stdio(code, request[1], case_cpu))
+                answer(run_stdio(code, request[1], case_cpu, request[2]))
                 continue
             try:
-                answer("ok\t" + repr(_function(scope, request[1])(*request[2], **request[3])))
+                if request[0] == "eval":  # the asserts format: the reprs of a case's expressions
+                    answer("ok\t" + repr([repr(eval(compile(expression, "test", "eval"), scope)) for expression in request[1]]))
+                else:
+                    answer("ok\t" + repr(_function(scope, request[1])(*request[2], **request[3])))
             except BaseException as err:
                 answer("error\t" + type(err).__name__)
 
@@ -349,9 +424,11 @@ def _exit_status(run):
         return 1
 
 
-def run_stdio(code, text, cpu_limit):
-    """Run the program as __main__ in a forked child with ``text`` on stdin: "ok\\t<exit code>\\t<repr of stdout>",
-    or "error\\tTimeoutError" when the child has run ``cpu_limit`` CPU seconds (it is killed)."""
+def run_stdio(code, text, cpu_limit, max_stdout):
+    """Run the program as __main__ in a forked child with ``text`` on stdin: "ok\\t<exit code>\\t<repr of stdout>";
+    "error\\tTimeoutError" when the child has run ``cpu_limit`` CPU seconds (read while it runs, and from its
+    rusage once it has ended: a child that stopped this process meanwhile is caught then); "too_long\\t..."
+    when it wrote more than ``max_stdout`` bytes (it is killed in both cases)."""
     import select  # noqa: PLC0415 - only in the stdio mode
     stdin = os.memfd_create("stdin")
     write_all(stdin, text.encode("utf-8", "replace"))
@@ -359,20 +436,7 @@ def run_stdio(code, text, cpu_limit):
     out_read, out_write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.dup2(stdin, 0)
-        os.dup2(out_write, 1)
-        os.closerange(3, 1 << 20)
-        forbid_processes()
-        sys.argv = ["program.py"]
-        status = _exit_status(lambda: exec(code, {"__name__": "__main__", "__builtins__": builtins}))
-        for name, end in (("threading", "_shutdown"), ("atexit", "_run_exitfuncs")):  # as the interpreter's exit does
-            if name in sys.modules:
-                status = _exit_status(getattr(sys.modules[name], end)) or status
-        try:
-            sys.stdout.flush()
-        except BaseException:
-            status = status or 1
-        os._exit(status & 0xFF)
+        _run_child(code, stdin, out_write)
     os.close(stdin)
     os.close(out_write)
     out = bytearray()
@@ -381,14 +445,12 @@ def run_stdio(code, text, cpu_limit):
     poller.register(out_read, select.POLLIN)
     poller.register(ended, select.POLLIN)
     running = reading = True
-    while running:
+    verdict = None
+    while running and verdict is None:
         used = cpu_seconds(pid) or 0.0  # the child's own CPU time, from 0 at the fork
         if used >= cpu_limit:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            os.close(out_read)
-            os.close(ended)
-            return "error\tTimeoutError"
+            verdict = "error\tTimeoutError"
+            break
         for fd, _ in poller.poll(min(cpu_limit - used, 0.5) * 1000 + 1):
             if fd == ended:
                 running = False
@@ -397,20 +459,46 @@ def run_stdio(code, text, cpu_limit):
             if not chunk:
                 poller.unregister(out_read)
                 reading = False
-            elif len(out) < MAX_STDOUT:
-                out += chunk[: MAX_STDOUT - len(out)]
+            out += chunk
+            if len(out) > max_stdout:
+                verdict = "too_long\tstdout over %d bytes" % max_stdout
+                break
     os.set_blocking(out_read, False)
-    while reading:  # what it wrote before it ended (a process it started may still hold the pipe)
+    while reading and verdict is None:  # what it wrote before it ended (a process it started may still hold the pipe)
         try:
             chunk = os.read(out_read, 1 << 16)
         except BlockingIOError:
             break
         reading = bool(chunk)
-        out += chunk[: max(0, MAX_STDOUT - len(out))]
+        out += chunk
+        if len(out) > max_stdout:
+            verdict = "too_long\tstdout over %d bytes" % max_stdout
+    if verdict is not None:
+        os.kill(pid, 9)
     os.close(out_read)
     os.close(ended)
-    _, status = os.waitpid(pid, 0)
-    return "ok\t%d\t%r" % (os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace"))
+    _, status, usage = os.wait4(pid, 0)
+    if verdict is None and usage.ru_utime + usage.ru_stime >= cpu_limit:
+        verdict = "error\tTimeoutError"
+    return verdict or "ok\t%d\t%r" % (os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace"))
+
+
+def _run_child(code, stdin, out_write):
+    """In the forked child of a stdio case: the program as __main__, its stdin and stdout the case's, then exit as the interpreter would."""
+    os.dup2(stdin, 0)
+    os.dup2(out_write, 1)
+    os.closerange(3, 1 << 20)
+    forbid_processes()
+    sys.argv = ["program.py"]
+    status = _exit_status(lambda: exec(code, {"__name__": "__main__", "__builtins__": builtins}))
+    for name, end in (("threading", "_shutdown"), ("atexit", "_run_exitfuncs")):  # as the interpreter's exit does
+        if name in sys.modules:
+            status = _exit_status(getattr(sys.modules[name], end)) or status
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        status = status or 1
+    os._exit(status & 0xFF)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ from rlalign.lm import sandbox
 from rlalign.lm.code_execution import (
     TestCase,
     TestsError,
+    _passes,
     code_execution,
     extract_code,
     parse_tests,
-    score_report,
 )
+from rlalign.lm.code_formats import Job, Scores, scores
 from rlalign.lm.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
 needs_isolation = pytest.mark.skipif(sandbox.isolation_available() is not None, reason=f"no sandbox here: {sandbox.isolation_available()}")
@@ -53,18 +54,31 @@ def test_tests_split_into_setup_and_cases_with_the_expected_values_kept_outside(
         parse_tests("assert (")
 
 
-def test_a_report_scores_only_when_it_has_one_line_for_every_case():
+def test_builtins_that_write_expected_values_are_evaluated_outside_and_any_other_builtin_is_refused_at_load():
+    # evaluated next to the program, a builtin could be redefined by it (`def bin(n)`, `builtins.chr = ...`): the auditor's forgeries scored 1.0
+    _, cases = parse_tests("assert to_binary(10) == bin(10)[2:]\nassert power(2, 10) == pow(2, 10)\nassert shift('a') == chr(98)\nassert type(f(2)) is list")
+    assert [case.expressions for case in cases] == [("to_binary(10)",), ("power(2, 10)",), ("shift('a')",), ("f(2)",)]
+    assert cases[0].passes(["1010"]) and not cases[0].passes(["X"]) and cases[3].passes([[2]]) and not cases[3].passes([(2,)])
+    for refused, why in [("assert f(1) == hash('a')", "calls the builtin hash"), ("assert f(1) == eval('1')", "calls the builtin eval"),
+                         ("assert sum([1, 2]) == 3", "calls none of the program's functions")]:  # a program's own sum would never be asked
+        with pytest.raises(TestsError, match=f"line 1.*{re.escape(why)}"):
+            parse_tests(refused)
+
+
+def test_a_case_passes_on_its_reported_values_parsed_as_plain_literals():
     cases = parse_tests(ADD_TESTS)[1]
-    good = b'0\tok\t["5"]\n1\tok\t["0"]\n2\tok\t["0"]\n3\tok\t["4"]\n'
-    assert score_report(good, cases) == [True] * 4
-    assert score_report(good.replace(b'["5"]', b'["5.0"]'), cases) == [True] * 4  # Python's 5.0 == 5, as the assert would
-    assert score_report(good.replace(b'["5"]', b'["6"]'), cases) == [False, True, True, True]
-    assert score_report(good.replace(b'0\tok\t["5"]', b"0\terror\tValueError"), cases)[0] is False
-    assert score_report(good.replace(b'["5"]', b'["<__main__.E object at 0x1>"]'), cases)[0] is False  # not a literal
-    assert score_report(good + b'0\tok\t["5"]\n', cases) == [False] * 4  # a repeated case
-    assert score_report(good.split(b"\n", 1)[1], cases) == [False] * 4  # a missing case
-    assert score_report(b"-1\terror\tprogram.py: SystemExit\n" + good, cases) == [False] * 4
-    assert score_report(b"", cases) == [False] * 4
+    assert _passes(cases[0], '["5"]') and _passes(cases[0], '["5.0"]')  # Python's 5.0 == 5, as the assert would
+    assert not _passes(cases[0], '["6"]') and not _passes(cases[0], '["<__main__.E object at 0x1>"]')  # not a literal
+    assert not _passes(cases[0], '"5"') and not _passes(cases[0], '["5", "5"]')  # not the list of one repr per expression
+
+
+def test_a_report_decides_each_case_and_counts_the_cases_cut_or_never_reported():
+    job, all_or_nothing = Job(None, "", "", 1.0, 1.0, stop=False), Job(None, "", "", 1.0, 1.0, stop=True)
+    ok = lambda case, status, payload: status == "ok"  # noqa: E731
+    assert scores(job, {0: ("ok", ""), 1: ("too_long", "stdout over 1 bytes")}, 2, ok) == Scores((True, False), cut=1)
+    assert scores(job, {0: ("ok", "")}, 3, ok) == Scores((True, False, False), unreported=2)  # the checker ended early: counted
+    assert scores(job, {0: ("ok", ""), -1: ("error", "NameError")}, 2, ok) == Scores((True, False))  # it said what ended the check
+    assert scores(all_or_nothing, {0: ("error", "ValueError")}, 3, ok) == Scores((False, False, False))  # stopped at a failure
 
 
 @needs_isolation
@@ -117,3 +131,15 @@ def test_a_fork_server_that_cannot_start_a_run_is_an_error_not_a_zero_score(monk
     with pytest.raises(SandboxUnavailable, match="sandbox server (is gone|could not start the run)"):
         servers.run({"main.py": "pass"}, ["main.py"])
     assert servers.idle == []  # a server that failed is not used again
+
+
+def test_a_check_evaluated_here_cannot_be_made_to_build_a_huge_result_from_the_programs_value():
+    """The trainer evaluates each assert's check on values the program chose: 2 ** f(), [0] * f(), 1 << f() and
+    range(f()) are bounded, so f() returning 10**50 fails the case at once instead of hanging or filling the trainer."""
+    _, cases = parse_tests("assert 2 ** f() == 8\nassert pow(3, f()) == 27\nassert [0] * f() == [0, 0, 0]\nassert 1 << f() == 8\n"
+                           "assert sum(range(f())) == 3\nassert f() * 'ab' == 'ababab'\nassert pow(2, f(), 7) == 1")
+    assert all(case.passes([3]) for case in cases)  # a solution's small values: exact as ever
+    huge = 10**50
+    assert [case.passes([huge]) for case in cases] == [False] * 6 + [pow(2, huge, 7) == 1]  # modular pow stays cheap and exact
+    _, [power] = parse_tests("assert f() ** 2 == 4")
+    assert power.passes([2]) and power.passes([10**1000]) is False  # a large but bounded result is computed and compared

@@ -270,3 +270,46 @@ def test_a_stop_iteration_from_the_program_fails_a_check_it_would_otherwise_end_
     scores = reward(["p"] * 3, ["def add(a, b):\n    raise StopIteration", "def add(a, b):\n    return a - b", "def add(a, b):\n    return a + b"],
                     test=[test] * 3, entry_point=["add"] * 3)
     assert scores == [0.0, 0.0, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Honest values and outputs the transport must carry whole
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_expected_integer_is_matched_exactly_however_the_answer_is_written():
+    # the 1e-5 tolerance is for expected floats only: a wrong integer answer printed as a float does not pass
+    for got, want in [("1e9", "1000000007"), ("123457000.0", "123456789"), ("100000.9", "100000")]:
+        assert not same_output(got, want), (got, want)
+    assert same_output("0.33333", "0.333333333") and same_output("1000000007.0", "1000000007")  # a float expected; an equal decimal
+
+
+@needs_isolation
+def test_ints_longer_than_pythons_default_of_4300_digits_cross_whole_in_each_format():
+    big = "def f(n):\n    return 10 ** n\n"
+    rows = {"asserts": "assert f(5000) == 10 ** 5000", "mbpp": {"test_list": ["assert f(5000) % 7 == pow(10, 5000, 7)"]},
+            "humaneval": {"test": "def check(candidate):\n    assert candidate(5000) % 7 == pow(10, 5000, 7)\n", "entry_point": "f"},
+            "stdio": {"input_output": {"inputs": ["5000\n"], "outputs": ["1" + "0" * 5000]}}}  # the program prints it
+    programs = {"stdio": "print(10 ** int(input()))\n"}
+    reward = code_execution(rows)
+    assert reward(list(rows), [programs.get(fmt, big) for fmt in rows]) == [1.0] * len(rows)
+
+
+@needs_isolation
+def test_type_of_a_returned_value_is_checked_outside():
+    reward = code_execution({"p": "assert type(f(2)) == list\nassert type(f(3)) is list"}, partial_credit=True)
+    assert reward(["p", "p"], ["def f(n):\n    return [n]", "def f(n):\n    return (n,)"]) == [1.0, 0.0]
+
+
+@needs_isolation
+def test_large_stdio_outputs_are_compared_whole_and_an_output_over_its_cap_is_counted():
+    # 1.09 MB of stdout (over the old 1 MiB cut), and seven cases of 0.59 MB (their reprs over the old 4 MiB report cap)
+    program = "n = int(input())\nprint('\\n'.join(str(i) for i in range(n)))\n"
+    def row(ns):
+        return {"input_output": {"inputs": [f"{n}\n" for n in ns], "outputs": ["\n".join(str(i) for i in range(n)) + "\n" for n in ns]}}
+    reward = code_execution({"one": row([170000]), "seven": row([100000] * 7), "small": row([3])}, partial_credit=True)
+    assert reward(["one", "seven"], [program, program]) == [1.0, 1.0]
+    assert reward.pop_stats()["output_cut"] == 0
+    flood = "input()\nimport sys\nsys.stdout.write('0\\n' * (3 << 20))\n"  # 6 MiB for an expected 6 bytes: over 4 x 6 B + 1 MiB
+    assert reward(["small"], [flood]) == [0.0]
+    assert reward.pop_stats()["output_cut"] == 1

