@@ -94,7 +94,7 @@ def _run(argv: list[str]) -> int:
     try:
         return int(module.run(args) or 0)
     except (RLAlignError, OSError) as err:
-        if debug or (not isinstance(err, RLAlignError) and err.errno not in WRITE_ERRORS):
+        if debug or (not isinstance(err, RLAlignError) and (err.errno not in WRITE_ERRORS or (err.errno in DENIED and not err.filename))):
             raise
         print(f"rlalign {command}: {_message(err)}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
@@ -122,13 +122,16 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
 
-WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)  # a disk or directory the run cannot write: one message
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a disk the run cannot write
+DENIED = (errno.EACCES, errno.EPERM)  # a file or directory the run may not read or write
+WRITE_ERRORS = FULL + DENIED  # one message each (a denied one only where it names its file)
 
 
 def _message(err: Exception) -> str:
     """One line (or a few) that says what went wrong, where."""
     if isinstance(err, OSError) and err.errno in WRITE_ERRORS:
-        return f"cannot write {err.filename or 'the output directory'}: {err.strerror or os.strerror(err.errno)}"
+        verb = "write" if err.errno in FULL else "access"
+        return f"cannot {verb} {err.filename or 'the output directory'}: {err.strerror or os.strerror(err.errno)}"
     return str(err)
 
 

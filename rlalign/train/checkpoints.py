@@ -159,14 +159,15 @@ def disk_full(err: BaseException, path: Path) -> OSError | None:
     """An ``OSError(ENOSPC)`` naming ``path`` when ``err`` (raised writing under it) came from a full disk, whatever its
     kind: torch, safetensors and tokenizers raise their own (a RuntimeError "unexpected pos", a SafetensorError or an
     Exception "No space left on device (os error 28)"); else None."""
-    if isinstance(err, OSError):
-        return None  # the caller's message reads it as it is
+    if isinstance(err, OSError) or not isinstance(err, Exception):
+        return None  # an OSError: the caller's message reads it as it is; an interrupt stays one
     text = str(err)
     try:
         free = shutil.disk_usage(path if path.exists() else path.parent).free
     except OSError:
         free = None
-    if "No space left on device" in text or "os error 28" in text or (free is not None and free < 2**20):
+    torch_short_write = type(err) is RuntimeError and free is not None and free < 2**20  # torch.save's "unexpected pos": no errno, no text
+    if "No space left on device" in text or "os error 28" in text or torch_short_write:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     return None
 

@@ -68,7 +68,8 @@ def _prepare(cfg: Config, run_dir: Path, checkpoint: Checkpoint | None) -> None:
     set corrupt later checkpoints aside, delete an old run on ``overwrite``, cut the logs back."""
     remove_stale_temp_dirs(run_dir)
     used = [name for name in RUN_FILES if (run_dir / name).exists()]
-    resuming_here = checkpoint is not None and checkpoint.path.resolve().parent.parent == run_dir.resolve()  # a link to one of its checkpoints too
+    resuming_here = checkpoint is not None and run_dir.resolve() in (  # a link to one of its checkpoints, or its checkpoints/ a link elsewhere
+        checkpoint.path.parent.parent.resolve(), checkpoint.path.resolve().parent.parent)
     if checkpoint is not None:
         check_resumable(cfg, checkpoint)
     if used and not resuming_here:

@@ -148,6 +148,15 @@ def test_a_link_to_a_checkpoint_of_the_run_resumes_it_in_place_even_with_overwri
     assert (archive / "checkpoints" / "step_00000003" / "checkpoint.json").is_file()
 
 
+def test_a_run_whose_checkpoints_directory_is_a_link_elsewhere_resumes_in_place(tmp_path):
+    run = tmp_path / "run"
+    train(rm_cfg(run, "max_steps=2", "save_every=1", "keep_last=5", "optim.min_lr_ratio=1.0"))
+    shutil.move(run / "checkpoints", tmp_path / "scratch")  # moved to another disk, linked back
+    (run / "checkpoints").symlink_to(tmp_path / "scratch")
+    train(rm_cfg(run, "max_steps=3", "save_every=1", "keep_last=5", "optim.min_lr_ratio=1.0"), resume=run)
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000001", "step_00000002", "step_00000003"]
+
+
 def test_a_run_stopped_before_its_first_checkpoint_is_not_offered_a_resume(tmp_path):
     train(rm_cfg(tmp_path, "max_steps=1", "save_every=5"))  # final/ only, no checkpoint
     shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
@@ -348,6 +357,10 @@ def test_a_full_disk_is_one_message_whatever_the_writer_raises(tmp_path, monkeyp
     monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage._replace(free=10**9))
     with pytest.raises(RuntimeError, match="^not the disk"):  # any other error, with room on the disk, is as it was
         checkpoints.save_checkpoint(tmp_path / "other", 1, _Failing(RuntimeError("not the disk")))
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: usage._replace(free=0))
+    for other in (KeyboardInterrupt(), TypeError("a bug")):  # on a full disk too: an interrupt, or another kind of error, stays itself
+        with pytest.raises(type(other)):
+            checkpoints.save_checkpoint(tmp_path / "other", 1, _Failing(other))
 
 
 class _Failing:
@@ -369,7 +382,7 @@ def test_a_directory_the_run_cannot_write_is_one_message(tmp_path, monkeypatch, 
     monkeypatch.setattr(common.torch, "save", denied)
     assert main(["rm", *RM, f"output_dir={tmp_path}", "max_steps=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("rlalign rm: cannot write ") and err.endswith("optimizer.pt: Permission denied"), err
+    assert err.startswith("rlalign rm: cannot access ") and err.endswith("optimizer.pt: Permission denied"), err
 
 
 def test_the_rlalign_script_imports_a_module_function_reward_from_the_current_directory(tmp_path):
