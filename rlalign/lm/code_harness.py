@@ -3,11 +3,15 @@
 This file runs inside the sandbox, on the standard library only, started by the sandbox's boot.py:
 
     python -I -S boot.py <report fd> harness.py checker            (the first process: the checker)
-    python -I -S boot.py <in fd>,<out fd> harness.py server <mode>  (started by the checker: the program)
+    python -I -S boot.py <in fd>,<out fd> harness.py server <mode>  (a server the checker restarts: the program)
 
-The checker reads its job from stdin (a Python literal written by the trainer), makes itself not
-dumpable (so the program, the same user, can neither ptrace it, read its memory, nor open its
-descriptors), starts the server, asks it for each case (a call, or one run of the program on one
+The checker makes itself not dumpable (so the program, the same user, can neither ptrace it, read
+its memory, nor open its descriptors), forks its first server (:func:`fork_server`: a fork costs a
+small part of a fresh interpreter's start), and only then reads its job from stdin (a Python literal
+written by the trainer): the nonce, the requests, HumanEval's check never were in the memory the
+server was forked from, and the server drops every descriptor of the checker's (the job's stdin, the
+report) before it waits for its mode; a server that replaces one killed after a timeout is a fresh
+interpreter, started as the second line above (the checker's memory then holds the job). It asks it for each case (a call, or one run of the program on one
 input) with a limit of CPU seconds per case (killing and restarting the server when it is passed),
 and writes one line per case on fd 3: ``<nonce>\\t<case>\\t<status>\\t<payload>``; a long line that
 would pass what the trainer's report cap leaves becomes a short ``too_long`` one, so none is lost.
@@ -179,11 +183,26 @@ def cpu_seconds(pid):
 class Server:
     """The program's process, asked one request at a time; killed and restarted after a timeout."""
 
-    def __init__(self, mode, start_cpu, case_cpu, wall_factor):
+    def __init__(self, mode, start_cpu, case_cpu, wall_factor, forked=None):
         self.mode, self.pid, self.loaded, self.timed_out = mode, None, "", None
         self.start_cpu, self.case_cpu, self.wall_factor = start_cpu, case_cpu, wall_factor
+        self.forked = forked  # (pid, requests, answers) of the server :func:`fork_server` forked before the job was read, or None
 
     def start(self):
+        self.buffer = b""
+        if self.forked is not None:  # the first server: forked, waiting for its mode (then it runs the program)
+            (self.pid, self.requests, self.answers), self.forked = self.forked, None
+            try:
+                write_all(self.requests, (repr((self.mode, self.case_cpu)) + "\n").encode())
+                line = self.read(self.start_cpu, MAX_LINE, since=0.0)  # its CPU from the fork on: nothing of the program's ran before
+            except OSError:
+                line = None
+        else:
+            line = self.spawn()
+        self.loaded = "ready" if line == "ready" else self.timed_out if self.timed_out in ("wall", "timeout") else (line or "its process ended").replace("\t", ": ")
+
+    def spawn(self):
+        """Start a fresh interpreter as the server (after a timeout killed the last one); its first line."""
         request_read, self.requests = os.pipe()
         self.answers, answer_write = os.pipe()
         os.set_inheritable(request_read, True)
@@ -193,9 +212,7 @@ class Server:
         self.pid = os.posix_spawn(sys.executable, argv, dict(os.environ), file_actions=actions, setpgroup=0)
         os.close(request_read)
         os.close(answer_write)
-        self.buffer = b""
-        line = self.read(self.start_cpu, MAX_LINE)
-        self.loaded = "ready" if line == "ready" else self.timed_out if self.timed_out in ("wall", "timeout") else (line or "its process ended").replace("\t", ": ")
+        return self.read(self.start_cpu, MAX_LINE)
 
     def ask(self, request, max_line=MAX_LINE):
         """(status, payload) of one request: ("ok", ...), ("error", what went wrong), ("too_long", why)
@@ -219,9 +236,9 @@ class Server:
         status, _, payload = line.partition("\t")
         return (status, payload) if status in ("ok", "too_long") else ("error", payload or status)
 
-    def read(self, cpu_limit, max_line):
+    def read(self, cpu_limit, max_line, since=None):
         """The next answer line, or None: when the server's process has run ``cpu_limit`` CPU seconds
-        since the call (``timed_out`` "timeout"), checked while waiting and again when the answer has
+        since the call (or since its CPU clock read ``since``; ``timed_out`` "timeout"), checked while waiting and again when the answer has
         come (a program that stops this process while it works is caught then), at ``wall_factor``
         times that in wall-clock seconds ("wall"), past ``max_line`` bytes ("too_long"), or at the end of the pipe."""
         import select  # noqa: PLC0415 - only where a server runs
@@ -231,7 +248,7 @@ class Server:
         self.timed_out = None
         poller = select.poll()
         poller.register(self.answers, select.POLLIN)
-        start = cpu_seconds(self.pid) or 0.0
+        start = (cpu_seconds(self.pid) or 0.0) if since is None else since
         while b"\n" not in self.buffer:
             used = (cpu_seconds(self.pid) or start) - start
             left = deadline - time.monotonic()
@@ -254,6 +271,8 @@ class Server:
         return line.decode("utf-8", "replace")
 
     def kill(self):
+        if self.forked is not None:  # never asked: killed as a started one
+            (self.pid, self.requests, self.answers), self.forked = self.forked, None
         if self.pid is not None:
             for kill in (os.killpg, os.kill):  # its group, and itself should it have left the group
                 try:
@@ -271,9 +290,56 @@ def write_all(fd, data):
         data = data[os.write(fd, data):]
 
 
+def fork_server():
+    """Fork the first server, before the checker reads its job: (pid, requests fd, answers fd), or None
+    when the fork fails (the server is then started fresh). The child holds a copy of the checker's
+    memory as it was before the job came (the fork server's modules, this file: no nonce, no request, no
+    check), and none of its descriptors: stdin (the job, still unread in its pipe) becomes /dev/null,
+    stdout stderr (as a fresh server's), the report pipe and the rest are closed, the two pipes of its
+    own moved to 3 and 4; it leads a process group of its own. It waits for its mode (:func:`server`);
+    the checker is already not dumpable (the child inherits that; it makes itself dumpable again where a
+    fresh server would be)."""
+    request_read, requests = os.pipe()
+    answers, answer_write = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        pid = None
+    if pid == 0:
+        try:
+            import fcntl  # noqa: PLC0415
+
+            os.setpgid(0, 0)
+            ends = [fcntl.fcntl(fd, fcntl.F_DUPFD, 16) for fd in (request_read, answer_write)]  # out of the way of 0-4 first
+            null = os.open("/dev/null", os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(2, 1)
+            os.dup2(ends[0], 3)  # over the report pipe
+            os.dup2(ends[1], 4)
+            os.closerange(5, 1 << 20)
+            server()
+        finally:
+            os._exit(0)  # never back into the checker's code
+    os.close(request_read)
+    os.close(answer_write)
+    if pid is None:
+        os.close(requests)
+        os.close(answers)
+        return None
+    try:
+        os.setpgid(pid, pid)  # as the child does: whichever runs first
+    except OSError:
+        pass
+    return pid, requests, answers
+
+
 def checker():
     os.set_inheritable(3, False)  # the report pipe never reaches the program
     allow_long_ints()
+    import ctypes  # noqa: PLC0415 - before the server starts: the program may never read this process
+
+    unreadable = ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    forked = fork_server() if unreadable else None  # before the job is read: the server holds nothing of it
     job = eval(sys.stdin.buffer.read().decode(), {"__builtins__": {}})  # noqa: S307 - a literal the trainer wrote
     nonce, stop, budget = job["nonce"], job["stop"], [job["report_budget"]]
 
@@ -286,12 +352,10 @@ def checker():
         budget[0] -= len(line) if len(line) > REPORT_SHORT else 0
         write_all(3, line)
 
-    import ctypes  # noqa: PLC0415 - before the server starts: the program may never read this process
-
-    if ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+    if not unreadable:
         report(-1, "fatal", "cannot make the checker's process unreadable (prctl)")
         return
-    server = Server("call" if job["mode"] == "check" else job["mode"], job["start_timeout"], job["case_timeout"], job["wall_factor"])
+    server = Server("call" if job["mode"] == "check" else job["mode"], job["start_timeout"], job["case_timeout"], job["wall_factor"], forked)
     try:
         if job["mode"] == "check":
             run_check(job, server, report)
@@ -360,12 +424,21 @@ def run_check(job, server, report):
 # ----------------------------------------------------------------------------------------------
 
 
-def server(mode, case_cpu):
+def server(mode=None, case_cpu=None):
     """Run the program (and, in the asserts mode, the tests' setup code after it, in its globals) and
-    answer the checker's requests on fd 4: a call, an expression to evaluate (asserts), or a stdio run."""
+    answer the checker's requests (fd 3) on fd 4: a call, an expression to evaluate (asserts), or a stdio
+    run. Forked by :func:`fork_server` (``mode`` None), it first reads its mode and CPU limit per case there."""
     def answer(text):
         write_all(4, (text.replace("\n", " ") + "\n").encode("utf-8", "replace"))
 
+    requests = open(3, "rb")
+    if mode is None:
+        mode, case_cpu = literal(requests.readline().decode())
+        sys.argv = ["harness.py", "server", mode, repr(case_cpu)]  # as a fresh server's
+        if mode != "stdio":  # dumpable, as a fresh server (the stdio one makes itself not)
+            import ctypes  # noqa: PLC0415
+
+            ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     allow_long_ints()  # for the program's own values too (its stdio children inherit it)
     sources = []
     for name in ("program.py", "setup.py") if mode == "asserts" else ("program.py",):  # all read before the program runs
@@ -387,7 +460,7 @@ def server(mode, case_cpu):
         return
     answer("ready")
     names = {"__builtins__": {}, "inf": float("inf"), "nan": float("nan"), "set": set, "frozenset": frozenset}
-    with open(3, "rb") as requests:
+    with requests:
         for line in requests:
             request = eval(line, names)  # noqa: S307 - the checker's request: a literal
             if request[0] == "stdio":

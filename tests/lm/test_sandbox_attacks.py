@@ -417,3 +417,69 @@ def test_the_program_can_signal_no_other_process_nor_have_one_sent_its_sigio():
              "os.kill(os.getpid(), 0)  # itself: allowed\n"
              "def add(a, b):\n    return a + b if len(refused) == 6 else repr(refused)\n")
     assert code_execution({"p": ROWS["call"]})(["p"], [probe]) == [1.0]
+
+
+# Hunts the program's own process for the run's nonce (made "Q" * 24 + "Z" * 8 by the test, a pattern
+# its source does not hold): its environment and argv, every descriptor it holds (read without
+# blocking), the strings of every object Python tracks, and, where /proc/self/maps can be read (a
+# fresh sandbox), every readable byte of its memory, checked against a marker planted there.
+OWN_HUNT = """import gc, os, re, sys
+NEEDLE, PLANTED = re.compile(b"Q{24}Z{8}"), ("P" * 24 + "Y" * 8).encode()
+def _hunt():
+    found = [what for what, texts in (("environment", [*os.environ, *os.environ.values()]), ("argv", sys.argv))
+             if any(NEEDLE.search(text.encode()) for text in texts)]
+    for fd in range(1024):
+        try:
+            blocking = os.get_blocking(fd)
+        except OSError:
+            continue
+        try:
+            os.set_blocking(fd, False)
+            data = os.read(fd, 1 << 20)
+        except OSError:
+            data = b""
+        finally:
+            os.set_blocking(fd, blocking)
+        found += ["fd %d" % fd] if NEEDLE.search(data) else []
+    for obj in gc.get_objects():
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else ()
+        for item in list(items):
+            if isinstance(item, (str, bytes)) and NEEDLE.search(item.encode("utf-8", "replace") if isinstance(item, str) else item):
+                found.append("object " + type(obj).__name__)
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:  # the fork server's runs have an empty /proc
+        return found
+    planted = False
+    with open("/proc/self/mem", "rb", buffering=0) as mem:
+        for row in maps:
+            span, perms = row.split()[:2]
+            start, end = (int(bound, 16) for bound in span.split("-"))
+            if perms[0] != "r" or end - start > 1 << 30:
+                continue
+            try:
+                mem.seek(start)
+                data = mem.read(end - start)
+            except OSError:
+                continue
+            planted = planted or PLANTED in data
+            found += ["memory " + row] if NEEDLE.search(data) else []
+    return found + ([] if planted else ["no planted marker found: the memory was not read"])
+"""
+OWN_HUNT_TAILS = {
+    "asserts": "def add(a, b):\n    return a + b if not _hunt() else repr(_hunt())\n",
+    "humaneval": "def add(a, b):\n    return a + b if not _hunt() else repr(_hunt())\n",
+    "call": "def add(a, b):\n    return a + b if not _hunt() else repr(_hunt())\n",
+    "stdio": "line = input()  # before the hunt reads its stdin\nfound = _hunt()\nprint(sum(map(int, line.split())) if not found else found)\n",
+}
+
+
+@pytest.mark.parametrize("fmt", OWN_HUNT_TAILS)
+def test_the_programs_own_process_holds_no_nonce_memory_descriptor_or_environment(fmt, monkeypatch):
+    # the checker forks the program's server before it reads its job: nothing of the job is in its copy
+    from rlalign.lm import code_formats
+
+    monkeypatch.setattr(code_formats.secrets, "token_hex", lambda n: "Q" * 24 + "Z" * 8)
+    row = {"tests": "assert add(2, 3) == 5\nassert add(0, 0) == 0"} if fmt == "asserts" else ROWS[fmt]
+    reward = code_execution({"p": row})
+    assert reward(["p"], [OWN_HUNT + OWN_HUNT_TAILS[fmt]]) == [1.0]
