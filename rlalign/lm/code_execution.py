@@ -63,6 +63,7 @@ import functools
 import json
 import math
 import os
+import re
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -72,7 +73,7 @@ from rlalign.lm.code_formats import (
     FORBID_PROCESSES, IO_COLUMNS, REPORT_KB, CallTests, CheckTests, Job, Scores, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests,
     run_checker, scores,
 )
-from rlalign.lm.code_harness import MAX_LINE, literal
+from rlalign.lm.code_harness import literal
 from rlalign.lm.reward_calls import UNSCORED
 from rlalign.lm.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
@@ -96,6 +97,7 @@ _OUTSIDE_FUNCTIONS = {
     "map": map, "filter": filter, "complex": complex,
 }
 _BUILTIN_NAMES = frozenset(dir(builtins))
+ASSERT_VALUES_BYTES = 1 << 20  # an assert's reported values at most (past it: output_cut); parsing them here costs ~0.5 GB a MiB
 _OUTSIDE_NODES = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare, ast.IfExp,
                   ast.Subscript, ast.Slice, ast.keyword, ast.Load, ast.operator, ast.unaryop, ast.boolop, ast.cmpop)
 
@@ -119,10 +121,11 @@ class TestCase:
 
 
 # The check runs here, in the trainer, on values the program chose: an operator that could make its result
-# arbitrarily large from a small value (2 ** f(x), [0] * f(x), 1 << f(x), range(f(x))) is bounded, and a case
-# whose check would pass the bound fails (a solution's values keep far inside it).
+# arbitrarily large from a small value (2 ** f(x), [0] * f(x), 1 << f(x), range(f(x)), f(x) % 7 or format(7, f(x))
+# with a string f(x) whose field is a billion wide) is bounded, and a case whose check would pass the bound fails
+# (a solution's values keep far inside it).
 MAX_RESULT_BITS = 1 << 22  # an int of ~1.26 million digits
-MAX_RESULT_ITEMS = 1 << 24  # elements of a sequence made by * or range
+MAX_RESULT_ITEMS = 1 << 22  # elements of a sequence made by * or range, characters of a formatted field
 
 
 class ResultTooLarge(ValueError):
@@ -151,14 +154,34 @@ def _bounded_lshift(left, right):
     return left << right
 
 
+def _check_fields(spec) -> None:
+    """Refuse a %-format or format() spec whose widths or precisions pass :data:`MAX_RESULT_ITEMS` (or come from the arguments: ``*``)."""
+    text = spec.decode("latin-1") if isinstance(spec, bytes) else spec
+    if isinstance(text, str) and ("*" in text or any(len(n) > 7 or int(n) > MAX_RESULT_ITEMS for n in re.findall(r"\d+", text))):
+        raise ResultTooLarge("a formatted field past the bound")
+
+
+def _bounded_mod(left, right):
+    if isinstance(left, (str, bytes)):
+        for spec in re.findall(r"%[^a-zA-Z%]*" if isinstance(left, str) else rb"%[^a-zA-Z%]*", left):
+            _check_fields(spec)
+    return left % right
+
+
+def _bounded_format(value, spec=""):
+    _check_fields(spec)
+    return format(value, spec)
+
+
 def _bounded_range(*args):
     if len(made := range(*args)) > MAX_RESULT_ITEMS:
         raise ResultTooLarge("a range past the bound")
     return made
 
 
-_BOUNDED = {"pow": _bounded_pow, "range": _bounded_range, "__pow": _bounded_pow, "__mult": _bounded_mult, "__lshift": _bounded_lshift}
-_BOUNDED_OPERATORS = {ast.Pow: "__pow", ast.Mult: "__mult", ast.LShift: "__lshift"}
+_BOUNDED = {"pow": _bounded_pow, "range": _bounded_range, "format": _bounded_format, "__pow": _bounded_pow, "__mult": _bounded_mult,
+            "__lshift": _bounded_lshift, "__mod": _bounded_mod}
+_BOUNDED_OPERATORS = {ast.Pow: "__pow", ast.Mult: "__mult", ast.LShift: "__lshift", ast.Mod: "__mod"}
 
 
 class _BoundOperators(ast.NodeTransformer):
@@ -276,12 +299,12 @@ def _passes(case: TestCase, payload: str) -> bool:
     """Whether a case passes on its reported payload, the list of its expressions' reprs, each parsed as a plain literal."""
     try:
         texts = literal(payload)
-        if not isinstance(texts, list) or not all(isinstance(text, str) for text in texts):
+        if not isinstance(texts, list) or len(texts) != len(case.expressions) or not all(isinstance(text, str) for text in texts):
             return False
         values = [literal(text) for text in texts]
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # not a plain literal: an object the program made up
         return False
-    return len(values) == len(case.expressions) and case.passes(values)
+    return case.passes(values)
 
 
 @dataclass(frozen=True)
@@ -296,7 +319,7 @@ class AssertTests:
         each case's expressions, timing each in its CPU seconds from outside that process. Raises
         WallTimeout when the run reached its wall-clock backstop."""
         requests = [repr(("eval", list(case.expressions))) for case in self.cases]
-        lines = run_checker(job, "asserts", len(requests), {"requests": requests, "max_lines": [MAX_LINE] * len(requests)}, {"setup.py": self.setup})
+        lines = run_checker(job, "asserts", len(requests), {"requests": requests, "max_lines": [ASSERT_VALUES_BYTES] * len(requests)}, {"setup.py": self.setup})
         return scores(job, lines, len(self.cases), lambda case, status, payload: status == "ok" and _passes(self.cases[case], payload))
 
 
@@ -402,7 +425,7 @@ class CodeExecutionReward:
     (:meth:`pop_stats`).
 
     Sizes. A case's output (stdout, or a returned value) may take 4 times its expected output plus
-    1 MiB (at most 16 MiB; an asserts value 4 MiB); past that the case fails and the completion is
+    1 MiB (at most 16 MiB; an assert's values 1 MiB); past that the case fails and the completion is
     counted in ``reward/code_execution/output_cut``. A completion scored with a case the checker never
     reported (its run ended early, out of memory) is counted in ``reward/code_execution/unreported``."""
 

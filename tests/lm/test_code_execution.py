@@ -143,3 +143,18 @@ def test_a_check_evaluated_here_cannot_be_made_to_build_a_huge_result_from_the_p
     assert [case.passes([huge]) for case in cases] == [False] * 6 + [pow(2, huge, 7) == 1]  # modular pow stays cheap and exact
     _, [power] = parse_tests("assert f() ** 2 == 4")
     assert power.passes([2]) and power.passes([10**1000]) is False  # a large but bounded result is computed and compared
+    _, cases = parse_tests("assert f() % 7 == '0000007'\nassert format(7, f()) == '0000007'\nassert b'%d' % f() == b'5'")
+    assert [case.passes([v]) for case, v in zip(cases, ["%07d", "07d", 5])] == [True] * 3  # honest widths
+    assert not cases[0].passes(["%01000000000d"]) and not cases[1].passes(["01000000000d"])  # a field a billion wide: fails at once
+    assert not cases[0].passes(["%*d"]) and not cases[0].passes(["%.999999999f"])
+
+
+def test_an_answer_with_more_values_than_the_assert_has_expressions_is_not_parsed():
+    from rlalign.lm.code_execution import _passes
+    from rlalign.lm.code_harness import literal as literal_of_payload
+
+    _, [case] = parse_tests("assert f(2) == 4")
+    assert _passes(case, repr(["4"])) and not _passes(case, repr(["4", "4"]))
+    with pytest.MonkeyPatch.context() as patch:  # the count is checked before any value is parsed
+        patch.setattr("rlalign.lm.code_execution.literal", lambda text, _real=literal_of_payload: _real(text) if text.startswith("[") else 1 / 0)
+        assert not _passes(case, repr(["0"] * 100_000))

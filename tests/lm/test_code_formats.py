@@ -282,6 +282,8 @@ def test_an_expected_integer_is_matched_exactly_however_the_answer_is_written():
     for got, want in [("1e9", "1000000007"), ("123457000.0", "123456789"), ("100000.9", "100000")]:
         assert not same_output(got, want), (got, want)
     assert same_output("0.33333", "0.333333333") and same_output("1000000007.0", "1000000007")  # a float expected; an equal decimal
+    for nan in ("sNaN", "NaN", "-sNaN1"):  # a signalling NaN compared as a Decimal raised out of the reward, stopping the run
+        assert not same_output(nan, "5") and not same_output("5.0", nan)
 
 
 @needs_isolation

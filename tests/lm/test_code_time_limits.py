@@ -193,3 +193,36 @@ def test_a_failing_program_that_would_hold_its_run_scores_zero_not_timed_out(fmt
     reward = code_execution({"p": ROWS[fmt]}, timeout_s=1.0, case_timeout_s=0.5, wall_factor=4.0)
     assert reward(["p"], [code]) == [0.0]
     assert reward.pop_stats() == NOTHING
+
+
+def test_the_checker_reads_the_cpu_again_when_the_answer_has_come(monkeypatch):
+    """Server.read's second line of defence: a checker that did not run while the program worked (stopped, or
+    asleep in its poll while threads of the program spent CPU faster than the wall clock) still fails a case whose
+    answer took more CPU than its limit. Simulated here: a poll that returns only when the answer is there."""
+    import select
+    import subprocess
+    import sys
+
+    from rlalign.lm import code_harness
+
+    work = ("import os, sys, time\nsys.stdin.readline()\nstart = time.process_time()\nwhile time.process_time() - start < 0.6:\n    pass\n"
+            "os.write(1, b'ok\\t[]\\n')\ntime.sleep(30)\n")
+    program = subprocess.Popen([sys.executable, "-c", work], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        class AsleepUntilTheAnswer:  # the checker's poll: it wakes only once the answer is written
+            def register(self, fd, events):
+                self.fd = fd
+
+            def poll(self, timeout_ms):
+                program.stdin.write(b"go\n")
+                program.stdin.flush()
+                select.select([self.fd], [], [])
+                return [(self.fd, select.POLLIN)]
+
+        monkeypatch.setattr(select, "poll", AsleepUntilTheAnswer)
+        server = code_harness.Server("call", 5.0, 0.2, 1000.0)
+        server.pid, server.answers, server.buffer = program.pid, program.stdout.fileno(), b""
+        assert server.read(0.2, 1 << 20) is None and server.timed_out == "timeout"  # 0.6 CPU seconds against 0.2
+    finally:
+        program.kill()
+        program.wait()
