@@ -235,13 +235,16 @@ def grpo_step(updater: Updater, reference: nn.Module | None, source: RolloutSour
         old_logp = training_logprobs(updater.model, rollout, temperature, update_rows, autocast, cfg.compile, cfg.model.logits_limit_mb)  # (B, C), on the updates' row batches
         mismatch = float(logprob_mismatch(old_logp, rollout.logprobs, sampled_mask))
         rollout = dataclasses.replace(rollout, logprobs=old_logp)
-    t_old = time.perf_counter()
     kl_metrics = {}
     if ref_logp is not None and cfg.kl_in == "reward":  # R_i - beta * sum_t KL_t at pi_old; the loss then has no KL term
-        token_kl = masked_token_kl(KL_ESTIMATORS[cfg.kl_estimator], rollout.logprobs, ref_logp, sampled_mask)  # (B, C)
+        # (one update: pi_old is the learner's policy, not the sampler's (an older one, another precision): recomputed for the KL alone)
+        fresh = cfg.recompute_old_logprobs and on_policy
+        old_logp = training_logprobs(updater.model, rollout, temperature, update_rows, autocast, cfg.compile, cfg.model.logits_limit_mb) if fresh else rollout.logprobs
+        token_kl = masked_token_kl(KL_ESTIMATORS[cfg.kl_estimator], old_logp, ref_logp, sampled_mask)  # (B, C)
         scored = add_score_term(scored, "kl_penalty", -cfg.beta * token_kl.sum(-1), world)
         kl_metrics["kl"] = float(distributed.global_mean_var(token_kl, sampled_mask, world)[0])
         ref_logp = None
+    t_old = time.perf_counter()
 
     # 4. group-relative advantages, one per completion (broadcast over its tokens by the loss), over the
     #    completions every reward term could score; the rest (a failed call, a code run that never ended) are left out

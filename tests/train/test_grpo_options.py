@@ -104,6 +104,15 @@ def test_kl_in_the_reward_is_a_score_term_and_leaves_the_loss(tiny_path, tmp_pat
     assert result.history[1]["reward/kl_penalty/mean"] < -1e-6 and result.history[1]["kl"] > 0
 
 
+def test_kl_in_the_reward_with_one_update_is_at_the_learners_pi_old_not_the_samplers(tiny_path, tmp_path):
+    """mu = 1: pi_old is the learner's policy. A bfloat16 sampling copy (or an older policy, k > 0) samples with other
+    log-probs; the KL penalty must read the learner's, which at step 0 are the reference's exactly: KL 0, not the
+    bfloat16 copy's round-off (nor the staleness of an asynchronous run)."""
+    cfg = make_cfg(tiny_path, tmp_path / "run", beta=0.5, kl_in="reward", kl_estimator="k1", steps=1, **{"sampling.dtype": "bfloat16"})
+    row = grpo.train(cfg, reward_functions=REWARDS).history[0]
+    assert row["kl"] == 0.0 and row["reward/kl_penalty/mean"] == 0.0  # the learner is the reference at step 0
+
+
 def test_overlong_punishment_is_a_score_term_within_its_range(tiny_path, tmp_path):
     out = tmp_path / "run"
     cfg = make_cfg(tiny_path, out, overlong_buffer=3, overlong_penalty=0.5, num_samples_logged=8, sample_every=1, beta=0.0)
