@@ -60,7 +60,7 @@ from torch import nn
 from rlalign.config import ConfigError
 from rlalign.train import distributed, seeding
 from rlalign.train.batches import RolloutProducerError, StepState, batch_from_state, batch_state, check_in_flight, to_bytes, trainable
-from rlalign.train.sources import RolloutSource, ScoredBatch, make_source
+from rlalign.train.sources import RolloutSource, ScoredBatch, StepSeeded, make_source
 
 __all__ = ["AsyncSource", "RolloutProducerError", "open_source", "source_builder", "check_one_process"]
 
@@ -90,7 +90,7 @@ def open_source(cfg, run, updater, state, tools=None, build: Callable[[distribut
     position = next((b["data_position"] for b in reversed(restored) if b.get("data_position") is not None), state.data_position)
     build = build or source_builder(cfg, run, updater, state, tools, environment, position)
     if not cfg.async_rollouts.enabled:
-        return build(run.world)
+        return StepSeeded(build(run.world), cfg.seed, run.world)  # the global RNGs seeded per step, as a producer's
     if run.world.producers:
         from rlalign.train.rank_source import open_rank_source
 

@@ -51,7 +51,7 @@ from rlalign.train import distributed
 from rlalign.train.rollouts import (
     NO_TERM_APPLIES, RewardTerm, ScoredRollout, add_score_term, concat_scored, prompt_batch, sample_shard, score_shard, select_rows, trusted_rows,
 )
-from rlalign.train.seeding import batch_order
+from rlalign.train.seeding import batch_order, reseed_for_step, restore_rng_state, rng_state
 from rlalign.train.tool_rollout import ToolRollout, sample_tool_shard, tool_registry
 
 __all__ = [
@@ -212,6 +212,27 @@ class SampledSource:
 
     def close(self) -> None:
         pass
+
+
+class StepSeeded:
+    """A synchronous source whose steps run on Python's, NumPy's and torch's global RNGs seeded from (seed, step), as a
+    producer seeds them before it samples and scores (:mod:`rlalign.train.async_source`, rank ``shard`` of the learners:
+    :mod:`rlalign.train.rank_source`): a reward drawing from them draws the same numbers synchronously and with k = 0.
+    The trainer's own RNG state is put back after the step (its draws, LoRA's dropout, are as without the source)."""
+
+    def __init__(self, inner: RolloutSource, seed: int, world: distributed.World):
+        self.inner, self.seed, self.world = inner, seed, world
+
+    def next(self, state) -> ScoredBatch:
+        trainer_state = rng_state()
+        reseed_for_step(self.seed, state.step * self.world.learners + self.world.rank)
+        try:
+            return self.inner.next(state)
+        finally:
+            restore_rng_state(trainer_state)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # publish, state_dict, close, pipelined, ...
 
 
 @dataclass

@@ -58,17 +58,24 @@ def final_weights(result) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in result.policy.state_dict().items()}
 
 
+def char_code_and_noise(completions, **kwargs):
+    import random
+
+    return [c + random.random() + float(torch.rand(())) for c in char_code(completions)]
+
+
 def stable(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in history]
 
 
 @pytest.mark.parametrize("trainer", [grpo, ppo], ids=["grpo", "ppo"])
 def test_k0_is_the_synchronous_run(trainer, tiny_path, tmp_path):
+    # the reward also draws from Python's and torch's global RNGs: both paths seed them from (seed, step) before a step
     torch.set_num_threads(1)
-    sync = trainer.train(make_cfg(trainer, tiny_path, tmp_path / "sync"), reward_functions=[char_code])
+    sync = trainer.train(make_cfg(trainer, tiny_path, tmp_path / "sync"), reward_functions=[char_code_and_noise])
     options = {"async_rollouts.enabled": True, "async_rollouts.max_staleness": 0}
     started = time.perf_counter()
-    asynchronous = trainer.train(make_cfg(trainer, tiny_path, tmp_path / "async", **options), reward_functions=[char_code])
+    asynchronous = trainer.train(make_cfg(trainer, tiny_path, tmp_path / "async", **options), reward_functions=[char_code_and_noise])
     wall = time.perf_counter() - started
     assert stable(asynchronous.history) == stable(sync.history)
     # the waits are parts of the run: between 0 and its wall time
