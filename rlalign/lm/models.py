@@ -42,6 +42,7 @@ __all__ = [
     "resolve_model_path",
     "check_checkpoint_dir",
     "context_length",
+    "adapter_base",
     "load_tokenizer",
     "disable_dropout",
     "load_policy",
@@ -149,12 +150,17 @@ def _check_weight_adapter(path: Path) -> None:
                              "rlalign trains and loads LoRA adapters (model.lora), or a full checkpoint")
 
 
+def adapter_base(path: str | Path) -> str:
+    """The base model the saved LoRA adapter at ``path`` loads: its ``adapter_config.json``'s ``base_model_name_or_path``."""
+    return json.loads((Path(path) / _ADAPTER_FILE).read_text())["base_model_name_or_path"]
+
+
 def context_length(path: str | Path, gguf_file: str | None = None) -> int | None:
     """The most positions the model at ``path`` (or, for a saved adapter, its base) takes
     (``max_position_embeddings``), or None when its config does not say."""
     path = resolve_model_path(path)
     if (path / _ADAPTER_FILE).is_file():
-        path = Path(json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"])
+        path = Path(adapter_base(path))
     config = _load_config(path, gguf_file).get_text_config(decoder=True)
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
@@ -236,7 +242,7 @@ def load_policy(
         from peft import PeftModel
 
         _check_weight_adapter(path)
-        base_path = json.loads((path / _ADAPTER_FILE).read_text())["base_model_name_or_path"]
+        base_path = adapter_base(path)
         base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file, attn_implementation)
         return disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)  # a saved adapter's dropout too: off
     model = disable_dropout(_from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation))

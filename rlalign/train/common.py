@@ -22,7 +22,7 @@ from transformers import AutoConfig
 from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.encoding import encode_prompts, render_prompt
-from rlalign.lm.models import load_policy, load_tokenizer, resolve_model_path, stop_token_ids
+from rlalign.lm.models import adapter_base, load_policy, load_tokenizer, resolve_model_path, stop_token_ids
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.train.bf16_adamw import StochasticRoundingAdamW
@@ -128,7 +128,7 @@ def merge_adapter(adapter_dir: Path, out_dir: Path) -> Path:
     marker = {"merged_adapter": str(adapter_dir.resolve())}
     if (out_dir / MERGED_MARKER).is_file() and json.loads((out_dir / MERGED_MARKER).read_text()) == marker:
         return out_dir
-    base_path = Path(json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+    base_path = Path(adapter_base(adapter_dir))
     merged = load_policy(adapter_dir).merge_and_unload()
     stored = AutoConfig.from_pretrained(str(resolve_model_path(base_path))).dtype or torch.float32
     tmp = out_dir.parent / f".tmp_{out_dir.name}_{os.getpid()}"

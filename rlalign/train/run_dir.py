@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from rlalign.config import Config, ConfigError
+from rlalign.lm.models import adapter_base
 from rlalign.train.checkpoints import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint, remove_stale_temp_dirs
-from rlalign.train.common import ADAPTER_CONFIG
 
 __all__ = ["RUN_FILES", "RESUMABLE_CHANGES", "claim_run_dir", "config_differences", "cut_logs", "input_fingerprints", "run_inputs"]
 
@@ -128,8 +128,8 @@ def _inputs(cfg: Config) -> list[tuple[str, str, bool]]:
 def _adapter_base(path: str) -> str | None:
     """The base model a saved LoRA adapter at ``path`` loads (its ``adapter_config.json``), or None for anything else."""
     try:
-        return json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or None
-    except (OSError, ValueError, AttributeError):
+        return adapter_base(path) or None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

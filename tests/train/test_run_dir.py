@@ -320,18 +320,18 @@ def test_identical_preference_pairs_are_counted_and_dropped():
         assert [ex.chosen for ex in load_preferences(rows)] == ["a"]
 
 
-def test_disk_full_is_one_message_naming_the_path(tmp_path, monkeypatch, capsys):
-    import errno
-
+@pytest.mark.parametrize("code, text, said", [(28, "No space left on device", "cannot write"), (13, "Permission denied", "cannot access")],
+                         ids=["disk full", "denied"])
+def test_a_disk_full_or_a_directory_the_run_may_not_write_is_one_message_naming_the_path(tmp_path, monkeypatch, capsys, code, text, said):
     import rlalign.train.common as common
 
-    def full(obj, path, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def fails(obj, path, *args, **kwargs):
+        raise OSError(code, text, str(path))  # ENOSPC, EACCES (a PermissionError)
 
-    monkeypatch.setattr(common.torch, "save", full)
+    monkeypatch.setattr(common.torch, "save", fails)
     assert main(["rm", *RM, f"output_dir={tmp_path}", "max_steps=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("rlalign rm: cannot write ") and err.endswith("optimizer.pt: No space left on device"), err
+    assert err.startswith(f"rlalign rm: {said} ") and err.endswith(f"optimizer.pt: {text}"), err
 
 
 @pytest.mark.parametrize("error, free", [
@@ -369,20 +369,6 @@ class _Failing:
 
     def save_pretrained(self, path):
         raise self.error
-
-
-def test_a_directory_the_run_cannot_write_is_one_message(tmp_path, monkeypatch, capsys):
-    import errno
-
-    import rlalign.train.common as common
-
-    def denied(obj, path, *args, **kwargs):
-        raise PermissionError(errno.EACCES, "Permission denied", str(path))
-
-    monkeypatch.setattr(common.torch, "save", denied)
-    assert main(["rm", *RM, f"output_dir={tmp_path}", "max_steps=1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("rlalign rm: cannot access ") and err.endswith("optimizer.pt: Permission denied"), err
 
 
 def test_the_rlalign_script_imports_a_module_function_reward_from_the_current_directory(tmp_path):
