@@ -284,6 +284,16 @@ def run(args) -> dict:
             "prompt_len": prompt_len, "update_flops": recorded_update_flops, "update_floor_s": floor_s,
             "update_matmul_gflops": recorded_update_flops / update_matmul_s / 1e9, "update_ceiling_gflops": recorded_update_flops / floor_s / 1e9,
         }
+    if args.profile:  # one more step under torch.profiler: where the step's device and host time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = args.device.startswith("cuda")
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            setup.step()
+            lb.synchronize(args.device)
+        events = prof.key_averages()
+        result["profile"] = "\n".join(events.table(sort_by=key, row_limit=25, max_name_column_width=70)
+                                      for key in ["self_device_time_total"] * cuda + ["self_cpu_time_total"])
     result["achieved_gflops"] = {
         "step": flops_total / result["median_step_s"] / 1e9,
         "generate": flops_gen / result["median_generate_s"] / 1e9,
@@ -316,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", default="auto", help="the trainer's micro_batch_size: auto (rows from the memory budget), null, or rows")
     parser.add_argument("--memory-cap-gb", type=float, help="CUDA: hold this process to that much of the card (set_per_process_memory_fraction), "
                         "e.g. 80 for an 80 GB GPU's budget on a larger one")
+    parser.add_argument("--profile", action="store_true", help="then one more step under torch.profiler: the operators by self device and host time")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.ceiling and args.device != "cpu":
@@ -357,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nThe update's matmuls alone run at {c['update_matmul_gflops']:.1f} GFLOP/s ({c['update_matmul_gflops'] / bf16_peak:.1%} of the bfloat16 peak); "
               f"at the floor the update would reach {c['update_ceiling_gflops']:.1f} GFLOP/s, an MFU of {c['update_ceiling_gflops'] / bf16_peak:.1%} "
               f"(measured: {g['update'] / bf16_peak:.1%}).")
+    if "profile" in r:
+        print(f"\nOne more step under torch.profiler, operators by self time:\n{r['profile']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(r, indent=1))
