@@ -237,10 +237,14 @@ def run(args) -> dict:
     for _ in range(args.steps):
         prompt_len = next_prompt_len()
         lb.synchronize(args.device)
+        if args.device.startswith("cuda"):  # the step's own peak (the trainer's outer loop, which records it, is not run here)
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         metrics = setup.step()
         lb.synchronize(args.device)
         dt = time.perf_counter() - t0
+        if args.device.startswith("cuda"):
+            metrics["memory/peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         flops, flops_full, completion_len = counted_flops(prompt_len, metrics)
         steps.append({"time": dt, "prompt_len": prompt_len, "completion_len": completion_len, "clipped_frac": metrics["completion_len/clipped_frac"],
                       "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_train": metrics["time/train"], "flops": flops,

@@ -69,6 +69,7 @@ from transformers import DynamicCache, StaticCache
 
 from rlalign.lm import private
 from rlalign.lm.decode import SamplingParams, _decode_step, _draw, filter_logits, inverse_cdf_draw
+from rlalign.lm.grouped_attention import grouped_kernel
 from rlalign.lm.model_modes import attention_kernel
 from rlalign.lm.models import cache_argument, unwrap_causal_lm
 from rlalign.lm.prefill import _layer_types, _model_mask, _prefill, _prompt_rows, pack_prompts
@@ -205,14 +206,16 @@ def _decode_steps(model: nn.Module, compile: bool, cuda_graphs: bool = False) ->
     """The step functions of one call and the context they run in: compiled (the model's eager
     attention, which inductor fuses; the compiler's caches released after a compile; on a CUDA
     device with ``cuda_graphs``, the decode step replayed as a CUDA graph), or eager when
-    ``compile`` is off or this torch lacks what the compiled step needs (:mod:`rlalign.lm.private`)."""
+    ``compile`` is off or this torch lacks what the compiled step needs (:mod:`rlalign.lm.private`).
+    Either way a grouped-query model's decode attention reads each key/value head once
+    (:mod:`rlalign.lm.grouped_attention`); the prefill, before this, runs the model's own."""
     if not (compile and private.ready("compiled")):
-        return _EagerSteps(cache_argument(model)), contextlib.nullcontext()
+        return _EagerSteps(cache_argument(model)), attention_kernel(model, grouped_kernel(model, None))
     from rlalign.lm.compiled import CompiledSteps, releasing_compiler_caches  # the compile machinery, only when asked for
 
     context = contextlib.ExitStack()
     context.enter_context(releasing_compiler_caches())
-    context.enter_context(attention_kernel(model, "eager"))
+    context.enter_context(attention_kernel(model, grouped_kernel(model, "eager") or "eager"))
     graphs = cuda_graphs and next(model.parameters()).device.type == "cuda"
     return CompiledSteps(cache_argument(model), graphs), context
 

@@ -10,6 +10,8 @@ import torch
 from rlalign.lm import sampling
 from rlalign.lm.logprobs import rollout_logprobs
 from rlalign.lm import compiled as compiled_steps
+from rlalign.lm.grouped_attention import GROUPED_EAGER
+from tests.lm.conftest import make_llama
 from rlalign.lm.model_modes import attention_kernel
 from rlalign.lm.models import cast_copy
 from rlalign.lm.packed import PackedLinear, can_pack_linear, pack_linear_layers, repack_linear_layers
@@ -282,19 +284,22 @@ def test_cuda_graphs_on_a_cpu_model_run_the_plain_compiled_step(tiny_model, comp
         check_compile(False, ModelConfig(path="m"), SamplingConfig(cuda_graphs=True))
 
 
-def test_the_compiled_decode_step_runs_eager_attention_and_the_model_gets_its_own_back(tiny_llama, monkeypatch):
-    # inside the compiled decode loop the model runs its "eager" attention (inductor fuses it; SDPA's
-    # CPU kernel is slow for one query row); the prefill and everything after keep the model's own
-    own = tiny_llama.config._attn_implementation
+@pytest.mark.parametrize("kv_heads, kernel", [(2, GROUPED_EAGER), (4, "eager")])
+def test_the_compiled_decode_step_runs_eager_attention_and_the_model_gets_its_own_back(kv_heads, kernel, monkeypatch):
+    # inside the compiled decode loop the model runs eager attention (inductor fuses it; SDPA's CPU
+    # kernel is slow for one query row), grouped where heads share key/value heads; the prefill and
+    # everything after keep the model's own
+    model = make_llama(num_key_value_heads=kv_heads)
+    own = model.config._attn_implementation
     assert own != "eager"
     seen = []
     decode = sampling._decode_step
     monkeypatch.setattr(compiled_steps, "_compiled_decode_step", lambda model, *args: seen.append(model.config._attn_implementation) or decode(model, *args))
-    sample(tiny_llama, PROMPTS, SamplingParams(max_new_tokens=4), 0, [EOS], compile=True)
-    assert seen and set(seen) == {"eager"} and tiny_llama.config._attn_implementation == own
-    with pytest.raises(RuntimeError, match="boom"), attention_kernel(tiny_llama, "eager"):
+    sample(model, PROMPTS, SamplingParams(max_new_tokens=4), 0, [EOS], compile=True)
+    assert seen and set(seen) == {kernel} and model.config._attn_implementation == own
+    with pytest.raises(RuntimeError, match="boom"), attention_kernel(model, "eager"):
         raise RuntimeError("boom")
-    assert tiny_llama.config._attn_implementation == own
+    assert model.config._attn_implementation == own
 
 
 def test_cache_buckets_by_hand():
