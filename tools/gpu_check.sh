@@ -31,7 +31,7 @@
 #      the 1B model at 16 x G 16 x 256 new tokens (256 rows x ~290 tokens) and a Qwen2.5-0.5B-shaped
 #      model (151,936-token vocabulary) at 4 x G 16 x 1000 (64 rows x ~1030 tokens); the rows chosen and
 #      each step's peak, the update's MFU, then (1B) one more step under torch.profiler ($LIMIT_MEMORY s for each,
-#      default 0: skipped; 240 fits both)
+#      default 0: skipped; on an H200 the 1B run took 190 s, the profiled step included, and the 0.5B run 86 s)
 #   7. benchmarks/packed_rows.py on the real SmolLM2-135M-Instruct (ragged completions), 16 x G 16 x 256
 #      new tokens: packed against padded rows, with shared prompts and with each row's own, as DDP /
 #      FSDP2 learners run ($LIMIT_PACKED s for each, default 0: skipped; needs $SMOLLM2_PARTS)
@@ -42,7 +42,8 @@
 #      256 new tokens against the memory-bandwidth floor (weights read once a token, the copy bandwidth measured),
 #      then one 64-row call under torch.profiler (the operators that took the most device and host time), then, if 30 s
 #      of the phase are left, the same layers and vocabulary at width 64 (a step's cost beyond reading the weights)
-#      ($LIMIT_GENERATION s, default 0: skipped)
+#      ($LIMIT_GENERATION s, default 0: skipped; on an H200 the 64- and 256-row calls took 46 s with their compiles, the
+#      profile and the width-64 run about 40 s each: 150 fits all three)
 # Results: $OUT/summary.txt (the phases' exit codes and times, test tallies, the benchmark tables)
 # and $OUT/logs.tar.gz (every log, the pytest JUnit files, the benchmarks' JSON).
 #
