@@ -187,6 +187,38 @@ def step_flops(
     return {"generate": gen, "reference": forward, "policy_fwd_bwd": 3 * forward}
 
 
+def profile_step(setup, part: str, device: str) -> str:
+    """One more step with ``part`` ("step": all of it; "update": the policy update's forwards, backwards,
+    clipping and AdamW, ``Updater.accumulated_step``) under torch.profiler: the operators by self
+    device time (on a GPU) and self host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    profiles = []
+
+    def profiled(fn):
+        def run(*args, **kwargs):
+            with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+                out = fn(*args, **kwargs)
+                lb.synchronize(device)
+            profiles.append(prof)
+            return out
+
+        return run
+
+    if part == "update":
+        setup.updater.accumulated_step = profiled(setup.updater.accumulated_step)  # this instance only
+        try:
+            setup.step()
+        finally:
+            del setup.updater.accumulated_step
+    else:
+        profiled(setup.step)()
+    events = profiles[0].key_averages()  # the first update of the step (mu x minibatches may make more)
+    tables = [events.table(sort_by=key, row_limit=25, max_name_column_width=70) for key in ["self_device_time_total"] * cuda + ["self_cpu_time_total"]]
+    return f"{part}, {len(profiles)} profiled call(s), the first shown:\n" + "\n".join(tables)
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     from rlalign.lm.encoding import encode_prompts
@@ -288,16 +320,8 @@ def run(args) -> dict:
             "prompt_len": prompt_len, "update_flops": recorded_update_flops, "update_floor_s": floor_s,
             "update_matmul_gflops": recorded_update_flops / update_matmul_s / 1e9, "update_ceiling_gflops": recorded_update_flops / floor_s / 1e9,
         }
-    if args.profile:  # one more step under torch.profiler: where the step's device and host time goes
-        from torch.profiler import ProfilerActivity, profile
-
-        cuda = args.device.startswith("cuda")
-        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-            setup.step()
-            lb.synchronize(args.device)
-        events = prof.key_averages()
-        result["profile"] = "\n".join(events.table(sort_by=key, row_limit=25, max_name_column_width=70)
-                                      for key in ["self_device_time_total"] * cuda + ["self_cpu_time_total"])
+    if args.profile:  # one more step, all of it or its policy update alone, under torch.profiler
+        result["profile"] = profile_step(setup, args.profile, args.device)
     result["achieved_gflops"] = {
         "step": flops_total / result["median_step_s"] / 1e9,
         "generate": flops_gen / result["median_generate_s"] / 1e9,
@@ -330,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", default="auto", help="the trainer's micro_batch_size: auto (rows from the memory budget), null, or rows")
     parser.add_argument("--memory-cap-gb", type=float, help="CUDA: hold this process to that much of the card (set_per_process_memory_fraction), "
                         "e.g. 80 for an 80 GB GPU's budget on a larger one")
-    parser.add_argument("--profile", action="store_true", help="then one more step under torch.profiler: the operators by self device and host time")
+    parser.add_argument("--profile", nargs="?", const="step", choices=["step", "update"],
+                        help="then one more step under torch.profiler, all of it (step, the default) or its policy update alone: the operators by self device and host time")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.ceiling and args.device != "cpu":
