@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations import sdpa_attention
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.models.llama import modeling_llama
 
 from rlalign.lm.models import unwrap_causal_lm
@@ -44,7 +45,7 @@ __all__ = ["GROUPED_EAGER", "GROUPED_SDPA", "grouped_kernel", "grouped_eager_att
 
 GROUPED_EAGER = "rlalign_grouped_eager"
 GROUPED_SDPA = "rlalign_grouped_sdpa"
-_plain_eager = modeling_llama.eager_attention_forward
+_plain_eager, _plain_repeat_kv = modeling_llama.eager_attention_forward, modeling_llama.repeat_kv  # the reference code, as imported
 
 
 def _foldable(module: nn.Module, query: Tensor, attention_mask: Tensor | None, kwargs: dict) -> bool:
@@ -92,14 +93,26 @@ def grouped_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value:
     return _unfold(out, query.shape[1]), None
 
 
+# each name with the masks of the kernel it stands in for: a model switched to it and given a 2-D mask
+# (a forward or generate() inside the switch) builds the same causal and padding masks as before
 AttentionInterface.register(GROUPED_EAGER, grouped_eager_attention)
+AttentionMaskInterface.register(GROUPED_EAGER, eager_mask)
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
+def _same_code(fn, plain) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and (code.co_code, code.co_consts, code.co_names) == (plain.__code__.co_code, plain.__code__.co_consts, plain.__code__.co_names)
 
 
 def _is_plain_eager(fn) -> bool:
-    """``fn`` is transformers' plain eager attention: the same code as Llama's (a model's copy of it)."""
-    code, plain = getattr(fn, "__code__", None), _plain_eager.__code__
-    return code is not None and (code.co_code, code.co_consts, code.co_names) == (plain.co_code, plain.co_consts, plain.co_names)
+    """``fn`` is transformers' plain eager attention: the same code as Llama's (a model's copy of it),
+    calling a ``repeat_kv`` of the same code too (which query head meets which key/value head) and
+    the same torch."""
+    names = getattr(fn, "__globals__", {})
+    return (_same_code(fn, _plain_eager) and _same_code(names.get("repeat_kv"), _plain_repeat_kv)
+            and names.get("torch") is torch and names.get("nn") is nn)
 
 
 def grouped_kernel(model: nn.Module, base: str | None) -> str | None:

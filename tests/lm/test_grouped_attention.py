@@ -109,17 +109,15 @@ def test_the_sampler_decodes_without_repeating_the_cache_and_draws_the_plain_att
         with attention_kernel(model, "eager"):
             return sample(model, PROMPTS, params, 0, [2], group_size=2, generator=torch.Generator().manual_seed(0), compile=compile)
 
-    repeats = []
+    folds = []
     if not compile:  # counted eagerly only (a counter inside a compiled step would recompile it each call)
-        plain = modeling_llama.repeat_kv
-        monkeypatch.setattr(modeling_llama, "repeat_kv", lambda x, n: repeats.append(n) or plain(x, n))
+        monkeypatch.setattr(grouped_attention_module, "_fold", lambda query, groups: folds.append(groups) or _fold(query, groups))
     grouped = draw()
-    prefill_repeats = len(repeats)
     monkeypatch.setattr("rlalign.lm.sampling.grouped_kernel", lambda model, base: None)
     repeated = draw()
-    if not compile:  # the prefill's two a layer, then none while decoding (the plain loop: two a layer a step)
-        decode_steps = repeated.completion_ids.shape[1] - 1
-        assert prefill_repeats == 2 * 2 and len(repeats) - prefill_repeats == 2 * 2 * (1 + decode_steps)
+    if not compile:  # every layer of every decode step stacked its heads (2 layers, n = 2); the plain loop none
+        decode_steps = grouped.completion_ids.shape[1] - 1
+        assert len(folds) == 2 * decode_steps and set(folds) == {2}
     assert torch.equal(grouped.completion_ids, repeated.completion_ids) and repeated.completion_ids.unique().numel() > 5
     torch.testing.assert_close(grouped.logprobs, repeated.logprobs, rtol=0, atol=1e-5)
 
@@ -135,3 +133,54 @@ def test_on_a_transformers_without_pack_gqa_the_sdpa_decode_loop_stacks_the_head
     assert seen and set(seen) == {2} and model.config._attn_implementation == "sdpa"
     assert torch.equal(before.completion_ids, after.completion_ids)
     torch.testing.assert_close(before.logprobs, after.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [GROUPED_EAGER, GROUPED_SDPA])
+def test_a_forward_given_a_2d_mask_inside_the_switch_builds_the_masks_it_did_before(name):
+    # padding and causality: a model switched to a grouped name and given a 2-D mask (a forward or
+    # generate() inside the switch) computes what its own kernel does
+    model = make_llama(num_key_value_heads=2)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        changed = ids.clone()
+        changed[:, 5:] = 11
+        with attention_kernel(model, name):
+            got = model(input_ids=ids, attention_mask=mask).logits
+            later_changed = model(input_ids=changed, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=0, atol=1e-5)
+    real = mask[:, :5].bool()
+    assert torch.equal(later_changed[:, :5][real], got[:, :5][real])  # causal: a position never sees later tokens
+
+
+def test_a_model_whose_repeat_kv_pairs_heads_otherwise_is_not_admitted(monkeypatch):
+    # the eager attention's own code is Llama's, but the repeat_kv it calls tiles the heads (head h
+    # meets key/value head h % KVH): stacking by h // n would pair them wrongly
+    model = make_llama(num_key_value_heads=2)
+    assert grouped_kernel(model, "eager") == GROUPED_EAGER
+    monkeypatch.setattr(modeling_llama, "repeat_kv", lambda x, n: x.repeat(1, n, 1, 1))
+    assert grouped_kernel(model, "eager") is None
+
+
+def test_dropout_in_training_mode_draws_what_the_plain_attention_draws():
+    module, query, key, value, mask = _inputs()
+    module.train()
+    torch.manual_seed(0)
+    out, weights = grouped_eager_attention(module, query, key, value, mask, scaling=0.35, dropout=0.5)
+    torch.manual_seed(0)
+    want, want_weights = modeling_llama.eager_attention_forward(module, query, key, value, mask, scaling=0.35, dropout=0.5)
+    assert (weights == 0).any()  # dropout ran
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=1e-6)
+
+
+def test_grouped_sdpa_leaves_a_position_bias_or_a_softcap_to_transformers():
+    module, query, key, value, mask = _inputs()
+    bias = torch.randn(3, 8, 1, 9, generator=torch.Generator().manual_seed(1))  # one a head: nothing to stack
+    out, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.35, position_bias=bias)
+    want, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.35, position_bias=bias)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    assert (out - grouped_sdpa_attention(module, query, key, value, mask, scaling=0.35)[0]).abs().max() > 1e-2  # the bias counted
+    with pytest.raises(ValueError, match="softcap"):
+        grouped_sdpa_attention(module, query, key, value, mask, scaling=0.35, softcap=30.0)
