@@ -30,8 +30,9 @@
 #   6. memory at real batch sizes with the default micro_batch_size (auto), the process held to 80 GB:
 #      the 1B model at 16 x G 16 x 256 new tokens (256 rows x ~290 tokens) and a Qwen2.5-0.5B-shaped
 #      model (151,936-token vocabulary) at 4 x G 16 x 1000 (64 rows x ~1030 tokens); the rows chosen and
-#      each step's peak, the update's MFU, then (1B) one more step's update under torch.profiler ($LIMIT_MEMORY s for each,
-#      default 0: skipped; on an H200 the 1B run took 190 s, the profiled step included, and the 0.5B run 86 s)
+#      each step's peak, the update's MFU, then one more step's update under torch.profiler ($LIMIT_MEMORY s for each,
+#      default 0: skipped; on an H200 the 1B run took 190 s with its profiled step, the 0.5B run 86 s without one, and
+#      its steps take about 30 s each)
 #   7. benchmarks/packed_rows.py on the real SmolLM2-135M-Instruct (ragged completions), 16 x G 16 x 256
 #      new tokens: packed against padded rows, with shared prompts and with each row's own, as DDP /
 #      FSDP2 learners run ($LIMIT_PACKED s for each, default 0: skipped; needs $SMOLLM2_PARTS)
@@ -181,7 +182,7 @@ if [ "${LIMIT_ASYNC:-150}" -gt 0 ]; then
 fi
 # ---- 6. Memory at real batch sizes, micro_batch_size auto, 80 GB (optional) ----------------------------------
 if [ "${LIMIT_MEMORY:-0}" -gt 0 ]; then
-  for run in "llama-1b 16 256 --profile=update" "qwen-0.5b 4 1000"; do
+  for run in "llama-1b 16 256 --profile=update" "qwen-0.5b 4 1000 --profile=update"; do
     set -- $run
     start=$(date +%s)
     timeout -k 10 "$LIMIT_MEMORY" "$PY" benchmarks/mfu.py --device cuda --shape "$1" --autocast --bf16-sampler --prompts "$2" --group-size 16 \
