@@ -47,9 +47,7 @@ assert is evaluated on it. So:
 - an early exit (``os._exit``, ``sys.exit``, a signal, an ``atexit`` handler) reports nothing: 0;
 - a test that raises or passes its time limit, an exception the program swallows, or a value that is
   not a plain literal (an object whose ``__eq__`` always answers True) fails that test; patching
-  ``math.isclose`` or ``builtins`` inside the sandbox changes nothing here; a numpy scalar, a Counter,
-  a namedtuple (a subclass of a builtin container) is reported in its plain form, which ``==`` compares
-  as the value itself, and fails a test that looks at its type (``type``, ``isinstance``, ``repr``);
+  ``math.isclose`` or ``builtins`` inside the sandbox changes nothing here;
 - a program sees only the sub-expressions (``f(2)``), never the expected values or the operators
   applied to them, so it must produce the values a solution would; the report is the checker's,
   each line carrying a nonce the program never sees.
@@ -113,7 +111,6 @@ class TestCase:
 
     expressions: tuple[str, ...]
     check: str
-    type_sensitive: bool = False  # the check calls type, isinstance or repr: a value reported in its plain form ("~") fails it
 
     def passes(self, values: list[object]) -> bool:
         scope = {"__builtins__": {}, **{f"__leaf_{k}": v for k, v in enumerate(values)}, **_OUTSIDE_FUNCTIONS, **_BOUNDED, "math": _Math}
@@ -292,23 +289,19 @@ def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
             if not leaves:  # e.g. `assert sum([1, 2]) == 3` for a program's own sum: the builtin would answer, whatever the program
                 raise TestsError(f"assert {source} (line {statement.lineno}) calls none of the program's functions, so it checks nothing of "
                                  f"the program (a function named as one of {', '.join(sorted(_OUTSIDE_FUNCTIONS))} is evaluated as that builtin): {tests[:200]!r}")
-            typed = any(isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("type", "isinstance", "repr") for node in ast.walk(split))
-            cases.append(TestCase(tuple(leaves), ast.unparse(split), typed))
+            cases.append(TestCase(tuple(leaves), ast.unparse(split)))
     if not cases:
         raise TestsError(f"tests have no top-level assert statement, so nothing could be checked: {tests[:200]!r}")
     return "\n".join(setup) + "\n", cases
 
 
 def _passes(case: TestCase, payload: str) -> bool:
-    """Whether a case passes on its reported payload, the list of its expressions' reprs, each parsed as a plain literal
-    (one marked "~" is the plain form of a numpy scalar, a Counter, a namedtuple: == as the value, but not its type)."""
+    """Whether a case passes on its reported payload, the list of its expressions' reprs, each parsed as a plain literal."""
     try:
         texts = literal(payload)
         if not isinstance(texts, list) or len(texts) != len(case.expressions) or not all(isinstance(text, str) for text in texts):
             return False
-        if case.type_sensitive and any(text.startswith("~") for text in texts):  # np.int64(4) reported as 4: type() would differ
-            return False
-        values = [literal(text.removeprefix("~")) for text in texts]
+        values = [literal(text) for text in texts]
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # not a plain literal: an object the program made up
         return False
     return case.passes(values)

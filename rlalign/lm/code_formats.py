@@ -337,7 +337,7 @@ class CallTests:
 
 def _call_passes(payload: str, expected) -> bool:
     try:
-        return same_value(literal(payload.removeprefix("~")), expected)  # "~": a numpy scalar, a Counter, ... as its plain form
+        return same_value(literal(payload), expected)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         return False
 

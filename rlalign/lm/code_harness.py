@@ -32,9 +32,7 @@ server, and reports whether each case statement passed.
 The server runs the program: in the call and check modes it executes it once (``__name__`` is
 "solution", so a ``__main__`` block does not run) and answers calls with the ``repr`` of the value;
 in the asserts mode it executes it as ``__main__``, then the tests' setup code in its globals, and
-answers each case with the ``repr`` of its expressions' values (rlalign.lm.code_execution); a value
-whose repr names a type (a numpy scalar, a Counter, a namedtuple) is answered as its plain form,
-marked "~" (:func:`reported`);
+answers each case with the ``repr`` of its expressions' values (rlalign.lm.code_execution);
 in the stdio mode it forks a child per case that runs the program as ``__main__`` with the case's
 input on stdin, and answers with the exit code and what it wrote on stdout.
 
@@ -393,7 +391,7 @@ def run_check(job, server, report):
                 except Exception:  # a class that needs arguments
                     error = RuntimeError(payload)
                 raise error
-            return literal(payload.removeprefix("~"))  # a numpy scalar, a Counter, a namedtuple: its plain form
+            return literal(payload)
 
         call.__name__ = name
         return call
@@ -470,43 +468,11 @@ def server(mode=None, case_cpu=None):
                 continue
             try:
                 if request[0] == "eval":  # the asserts format: the reprs of a case's expressions
-                    answer("ok\t" + repr([reported(eval(compile(expression, "test", "eval"), scope)) for expression in request[1]]))
+                    answer("ok\t" + repr([repr(eval(compile(expression, "test", "eval"), scope)) for expression in request[1]]))
                 else:
-                    answer("ok\t" + reported(_function(scope, request[1])(*request[2], **request[3])))
+                    answer("ok\t" + repr(_function(scope, request[1])(*request[2], **request[3])))
             except BaseException as err:
                 answer("error\t" + type(err).__name__)
-
-
-def plain(value, depth=0):
-    """``value`` with numpy scalars (and 0-d arrays) as their ``item()`` and subclasses of dict, list, tuple,
-    set and frozenset (Counter, OrderedDict, defaultdict, a namedtuple) as those builtins, inside containers
-    too: a literal the checker can parse, == to the value wherever it was; the value itself if nothing changes."""
-    kind = type(value)
-    if kind in (int, float, complex, str, bytes, bool, type(None)) or depth > 100:
-        return value
-    if kind.__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return value.item()
-    for base in (dict, list, tuple, set, frozenset):
-        if isinstance(value, base):
-            old = [x for pair in dict.items(value) for x in pair] if base is dict else list(base.__iter__(value))  # a dict: k1, v1, k2, ...
-            new = [plain(x, depth + 1) for x in old]
-            if kind is base and all(a is b for a, b in zip(new, old)):
-                return value
-            return dict(zip(new[::2], new[1::2])) if base is dict else base(new)
-    return value
-
-
-def reported(value):
-    """The ``repr`` of a value for the checker: its own, or, where that names a type (``np.int64(4)``,
-    ``Counter({'a': 2})``, ``P(x=1, y=2)``) and :func:`plain` changes the value, "~" and the plain one's
-    (compared as the value is by ``==``; the asserts format fails a case that looks at its type)."""
-    text = repr(value)
-    if "(" in text or "np." in text:
-        import re  # noqa: PLC0415 - only for such a value
-
-        if re.search(r"[A-Za-z_]\(|np\.", text) and (converted := plain(value)) is not value:
-            return "~" + repr(converted)
-    return text
 
 
 def _function(scope, name):

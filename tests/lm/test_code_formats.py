@@ -14,7 +14,7 @@ import pytest
 from rlalign.lm import sandbox
 from rlalign.lm.code_execution import AssertTests, TestsError, code_execution, code_tests
 from rlalign.lm.code_formats import CallTests, CheckTests, StdioTests, check_tests, io_tests, prompt_helpers, same_output, same_value
-from rlalign.lm.code_harness import literal, plain, reported
+from rlalign.lm.code_harness import literal
 
 needs_isolation = pytest.mark.skipif(sandbox.isolation_available() is not None, reason=f"no sandbox here: {sandbox.isolation_available()}")
 
@@ -315,38 +315,3 @@ def test_large_stdio_outputs_are_compared_whole_and_an_output_over_its_cap_is_co
     flood = "input()\nimport sys\nsys.stdout.write('0\\n' * (3 << 20))\n"  # 6 MiB for an expected 6 bytes: over 4 x 6 B + 1 MiB
     assert reward(["small"], [flood]) == [0.0]
     assert reward.pop_stats()["output_cut"] == 1
-
-
-def test_plain_forms_of_numpy_scalars_and_container_subclasses_compare_as_the_values_do():
-    import collections
-
-    import numpy as np
-
-    point = collections.namedtuple("Point", "x y")
-    for value, want in [(np.int64(4), 4), (np.float32(0.1), 0.10000000149011612), (np.bool_(True), True), (np.array(5), 5),
-                        (collections.Counter("aab"), {"a": 2, "b": 1}), (collections.OrderedDict(b=1, a=2), {"b": 1, "a": 2}),
-                        (collections.defaultdict(int, a=1), {"a": 1}), (point(1, 2), (1, 2)), ([np.int64(1), (np.float64(0.5),)], [1, (0.5,)]),
-                        ({np.int64(1): [point(1, 2)]}, {1: [(1, 2)]})]:
-        converted = plain(value)
-        assert converted == want and value == want and type(converted) is type(want)  # == as the value compares, as builtins
-        assert literal(reported(value).removeprefix("~")) == want and reported(value).startswith("~")
-    for value in [4, "f(x)", [1, (2, 3)], {"a": frozenset({1})}, None, 1.5]:  # plain already: the same object, no mark
-        assert plain(value) is value and reported(value) == repr(value)
-    array = np.array([1, 2])
-    assert plain(array) is array  # == on an array is no truth value: it stays as it is and fails, as in Python
-
-
-@needs_isolation
-def test_numpy_scalars_counters_and_namedtuples_pass_as_they_do_in_python_and_a_type_check_still_sees_the_difference():
-    # np.int64(4) == 4, Counter("aa") == {"a": 2}, Point(1, 2) == (1, 2) in Python: each case passes as in the peers' harnesses
-    asserts = {"p": "assert f(2) == 4\nassert g() == {'a': 2}\nassert h() == (1, 2)"}
-    humaneval = {"p": {"test": "def check(candidate):\n    assert candidate(2) == 4\n", "entry_point": "f"}}
-    call = {"p": {"input_output": {"fn_name": "f", "inputs": [[2]], "outputs": [4]}}}
-    program = ("import numpy as np\nfrom collections import Counter, namedtuple\nPoint = namedtuple('Point', 'x y')\n"
-               "def f(x):\n    return np.int64(x * 2)\ndef g():\n    return Counter('aa')\ndef h():\n    return Point(1, 2)\n")
-    for rows in (asserts, humaneval, call):
-        assert code_execution(rows, partial_credit=True)(["p"], [program]) == [1.0], rows
-    # a check that looks at the type of a value reported in its plain form fails, whatever Python says: type(np.int64(4)) == int
-    # is False there, isinstance(Counter(), dict) True (the one place this is stricter than Python, as before the plain forms)
-    typed = {"p": "assert type(f(2)) == int\nassert isinstance(g(), dict)\nassert f(2) == 4"}
-    assert code_execution(typed, partial_credit=True)(["p", "p"], [program, program.replace("np.int64(x * 2)", "x * 2")]) == [1 / 3, 2 / 3]
