@@ -287,6 +287,7 @@ def rlalign_worker(spec: dict, chan: lb.Channel) -> None:
                     "t_generate": metrics["time/generate"], "t_score": metrics["time/score"], "t_reference": ref_time.total,
                     "t_old_logp": old_time.total, "t_train": metrics["time/train"] - ref_time.total - old_time.total,
                     "logprob_mismatch": metrics.get("logprob_mismatch"), "t_update": metrics.get("time/update"), "update_flops": flops_of(metrics),
+                    "micro_rows": metrics.get("memory/micro_rows"), "pass_rows": metrics.get("memory/pass_rows"),  # rows per forward (auto)
                 }
             )
         _release_gpu_cache(spec["device"])
@@ -463,6 +464,7 @@ def summarise(side: str, records: list[dict], info: dict, last: int) -> dict:
     }
     if timed and timed[0].get("update_flops") and timed[0].get("t_update"):
         out["update_tflops"] = statistics.median(r["update_flops"] / r["t_update"] for r in timed) / 1e12
+        out["rows_per_forward"] = sorted({(r.get("micro_rows"), r.get("pass_rows")) for r in timed}, key=str)  # (update, no-grad pass)
     for key in ("t_generate", "t_score", "t_reference", "t_old_logp", "t_train", "t_update", "compute_time", "log_time"):
         if timed and key in timed[0] and timed[0][key] is not None:
             out[f"median_{key}_s"] = statistics.median(r[key] for r in timed)
@@ -497,11 +499,12 @@ def markdown(summaries: list[dict], baseline: str = "rlalign", bf16_peak_tflops:
     if any("update_tflops" in s for s in summaries):
         peak = f"the bfloat16 peak measured here, {bf16_peak_tflops:.0f} TFLOP/s" if bf16_peak_tflops else "no peak measured"
         lines += ["", f"rlalign's policy update (forward + backward + clip + AdamW, FLOPs counted as benchmarks/mfu.py counts them), against {peak}:", "",
-                  "| side | median update s | update TFLOP/s | MFU |", "|---|---:|---:|---:|"]
+                  "| side | median update s | update TFLOP/s | MFU | rows per forward: update / no-grad pass |", "|---|---:|---:|---:|---|"]
         for s in summaries:
             if "update_tflops" in s:
                 mfu = f"{s['update_tflops'] / bf16_peak_tflops:.1%}" if bf16_peak_tflops else "-"
-                lines.append(f"| {s['side']} | {s['median_t_update_s']:.3f} | {s['update_tflops']:.1f} | {mfu} |")
+                rows = ", ".join(f"{u} / {n}" for u, n in s.get("rows_per_forward", []))
+                lines.append(f"| {s['side']} | {s['median_t_update_s']:.3f} | {s['update_tflops']:.1f} | {mfu} | {rows} |")
     return "\n".join(lines)
 
 
