@@ -59,9 +59,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import functools
 import json
 import math
+import operator
 import os
 import re
 import threading
@@ -73,7 +75,7 @@ from rlalign.lm.code_formats import (
     FORBID_PROCESSES, IO_COLUMNS, REPORT_KB, CallTests, CheckTests, Job, Scores, StdioTests, TestsError, WallTimeout, check_tests, extract_code, io_tests,
     run_checker, scores,
 )
-from rlalign.lm.code_harness import literal
+from rlalign.lm.code_values import literal, unwire
 from rlalign.lm.reward_calls import UNSCORED
 from rlalign.lm.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 
@@ -139,13 +141,21 @@ def _bounded_pow(base, exponent, modulus=None):
 
 
 def _bounded_mult(left, right):
-    sequences = (str, bytes, list, tuple)
+    sequences = (str, bytes, list, tuple, collections.deque)
     for seq, n in ((left, right), (right, left)):
-        if isinstance(seq, sequences) and isinstance(n, int) and len(seq) * n > MAX_RESULT_ITEMS:
+        if isinstance(seq, sequences) and len(seq) * _count(n) > MAX_RESULT_ITEMS:
             raise ResultTooLarge("a repeated sequence past the bound")
     if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_RESULT_BITS:
         raise ResultTooLarge("a product past the bound")
     return left * right
+
+
+def _count(n) -> int:
+    """``n`` as a sequence's repeat count (an int, a numpy integer: what has ``__index__``), else 0."""
+    try:
+        return operator.index(n)
+    except TypeError:
+        return 0
 
 
 def _bounded_lshift(left, right):
@@ -296,13 +306,14 @@ def parse_tests(tests: str) -> tuple[str, list[TestCase]]:
 
 
 def _passes(case: TestCase, payload: str) -> bool:
-    """Whether a case passes on its reported payload, the list of its expressions' reprs, each parsed as a plain literal."""
+    """Whether a case passes on its reported payload, the list of its expressions' values as text
+    (rlalign.lm.code_values.wire), each rebuilt by :func:`rlalign.lm.code_values.unwire`."""
     try:
         texts = literal(payload)
         if not isinstance(texts, list) or len(texts) != len(case.expressions) or not all(isinstance(text, str) for text in texts):
             return False
-        values = [literal(text) for text in texts]
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # not a plain literal: an object the program made up
+        values = [unwire(text) for text in texts]
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # neither a plain literal nor a type rebuilt here: an object the program made up
         return False
     return case.passes(values)
 

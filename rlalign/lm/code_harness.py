@@ -30,23 +30,26 @@ the dataset's ``check`` function itself, the program's functions replaced by pro
 server, and reports whether each case statement passed.
 
 The server runs the program: in the call and check modes it executes it once (``__name__`` is
-"solution", so a ``__main__`` block does not run) and answers calls with the ``repr`` of the value;
-in the asserts mode it executes it as ``__main__``, then the tests' setup code in its globals, and
-answers each case with the ``repr`` of its expressions' values (rlalign.lm.code_execution);
+"solution", so a ``__main__`` block does not run) and answers calls with the value as text
+(rlalign.lm.code_values.wire: its ``repr``, or a tagged literal for a numpy, collections or
+namedtuple value); in the asserts mode it executes it as ``__main__``, then the tests' setup code in
+its globals, and answers each case with the texts of its expressions' values (rlalign.lm.code_execution);
 in the stdio mode it forks a child per case that runs the program as ``__main__`` with the case's
 input on stdin, and answers with the exit code and what it wrote on stdout.
 
-:func:`literal` is also what the trainer parses reported values with.
+Values are read back, here and in the trainer, by rlalign.lm.code_values.unwire, which builds only
+plain literals and the types that module lists; in the sandbox that module runs first, in this one's globals.
 """
 
-import _ast
 import builtins
 import os
 import sys
 
+if __name__ != "__main__":  # in the sandbox rlalign.lm.code_values ran first, in these globals (rlalign.lm.code_formats.HARNESS)
+    from rlalign.lm.code_values import TYPED, allow_long_ints, literal, unwire, wire
+
 PR_SET_DUMPABLE = 4
 MAX_LINE = 4 << 20  # longest answer line the checker reads from the server, unless its job sets each case's
-INT_DIGITS = 100_000  # the longest int (in decimal digits) a value may carry, both ways (Python's own default: 4300)
 REPORT_SHORT = 512  # a report line this long is always written: the trainer's report budget keeps room for one per case
 # the syscall numbers forbid_processes filters, by architecture: AUDIT_ARCH, clone, clone3, the other calls that
 # start a process, those that signal a process given as their first argument (kill, tgkill, rt_sigqueueinfo,
@@ -106,51 +109,6 @@ def forbid_processes():
     if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
         return False
     return libc.prctl(22, 2, ctypes.byref(Program(len(program), filters)), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-
-
-def allow_long_ints():
-    """Raise this process's limit on int <-> str conversions to :data:`INT_DIGITS` digits (never lower
-    it): an honest value such as ``10 ** 5000`` must cross as its ``repr`` and be parsed back, which
-    Python's default of 4300 digits refuses; the bound keeps the parse of a hostile value cheap."""
-    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
-    if 0 < limit < INT_DIGITS:
-        sys.set_int_max_str_digits(INT_DIGITS)
-
-
-def literal(text: str):
-    """The plain Python literal ``text`` (what ``ast.literal_eval`` accepts, plus ``inf`` and ``nan`` as
-    ``repr`` writes them), built without running any code; ints of up to :data:`INT_DIGITS` digits.
-    Raises ValueError, TypeError, SyntaxError, RecursionError or MemoryError on anything else."""
-    allow_long_ints()
-    return _literal(compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST).body, 0)
-
-
-def _literal(node, depth):
-    if depth > 200:
-        raise ValueError("literal nested too deep")
-    kind = type(node)
-    if kind is _ast.Constant and node.value is not Ellipsis:
-        return node.value
-    if kind in (_ast.List, _ast.Tuple, _ast.Set):
-        items = [_literal(item, depth + 1) for item in node.elts]
-        return list(items) if kind is _ast.List else tuple(items) if kind is _ast.Tuple else set(items)
-    if kind is _ast.Dict and None not in node.keys:
-        return {_literal(k, depth + 1): _literal(v, depth + 1) for k, v in zip(node.keys, node.values)}
-    if kind is _ast.Name and node.id in ("inf", "nan"):
-        return float(node.id)
-    if kind is _ast.UnaryOp and type(node.op) in (_ast.USub, _ast.UAdd):
-        value = _literal(node.operand, depth + 1)
-        if type(value) in (int, float, complex):
-            return -value if type(node.op) is _ast.USub else value
-    if kind is _ast.BinOp and type(node.op) in (_ast.Add, _ast.Sub):  # complex numbers: 1+2j
-        left, right = _literal(node.left, depth + 1), _literal(node.right, depth + 1)
-        if type(left) in (int, float) and type(right) is complex:
-            return left + right if type(node.op) is _ast.Add else left - right
-    if kind is _ast.Call and type(node.func) is _ast.Name and node.func.id in ("set", "frozenset") and not node.keywords and len(node.args) <= 1:
-        items = _literal(node.args[0], depth + 1) if node.args else ()
-        if type(items) in (list, tuple, set):
-            return set(items) if node.func.id == "set" else frozenset(items)
-    raise ValueError("not a plain literal: " + type(node).__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +335,7 @@ def run_check(job, server, report):
 
     def proxy(name):
         def call(*args, **kwargs):
-            status, payload = server.ask(repr(("call", name, args, kwargs)))
+            status, payload = server.ask(wire(("call", name, args, kwargs)))
             if status == "wall":
                 raise _Wall
             if status == "too_long":
@@ -391,7 +349,7 @@ def run_check(job, server, report):
                 except Exception:  # a class that needs arguments
                     error = RuntimeError(payload)
                 raise error
-            return literal(payload)
+            return unwire(payload)
 
         call.__name__ = name
         return call
@@ -462,15 +420,15 @@ def server(mode=None, case_cpu=None):
     names = {"__builtins__": {}, "inf": float("inf"), "nan": float("nan"), "set": set, "frozenset": frozenset}
     with requests:
         for line in requests:
-            request = eval(line, names)  # noqa: S307 - the checker's request: a literal
+            request = unwire(line.decode().rstrip("\n")) if line.startswith(TYPED.encode()) else eval(line, names)  # noqa: S307 - the checker's request: a literal
             if request[0] == "stdio":
                 answer(run_stdio(code, request[1], case_cpu, request[2]))
                 continue
             try:
                 if request[0] == "eval":  # the asserts format: the reprs of a case's expressions
-                    answer("ok\t" + repr([repr(eval(compile(expression, "test", "eval"), scope)) for expression in request[1]]))
+                    answer("ok\t" + repr([wire(eval(compile(expression, "test", "eval"), scope)) for expression in request[1]]))
                 else:
-                    answer("ok\t" + repr(_function(scope, request[1])(*request[2], **request[3])))
+                    answer("ok\t" + wire(_function(scope, request[1])(*request[2], **request[3])))
             except BaseException as err:
                 answer("error\t" + type(err).__name__)
 

@@ -151,10 +151,11 @@ def test_a_check_evaluated_here_cannot_be_made_to_build_a_huge_result_from_the_p
 
 def test_an_answer_with_more_values_than_the_assert_has_expressions_is_not_parsed():
     from rlalign.lm.code_execution import _passes
-    from rlalign.lm.code_harness import literal as literal_of_payload
 
     _, [case] = parse_tests("assert f(2) == 4")
     assert _passes(case, repr(["4"])) and not _passes(case, repr(["4", "4"]))
     with pytest.MonkeyPatch.context() as patch:  # the count is checked before any value is parsed
-        patch.setattr("rlalign.lm.code_execution.literal", lambda text, _real=literal_of_payload: _real(text) if text.startswith("[") else 1 / 0)
+        patch.setattr("rlalign.lm.code_execution.unwire", lambda text: 1 / 0)
         assert not _passes(case, repr(["0"] * 100_000))
+        with pytest.raises(ZeroDivisionError):  # the patch is where values are parsed
+            _passes(case, repr(["0"]))

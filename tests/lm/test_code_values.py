@@ -1,0 +1,203 @@
+"""Values a program returns cross the code sandbox as text and are rebuilt outside as the same types
+(rlalign.lm.code_values), so a case passes where Python's own assert passes and fails where it fails:
+a table of (returned value, assert) pairs scored in the asserts, HumanEval and call formats against
+Python's verdict on the real value."""
+
+import collections
+import math
+
+import numpy as np
+import pytest
+
+from rlalign.lm import sandbox
+from rlalign.lm.code_execution import MAX_RESULT_ITEMS, code_execution, parse_tests
+from rlalign.lm.code_formats import _call_passes, same_value
+from rlalign.lm.code_values import MAX_ARRAY_BYTES, TYPED, unwire, wire
+
+needs_isolation = pytest.mark.skipif(sandbox.isolation_available() is not None, reason=f"no sandbox here: {sandbox.isolation_available()}")
+
+Point = collections.namedtuple("Point", "x y")
+
+# what f() returns, as a program writes it (numpy and collections imported by each program)
+RETURNS = {
+    "np_int": "np.int64(4)",
+    "np_bool": "np.bool_(True)",
+    "np_f64": "np.float64(0.1) + np.float64(0.2)",
+    "np_f32": "np.float32(0.1)",
+    "np_list": "[np.int64(1), np.int64(2), np.int64(3)]",
+    "np_array": "np.array([1, 2, 3])",
+    "np_str": "np.str_('ab')",
+    "np_nested": "{np.int64(1): [np.float64(0.5)]}",
+    "counter": "collections.Counter('abca')",
+    "ordered": "collections.OrderedDict([('b', 1), ('a', 2)])",
+    "default": "collections.defaultdict(list, {'a': [1]})",
+    "deque": "collections.deque([1, 2, 3])",
+    "point": "collections.namedtuple('Point', 'x y')(1, 2)",
+    "plain": "[1, (2, 'x'), {'k': None}]",
+}
+# (which f, the assert's expression): each is scored against Python's verdict on the real value
+ASSERTS = [
+    ("np_int", "f() == 4"), ("np_int", "type(f()) == int"), ("np_int", "isinstance(f(), int)"), ("np_int", "str(f()) == '4'"),
+    ("np_int", "repr(f()) == '4'"), ("np_int", "f() + 1 == 5"), ("np_int", "f() // 3 == 1"),
+    ("np_bool", "f() is True"), ("np_bool", "f() == True"), ("np_bool", "f()"), ("np_bool", "not f()"), ("np_bool", "str(f()) == 'True'"),
+    ("np_f64", "f() == 0.30000000000000004"), ("np_f64", "abs(f() - 0.3) < 1e-9"), ("np_f64", "round(f(), 2) == 0.3"), ("np_f64", "type(f()) == float"),
+    ("np_f32", "f() == 0.1"), ("np_f32", "abs(f() - 0.1) < 1e-6"),
+    ("np_list", "f() == [1, 2, 3]"), ("np_list", "str(f()) == '[1, 2, 3]'"), ("np_list", "sum(f()) == 6"),
+    ("np_array", "list(f()) == [1, 2, 3]"), ("np_array", "f() == [1, 2, 3]"), ("np_array", "len(f()) == 3"), ("np_array", "sum(f()) == 6"),
+    ("np_array", "f().tolist() == [1, 2, 3]"),
+    ("np_str", "f() == 'ab'"), ("np_str", "type(f()) == str"), ("np_str", "f() + 'c' == 'abc'"),
+    ("np_nested", "f() == {1: [0.5]}"), ("np_nested", "str(f()) == '{1: [0.5]}'"),
+    ("counter", "f() == {'a': 2, 'b': 1, 'c': 1}"), ("counter", "str(f()) == \"Counter({'a': 2, 'b': 1, 'c': 1})\""), ("counter", "f()['z'] == 0"),
+    ("counter", "f().most_common(1) == [('a', 2)]"), ("counter", "type(f()) == dict"), ("counter", "isinstance(f(), dict)"),
+    ("ordered", "list(f()) == ['b', 'a']"), ("ordered", "list(f()) == ['a', 'b']"), ("ordered", "f() == {'a': 2, 'b': 1}"),
+    ("ordered", "str(f()) == str(dict(f()))"),
+    ("default", "f()['x'] == []"), ("default", "f() == {'a': [1]}"), ("default", "len(f()) == 1"),
+    ("deque", "list(f()) == [1, 2, 3]"), ("deque", "f() == [1, 2, 3]"), ("deque", "len(f()) == 3"),
+    ("point", "f() == (1, 2)"), ("point", "f()[0] == 1"), ("point", "str(f()) == 'Point(x=1, y=2)'"), ("point", "f().x == 1"),
+    ("point", "type(f()) == tuple"), ("point", "isinstance(f(), tuple)"),
+    ("plain", "f() == [1, (2, 'x'), {'k': None}]"), ("plain", "f() == [1, [2, 'x'], {'k': None}]"),
+]
+# (which f, the expected value of a call-format row, as JSON gives it)
+CALLS = [("np_int", 4), ("np_int", 5), ("np_bool", True), ("np_f32", 0.1), ("np_list", [1, 2, 3]), ("np_array", [1, 2, 3]),
+         ("counter", {"a": 2, "b": 1, "c": 1}), ("point", [1, 2]), ("deque", [1, 2, 3]), ("np_f64", 0.30000000000000004), ("plain", [1, [2, "x"], {"k": None}])]
+
+
+def program(name: str) -> str:
+    return f"import collections\nimport numpy as np\n\ndef f():\n    return {RETURNS[name]}\n"
+
+
+def python_verdict(name: str, expression: str) -> bool:
+    """Whether Python's own ``assert <expression>`` passes on the program's real value."""
+    scope: dict = {}
+    exec(program(name), scope)  # noqa: S102 - the test's own programs
+    try:
+        return bool(eval(expression, scope))  # noqa: S307
+    except Exception:  # e.g. the truth value of an array
+        return False
+
+
+def test_the_table_holds_both_verdicts_and_the_plain_form_alone_would_get_them_wrong():
+    verdicts = [python_verdict(name, expression) for name, expression in ASSERTS]
+    assert 20 < sum(verdicts) < len(verdicts) - 10  # passes and failures both
+    # the plain form of these values (np.True_ -> True, a Counter -> a dict, a namedtuple -> a tuple) passes some asserts Python fails
+    plain = {"np_bool": True, "counter": {"a": 2, "b": 1, "c": 1}, "point": (1, 2), "np_f32": 0.10000000149011612}
+
+    def plain_verdict(name, expression):
+        try:
+            return bool(eval(expression, {"f": lambda: plain[name]}))  # noqa: S307
+        except Exception:
+            return False
+
+    flipped = [(name, e) for name, e in ASSERTS if name in plain and plain_verdict(name, e) and not python_verdict(name, e)]
+    assert ("np_bool", "f() is True") in flipped and ("counter", "type(f()) == dict") in flipped and ("point", "type(f()) == tuple") in flipped
+
+
+@pytest.mark.parametrize("name", sorted(RETURNS))
+def test_each_value_crosses_as_its_own_type_and_repr(name):
+    scope: dict = {}
+    exec(program(name), scope)  # noqa: S102
+    value = scope["f"]()
+    text = wire(value)
+    assert text.startswith(TYPED) == (name != "plain")
+    back = unwire(text)
+    assert type(back).__name__ == type(value).__name__ and repr(back) == repr(value)
+    if isinstance(value, np.ndarray):
+        assert back.dtype == value.dtype and np.array_equal(back, value)
+    else:
+        assert back == value
+
+
+def test_numpy_values_of_each_kind_and_shape_cross_whole():
+    values = [np.int8(-3), np.uint64(2**64 - 1), np.float16(0.1), np.complex64(1 - 2j), np.bytes_(b"x"), np.float64(math.inf), np.array(2.5),
+              np.zeros((2, 0, 3), dtype=np.int32), np.array([[True, False]]), np.array([b"ab", b"c"]), np.array([1 + 1j], dtype=np.complex128)]
+    for value in values:
+        back = unwire(wire(value))
+        assert type(back) is type(value) and back.dtype == value.dtype and repr(back) == repr(value)
+    nan = unwire(wire(np.float32("nan")))
+    assert type(nan) is np.float32 and math.isnan(nan)
+
+
+def test_a_type_not_rebuilt_here_fails_even_where_its_repr_reads_as_a_plain_value():
+    class Id(int):
+        pass
+
+    assert repr(Id(3)) == "3"  # read as a plain int, `type(f()) is int` would pass where Python fails it
+    for value in (Id(3), [Id(3)], collections.defaultdict(lambda: 0), [np.datetime64("2026-01-01")], np.array([1], dtype=object), {"k": range(3)}):
+        with pytest.raises(ValueError, match="not rebuilt here"):
+            unwire(wire(value))
+
+
+@pytest.mark.parametrize("forged", [
+    "('np', '|O', 1)", "('np', '<M8[D]', 1)", "('np', '<f16', 1.0)", "('np', '<i8', 'a')", "('np', '<i1', 1000)", "('np', '|b1', 1)",
+    "('ndarray', '<i8', (2,), [1])", "('ndarray', '<i8', (-1,), [])", "('ndarray', '<U99999999', (2,), ['a', 'b'])",
+    "('ndarray', '<i8', (1,), [[1]])", "('namedtuple', 'P', ('__class__',), ('=', [1]))", "('namedtuple', 'P', ('a b',), ('=', [1]))",
+    "('namedtuple', 'P', ('x', 'x'), ('=', [1, 2]))", "('namedtuple', 'class', ('x',), ('=', [1]))", "('namedtuple', 'P', ('x',), ('=', [1, 2]))",
+    "('defaultdict', 'os.system', ('=', []))", "('deque', ('=', [1]), -1)", "('Counter', ('=', [1, 2]))", "('dict', [(('=', []), ('=', 1))])",
+    "('eval', '1')", "['=', 1]", "('=',)", "('=', 1, 2)", "1",
+])
+def test_a_forged_tagged_value_is_refused_with_a_value_error(forged):
+    with pytest.raises(ValueError):
+        unwire(TYPED + forged)
+
+
+def test_a_claimed_dtype_cannot_inflate_an_array_past_the_bound():
+    items = ["a"] * 100
+    with pytest.raises(ValueError, match="an array over"):
+        unwire(TYPED + repr(("ndarray", f"<U{MAX_ARRAY_BYTES // 400 + 1}", (100,), items)))
+    assert unwire(TYPED + repr(("ndarray", f"<U{MAX_ARRAY_BYTES // 400}", (100,), items))).shape == (100,)
+
+
+def test_a_numpy_count_cannot_grow_a_sequence_past_the_bound_in_a_check():
+    _, cases = parse_tests("assert len([0] * f()) == 3\nassert len('ab' * f()) == 6\nassert len(f() * [0]) == 3")
+    assert all(case.passes([np.int64(3)]) for case in cases)
+    assert not any(case.passes([np.int64(MAX_RESULT_ITEMS)]) for case in cases)  # refused before a list of 4 million (Python would build it)
+    _, [repeated] = parse_tests("assert len(f() * g()) == 6")  # a deque repeats as a list does
+    assert repeated.passes([collections.deque([1, 2]), np.int64(3)]) and not repeated.passes([collections.deque([1, 2]), np.int64(MAX_RESULT_ITEMS)])
+
+
+def test_returned_values_compare_as_the_call_format_compares_them_on_the_real_value():
+    for name, expected in CALLS:
+        scope: dict = {}
+        exec(program(name), scope)  # noqa: S102
+        try:
+            real = bool(same_value(scope["f"](), expected))
+        except Exception:
+            real = False
+        assert _call_passes(wire(scope["f"]()), expected) == real, (name, expected)
+
+
+@needs_isolation
+def test_asserts_humaneval_and_call_formats_give_pythons_verdict_on_the_real_value():
+    reward = code_execution(partial_credit=True)
+    verdicts = [python_verdict(name, expression) for name, expression in ASSERTS]
+    loadable = []
+    for index, (name, expression) in enumerate(ASSERTS):
+        try:
+            parse_tests(f"assert {expression}")
+            loadable.append(index)
+        except Exception:  # a method or attribute of the value (f().x): computed next to the program, refused at load
+            assert "f()." in expression
+    asserts = reward(["p"] * len(loadable), [program(ASSERTS[i][0]) for i in loadable], tests=[f"assert {ASSERTS[i][1]}" for i in loadable])
+    assert asserts == [float(verdicts[i]) for i in loadable], [(ASSERTS[i], verdicts[i]) for i, s in zip(loadable, asserts) if s != verdicts[i]]
+    checks = [f"def check(candidate):\n    assert {expression.replace('f()', 'candidate()')}\n" for _, expression in ASSERTS]
+    humaneval = reward(["p"] * len(ASSERTS), [program(name) for name, _ in ASSERTS], test=checks, entry_point=["f"] * len(ASSERTS))
+    assert humaneval == [float(v) for v in verdicts], [(a, v) for a, v, s in zip(ASSERTS, verdicts, humaneval) if s != v]
+    rows = [{"fn_name": "f", "inputs": [[]], "outputs": [expected]} for _, expected in CALLS]
+    calls = reward(["p"] * len(CALLS), [program(name) for name, _ in CALLS], input_output=rows)
+    expected_calls = []
+    for name, expected in CALLS:
+        scope: dict = {}
+        exec(program(name), scope)  # noqa: S102
+        try:
+            expected_calls.append(float(bool(same_value(scope["f"](), expected))))
+        except Exception:
+            expected_calls.append(0.0)
+    assert calls == expected_calls and 0 < sum(expected_calls) < len(CALLS)
+
+
+@needs_isolation
+def test_a_value_the_check_passes_back_to_the_program_crosses_both_ways():
+    check = "def check(candidate):\n    assert candidate(candidate(np.int64(2))) == 8\n    assert type(candidate(np.int64(2))) is np.int64\n"
+    rows = {"p": {"test": "import numpy as np\n" + check, "entry_point": "f"}}
+    doubles = "import numpy as np\ndef f(x):\n    assert type(x) is np.int64\n    return x * 2\n"
+    assert code_execution(rows, partial_credit=True)(["p", "p"], [doubles, "def f(x):\n    return int(x) * 2\n"]) == [1.0, 0.5]
