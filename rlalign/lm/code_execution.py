@@ -41,12 +41,13 @@ program's, is refused when the tests load. The checker of rlalign.lm.code_harnes
 mode) has the program's process run the program, then the setup, then evaluate each case's
 sub-expressions and answer with their ``repr``; the checker, another process, times each case in
 the CPU seconds of the program's process (the program can neither switch that clock off nor stop
-the checker) and reports; here each value is parsed back as a Python literal and the rest of the
-assert is evaluated on it. So:
+the checker) and reports; here each value is rebuilt (rlalign.lm.code_values: plain literals, and
+numpy, collections and namedtuple values as their own types, so ``is``, ``type`` and ``str`` answer
+as in Python) and the rest of the assert is evaluated on it. So:
 
 - an early exit (``os._exit``, ``sys.exit``, a signal, an ``atexit`` handler) reports nothing: 0;
 - a test that raises or passes its time limit, an exception the program swallows, or a value that is
-  not a plain literal (an object whose ``__eq__`` always answers True) fails that test; patching
+  of a type not rebuilt here (an object whose ``__eq__`` always answers True) fails that test; patching
   ``math.isclose`` or ``builtins`` inside the sandbox changes nothing here;
 - a program sees only the sub-expressions (``f(2)``), never the expected values or the operators
   applied to them, so it must produce the values a solution would; the report is the checker's,
@@ -88,7 +89,7 @@ CODE_FORMATS = ("auto", "asserts", "mbpp", "humaneval", "stdio", "call")
 CODE_COLUMNS = ("tests", "test", "entry_point", "test_list", "test_setup_code", "test_imports", *IO_COLUMNS, "private_tests", "generated_tests", "fn_name")
 
 
-# Functions the check outside the sandbox may call on reported values: pure, on plain literals. The
+# Functions the check outside the sandbox may call on reported values: pure, on the values rebuilt here. The
 # builtins an expected value is written with (``bin(10)[2:]``, ``pow(2, 10)``, ``chr(98)``) are among
 # them: evaluated here, the program cannot redefine them; a call of any other builtin is refused (_untrusted_leaf).
 _OUTSIDE_FUNCTIONS = {

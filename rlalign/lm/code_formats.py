@@ -17,13 +17,14 @@ never enter the sandbox:
   compared with the expected output (:func:`same_output`). A case passes when the program exits 0
   and its output matches.
 - call (APPS / TACO with ``fn_name``, LiveCodeBench's functional tests): the server calls the
-  function on each case's arguments; the ``repr`` of the value comes back and is parsed here as a
-  plain literal (:func:`rlalign.lm.code_harness.literal`) and compared (:func:`same_value`).
+  function on each case's arguments; the value comes back as text and is rebuilt here
+  (:func:`rlalign.lm.code_values.unwire`: plain literals, and numpy, collections and namedtuple
+  values as their own types) and compared (:func:`same_value`).
 - check (HumanEval: ``def check(candidate)`` with asserts, loops included, and an ``entry_point``):
   here the expected values are written inside ``check``, so ``check`` must run, and it runs in the
   checker, never in the program's process: the program's functions (``candidate``, and any other
   name of the test the prompt does not define) are proxies whose calls go to the server, and only
-  the returned values, parsed as plain literals, come back. The test's source and the nonce reach
+  the returned values, rebuilt as in the call format, come back. The test's source and the nonce reach
   the checker on its stdin, which it reads before the server starts, and the checker makes itself
   not dumpable, so the program (same user) can neither ptrace it, read its memory, nor open its
   descriptors. Each top-level statement of ``check`` holding an assert or a call of the program is
@@ -35,9 +36,9 @@ never enter the sandbox:
 What stays forgeable, by format: any program can return what a weak test accepts (``assert
 is_prime(7)`` passes for a function returning True). In the check format a program can still see
 the arguments it is called with (it must, to answer), and where the prompt is not Python a helper
-the check calls comes from the program. Values cross as literals only: a function that mutates its
-argument in place, or returns an object (a generator, a class instance), fails a check that relies on
-it. The call format compares with ``==`` after tuples become lists (APPS, LiveCodeBench); JSON's
+the check calls comes from the program. Values cross as copies, of the types rlalign.lm.code_values rebuilds: a function that mutates
+its argument in place, or returns an object of another type (a generator, a class instance), fails a
+check that relies on it. The call format compares with ``==`` after tuples become lists (APPS, LiveCodeBench); JSON's
 string keys of dicts are not turned back into ints.
 """
 
