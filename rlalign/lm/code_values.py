@@ -30,6 +30,7 @@ rlalign.lm.code_harness.
 """
 
 import _ast
+import _thread
 import sys
 
 TYPED = "&"  # a value's text starts with this when it is a tagged literal (no repr of a plain value does)
@@ -47,18 +48,32 @@ _NUMPY_KINDS = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8),
 def allow_long_ints():
     """Raise this process's limit on int <-> str conversions to :data:`INT_DIGITS` digits (never lower
     it): an honest value such as ``10 ** 5000`` must cross as its ``repr`` and be parsed back, which
-    Python's default of 4300 digits refuses; the bound keeps the parse of a hostile value cheap."""
+    Python's default of 4300 digits refuses; the bound keeps the parse of a hostile value cheap. For
+    the sandbox's processes, which are the harness's own; :func:`literal` leaves the trainer's limit as it is."""
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
     if 0 < limit < INT_DIGITS:
         sys.set_int_max_str_digits(INT_DIGITS)
 
 
+_LIMIT_LOCK = _thread.allocate_lock()  # one parse at a time lifts the limit, and puts it back
+
+
 def literal(text: str):
     """The plain Python literal ``text`` (what ``ast.literal_eval`` accepts, plus ``inf`` and ``nan`` as
-    ``repr`` writes them), built without running any code; ints of up to :data:`INT_DIGITS` digits.
+    ``repr`` writes them), built without running any code; ints of up to :data:`INT_DIGITS` digits
+    (the process's limit on int <-> str conversions is lifted for the parse only, then put back).
     Raises ValueError, TypeError, SyntaxError, RecursionError or MemoryError on anything else."""
-    allow_long_ints()
-    return _literal(compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST).body, 0)
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    if limit == 0 or limit >= INT_DIGITS:
+        tree = compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST)
+    else:
+        with _LIMIT_LOCK:
+            sys.set_int_max_str_digits(INT_DIGITS)
+            try:
+                tree = compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST)
+            finally:
+                sys.set_int_max_str_digits(limit)
+    return _literal(tree.body, 0)
 
 
 def _literal(node, depth):

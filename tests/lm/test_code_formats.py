@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 import pytest
 
@@ -294,7 +295,9 @@ def test_ints_longer_than_pythons_default_of_4300_digits_cross_whole_in_each_for
             "stdio": {"input_output": {"inputs": ["5000\n"], "outputs": ["1" + "0" * 5000]}}}  # the program prints it
     programs = {"stdio": "print(10 ** int(input()))\n"}
     reward = code_execution(rows)
+    limit = sys.get_int_max_str_digits()
     assert reward(list(rows), [programs.get(fmt, big) for fmt in rows]) == [1.0] * len(rows)
+    assert sys.get_int_max_str_digits() == limit < 100_000  # the trainer's own limit is lifted for each parse only
 
 
 @needs_isolation
