@@ -31,7 +31,7 @@ from torch.func import grad, vmap
 from rlalign.core.advantages import rloo_advantages
 from rlalign.core.losses import policy_gradient_loss
 from rlalign.explore._common import PLOTLY_COLOURS, grid_index, new_figure, panels_layout, save_figure, trace
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, each, number, require, whole
 
 SUMMARY = "REINFORCE gradient variance on a softmax bandit with no baseline, mean reward, optimal b*, and RLOO"
 
@@ -90,6 +90,14 @@ def compute(
     seed: int = 0,
 ) -> BaselineVarianceResult:
     """Monte-Carlo and exact variance of the batch REINFORCE gradient for each baseline and offset."""
+    require(
+        "baseline-variance",
+        offsets=(offsets, each(number()), "a non-empty sequence of finite numbers"),
+        sigma=(sigma, number(0), "a number >= 0"),
+        batch_size=(batch_size, whole(2), "a whole number >= 2 (the leave-one-out baseline needs two samples)"),
+        n_batches=(n_batches, whole(2), "a whole number >= 2"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     gen = torch.Generator().manual_seed(seed)
     theta = torch.tensor(THETA, dtype=torch.float64)  # (K,)
     mu = torch.tensor(MU, dtype=torch.float64)  # (K,)

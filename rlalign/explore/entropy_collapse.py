@@ -25,7 +25,7 @@ from rlalign.core.advantages import rloo_advantages
 from rlalign.core.kl import entropy_from_logits
 from rlalign.core.losses import entropy_loss, policy_gradient_loss
 from rlalign.explore._common import new_figure, panels_layout, save_figure, trace
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, each, number, require, whole
 
 SUMMARY = "policy entropy and reward over training on a bandit, with and without the entropy bonus c2*H"
 
@@ -75,6 +75,14 @@ def compute(
     seed: int = 0,
 ) -> EntropyCollapseResult:
     """Train one softmax policy per entropy coefficient; record entropy and expected reward per step."""
+    require(
+        "entropy-collapse",
+        coefs=(coefs, each(number(0)), "a non-empty sequence of numbers >= 0"),
+        n_steps=(n_steps, whole(1), "a whole number >= 1"),
+        batch_size=(batch_size, whole(2), "a whole number >= 2 (the leave-one-out baseline needs two samples)"),
+        lr=(lr, number(0, above=True), "a number > 0"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     mu = torch.tensor(MU, dtype=torch.float64)  # (K,)
     K, E = mu.numel(), len(coefs)
     gen = torch.Generator().manual_seed(seed)

@@ -31,7 +31,7 @@ import torch
 
 from rlalign.core.advantages import gae
 from rlalign.explore._common import grid_index, new_figure, panels_layout, save_figure, trace, vline
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, each, number, require, whole
 
 SUMMARY = "bias^2, variance and MSE of the GAE advantage vs lambda on a chain MDP with exact values (also GAEExplorer)"
 
@@ -118,6 +118,17 @@ def compute(
     seed: int = 0,
 ) -> GAESweepResult:
     """Bias^2, variance and MSE of core's GAE at each lambda, for the exact critic and a biased noisy one."""
+    require(
+        "gae-lambda-sweep",
+        lambdas=(lambdas, each(number(0, 1)), "a non-empty sequence of numbers in [0, 1]"),
+        n_states=(n_states, whole(1), "a whole number >= 1"),
+        gamma=(gamma, number(0, 1), "a number in [0, 1]"),
+        sigma=(sigma, number(0), "a number >= 0"),
+        critic_bias=(critic_bias, number(), "a finite number"),
+        critic_noise=(critic_noise, number(0), "a number >= 0"),
+        n_episodes=(n_episodes, whole(2), "a whole number >= 2"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     gen = np.random.default_rng(seed)
     P, _, V, Q = chain_mdp(n_states, gamma)
     V_hat = V + critic_bias + critic_noise * gen.standard_normal(n_states)

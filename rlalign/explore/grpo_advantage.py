@@ -26,7 +26,7 @@ import torch
 
 from rlalign.core.advantages import group_advantages, rloo_advantages
 from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, each, require, whole
 
 SUMMARY = "GRPO/Dr.GRPO/RLOO advantages of right and wrong answers vs success rate and G; fraction of tied groups"
 
@@ -73,6 +73,14 @@ def compute(
     seed: int = 0,
 ) -> GRPOAdvantageResult:
     """Advantages of a correct and a wrong answer for every k, and the tied-group fraction by sampling."""
+    require(
+        "grpo-advantage",
+        group_sizes=(group_sizes, each(whole(2)), "a non-empty sequence of whole numbers >= 2"),
+        scales_group_size=(scales_group_size, whole(2), "a whole number >= 2"),
+        tie_group_sizes=(tie_group_sizes, each(whole(2)), "a non-empty sequence of whole numbers >= 2"),
+        n_groups=(n_groups, whole(1), "a whole number >= 1"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     p_hat, correct, wrong = [], [], []
     for G in group_sizes:
         groups = torch.cat([_group_with_k(k, G) for k in range(1, G)])  # ((G-1) G,): one group per k, normalised per group

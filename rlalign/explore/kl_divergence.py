@@ -31,7 +31,7 @@ import torch
 
 from rlalign.core.kl import categorical_kl, kl_k1, kl_k2, kl_k3
 from rlalign.explore._common import PLOTLY_COLOURS, new_figure, panels_layout, save_figure, trace
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, each, number, require, whole
 
 SUMMARY = "forward vs reverse KL fitting a Gaussian to a bimodal target; bias and std of k1/k2/k3 vs true KL"
 
@@ -113,6 +113,19 @@ def compute(
     seed: int = 0,
 ) -> KLDivergenceResult:
     """Fit a Gaussian to the bimodal target both ways; exact and sampled moments of k1, k2, k3."""
+    require(
+        "kl-divergence",
+        n_grid=(n_grid, whole(2), "a whole number >= 2"),
+        mode_distance=(mode_distance, number(), "a finite number"),
+        mode_sigma=(mode_sigma, number(0, above=True), "a number > 0"),
+        n_fit_steps=(n_fit_steps, whole(1), "a whole number >= 1"),
+        start=(start, lambda v: len(v) == 2 and each(number())(v), "two finite numbers"),
+        lr=(lr, number(0, above=True), "a number > 0"),
+        n_categories=(n_categories, whole(2), "a whole number >= 2"),
+        deltas=(deltas, each(number(0, above=True)), "a non-empty sequence of numbers > 0"),
+        n_samples=(n_samples, whole(1), "a whole number >= 1"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     x = torch.linspace(-6.0, 6.0, n_grid, dtype=torch.float64)  # (V,)
     p_logits = torch.logaddexp(_gauss_logits(x, torch.tensor(-mode_distance), torch.tensor(np.log(mode_sigma))),
                                _gauss_logits(x, torch.tensor(mode_distance), torch.tensor(np.log(mode_sigma))))

@@ -34,7 +34,7 @@ import torch
 from rlalign.core.kl import categorical_kl, kl_k1
 from rlalign.core.losses import kl_penalty_loss, policy_gradient_loss
 from rlalign.explore._common import PLOTLY_COLOURS, grid_index, new_figure, panels_layout, save_figure, trace
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, each, number, require, whole
 
 SUMMARY = "reward vs KL(pi||ref) over beta on a bandit: k1-in-reward and k3-in-loss ascent vs the closed form"
 
@@ -141,6 +141,12 @@ def compute(
     lr: float = 0.2,
 ) -> KLPenaltyResult:
     """Gradient-ascent policies for each beta and method, the two closed forms, and their reward/KL."""
+    require(
+        "kl-penalty-tradeoff",
+        betas=(betas, each(number(0, above=True)), "a non-empty sequence of numbers > 0"),
+        n_steps=(n_steps, whole(1), "a whole number >= 1"),
+        lr=(lr, number(0, above=True), "a number > 0"),
+    )
     reward = torch.tensor(REWARD, dtype=torch.float64)
     ref_logits = torch.tensor(REF_LOGITS, dtype=torch.float64)
     ref = torch.softmax(ref_logits, -1)

@@ -36,7 +36,7 @@ from rlalign.classic.policy_evaluation import (
 )
 from rlalign.classic.value_iteration import tabular_model, value_iteration
 from rlalign.explore._common import new_figure, panels_layout, save_figure, trace, vline
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, number, require, whole
 
 SUMMARY = ("2x3 maze: V* and Q* by value iteration beside V^π, Q^π and A^π of a chosen policy (exact, and Monte Carlo "
            "converging to them)")
@@ -114,8 +114,14 @@ def compute(gamma: float = 0.9, sweeps: int = SWEEPS, policy: str = "uniform", e
             arrow_1: str = "down", arrow_3: str = "right", arrow_4: str = "right", episodes: int = 2000, seed: int = 0) -> MazeValuesResult:
     """Run ``sweeps`` value-iteration sweeps on the maze from V_0 = 0 and solve it with ``value_iteration``; evaluate
     the policy ``policy`` exactly and by ``episodes`` first-visit Monte-Carlo episodes (seeded by ``seed``)."""
-    if sweeps < 1:
-        raise ValueError("sweeps must be >= 1")
+    require(
+        "maze-values",
+        gamma=(gamma, number(0, 1), "a number in [0, 1]"),
+        sweeps=(sweeps, whole(1), "a whole number >= 1"),
+        epsilon=(epsilon, number(0, 1), "a number in [0, 1]"),
+        episodes=(episodes, whole(1), "a whole number >= 1"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     P = _model()
     prob, reward, cont = tabular_model(P)  # (S, A, S), (S, A), (S, A, S)
     n_s = len(P)

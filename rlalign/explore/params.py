@@ -7,17 +7,21 @@ such as the value-iteration sweep: moving it recomputes nothing). ``convert`` tu
 value into the keyword's (a single entropy coefficient into the tuple of those compared).
 :func:`parse_params` turns a request's text values into ``compute()`` keywords, or raises
 :class:`ParamError` naming the parameter and what is allowed: a value outside its range, of the
-wrong type, not on its step grid, or a name the explorer does not have.
+wrong type, not on its step grid, or a name the explorer does not have. A ``compute()`` called
+directly from Python checks its own arguments with :func:`require` against what the maths allows
+(wider than the page's ranges: ``gamma`` in [0, 1], a batch of at least two for a leave-one-out
+baseline), with one message naming the explorer, the keyword and what it must be.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Param", "ParamError", "parse_params", "defaults", "keywords"]
+__all__ = ["Param", "ParamError", "parse_params", "defaults", "keywords", "require", "whole", "number", "each"]
 
 
 class ParamError(ValueError):
@@ -110,3 +114,33 @@ def parse_params(params: Sequence[Param], query: Mapping[str, str]) -> dict[str,
     for name, text in query.items():
         values[name] = by_name[name].parse(text)
     return values
+
+
+def require(where: str, **checks: tuple[Any, Callable[[Any], bool], str]) -> None:
+    """Check the arguments of a ``compute()`` called directly (the page's values are checked by
+    :func:`parse_params`): each keyword is (value, test, what it must be); raises :class:`ParamError`
+    "<where>: <name>=<value> must be <what>" for the first that fails its test (or cannot be tested)."""
+    for name, (value, test, what) in checks.items():
+        try:
+            ok = bool(test(value))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ParamError(f"{where}: {name}={value!r:.60} must be {what}")
+
+
+
+def whole(low: int) -> Callable[[Any], bool]:
+    """The test of a whole number >= ``low`` (an int, a numpy integer; not a bool)."""
+    return lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low
+
+
+def number(low: float = -math.inf, high: float = math.inf, above: bool = False) -> Callable[[Any], bool]:
+    """The test of a finite real number in [low, high] (in (low, high] with ``above``)."""
+    return lambda v: (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                      and (v > low if above else v >= low) and v <= high)
+
+
+def each(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """The test of a non-empty sequence whose every item passes ``test``."""
+    return lambda values: len(values) > 0 and all(test(v) for v in values)

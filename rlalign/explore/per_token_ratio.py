@@ -28,7 +28,7 @@ from matplotlib.patches import Patch
 from rlalign.core.logprobs import token_logprobs
 from rlalign.core.losses import clipped_surrogate_loss, policy_gradient_loss
 from rlalign.explore._common import CLIP_COLOUR, NEG_COLOUR, PLOTLY_COLOURS, POS_COLOUR, new_figure, panels_layout, save_figure
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, number, require, whole
 
 SUMMARY = "per-token ratios pi/pi_old of a sampled sequence after one update, and which tokens the clip bounds"
 
@@ -65,6 +65,13 @@ class PerTokenRatioResult:
 
 def compute(seq_len: int = 12, eps: float = 0.2, lr: float = 12.0, seed: int = 0) -> PerTokenRatioResult:
     """Sample a sequence from pi_old, take one PG step of size ``lr``, report per-token ratios and clipping."""
+    require(
+        "per-token-ratio",
+        seq_len=(seq_len, whole(1), "a whole number >= 1"),
+        eps=(eps, number(0, 1, above=True), "a number in (0, 1]"),
+        lr=(lr, number(0), "a number >= 0"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     gen = torch.Generator().manual_seed(seed)
     V = len(VOCAB)
     old_logits = torch.randn(1, seq_len, V, generator=gen, dtype=torch.float64)  # (1, T, V)

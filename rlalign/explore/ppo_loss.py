@@ -22,7 +22,7 @@ from rlalign.core.losses import clipped_surrogate_loss
 from torch.func import grad_and_value, vmap
 
 from rlalign.explore._common import CLIP_COLOUR, NEG_COLOUR, POS_COLOUR, band, new_figure, panels_layout, save_figure, trace
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, number, require, whole
 
 SUMMARY = "PPO clipped objective vs ratio for A>0 and A<0: clip region, unclipped line, zero-gradient zones"
 
@@ -57,6 +57,13 @@ def _objective_at(ratio: torch.Tensor, advantage: torch.Tensor, eps: float) -> t
 
 def compute(eps: float = 0.2, advantage: float = 1.0, r_max: float = 2.0, n_points: int = 401) -> PPOLossResult:
     """Evaluate the clipped surrogate and its slope on a ratio grid (0, r_max] for A = +advantage, -advantage."""
+    require(
+        "ppo-loss-decomposition",
+        eps=(eps, number(0, 1, above=True), "a number in (0, 1]"),
+        advantage=(advantage, number(), "a finite number"),
+        r_max=(r_max, number(0, above=True), "a number > 0"),
+        n_points=(n_points, whole(2), "a whole number >= 2"),
+    )
     ratio = np.linspace(r_max / n_points, r_max, n_points)
     advantages = np.array([advantage, -advantage])
     # every grid point is its own one-token loss: vmap runs them at once, grad gives dL^CLIP/dr at each

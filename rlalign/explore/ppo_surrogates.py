@@ -28,7 +28,7 @@ from torch.func import vmap
 from rlalign.core.kl import categorical_kl
 from rlalign.core.losses import clipped_surrogate_loss
 from rlalign.explore._common import new_figure, panels_layout, save_figure, trace, vline
-from rlalign.explore.params import Param
+from rlalign.explore.params import Param, number, require, whole
 
 SUMMARY = "PPO paper fig. 2: KL, L^CPI, the clipped term and L^CLIP along the line from theta_old to the PPO update and beyond"
 
@@ -83,6 +83,18 @@ def compute(
     alpha_max: float = 2.5, n_points: int = 101, seed: int = 0,
 ) -> PPOSurrogatesResult:
     """theta_new by ``epochs`` full-batch Adam steps on L^CLIP, then the four curves on ``n_points`` alphas in [0, alpha_max]."""
+    require(
+        "ppo-surrogates",
+        eps=(eps, number(0, 1, above=True), "a number in (0, 1]"),
+        n_states=(n_states, whole(1), "a whole number >= 1"),
+        n_actions=(n_actions, whole(2), "a whole number >= 2"),
+        n_samples=(n_samples, whole(1), "a whole number >= 1"),
+        epochs=(epochs, whole(1), "a whole number >= 1"),
+        lr=(lr, number(0, above=True), "a number > 0"),
+        alpha_max=(alpha_max, number(0, above=True), "a number > 0"),
+        n_points=(n_points, whole(2), "a whole number >= 2"),
+        seed=(seed, whole(0), "a whole number >= 0"),
+    )
     theta_old, states, actions, advantages = _policy_samples(n_states, n_actions, n_samples, seed)
     theta = theta_old.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([theta], lr=lr)

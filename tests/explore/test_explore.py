@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -234,3 +235,49 @@ def test_cli_list_and_errors(tmp_path, capsys):
     assert "unknown explorer" in capsys.readouterr().err
     assert main(["explore", "--out", str(tmp_path)]) == 2
     assert not any(tmp_path.iterdir())
+
+
+# each explorer's compute() called directly with one bad argument: (explorer, keyword, value, what the message says it must be)
+BAD_ARGUMENTS = [
+    ("gae-lambda-sweep", "gamma", 1.5, "a number in [0, 1]"), ("gae-lambda-sweep", "lambdas", (0.5, 1.2), "numbers in [0, 1]"),
+    ("gae-lambda-sweep", "n_states", 0, "a whole number >= 1"), ("gae-lambda-sweep", "seed", -1, "a whole number >= 0"),
+    ("baseline-variance", "batch_size", 1, "a whole number >= 2"), ("baseline-variance", "sigma", -1.0, "a number >= 0"),
+    ("baseline-variance", "n_batches", 2.5, "a whole number >= 2"), ("entropy-collapse", "lr", 0.0, "a number > 0"),
+    ("entropy-collapse", "coefs", (), "a non-empty sequence"), ("grpo-advantage", "group_sizes", (1, 4), "whole numbers >= 2"),
+    ("kl-penalty-tradeoff", "betas", (0.0,), "numbers > 0"), ("kl-divergence", "start", (1.0,), "two finite numbers"),
+    ("kl-divergence", "mode_sigma", math.nan, "a number > 0"), ("maze-values", "gamma", 1.5, "a number in [0, 1]"),
+    ("maze-values", "sweeps", 0, "a whole number >= 1"), ("ppo-loss-decomposition", "n_points", True, "a whole number >= 2"),
+    ("ppo-surrogates", "n_actions", 1, "a whole number >= 2"), ("per-token-ratio", "eps", 0, "a number in (0, 1]"),
+]
+
+
+@pytest.mark.parametrize(("name", "keyword", "value", "must"), BAD_ARGUMENTS)
+def test_compute_called_directly_names_a_bad_argument_and_what_it_must_be(name, keyword, value, must):
+    # before, gamma=1.5 returned a meaningless sweep and batch_size=1 failed deep in torch
+    from rlalign.explore.params import ParamError
+
+    with pytest.raises(ParamError, match=rf"^{name}: {keyword}=.* must be .*{re.escape(must)}"):
+        EXPLORERS[name].load().compute(**{keyword: value})
+
+
+def test_every_explorer_accepts_its_own_defaults_and_page_ranges(monkeypatch):
+    # the checks must not refuse what the page offers: each declared parameter at both ends of its range
+    from rlalign.explore.params import keywords, require
+
+    def checks_only(where, **checks):
+        require(where, **checks)  # raises ParamError on a refused value, which fails the test
+        raise _Checked  # nothing computed
+
+    for explorer in EXPLORERS.values():
+        module = explorer.load()
+        monkeypatch.setattr(module, "require", checks_only)
+        for param in (p for p in explorer.params if p.stage == "compute"):
+            for value in ((param.low, param.high) if param.kind != "choice" else param.choices):
+                values = {p.name: p.default for p in explorer.params}
+                values[param.name] = int(value) if param.kind == "int" else value
+                with pytest.raises(_Checked):
+                    module.compute(**keywords(explorer.params, values, "compute"))
+
+
+class _Checked(Exception):
+    pass
