@@ -124,6 +124,10 @@ class _Wall(BaseException):
     """A call reached the wall-clock backstop: the run stops, and the trainer runs it again."""
 
 
+class _NotAValue(BaseException):
+    """A call returned a value not rebuilt here (rlalign.lm.code_values): its case fails, whatever the check catches."""
+
+
 class _TooLong(BaseException):
     """A call's answer passed its size cap: its case fails, counted apart (the trainer's ``output_cut``)."""
 
@@ -349,7 +353,10 @@ def run_check(job, server, report):
                 except Exception:  # a class that needs arguments
                     error = RuntimeError(payload)
                 raise error
-            return unwire(payload)
+            try:
+                return unwire(payload)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as err:  # a type not rebuilt here
+                raise _NotAValue(str(err)[:200]) from None  # not an exception the check could catch as the program's
 
         call.__name__ = name
         return call

@@ -11,17 +11,28 @@ real type, so that ``is``, ``==``, ``str``, ``type`` and arithmetic behave there
 is False):
 
 ============================  ==========================================================
-numpy                         scalars and arrays of bool, int8..int64, uint8..uint64,
-                              float16/32/64, complex64/128, str (``U``) and bytes (``S``)
+numpy scalars                 bool, int8..int64, uint8..uint64 (each C type: ``longlong``
+                              stays ``longlong``), float16/32/64, complex64/128, ``str_``,
+                              ``bytes_`` (trailing NULs kept)
 collections                   ``Counter``, ``OrderedDict``, ``deque`` (with its maxlen),
                               ``defaultdict`` whose factory is a builtin type or None
-namedtuples                   ``collections.namedtuple`` and ``typing.NamedTuple`` classes,
-                              rebuilt by name and fields
+namedtuples                   ``collections.namedtuple`` and ``typing.NamedTuple`` classes
+                              with namedtuple's own methods, rebuilt by name and fields
+                              (at most :data:`MAX_FIELDS`)
 ============================  ==========================================================
 
-Any other type (a class of the program's, a subclass of a builtin type, ``Decimal``, ``Fraction``,
+Any other type (a class of the program's, a subclass of any type above or of a builtin type, a
+namedtuple with a ``__repr__`` or ``__eq__`` of its own, a numpy array, ``Decimal``, ``Fraction``,
 a ``defaultdict`` with a lambda), anywhere in a value, crosses as a note that it is not rebuilt: its
-case fails, whatever its ``repr`` (``class Id(int)`` would read as a plain int). The program's side may write anything, so nothing it writes is trusted: :func:`unwire`
+case fails, whatever its ``repr`` (``class Id(int)`` would read as a plain int). Numpy arrays are
+left out on purpose: their size is not their text's (a shape with a zero in it, a string dtype's
+width, broadcasting in the check), and the check of the asserts format runs in the trainer.
+Everything rebuilt here is at most a constant times its text in memory.
+
+What a copy cannot keep: identity (``x is y`` for two values that were one object; two values of one
+namedtuple class, returned by two calls, are of two classes here, as if the class were made per call), an argument the program mutated in place (the
+check's own value is unchanged), and the order in which a set was iterated when it differs from the
+order a fresh set of the same items iterates in. The program's side may write anything, so nothing it writes is trusted: :func:`unwire`
 builds only the types above, from plain literals, checking every tag, dtype, field name and size;
 a program can claim a value it did not compute, which it could as well have returned.
 
@@ -36,13 +47,13 @@ import sys
 TYPED = "&"  # a value's text starts with this when it is a tagged literal (no repr of a plain value does)
 INT_DIGITS = 100_000  # the longest int (in decimal digits) a value may carry, both ways (Python's own default: 4300)
 MAX_DEPTH = 200  # nesting of a value, both ways
-MAX_ARRAY_BYTES = 1 << 26  # a rebuilt numpy array's memory at most (a claimed dtype cannot inflate a short text past it)
+MAX_FIELDS = 255  # fields of a namedtuple rebuilt here
 _ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None)})
 _SEQUENCES = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
-_MAPPINGS = {"collections.Counter": "Counter", "collections.OrderedDict": "OrderedDict"}
 _FACTORIES = {None: None, int: "int", float: "float", complex: "complex", str: "str", bytes: "bytes", bool: "bool",
               list: "list", tuple: "tuple", dict: "dict", set: "set", frozenset: "frozenset"}
-_NUMPY_KINDS = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16), "U": None, "S": None}
+_NUMPY_CHARS = "?bBhHiIlLqQefdFDUS"  # numpy scalar types by dtype.char: bool, the C ints, float16/32/64, complex64/128, str_, bytes_
+_KINDS = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "c": (int, float, complex), "U": (str,), "S": (bytes,)}
 
 
 def allow_long_ints():
@@ -145,21 +156,38 @@ def _node(value, depth):
         parts = [_node(item, depth + 1) for item in value] if kind is not dict else [(_node(k, depth + 1), _node(v, depth + 1)) for k, v in value.items()]
         flat = parts if kind is not dict else [node for pair in parts for node in pair]
         return ("=", value) if all(node[0] == "=" for node in flat) else (_SEQUENCES.get(kind, "dict"), parts)
-    name = "%s.%s" % (kind.__module__, kind.__qualname__)
-    if name in _MAPPINGS:  # its (key, value) pairs, in order, as one tree: ("=", [...]) when they are plain
-        return (_MAPPINGS[name], _node(list(value.items()), depth + 1))
-    if name == "collections.defaultdict":
+    collections = sys.modules.get("collections")  # a value of one of its types: the program's process has it
+    if collections is not None and kind in (collections.Counter, collections.OrderedDict):  # its pairs, in order, as one tree
+        return (kind.__name__, _node(list(value.items()), depth + 1))
+    if collections is not None and kind is collections.defaultdict:
         return ("defaultdict", _FACTORIES[value.default_factory], _node(list(value.items()), depth + 1))  # KeyError for another factory
-    if name == "collections.deque":
+    if collections is not None and kind is collections.deque:
         return ("deque", _node(list(value), depth + 1), value.maxlen)
-    if kind.__bases__ == (tuple,) and isinstance(getattr(kind, "_fields", None), tuple):  # a namedtuple
-        return ("namedtuple", kind.__name__, tuple(kind._fields), _node(list(value), depth + 1))
+    if _is_namedtuple(kind, collections):
+        return ("namedtuple", kind.__name__, kind._fields, _node(list(value), depth + 1))
     numpy = sys.modules.get("numpy")
-    if numpy is not None and (isinstance(value, numpy.generic) or kind is numpy.ndarray) and value.dtype.kind in _NUMPY_KINDS:
-        if kind is not numpy.ndarray:
-            return ("np", value.dtype.str, value.item())
-        return ("ndarray", value.dtype.str, tuple(value.shape), value.ravel().tolist())
-    raise TypeError("not rebuilt outside: " + name)
+    if numpy is not None and isinstance(value, numpy.generic) and value.dtype.char in _NUMPY_CHARS and kind is numpy.dtype(value.dtype.char).type:
+        plain = str.__str__(value) if kind is numpy.str_ else bytes(value) if kind is numpy.bytes_ else value.item()  # item(), str() drop trailing NULs
+        return ("np", value.dtype.char, plain)
+    raise TypeError("not rebuilt outside: " + kind.__qualname__)
+
+
+_TUPLE_METHODS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__str__", "__format__", "__len__",
+                  "__iter__", "__getitem__", "__contains__", "__bool__", "__add__", "__mul__", "__rmul__", "__reversed__", "__getattribute__")
+
+
+_NAMEDTUPLE_REPR = []
+
+
+def _is_namedtuple(kind, collections):
+    """Whether ``kind`` is a class collections.namedtuple (or typing.NamedTuple) made, with its methods: tuple's
+    comparisons and namedtuple's ``__repr__`` (a repr of its own, an ``__eq__`` of its own: not rebuilt)."""
+    if collections is None or kind.__bases__ != (tuple,) or type(kind.__dict__.get("_fields")) is not tuple:
+        return False
+    if not _NAMEDTUPLE_REPR:  # the code of the __repr__ every namedtuple class gets
+        _NAMEDTUPLE_REPR.append(collections.namedtuple("Reference", "a").__repr__.__code__)
+    return (getattr(kind.__dict__.get("__repr__"), "__code__", None) is _NAMEDTUPLE_REPR[0]
+            and not any(name in kind.__dict__ for name in _TUPLE_METHODS) and len(kind._fields) <= MAX_FIELDS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,9 +201,10 @@ def unwire(text: str):
     if not text.startswith(TYPED):
         return literal(text)
     tree = literal(text[len(TYPED):])
+    _CLASSES.made = {}  # one class per name and fields within a value; two values never share one (a class made per call in the program)
     try:
         return _build(tree, 0)
-    except (TypeError, OverflowError, KeyError, ImportError, AttributeError) as err:  # e.g. an unhashable key, an int past int8
+    except (TypeError, OverflowError, KeyError, ImportError, AttributeError, ArithmeticError) as err:  # an unhashable key, an int past int8
         raise ValueError("not a value rebuilt here: %s: %s" % (type(err).__name__, err)) from None
 
 
@@ -251,31 +280,32 @@ def _deque(depth, items, maxlen):
 
 
 def _namedtuple(depth, name, fields, items):
-    if type(name) is not str or type(fields) is not tuple or not all(type(field) is str for field in fields):
-        raise ValueError("a namedtuple comes as its name and field names")
+    if type(name) is not str or type(fields) is not tuple or not all(type(field) is str for field in fields) or len(fields) > MAX_FIELDS:
+        raise ValueError("a namedtuple comes as its name and at most %d field names" % MAX_FIELDS)
     values = _items(depth, items)
     if len(values) != len(fields):
         raise ValueError("a namedtuple of %d fields holds %d values" % (len(fields), len(values)))
     return _namedtuple_class(name, fields)(*values)
 
 
-_CLASSES = {}  # (name, fields) -> its namedtuple class, made once
+_CLASSES = _thread._local()  # .made: (name, fields) -> its namedtuple class, made once per value text (per unwire call)
 
 
 def _namedtuple_class(name, fields):
-    made = _CLASSES.get((name, fields))
+    made = _CLASSES.made.get((name, fields))
     if made is None:  # namedtuple checks the name and fields: identifiers, no keyword, no leading underscore in a field, no repeat
-        made = _collections().namedtuple(name, fields)
-        if len(_CLASSES) < 1024:
-            _CLASSES[(name, fields)] = made
+        try:
+            made = _collections().namedtuple(name, fields)
+        except SyntaxError as err:  # two field names that read as one identifier once normalised ("x", "ｘ")
+            raise ValueError("namedtuple field names: %s" % err) from None
+        _CLASSES.made[(name, fields)] = made
     return made
 
 
-def _numpy_dtype(text):
-    """The numpy dtype written as ``text`` (``dtype.str``: "<i8", "|b1", "<U5"), of a kind in :data:`_NUMPY_KINDS` only."""
-    if type(text) is not str or len(text) > 12 or text[:1] not in ("<", ">", "|", "=") or text[1:2] not in _NUMPY_KINDS \
-            or not (text[2:].isascii() and text[2:].isdigit()):
-        raise ValueError("not a numpy dtype rebuilt here: %.40r" % (text,))
+def _numpy_scalar(depth, char, value):
+    """The numpy scalar of type ``numpy.dtype(char).type`` holding the plain ``value`` (``item()``, ``str`` or ``bytes`` of it)."""
+    if type(char) is not str or len(char) != 1 or char not in _NUMPY_CHARS:
+        raise ValueError("not a numpy scalar type rebuilt here: %.40r" % (char,))
     if "numpy" not in sys.modules:  # the sandbox's checker: one thread for numpy's maths libraries
         import os  # noqa: PLC0415
 
@@ -283,39 +313,11 @@ def _numpy_dtype(text):
             os.environ.setdefault(name, "1")
     import numpy  # noqa: PLC0415 - only where a numpy value arrives
 
-    dtype = numpy.dtype(text)
-    sizes = _NUMPY_KINDS[dtype.kind]
-    if sizes is not None and dtype.itemsize not in sizes:  # e.g. float128: its item() is not a plain float
-        raise ValueError("not a numpy dtype rebuilt here: %s" % text)
-    return numpy, dtype
-
-
-def _fits(dtype, value):
-    """Whether the plain ``value`` is what ``item()`` / ``tolist()`` gives for ``dtype``'s kind."""
-    kind = type(value)
-    return {"b": kind is bool, "i": kind is int, "u": kind is int, "f": kind in (int, float), "c": kind in (int, float, complex),
-            "U": kind is str, "S": kind is bytes}[dtype.kind]
-
-
-def _numpy_scalar(depth, dtype_text, value):
-    numpy, dtype = _numpy_dtype(dtype_text)
-    if not _fits(dtype, value):
-        raise ValueError("a %s scalar cannot hold %.40r" % (dtype_text, value))
-    return dtype.type(value)
-
-
-def _numpy_array(depth, dtype_text, shape, flat):
-    numpy, dtype = _numpy_dtype(dtype_text)
-    if type(shape) is not tuple or len(shape) > 32 or not all(type(n) is int and n >= 0 for n in shape) or type(flat) is not list:
-        raise ValueError("an array comes as its shape and its items, flat")
-    count = 1
-    for n in shape:
-        count *= n
-    if count != len(flat) or not all(_fits(dtype, value) for value in flat):
-        raise ValueError("an array of shape %r holds %d items of its dtype %s" % (shape, len(flat), dtype_text))
-    if max(dtype.itemsize, 1) * count > MAX_ARRAY_BYTES:
-        raise ValueError("an array over %d bytes" % MAX_ARRAY_BYTES)
-    return numpy.array(flat, dtype=dtype).reshape(shape)
+    dtype = numpy.dtype(char)
+    if type(value) not in _KINDS[dtype.kind]:
+        raise ValueError("a numpy %s cannot hold %.40r" % (dtype.type.__name__, value))
+    with numpy.errstate(all="raise"):  # a float past float32's range raises (FloatingPointError): no value of the program's holds it
+        return dtype.type(value)
 
 
 _BUILDERS = {
@@ -331,6 +333,5 @@ _BUILDERS = {
     "deque": _deque,
     "namedtuple": _namedtuple,
     "np": _numpy_scalar,
-    "ndarray": _numpy_array,
     "unknown": _unknown,
 }
