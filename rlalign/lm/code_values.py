@@ -67,24 +67,39 @@ def allow_long_ints():
 
 
 _LIMIT_LOCK = _thread.allocate_lock()  # one parse at a time lifts the limit, and puts it back
+_NUMERIC = frozenset("0123456789.+-eE[], ")  # a text of these is numbers in (nested) lists, which JSON reads as Python does
+NUMERIC_FAST = 256  # from this length a numeric text is read by json where it is loaded (the trainer): no syntax tree
 
 
 def literal(text: str):
     """The plain Python literal ``text`` (what ``ast.literal_eval`` accepts, plus ``inf`` and ``nan`` as
     ``repr`` writes them), built without running any code; ints of up to :data:`INT_DIGITS` digits
     (the process's limit on int <-> str conversions is lifted for the parse only, then put back).
-    Raises ValueError, TypeError, SyntaxError, RecursionError or MemoryError on anything else."""
+    Raises ValueError, TypeError, SyntaxError, RecursionError or MemoryError on anything else.
+
+    Numbers in lists (``[1, -2.5, [3e+20]]``), the long values programs return most, are read by
+    ``json.loads`` where ``json`` is loaded and the text is long: the same values (ints, floats as
+    ``float()`` rounds them, lists), without the syntax tree a parse builds, about 0.2 GB a MiB of
+    text. A text JSON refuses there (``[1,]``, ``.5``, ``+1``) is parsed as Python."""
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
     if limit == 0 or limit >= INT_DIGITS:
-        tree = compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST)
-    else:
-        with _LIMIT_LOCK:
-            sys.set_int_max_str_digits(INT_DIGITS)
-            try:
-                tree = compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST)
-            finally:
-                sys.set_int_max_str_digits(limit)
-    return _literal(tree.body, 0)
+        return _parse(text)
+    with _LIMIT_LOCK:
+        sys.set_int_max_str_digits(INT_DIGITS)
+        try:
+            return _parse(text)
+        finally:
+            sys.set_int_max_str_digits(limit)
+
+
+def _parse(text):
+    json = sys.modules.get("json")
+    if json is not None and len(text) >= NUMERIC_FAST and _NUMERIC.issuperset(text):
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):  # not JSON: Python's own syntax decides
+            pass
+    return _literal(compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST).body, 0)
 
 
 def _literal(node, depth):

@@ -222,3 +222,53 @@ def test_a_check_that_expects_an_exception_is_not_passed_by_a_value_not_rebuilt_
     programs = ["def f(x):\n    raise ValueError('negative')\n", "from decimal import Decimal\ndef f(x):\n    return Decimal(1)\n",
                 "import numpy as np\ndef f(x):\n    return np.array([x])\n"]
     assert code_execution(rows, partial_credit=True)(["p"] * 3, programs) == [1.0, 0.0, 0.0]
+
+
+def test_long_numeric_texts_read_by_json_are_the_values_python_reads():
+    import ast
+    import json
+    import random
+
+    from rlalign.lm import code_values
+    from rlalign.lm.code_values import NUMERIC_FAST, literal
+
+    rng = random.Random(0)
+
+    def number(odd):
+        plain = [str(rng.randint(-10**30, 10**30)), repr(rng.uniform(-1e6, 1e6)), repr(rng.choice([1e300, -0.0, 5e-324, 2.5e-8])), "-0", "1E5", "3e+20"]
+        return rng.choice(plain + (["00", "- 1", ".5", "5.", "+1"] if odd else []))
+
+    def value(depth, odd):
+        if depth > 3 or rng.random() < 0.3:
+            return number(odd)
+        items = [value(depth + 1, odd) for _ in range(rng.randint(0, 6))]
+        return "[" + ", ".join(items) + ("," if odd and items and rng.random() < 0.1 else "") + "]"
+
+    read = []
+    real_loads = json.loads
+    with pytest.MonkeyPatch.context() as patch:  # count the texts json read: the fast path is taken, not only correct
+        patch.setattr(json, "loads", lambda text: (real_loads(text), read.append(text))[0])  # the texts json parsed
+        for _ in range(300):
+            odd = rng.random() < 0.5  # with tokens only Python reads (a trailing comma, "- 1", ".5", "5.", "+1", "00")
+            text = "[" + ", ".join(value(0, odd) for _ in range(40)) + "]"
+            assert len(text) >= NUMERIC_FAST and code_values._NUMERIC.issuperset(text)
+            got, want = literal(text), ast.literal_eval(text)
+            assert repr(got) == repr(want)  # the same numbers of the same types (-0.0, ints past 2**53), nested alike
+    assert 100 < len(read) < 200  # the texts without Python's own tokens (about half)
+    assert literal("[" + "1, " * 200 + "]") == [1] * 200  # a trailing comma: parsed as Python
+
+
+def test_a_mib_of_numbers_is_read_without_a_syntax_tree():
+    import tracemalloc
+
+    from rlalign.lm.code_values import literal
+
+    text = repr([(-1) ** i * (i % 1000) for i in range(200_000)])  # ~1.2 MB: the largest an assert may report is 1 MiB
+    tracemalloc.start()
+    try:
+        value = literal(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert value[:4] == [0, -1, 2, -3] and len(value) == 200_000
+    assert peak < 16 << 20  # the list itself (~2 MB); a syntax tree of it took ~0.2 GB a MiB of text
