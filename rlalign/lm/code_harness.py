@@ -46,7 +46,7 @@ import os
 import sys
 
 if __name__ != "__main__":  # in the sandbox rlalign.lm.code_values ran first, in these globals (rlalign.lm.code_formats.HARNESS)
-    from rlalign.lm.code_values import TYPED, allow_long_ints, literal, unwire, wire
+    from rlalign.lm.code_values import TYPED, allow_long_ints, is_unknown, literal, unwire, wire
 
 PR_SET_DUMPABLE = 4
 MAX_LINE = 4 << 20  # longest answer line the checker reads from the server, unless its job sets each case's
@@ -339,7 +339,10 @@ def run_check(job, server, report):
 
     def proxy(name):
         def call(*args, **kwargs):
-            status, payload = server.ask(wire(("call", name, args, kwargs)))
+            request = wire(("call", name, args, kwargs))
+            if is_unknown(request):  # an argument the program's process could not be given (a lambda, a Fraction)
+                raise _NotAValue("an argument of a type not sent to the program: " + request[:200])
+            status, payload = server.ask(request)
             if status == "wall":
                 raise _Wall
             if status == "too_long":
@@ -355,8 +358,8 @@ def run_check(job, server, report):
                 raise error
             try:
                 return unwire(payload)
-            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as err:  # a type not rebuilt here
-                raise _NotAValue(str(err)[:200]) from None  # not an exception the check could catch as the program's
+            except Exception as err:  # a type not rebuilt here, any text that is no value: never an exception of the program's
+                raise _NotAValue(str(err)[:200]) from None
 
         call.__name__ = name
         return call

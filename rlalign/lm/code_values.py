@@ -48,10 +48,11 @@ TYPED = "&"  # a value's text starts with this when it is a tagged literal (no r
 INT_DIGITS = 100_000  # the longest int (in decimal digits) a value may carry, both ways (Python's own default: 4300)
 MAX_DEPTH = 200  # nesting of a value, both ways
 MAX_FIELDS = 255  # fields of a namedtuple rebuilt here
-_ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None)})
-_SEQUENCES = {list: "list", tuple: "tuple", set: "set", frozenset: "frozenset"}
+_ATOMS = frozenset(map(id, (int, float, complex, str, bytes, bool, type(None))))  # by id: a metaclass cannot answer for a class
+_SEQUENCES = {id(list): "list", id(tuple): "tuple", id(set): "set", id(frozenset): "frozenset"}
 _FACTORIES = {None: None, int: "int", float: "float", complex: "complex", str: "str", bytes: "bytes", bool: "bool",
               list: "list", tuple: "tuple", dict: "dict", set: "set", frozenset: "frozenset"}
+_FACTORY_NAMES = {id(kind): name for kind, name in _FACTORIES.items()}
 _NUMPY_CHARS = "?bBhHiIlLqQefdFDUS"  # numpy scalar types by dtype.char: bool, the C ints, float16/32/64, complex64/128, str_, bytes_
 _KINDS = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "c": (int, float, complex), "U": (str,), "S": (bytes,)}
 
@@ -59,30 +60,34 @@ _KINDS = {"b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "c": (int, 
 def allow_long_ints():
     """Raise this process's limit on int <-> str conversions to :data:`INT_DIGITS` digits (never lower
     it): an honest value such as ``10 ** 5000`` must cross as its ``repr`` and be parsed back, which
-    Python's default of 4300 digits refuses; the bound keeps the parse of a hostile value cheap. For
-    the sandbox's processes, which are the harness's own; :func:`literal` leaves the trainer's limit as it is."""
+    Python's default of 4300 digits refuses; the bound keeps the parse of a hostile value cheap. The
+    sandbox's processes raise it, and :func:`literal` raises it in the trainer, once for the process:
+    a check outside (``len(str(f())) == 5001``) then answers as the program's Python does."""
     limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
     if 0 < limit < INT_DIGITS:
         sys.set_int_max_str_digits(INT_DIGITS)
 
 
-_LIMIT_LOCK = _thread.allocate_lock()  # one parse at a time lifts the limit, and puts it back
+_LIMIT_LOCK = _thread.allocate_lock()  # where the process has no limit (0) or a higher one: one parse at a time bounds it
 _NUMERIC = frozenset("0123456789.+-eE[], ")  # a text of these is numbers in (nested) lists, which JSON reads as Python does
+_NOT_BRACKETS = str.maketrans("", "", "0123456789.+-eE, ")
 NUMERIC_FAST = 256  # from this length a numeric text is read by json where it is loaded (the trainer): no syntax tree
 
 
 def literal(text: str):
     """The plain Python literal ``text`` (what ``ast.literal_eval`` accepts, plus ``inf`` and ``nan`` as
     ``repr`` writes them), built without running any code; ints of up to :data:`INT_DIGITS` digits
-    (the process's limit on int <-> str conversions is lifted for the parse only, then put back).
-    Raises ValueError, TypeError, SyntaxError, RecursionError or MemoryError on anything else.
+    (:func:`allow_long_ints`; a process with no limit, or a higher one, gets this one for the parse).
+    Raises ValueError, TypeError, SyntaxError, RecursionError, OverflowError or MemoryError on anything else.
 
     Numbers in lists (``[1, -2.5, [3e+20]]``), the long values programs return most, are read by
     ``json.loads`` where ``json`` is loaded and the text is long: the same values (ints, floats as
     ``float()`` rounds them, lists), without the syntax tree a parse builds, about 0.2 GB a MiB of
-    text. A text JSON refuses there (``[1,]``, ``.5``, ``+1``) is parsed as Python."""
-    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
-    if limit == 0 or limit >= INT_DIGITS:
+    text. A text JSON refuses there (``[1,]``, ``.5``, ``+1``), or nested deeper than :data:`MAX_DEPTH`,
+    is parsed as Python."""
+    allow_long_ints()
+    limit = getattr(sys, "get_int_max_str_digits", lambda: INT_DIGITS)()
+    if limit == INT_DIGITS:
         return _parse(text)
     with _LIMIT_LOCK:
         sys.set_int_max_str_digits(INT_DIGITS)
@@ -94,12 +99,25 @@ def literal(text: str):
 
 def _parse(text):
     json = sys.modules.get("json")
-    if json is not None and len(text) >= NUMERIC_FAST and _NUMERIC.issuperset(text):
+    if json is not None and len(text) >= NUMERIC_FAST and _NUMERIC.issuperset(text) and _shallow(text.translate(_NOT_BRACKETS)):
         try:
             return json.loads(text)
         except (ValueError, RecursionError):  # not JSON: Python's own syntax decides
             pass
     return _literal(compile(text, "<value>", "eval", _ast.PyCF_ONLY_AST).body, 0)
+
+
+def _shallow(brackets):
+    """Whether a text whose brackets are ``brackets`` nests at most :data:`MAX_DEPTH` deep (as the
+    Python parse allows: json alone would go as deep as the recursion limit lets it)."""
+    if len(brackets) <= MAX_DEPTH:
+        return True
+    depth = 0
+    for bracket in brackets:
+        depth += 1 if bracket == "[" else -1
+        if depth > MAX_DEPTH:
+            return False
+    return True
 
 
 def _literal(node, depth):
@@ -117,12 +135,16 @@ def _literal(node, depth):
         return float(node.id)
     if kind is _ast.UnaryOp and type(node.op) in (_ast.USub, _ast.UAdd):
         value = _literal(node.operand, depth + 1)
+        if type(value) is complex and type(node.op) is _ast.USub and type(node.operand) is _ast.Constant:
+            return complex(value.real, -value.imag)  # repr's "-2j" is complex(0.0, -2.0), not -(2j) = (-0-2j)
         if type(value) in (int, float, complex):
             return -value if type(node.op) is _ast.USub else value
-    if kind is _ast.BinOp and type(node.op) in (_ast.Add, _ast.Sub):  # complex numbers: 1+2j
+    if kind is _ast.BinOp and type(node.op) in (_ast.Add, _ast.Sub):  # complex numbers as repr writes them: (1+2j), (-0-0j)
         left, right = _literal(node.left, depth + 1), _literal(node.right, depth + 1)
-        if type(left) in (int, float) and type(right) is complex:
-            return left + right if type(node.op) is _ast.Add else left - right
+        if type(left) in (int, float) and type(right) is complex and right.real == 0:
+            negative_zero = left == 0 and type(node.left) is _ast.UnaryOp and type(node.left.op) is _ast.USub  # repr writes -0.0 as "-0"
+            real = -0.0 if negative_zero else float(left)
+            return complex(real, right.imag if type(node.op) is _ast.Add else -right.imag)  # signed zeros kept: (-1-0j)
     if kind is _ast.Call and type(node.func) is _ast.Name and node.func.id in ("set", "frozenset") and not node.keywords and len(node.args) <= 1:
         items = _literal(node.args[0], depth + 1) if node.args else ()
         if type(items) in (list, tuple, set):
@@ -148,15 +170,15 @@ def wire(value) -> str:
 
 
 def _plain(value, depth):
-    kind = type(value)
+    kind = id(type(value))
     if kind in _ATOMS:
         return True
     if depth >= MAX_DEPTH:
         return False
     if kind in _SEQUENCES:
-        return all(type(item) in _ATOMS or _plain(item, depth + 1) for item in value)
-    if kind is dict:
-        return all((type(k) in _ATOMS or _plain(k, depth + 1)) and (type(v) in _ATOMS or _plain(v, depth + 1)) for k, v in value.items())
+        return all(id(type(item)) in _ATOMS or _plain(item, depth + 1) for item in value)
+    if kind == id(dict):
+        return all((id(type(k)) in _ATOMS or _plain(k, depth + 1)) and (id(type(v)) in _ATOMS or _plain(v, depth + 1)) for k, v in value.items())
     return False
 
 
@@ -165,21 +187,23 @@ def _node(value, depth):
     if depth > MAX_DEPTH:
         raise ValueError("nested too deep")
     kind = type(value)
-    if kind in _ATOMS:
+    if id(kind) in _ATOMS:
         return ("=", value)
-    if kind in _SEQUENCES or kind is dict:
+    if id(kind) in _SEQUENCES or kind is dict:
         parts = [_node(item, depth + 1) for item in value] if kind is not dict else [(_node(k, depth + 1), _node(v, depth + 1)) for k, v in value.items()]
         flat = parts if kind is not dict else [node for pair in parts for node in pair]
-        return ("=", value) if all(node[0] == "=" for node in flat) else (_SEQUENCES.get(kind, "dict"), parts)
+        return ("=", value) if all(node[0] == "=" for node in flat) else (_SEQUENCES.get(id(kind), "dict"), parts)
     collections = sys.modules.get("collections")  # a value of one of its types: the program's process has it
-    if collections is not None and kind in (collections.Counter, collections.OrderedDict):  # its pairs, in order, as one tree
+    if getattr(value, "__dict__", None):  # attributes of its own (a Counter's most_common shadowed): not the type's behaviour
+        raise TypeError("not rebuilt outside: a %s with attributes of its own" % kind.__qualname__)
+    if collections is not None and (kind is collections.Counter or kind is collections.OrderedDict):  # its pairs, in order, as one tree
         return (kind.__name__, _node(list(value.items()), depth + 1))
     if collections is not None and kind is collections.defaultdict:
-        return ("defaultdict", _FACTORIES[value.default_factory], _node(list(value.items()), depth + 1))  # KeyError for another factory
+        return ("defaultdict", _FACTORY_NAMES[id(value.default_factory)], _node(list(value.items()), depth + 1))  # KeyError: another factory
     if collections is not None and kind is collections.deque:
         return ("deque", _node(list(value), depth + 1), value.maxlen)
     if _is_namedtuple(kind, collections):
-        return ("namedtuple", kind.__name__, kind._fields, _node(list(value), depth + 1))
+        return ("namedtuple", kind.__name__, kind.__dict__["_fields"], _node(list(value), depth + 1))
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(value, numpy.generic) and value.dtype.char in _NUMPY_CHARS and kind is numpy.dtype(value.dtype.char).type:
         plain = str.__str__(value) if kind is numpy.str_ else bytes(value) if kind is numpy.bytes_ else value.item()  # item(), str() drop trailing NULs
@@ -187,8 +211,11 @@ def _node(value, depth):
     raise TypeError("not rebuilt outside: " + kind.__qualname__)
 
 
-_TUPLE_METHODS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__str__", "__format__", "__len__",
-                  "__iter__", "__getitem__", "__contains__", "__bool__", "__add__", "__mul__", "__rmul__", "__reversed__", "__getattribute__")
+# the dunder names a class collections.namedtuple or typing.NamedTuple made has in its own __dict__: any other (an __eq__,
+# an __radd__, a __str__ of its own) changes how its values behave, and the class is not rebuilt
+_NAMEDTUPLE_DUNDERS = frozenset({"__doc__", "__slots__", "__new__", "__repr__", "__getnewargs__", "__match_args__", "__module__",
+                                 "__orig_bases__", "__annotations__", "__qualname__", "__dict__", "__weakref__", "__static_attributes__",
+                                 "__firstlineno__", "__annotate_func__", "__annotations_cache__"})
 
 
 _NAMEDTUPLE_REPR = []
@@ -199,15 +226,25 @@ def _is_namedtuple(kind, collections):
     comparisons and namedtuple's ``__repr__`` (a repr of its own, an ``__eq__`` of its own: not rebuilt)."""
     if collections is None or kind.__bases__ != (tuple,) or type(kind.__dict__.get("_fields")) is not tuple:
         return False
-    if not _NAMEDTUPLE_REPR:  # the code of the __repr__ every namedtuple class gets
-        _NAMEDTUPLE_REPR.append(collections.namedtuple("Reference", "a").__repr__.__code__)
-    return (getattr(kind.__dict__.get("__repr__"), "__code__", None) is _NAMEDTUPLE_REPR[0]
-            and not any(name in kind.__dict__ for name in _TUPLE_METHODS) and len(kind._fields) <= MAX_FIELDS)
+    if not _NAMEDTUPLE_REPR:  # the code of the __repr__ every namedtuple class gets, and the type of its fields' getters
+        reference = collections.namedtuple("Reference", "a")
+        _NAMEDTUPLE_REPR.extend((reference.__repr__.__code__, type(reference.__dict__["a"])))
+    repr_code, getter = _NAMEDTUPLE_REPR
+    fields = kind.__dict__["_fields"]
+    return (getattr(kind.__dict__.get("__repr__"), "__code__", None) is repr_code and len(fields) <= MAX_FIELDS
+            and all(not (name.startswith("__") and name.endswith("__")) or name in _NAMEDTUPLE_DUNDERS for name in kind.__dict__)
+            and all(type(kind.__dict__.get(field)) is getter and kind.__dict__[field].__reduce__()[1][0] == index  # each field its own
+                    for index, field in enumerate(fields)))
 
 
 # ----------------------------------------------------------------------------------------------
 # The trusted side
 # ----------------------------------------------------------------------------------------------
+
+
+def is_unknown(text: str) -> bool:
+    """Whether :func:`wire` wrote ``text`` for a value of a type :func:`unwire` does not rebuild."""
+    return text.startswith(TYPED + "('unknown',")
 
 
 def unwire(text: str):

@@ -154,8 +154,8 @@ def test_an_answer_with_more_values_than_the_assert_has_expressions_is_not_parse
 
     _, [case] = parse_tests("assert f(2) == 4")
     assert _passes(case, repr(["4"])) and not _passes(case, repr(["4", "4"]))
+    parsed = []
     with pytest.MonkeyPatch.context() as patch:  # the count is checked before any value is parsed
-        patch.setattr("rlalign.lm.code_execution.unwire", lambda text: 1 / 0)
-        assert not _passes(case, repr(["0"] * 100_000))
-        with pytest.raises(ZeroDivisionError):  # the patch is where values are parsed
-            _passes(case, repr(["0"]))
+        patch.setattr("rlalign.lm.code_execution.unwire", lambda text: parsed.append(text) or 0)
+        assert not _passes(case, repr(["0"] * 100_000)) and parsed == []
+        assert not _passes(case, repr(["0"])) and parsed == ["0"]  # the patch is where values are parsed

@@ -290,14 +290,16 @@ def test_an_expected_integer_is_matched_exactly_however_the_answer_is_written():
 @needs_isolation
 def test_ints_longer_than_pythons_default_of_4300_digits_cross_whole_in_each_format():
     big = "def f(n):\n    return 10 ** n\n"
-    rows = {"asserts": "assert f(5000) == 10 ** 5000", "mbpp": {"test_list": ["assert f(5000) % 7 == pow(10, 5000, 7)"]},
-            "humaneval": {"test": "def check(candidate):\n    assert candidate(5000) % 7 == pow(10, 5000, 7)\n", "entry_point": "f"},
+    rows = {"asserts": "assert f(5000) == 10 ** 5000\nassert len(str(f(5000))) == 5001", "mbpp": {"test_list": ["assert f(5000) % 7 == pow(10, 5000, 7)"]},
+            "humaneval": {"test": "def check(candidate):\n    assert candidate(5000) % 7 == pow(10, 5000, 7)\n    assert len(str(candidate(5000))) == 5001\n",
+                          "entry_point": "f"},
             "stdio": {"input_output": {"inputs": ["5000\n"], "outputs": ["1" + "0" * 5000]}}}  # the program prints it
     programs = {"stdio": "print(10 ** int(input()))\n"}
     reward = code_execution(rows)
-    limit = sys.get_int_max_str_digits()
     assert reward(list(rows), [programs.get(fmt, big) for fmt in rows]) == [1.0] * len(rows)
-    assert sys.get_int_max_str_digits() == limit < 100_000  # the trainer's own limit is lifted for each parse only
+    # str() of such an int outside (the asserts format's check) answers as inside (the checker's, the program's): the
+    # code reward lifts the trainer's limit for the process, to 100,000 digits, as the sandbox's processes do theirs
+    assert sys.get_int_max_str_digits() == 100_000
 
 
 @needs_isolation

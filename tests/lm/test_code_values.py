@@ -129,9 +129,31 @@ def test_a_type_not_rebuilt_here_fails_even_where_its_repr_reads_as_a_plain_valu
         def __repr__(self):
             return "P(x=1)"
 
+    class Added(typing.NamedTuple):
+        x: int
+
+        def __radd__(self, other):
+            return 0
+
+    Swapped = collections.namedtuple("Swapped", "x y")
+    Swapped._fields = ("y", "x")  # its repr still writes x first
+    Shadowed = type("Shadowed", (collections.namedtuple("Shadowed", "x"),), {})  # a subclass
+    Shadowed.__bases__[0].x = property(lambda self: 5)  # a field's getter replaced
+    shadowed_base = Shadowed.__bases__[0]
+    counter = collections.Counter("ab")
+    counter.most_common = lambda n=None: []
+
+    class Meta(type):
+        def __eq__(cls, other):
+            return True
+
+        __hash__ = type.__hash__
+
+    posing = Meta("Counter", (collections.Counter,), {})  # equal to every class, Counter included
     disguised = type("Counter", (collections.Counter,), {"__module__": "collections", "__eq__": lambda self, other: True})
     assert repr(Id(3)) == "3"  # read as a plain int, `type(f()) is int` would pass where Python fails it
-    for value in (Id(3), [Id(3)], Odd(4), Shown(1), disguised("ab"), collections.defaultdict(lambda: 0), [np.datetime64("2026-01-01")],
+    for value in (Id(3), [Id(3)], Odd(4), Shown(1), Added(1), Swapped(1, 2), shadowed_base(1), counter, posing("ab"), disguised("ab"),
+                  collections.defaultdict(lambda: 0), [np.datetime64("2026-01-01")],
                   np.array([1, 2]), np.zeros((10**9, 0)), {"k": range(3)}, np.longdouble(1)):
         with pytest.raises(ValueError, match="not rebuilt here"):
             unwire(wire(value))
@@ -272,3 +294,55 @@ def test_a_mib_of_numbers_is_read_without_a_syntax_tree():
         tracemalloc.stop()
     assert value[:4] == [0, -1, 2, -3] and len(value) == 200_000
     assert peak < 16 << 20  # the list itself (~2 MB); a syntax tree of it took ~0.2 GB a MiB of text
+
+
+def test_nesting_crosses_to_the_depth_the_parse_allows_and_the_json_path_agrees():
+    from rlalign.lm.code_values import MAX_DEPTH, literal
+
+    def nested(depth, inner):
+        for _ in range(depth - 1):
+            inner = [inner]
+        return inner
+
+    assert unwire(wire(nested(MAX_DEPTH, []))) == nested(MAX_DEPTH, [])  # plain: as deep as Python's parser takes
+    typed = nested(90, [np.int64(1)])  # a tagged tree nests two levels a list: ("list", [...])
+    assert unwire(wire(typed)) == typed
+    with pytest.raises(ValueError, match="not rebuilt here"):
+        unwire(wire(nested(MAX_DEPTH + 5, [])))  # past MAX_DEPTH: a note, not a value
+    for depth in (MAX_DEPTH, MAX_DEPTH + 1, MAX_DEPTH + 2, 5000):  # padded past NUMERIC_FAST: json's length, Python's depth rule
+        text = "[" * depth + "]" * depth + " " * 300
+        try:
+            accepted = literal(text) is not None
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            accepted = False
+        assert accepted == (depth <= MAX_DEPTH), depth  # Python's parser takes 200 nested brackets: json is held to it
+
+
+def test_complex_numbers_keep_their_signed_zeros():
+    from rlalign.lm.code_values import literal
+
+    for value in (complex(-1.0, -0.0), complex(0.0, -2.0), complex(-0.0, -0.0), complex(-0.0, 1.0), complex(1.0, -0.0), 1j, -1j, complex(2.5, 3)):
+        back = literal(repr(value))
+        assert repr(back) == repr(value) and math.copysign(1, back.real) == math.copysign(1, value.real), value
+
+
+def test_any_text_that_is_no_value_fails_its_case_and_never_stops_the_reward():
+    from rlalign.lm.code_execution import _passes
+
+    _, [case] = parse_tests("assert f(1) == 1")
+    for text in ("1" + "0" * 400 + "+1j", "[" * 300 + "]" * 300, TYPED + "('np', 'f', 1e300)", "\x00", TYPED + "1"):
+        assert not _passes(case, repr([text]))  # OverflowError (a complex past float), RecursionError...: the case fails
+
+
+@needs_isolation
+def test_a_program_that_writes_its_own_answers_or_gets_an_argument_it_cannot_be_sent_fails():
+    # the program replaces the harness's encoder with one writing a text no parse takes (an int too large for a complex);
+    # a check that expects an exception must not take the refusal for the program's own
+    forger = "import sys\nsys.modules['__main__'].wire = lambda value: '1' + '0' * 400 + '+1j'\ndef f(x):\n    return x\n"
+    expects_error = "def check(candidate):\n    try:\n        candidate(-1)\n    except Exception:\n        pass\n    else:\n        assert False\n"
+    sends_fraction = ("from fractions import Fraction\ndef check(candidate):\n    raised = False\n    try:\n        candidate(Fraction(1, 3))\n"
+                      "    except Exception:\n        raised = True\n    assert raised\n")
+    rows = {"asserts": "assert f(1) == 1", "expects": {"test": expects_error, "entry_point": "f"}, "fraction": {"test": sends_fraction, "entry_point": "f"}}
+    reward = code_execution(rows)
+    assert reward(["asserts", "expects", "fraction"], [forger, forger, "def f(x):\n    return 0\n"]) == [0.0, 0.0, 0.0]
+    assert reward(["asserts", "expects"], ["def f(x):\n    return x\n", "def f(x):\n    raise ValueError(x)\n"]) == [1.0, 1.0]
