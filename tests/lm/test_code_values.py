@@ -346,3 +346,27 @@ def test_a_program_that_writes_its_own_answers_or_gets_an_argument_it_cannot_be_
     reward = code_execution(rows)
     assert reward(["asserts", "expects", "fraction"], [forger, forger, "def f(x):\n    return 0\n"]) == [0.0, 0.0, 0.0]
     assert reward(["asserts", "expects"], ["def f(x):\n    return x\n", "def f(x):\n    raise ValueError(x)\n"]) == [1.0, 1.0]
+
+
+def test_edges_of_what_crosses():
+    from rlalign.lm.code_values import literal
+
+    assert type(literal("set([1])")) is set and type(literal("frozenset({1})")) is frozenset
+    for text in ("1+0", "1+2", "'a'+1j", "(1+2j)+3j"):  # only a real plus an imaginary literal is a complex number
+        with pytest.raises(ValueError):
+            literal(text)
+    wide = collections.namedtuple("Wide", [f"f{i}" for i in range(MAX_FIELDS)])  # at the bound: crosses
+    assert unwire(wire(wide(*range(MAX_FIELDS)))) == tuple(range(MAX_FIELDS))
+    assert wire(collections.namedtuple("Wider", [f"f{i}" for i in range(MAX_FIELDS + 1)])(*range(MAX_FIELDS + 1))).startswith(TYPED + "('unknown',")
+    no_factory = collections.defaultdict(None, {"a": np.int64(1)})
+    back = unwire(wire(no_factory))
+    assert type(back) is collections.defaultdict and back.default_factory is None and back == no_factory
+
+    class Id(int):
+        pass
+
+    assert wire(Id(3)) == TYPED + repr(("unknown", "not rebuilt outside: " + Id.__qualname__))
+    deep_dicts: dict = {}
+    for _ in range(150):  # dicts nested 150 deep are plain, and cross as their repr
+        deep_dicts = {"k": deep_dicts}
+    assert not wire(deep_dicts).startswith(TYPED) and unwire(wire(deep_dicts)) == deep_dicts
