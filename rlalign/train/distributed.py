@@ -363,6 +363,16 @@ def aggregation_count(mask: Tensor, mode: str) -> Tensor:
     return row_weights(mask).sum()  # weighted rows count their weight (rlalign.core.losses, row weights)
 
 
+def gather_objects(items: list, world: World) -> list:
+    """Every rank's ``items`` (picklable: sample rows), concatenated in rank order, which is the global
+    batch's order (each rank's share is contiguous); ``items`` itself in one process."""
+    if not world.distributed:
+        return items
+    parts: list = [None] * world.size
+    dist.all_gather_object(parts, items, group=world.group)
+    return [item for part in parts for item in part]
+
+
 def all_max(value: float, world: World) -> float:
     """Largest ``value`` over ranks."""
     if not world.distributed:

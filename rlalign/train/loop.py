@@ -139,7 +139,10 @@ def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Pa
     or find the starting model (rank 0 first), load its tokenizer and the checkpoint ``resume``
     (a checkpoint dir, or a run dir: its latest). ``cfg`` has output_dir, seed, num_threads and model."""
     world = distributed.init(cfg.model.device, producer_ranks(cfg))  # one process unless launched by torchrun
-    world.shard(global_batch, batch_field)
+    if global_batch % world.size:
+        raise ConfigError(f"{batch_field}={global_batch} must be a multiple of the number of processes ({world.size})")
+    if getattr(cfg, "save_merged", False) and cfg.model.lora is not None and cfg.model.sharding == "fsdp" and world.distributed:
+        raise ConfigError("save_merged=true is not supported with model.sharding=fsdp: leave it false and merge the saved adapter afterwards")
     checkpoint = None if resume is None else load_checkpoint(resume)  # a bad path fails before anything is built
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -197,7 +200,8 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
                  rewards_required: bool = True) -> RLRun:
     """:func:`start_run`, then the prompts and the reward terms. Shared by GRPO, PPO and distillation (``cfg``: an
     :class:`rlalign.train.rl_config.RLConfig`); ``rewards_required`` False: a run without reward terms has none (distillation logs them only)."""
-    check_world(distributed.init(cfg.model.device, producer_ranks(cfg)), cfg.prompts_per_step, rows_per_step, minibatches)  # before anything is built
+    check_world(distributed.init(cfg.model.device, producer_ranks(cfg)), cfg.prompts_per_step, rows_per_step, minibatches,
+                cfg.eval.num_prompts if cfg.eval.enabled else 0)  # before anything is built
     run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step", resume)
     with contextlib.ExitStack() as on_error:
         on_error.push(run.__exit__)  # bad prompts or rewards: let go of the lock
@@ -213,10 +217,12 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
     return RLRun(**vars(run), prompts=prompt_set, rewards=rewards, eval_prompts=eval_prompts)
 
 
-def check_world(world: distributed.World, prompts_per_step: int, rows_per_step: int, num_minibatches: int) -> None:
-    """Under torchrun each rank takes an equal share of the prompts, and of every minibatch."""
+def check_world(world: distributed.World, prompts_per_step: int, rows_per_step: int, num_minibatches: int, eval_prompts: int = 0) -> None:
+    """Under torchrun each rank takes an equal share of the prompts, and of every minibatch, and at least one held-out prompt."""
     if prompts_per_step % world.size:
         raise ConfigError(f"prompts_per_step={prompts_per_step} must be a multiple of the number of processes ({world.size})")
+    if eval_prompts and eval_prompts < world.size:
+        raise ConfigError(f"eval.num_prompts={eval_prompts} is fewer than the {world.size} processes: give it at least {world.size}, or 0 for no evaluation")
     local_rows = rows_per_step // world.size
     if local_rows % num_minibatches:
         raise ConfigError(
@@ -415,9 +421,11 @@ def _run_steps(step_fn, cfg, run, state, models, updaters, total_steps, batch_si
             if evaluate is not None and ((eval_every and (state.step + 1) % eval_every == 0) or state.step + 1 == total_steps):
                 metrics.update(evaluation(state.step, log))
             log.log(state.step, metrics, summary_keys=summary_keys)
-            if samples and (state.step + 1) % sample_every == 0 and is_main:
-                with (run.run_dir / "samples.jsonl").open("a") as f:
-                    f.writelines(json.dumps(row) + "\n" for row in samples)
+            if (state.step + 1) % sample_every == 0:  # the first rows of the global batch: every rank's share, in order
+                samples = distributed.gather_objects(samples or [], state.world)[: getattr(cfg, "num_samples_logged", None)]
+                if samples and is_main:
+                    with (run.run_dir / "samples.jsonl").open("a") as f:
+                        f.writelines(json.dumps(row) + "\n" for row in samples)
             history.append({"step": state.step, **metrics})
             state.step += 1
             stop = distributed.all_max(float(stops.signal is not None), state.world) > 0  # every rank stops at the same step

@@ -101,8 +101,9 @@ def evaluate_policy(
             logged.setdefault(name, []).extend(values)
         lengths.append(distributed.gather_rows(rollout.completion_lengths().float(), world, uneven=True))  # (B global,)
         truncated.append(distributed.gather_rows(rollout.truncated.float(), world, uneven=True))  # (B global,)
-        if len(rows) < cfg.num_samples_logged:
-            rows.extend(sample_rows(step, scored, cfg.num_samples_logged - len(rows)))
+        if len(rows) < cfg.num_samples_logged:  # the batch's first rows: every rank's share, in order (the same on every rank)
+            need = cfg.num_samples_logged - len(rows)
+            rows.extend(distributed.gather_objects(sample_rows(step, scored, need), world)[:need])
     if not scores:
         return {}, []
     total = torch.cat(scores)  # (prompts x n,) prompt-major, groups adjacent

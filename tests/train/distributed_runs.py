@@ -28,7 +28,9 @@ def commands(out: str, tiny: str, sharding: str = "ddp") -> list[list[str]]:
     rl = [f"model.sharding={sharding}", f"model.path={tiny}", "data.task=arithmetic", "data.num_prompts=64", "rewards=[{function: preference}]", "sampling.max_new_tokens=6",
           "optim.lr=3e-3", "progress=false", "plots=false", "num_threads=1"]
     grpo = ["grpo", *rl, "steps=3", "prompts_per_step=4", "group_size=4", "beta=0.1", "mu=2", "num_minibatches=2", "advantage=batch",
-            "aggregation=token-mean", "save_every=1", "keep_last=5"]
+            "aggregation=token-mean", "save_every=1", "keep_last=5",
+            # more rows logged than rank 0 holds (8 of a step's 16; 2 or 3 of an evaluation batch's 5 prompts): every rank's are gathered
+            "sample_every=1", "num_samples_logged=12", "eval.num_prompts=5", "eval.batch_size=2", "eval.num_samples_logged=5"]
     return [
         ["sft", *TINY, f"model.sharding={sharding}", f"output_dir={out_sft}", "data.task=arithmetic", "data.num_train=64", "data.num_eval=8", "batch_size=8", "max_steps=3",
          "eval_every=3", "optim.lr=3e-3"],

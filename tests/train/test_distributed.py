@@ -81,6 +81,20 @@ def test_two_processes_give_the_weights_and_metrics_of_one(runs, run, sharding):
             assert r2[key] == pytest.approx(r1[key], rel=1e-4, abs=1e-5), (run, r1["step"], key)
 
 
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_processes_log_the_samples_of_one(runs, sharding):
+    # rank 0 alone wrote its own share before: 8 of the 12 training rows, 3 of the 5 evaluation rows (prompt 1 skipped)
+    root, _ = runs
+    tag = "" if sharding == "ddp" else f"_{sharding}"
+    for name, rows in (("samples.jsonl", 3 * 12), ("eval_samples.jsonl", 2 * 5)):  # 3 steps; before the first and after the last
+        one = [json.loads(line) for line in (root / "one" / "grpo" / name).read_text().splitlines()]
+        two = [json.loads(line) for line in (root / "two" / f"grpo{tag}" / name).read_text().splitlines()]
+        assert len(one) == len(two) == rows, name
+        for a, b in zip(one, two):
+            assert (a["step"], a["prompt"], a["completion"]) == (b["step"], b["prompt"], b["completion"]), name
+            assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)
+
+
 @pytest.mark.parametrize("run", ["grpo", "grpo_fsdp"])
 def test_resume_from_a_two_process_checkpoint_equals_the_straight_run(runs, run):
     # FSDP2: the checkpoint holds full weights and optimiser state gathered from both ranks
@@ -114,6 +128,27 @@ def test_uneven_shares_are_clear_errors():
         check_world(world, 3, 12, 1)
     with pytest.raises(ConfigError, match="num_minibatches=3 must divide each process's 8 rows"):
         check_world(world, 4, 16, 3)
+    with pytest.raises(ConfigError, match="eval.num_prompts=1 is fewer than the 2 processes"):  # was a ValueError at the first evaluation
+        check_world(world, 4, 16, 1, eval_prompts=1)
+    check_world(world, 4, 16, 1, eval_prompts=2)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"batch": 7}, "batch_size=7 must be a multiple of the number of processes \\(2\\)"),  # SFT, RM, DPO: was a traceback on every rank
+    ({"save_merged": True, "lora": {"r": 4}, "sharding": "fsdp"}, "save_merged=true is not supported with model.sharding=fsdp"),  # was after training
+])
+def test_settings_that_cannot_split_across_processes_fail_before_anything_is_built(monkeypatch, tmp_path, settings, message):
+    from types import SimpleNamespace
+
+    from rlalign.config import ConfigError
+    from rlalign.train import loop
+
+    monkeypatch.setattr(loop.distributed, "init", lambda device, producers=None: distributed.World(rank=0, size=2))
+    model = SimpleNamespace(device="cpu", lora=settings.get("lora"), sharding=settings.get("sharding", "ddp"))
+    cfg = SimpleNamespace(model=model, save_merged=settings.get("save_merged", False), output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=message):
+        loop.start_run(cfg, settings.get("batch", 8), "batch_size")
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
 @pytest.mark.parametrize("newer_torch", [True, False])
