@@ -358,6 +358,8 @@ def test_edges_of_what_crosses():
     wide = collections.namedtuple("Wide", [f"f{i}" for i in range(MAX_FIELDS)])  # at the bound: crosses
     assert unwire(wire(wide(*range(MAX_FIELDS)))) == tuple(range(MAX_FIELDS))
     assert wire(collections.namedtuple("Wider", [f"f{i}" for i in range(MAX_FIELDS + 1)])(*range(MAX_FIELDS + 1))).startswith(TYPED + "('unknown',")
+    bounded = unwire(wire(collections.deque([np.int64(1), 2], maxlen=3)))
+    assert type(bounded) is collections.deque and bounded.maxlen == 3 and list(bounded) == [1, 2]
     no_factory = collections.defaultdict(None, {"a": np.int64(1)})
     back = unwire(wire(no_factory))
     assert type(back) is collections.defaultdict and back.default_factory is None and back == no_factory
