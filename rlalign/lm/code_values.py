@@ -29,15 +29,17 @@ left out on purpose: their size is not their text's (a shape with a zero in it, 
 width, broadcasting in the check), and the check of the asserts format runs in the trainer.
 Everything rebuilt here is at most a constant times its text in memory.
 
-What a copy cannot keep: identity (``x is y`` for two values that were one object; two values of one
-namedtuple class, returned by two calls, are of two classes here, as if the class were made per call), an argument the program mutated in place (the
-check's own value is unchanged), and the order in which a set was iterated when it differs from the
-order a fresh set of the same items iterates in. The program's side may write anything, so nothing it writes is trusted: :func:`unwire`
-builds only the types above, from plain literals, checking every tag, dtype, field name and size;
-a program can claim a value it did not compute, which it could as well have returned.
+The program's side may write anything, so nothing it writes is trusted: :func:`unwire` builds only
+the types above, from plain literals, checking every tag, dtype, field name and size; a program can
+claim a value it did not compute, which it could as well have returned.
 
-Stdlib only (numpy imported where a numpy value arrives): the sandbox runs this file beside
-rlalign.lm.code_harness.
+What a copy cannot keep: identity (``x is y`` for two values that were one object; two values of one
+namedtuple class, returned by two calls, are of two classes here, as if the class were made per
+call), an argument the program mutated in place (the check's own value is unchanged), and the order
+in which a set was iterated when it differs from the order a fresh set of the same items iterates in.
+
+Stdlib only (numpy imported where a numpy value arrives): in the sandbox this module runs first, in
+the globals of rlalign.lm.code_harness (rlalign.lm.code_formats.HARNESS).
 """
 
 import _ast
