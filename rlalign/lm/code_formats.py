@@ -36,10 +36,10 @@ never enter the sandbox:
 What stays forgeable, by format: any program can return what a weak test accepts (``assert
 is_prime(7)`` passes for a function returning True). In the check format a program can still see
 the arguments it is called with (it must, to answer), and where the prompt is not Python a helper
-the check calls comes from the program. Values cross as copies, of the types rlalign.lm.code_values rebuilds: a function that mutates
-its argument in place, or returns an object of another type (a generator, a class instance), fails a
-check that relies on it. The call format compares with ``==`` after tuples become lists (APPS, LiveCodeBench); JSON's
-string keys of dicts are not turned back into ints.
+the check calls comes from the program. Values cross as copies, of the types rlalign.lm.code_values
+rebuilds: a function that mutates its argument in place, or returns an object of another type (a
+generator, a class instance), fails a check that relies on it. The call format compares with ``==``
+after tuples become lists (APPS, LiveCodeBench); JSON's string keys of dicts are not turned back into ints.
 """
 
 from __future__ import annotations
@@ -75,12 +75,11 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-
 def _sandbox_harness() -> str:
     """``harness.py`` as the sandbox runs it: rlalign.lm.code_values, then rlalign.lm.code_harness, in
     one set of globals. Both are compiled here, once, and cross as marshalled code: every run starts a
-    fresh interpreter, where compiling them would take ~4.5 ms of the ~17 ms of CPU a program's run takes
-    (``benchmarks/sandbox_throughput.py``). The sandbox runs this interpreter (its ``sys.executable``),
+    fresh interpreter, where compiling them took about 4.5 ms of CPU a run (a short program's run now
+    takes about 15 ms: ``benchmarks/sandbox_throughput.py``). The sandbox runs this interpreter (its ``sys.executable``),
     so the marshal format is the one it reads."""
     codes = tuple(compile(Path(__file__).with_name(name).read_text(), name, "exec") for name in ("code_values.py", "code_harness.py"))
     blob = base64.b64encode(marshal.dumps(codes)).decode()
