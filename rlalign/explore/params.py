@@ -129,7 +129,6 @@ def require(where: str, **checks: tuple[Any, Callable[[Any], bool], str]) -> Non
             raise ParamError(f"{where}: {name}={value!r:.60} must be {what}")
 
 
-
 def whole(low: int) -> Callable[[Any], bool]:
     """The test of a whole number >= ``low`` (an int, a numpy integer; not a bool)."""
     return lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low
