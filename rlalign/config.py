@@ -132,16 +132,22 @@ def apply_overrides(tree: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any
     return tree
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The config classes an annotation names: itself, or those inside ``X | None``, ``list[X]``, ``dict[str, X]``, ``Annotated``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in typing.get_args(annotation) for model in _models_in(arg)]
+
+
 def _allowed_fields(cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """The field names allowed at ``loc`` (the parent of the offending key)."""
-    model: Any = cls
+    """The field names allowed at ``loc`` (the parent of the offending key). A part of ``loc`` that names
+    no field (an index of a list, a key of a mapping, a union member's tag) keeps the sections found so far."""
+    annotation: Any = cls
     for part in loc:
-        fields = getattr(model, "model_fields", None)
-        if not fields or part not in fields:
-            return []
-        model = fields[part].annotation
-    fields = getattr(model, "model_fields", None)
-    return sorted(fields) if fields else []
+        field = next((f for model in _models_in(annotation) for name, f in model.model_fields.items() if part in (name, f.alias)), None)
+        if field is not None:
+            annotation = field.annotation
+    return sorted({f.alias or name for model in _models_in(annotation) for name, f in model.model_fields.items()})  # as a config writes them
 
 
 def _format_error(cls: type[BaseModel], err: ValidationError, source: str) -> str:
@@ -153,6 +159,9 @@ def _format_error(cls: type[BaseModel], err: ValidationError, source: str) -> st
             allowed = _allowed_fields(cls, loc[:-1])
             near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f" Did you mean {near[0]!r}?" if near else ""
+            name, colon, value = str(loc[-1]).partition(":")
+            if colon and name in allowed:  # {function:arithmetic} is YAML for the key "function:arithmetic"
+                hint = f" Did you mean {f'{name}: {value}'!r} (YAML needs a space after the colon)?"
             lines.append(f"  unknown key {key!r}.{hint} Allowed here: {', '.join(allowed)}")
         elif not loc:  # a check across fields: its message says which
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")

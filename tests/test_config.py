@@ -35,6 +35,43 @@ def test_typo_names_the_key_a_suggestion_and_what_is_allowed():
     assert "'optim.lrr'" in message and "Did you mean 'lr'" in message and "betas, lr" in message
 
 
+class Term(Config):
+    function: str = "length"
+    weight: float = 1.0
+
+
+class Aliased(Config):
+    cls: str = Field("x", alias="class")
+
+
+class Sections(Config):
+    terms: list[Term] = []
+    aliased: Aliased | None = None
+    named: dict[str, Term] = {}
+    maybe: Optim | None = None
+
+
+@pytest.mark.parametrize("override, where", [
+    ("terms=[{functon: arithmetic}]", "terms.0.functon"),  # an item of a list of sections
+    ("named={a: {wieght: 2}}", "named.a.wieght"),  # a value of a mapping of sections
+    ("maybe={lrr: 0.1}", "maybe.lrr"),  # an optional section
+    ("aliased={clas: y}", "aliased.clas"),  # a field under its alias, as a config writes it
+])
+def test_a_typo_inside_a_list_mapping_or_optional_section_lists_that_sections_keys(override, where):
+    with pytest.raises(ConfigError) as err:
+        load_config(Sections, None, [override])
+    message = str(err.value)
+    allowed = {"maybe": "betas, lr", "aliased": "class"}.get(where.split(".")[0], "function, weight")
+    assert f"unknown key {where!r}" in message and f"Allowed here: {allowed}" in message and "Did you mean" in message
+
+
+def test_a_yaml_key_with_no_space_after_its_colon_is_explained():
+    # {function:arithmetic} is YAML for the key "function:arithmetic" with no value
+    with pytest.raises(ConfigError) as err:
+        load_config(Sections, None, ["terms=[{function:arithmetic}]"])
+    assert "'function: arithmetic' (YAML needs a space after the colon)" in str(err.value)
+
+
 def test_out_of_range_value_names_key_value_and_bound():
     with pytest.raises(ConfigError) as err:
         load_config(Recipe, None, ["group_size=1"])
