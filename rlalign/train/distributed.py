@@ -19,7 +19,8 @@ need no communication. The rules that make N processes compute what one process 
   :func:`loss_scale` so that the average over ranks equals the one-process loss of the global batch.
 - Per-row numbers (rewards, lengths, per-sequence KL) are all-gathered, so advantages and metrics
   are computed on the global batch; per-token statistics are token-weighted means over ranks.
-- Rank 0 alone writes: metrics, samples, checkpoints, plots; the others wait at a barrier.
+- Rank 0 alone writes: metrics, samples, checkpoints, plots; the others wait for a checkpoint
+  (:meth:`World.main_first`), and stop with one message of their own if rank 0 failed to write it.
 
 Models that fit on one device are wrapped in DDP (``model.sharding: ddp``, the default). Models
 that do not fit are sharded with FSDP2 (``model.sharding: fsdp``): ``fully_shard`` on every
@@ -43,6 +44,7 @@ import math
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +57,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from rlalign.config import ConfigError
+from rlalign.errors import RLAlignError
 from rlalign.core.losses import norm_rows, row_weights
 from rlalign.core.masks import masked_mean, masked_var
 
 __all__ = [
-    "World", "init", "exit_process", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
+    "World", "MainRankError", "init", "exit_process", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
     "gather_rows", "all_sum", "all_max", "any_rank", "aggregation_count", "loss_scale", "loss_share", "reduce_stats", "merge_micro_stats", "global_mean_var", "rows_of",
 ]
 
@@ -115,26 +118,46 @@ class World:
         start = self.rank * base + min(self.rank, extra)
         return slice(start, start + base + (self.rank < extra))
 
-    def barrier(self) -> None:
-        """Every learner waits for the others."""
-        if self.distributed:
-            dist.barrier(group=self.group)
-
     @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. builds the tiny model on disk), then every other process, producers included."""
-        together = dist.is_available() and dist.is_initialized() and not self.view
-        if together and not self.is_main:
-            dist.barrier()
-        yield
+    def main_first(self, learners_only: bool = False) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. builds the tiny model on disk, writes a checkpoint: its
+        work inside ``if world.is_main:``), then every other process, producers included
+        (``learners_only``: the learners alone). When rank 0's block raises, the others do not run
+        theirs: they raise :class:`MainRankError`, one message each, where they would otherwise
+        wait for a peer that is gone and end on the transport's traceback."""
+        group = self.group if learners_only else None
+        together = dist.is_available() and dist.is_initialized() and not self.view and (self.distributed or not learners_only)
+        if together and not self.is_main and _outcome_of_main(group, failed=False):
+            raise MainRankError("stopped because learner rank 0 failed (its message is above)")
+        try:
+            yield
+        except BaseException:
+            if together and self.is_main:
+                with contextlib.suppress(RuntimeError, ValueError):  # peers already gone: rank 0's own error is the one to show
+                    _outcome_of_main(group, failed=True)
+            raise
         if together and self.is_main:
-            dist.barrier()
+            _outcome_of_main(group, failed=False)
 
     def device(self, requested: str) -> str:
         """The device of this rank: ``cuda`` becomes ``cuda:<local_rank>`` under torchrun (mod the GPUs: producer ranks may share them)."""
         if dist.is_available() and dist.is_initialized() and requested == "cuda":
             return f"cuda:{self.local_rank % torch.cuda.device_count()}"  # producer ranks past the GPUs share them
         return requested
+
+
+class MainRankError(RLAlignError, RuntimeError):
+    """Learner rank 0 failed in a block the other ranks waited on (:meth:`World.main_first`); its own error says why."""
+
+
+def _outcome_of_main(group: Any, failed: bool) -> bool:
+    """Whether rank 0's block raised: rank 0 sends ``failed``, every other rank of ``group`` (None:
+    every process) receives it. A CPU tensor (gloo; both of :func:`init`'s backends have it), a CUDA
+    one on a group that is NCCL alone (a process group the caller made)."""
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend(group) == "nccl" else "cpu"
+    flag = torch.tensor([int(failed)], device=device)
+    dist.broadcast(flag, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return bool(flag.item())
 
 
 _WORLDS: dict[tuple[int, int], World] = {}  # (global rank, producers) -> this process's World, once the groups exist
@@ -200,7 +223,10 @@ def exit_process(code: int) -> None:
         return
     threading._shutdown()  # as Py_Finalize starts: threading's exit hooks (concurrent.futures wakes idle workers), then the joins
     atexit._run_exitfuncs()
-    for stream in [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)] + [sys.stdout, sys.stderr]:
+    with warnings.catch_warnings():  # isinstance on every live object touches deprecated ones (torch.distributed.reduce_op warns)
+        warnings.simplefilter("ignore")
+        streams = [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)]
+    for stream in streams + [sys.stdout, sys.stderr]:
         with contextlib.suppress(OSError, ValueError):  # closed, not writable, a broken pipe: nothing to keep
             if not stream.closed and stream.writable():
                 stream.flush()  # what finalization would write of a file nobody closed

@@ -307,9 +307,9 @@ def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: Save
     Rank 0 writes (every rank holds the same weights and optimiser state under DDP); the others wait."""
     with models.gathered():  # collective under FSDP2, like the optimiser states below
         extra = {**extra, **state.state_dict(), **{f"updater/{name}": u.state_dict() for name, u in updaters.items()}}
-        if state.world.is_main:
-            save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last, inputs)
-    state.world.barrier()
+        with state.world.main_first(learners_only=True):  # the others wait, and stop with one message if rank 0 cannot write
+            if state.world.is_main:
+                save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last, inputs)
 
 
 def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed.World = distributed.World(), merged: bool = False) -> Path:
@@ -318,7 +318,7 @@ def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed
     checkpoint; a LoRA policy is its adapter (peft format, naming its base), or with ``merged`` the
     full model with the adapter merged."""
     final = run_dir / "final"
-    with models.gathered():
+    with models.gathered(), world.main_first(learners_only=True):  # the others wait, and stop with one message if rank 0 cannot write
         if world.is_main:
             tmp = run_dir / f".tmp_final_{os.getpid()}"
             try:
@@ -331,7 +331,6 @@ def save_final(run_dir: Path, models: SavedModels, tokenizer, world: distributed
                 if full is not None:
                     raise full from err
                 raise
-    world.barrier()
     return final
 
 

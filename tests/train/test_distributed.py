@@ -108,6 +108,20 @@ def test_resume_from_a_two_process_checkpoint_equals_the_straight_run(runs, run)
     assert steps[0] == next(r for r in _metrics(root / "two" / run) if r["step"] == 2)
 
 
+def test_a_resume_rank_0_refuses_stops_every_rank_with_one_message(runs):
+    # rank 0 checks the resume alone while the others wait: they used to die on gloo's "Connection closed by peer" traceback
+    root, tiny = runs
+    argv = [a for a in _load_runs().commands(str(root / "refused"), str(tiny))[2] if not a.startswith("data.num_prompts")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rlalign", *argv,
+           "data.num_prompts=80", "--resume", str(root / "two" / "grpo" / "checkpoints" / "step_00000002")]
+    done = launch(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, 300)
+    assert done.returncode != 0
+    assert "data.num_prompts: 64 in the checkpoint, 80 now" in done.stderr
+    assert "rlalign grpo: stopped because learner rank 0 failed (its message is above)" in done.stderr
+    # torchrun's own report of the failed ranks is a traceback of torch's launcher; no rank printed one
+    assert "Connection closed" not in done.stderr and 'cli.py", line' not in done.stderr, done.stderr[-3000:]
+
+
 def test_one_process_world_is_the_identity():
     world = distributed.init()
     assert not world.distributed and world.is_main and world.shard(8) == slice(0, 8)
