@@ -262,6 +262,13 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
     if isinstance(outcome, BaseException):
         if n > 1 and not isinstance(outcome, EndpointUnavailable):  # find the rows that raise: alone, each succeeds or fails on its own
             outcomes = _rerun_rows(policy, prompts, completions, columns, context)
+            if not any(isinstance(o, BaseException) for o in outcomes):  # the batch failed, no row does alone: scores alone are not the batch's
+                if skip:
+                    return _all_failed(n)
+                raise RewardFunctionError(
+                    f"reward function {name} raised {type(outcome).__name__}: {outcome} on its batch of {n} completions (first prompt "
+                    f"{prompts[0]!r}), though each alone returned: a function whose scores depend on its batch cannot be scored row by row"
+                ) from outcome
             rows = [_checked(policy, o, [p], [c], _row(columns, i), context) for i, (o, p, c) in enumerate(zip(outcomes, prompts, completions))]
             return TermScores(torch.cat([r.values for r in rows]), torch.cat([r.failed for r in rows]))
         if skip:

@@ -142,6 +142,31 @@ def test_a_failed_async_batch_is_re_run_rows_at_once_and_a_raising_row_fails_alo
     assert state["calls"] == 1 + 12 and RERUN_CONCURRENCY == 8 and state["most"] == 8  # one row at a time before: 1
 
 
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_batch_that_fails_while_every_row_alone_returns_is_never_scored_row_by_row(on_error):
+    # TRL stops on the batch's error; scoring rows alone would give a reward that depends on its batch other values
+    from rlalign.lm.reward_calls import CallPolicy, score_terms
+
+    calls = []
+
+    def relative_length(prompts, completions):
+        calls.append(len(completions))
+        if len(completions) > 2:
+            raise RuntimeError("API: batch too large")
+        longest = max(map(len, completions))
+        return [len(c) / longest for c in completions]
+
+    policy = CallPolicy("relative_length", relative_length, on_error=on_error)
+    if on_error == "raise":
+        with pytest.raises(RewardFunctionError, match=r"relative_length raised RuntimeError: API: batch too large on its batch of 4 completions "
+                                                      r"\(first prompt 'a'\), though each alone returned"):
+            score_terms([policy], ["a", "a", "b", "b"], ["xx", "xxxx", "x", "xxxxxxxx"])
+    else:
+        result = score_terms([policy], ["a", "a", "b", "b"], ["xx", "xxxx", "x", "xxxxxxxx"])[0]
+        assert result.failed.tolist() == [True] * 4 and result.values.isnan().all()  # not 1.0 each, as scored alone
+    assert calls == [4, 1, 1, 1, 1]  # the rows were asked alone, to name one that raises
+
+
 def test_once_the_endpoint_is_down_the_remaining_rows_are_not_asked():
     from rlalign.lm.reward_calls import CallPolicy, EndpointUnavailable, score_terms
 
