@@ -168,10 +168,18 @@ def context_length(path: str | Path, gguf_file: str | None = None) -> int | None
 def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer, with a pad token (EOS when it has none) and left padding."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(check_checkpoint_dir(path, gguf_file)), **kwargs)
+    missing = f"{path} holds no tokenizer: save the one its model was trained with beside the weights (tokenizer.save_pretrained)"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(check_checkpoint_dir(path, gguf_file)), **kwargs)
+    except (OSError, ValueError) as err:  # no tokenizer files, or none transformers can read
+        if isinstance(err, RLAlignError):
+            raise
+        raise ModelLoadError(f"{missing} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+    if len(tokenizer.get_vocab()) <= len(set(tokenizer.all_special_ids)):  # transformers builds an empty one from a GPT-2 config alone
+        raise ModelLoadError(f"{missing}; transformers built an empty one from its config")
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer of {path} has neither a pad nor an EOS token")
+            raise ModelLoadError(f"tokenizer of {path} has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer

@@ -200,13 +200,10 @@ def _reward_function(spec: RewardConfig, prompts: Sequence[PromptExample], token
     return import_reward_function(spec.function)
 
 
-def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, tokenizer, world: distributed.World) -> RewardModelReward:
+def _reward_model(spec: RewardConfig, model_cfg: ModelConfig, world: distributed.World) -> RewardModelReward:
     model = load_reward_model(spec.reward_model, model_cfg.dtype, world.device(model_cfg.device), attn_implementation=model_cfg.attn_implementation)
     model = distributed.shard_frozen(model, world, model_cfg.sharding)
-    try:
-        rm_tokenizer = load_tokenizer(spec.reward_model)
-    except (OSError, ValueError):  # a reward model saved without its tokenizer shares the policy's
-        rm_tokenizer = tokenizer
+    rm_tokenizer = load_tokenizer(spec.reward_model)  # its own, as TRL loads it; never the policy's, which would give it other ids
     input_format = reward_input_of(spec.reward_model) if spec.input_format == "auto" else spec.input_format
     if world.is_main:  # which convention scores the run, said once
         source = "recorded in its config" if spec.input_format == "auto" and input_format == "eos" else f"input_format: {spec.input_format}"
@@ -241,7 +238,7 @@ def _judge_reward(spec: RewardConfig, model_cfg: ModelConfig, world: distributed
 def _term_fn(spec: RewardConfig, prompts: Sequence[PromptExample], tokenizer, model_cfg: ModelConfig, world: distributed.World) -> Callable:
     """The reward function of one config term, by its source."""
     if spec.reward_model is not None:
-        return _reward_model(spec, model_cfg, tokenizer, world)
+        return _reward_model(spec, model_cfg, world)
     if spec.reward_url is not None:
         return _remote_reward(spec)
     if spec.judge is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import torch
 from rlalign.lm.heads import HEAD_FILE, ScalarHeadModel, load_critic, load_reward_model
 from rlalign.lm.models import (
     LoraConfig,
+    ModelLoadError,
     apply_lora,
     cache_argument,
     cast_copy,
@@ -140,6 +142,20 @@ def test_saved_lora_policy_reloads_with_its_adapter(llama_checkpoint, tmp_path):
     again = load_policy(tmp_path / "adapter")
     ids = torch.tensor([[1, 14, 15]])
     torch.testing.assert_close(again(ids).logits, policy(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_checkpoint_without_tokenizer_files_is_one_error_never_an_empty_tokenizer(tmp_path, arch):
+    # from a GPT-2 config alone transformers builds a tokenizer with no vocabulary, which encodes every text as []
+    from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    if arch == "gpt2":
+        GPT2ForSequenceClassification(GPT2Config(vocab_size=40, n_embd=8, n_layer=1, n_head=2, num_labels=1)).save_pretrained(tmp_path)
+    else:
+        LlamaForSequenceClassification(LlamaConfig(vocab_size=40, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                   num_key_value_heads=1, num_labels=1)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(tmp_path))} holds no tokenizer: save the one its model was trained with"):
+        load_tokenizer(tmp_path)
 
 
 def test_dropout_is_disabled(tmp_path, tokenizer):

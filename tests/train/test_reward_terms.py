@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import os
 import threading
 
 import pytest
 import torch
 
 from rlalign.config import load_config
+from rlalign.lm.models import ModelLoadError
 from rlalign.lm.reward_calls import CallPolicy, RewardFunctionError, score_terms
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint
 from rlalign.train import grpo, ppo
@@ -54,6 +57,16 @@ def test_a_hugging_face_reward_model_in_the_config_logs_what_transformers_scores
     assert [r["rm"] for r in rows] == pytest.approx(expected, abs=2e-5)
     said = capsys.readouterr().out
     assert said.count("reward rm:") == 1 and "as transformers and TRL score it (text, input_format: auto)" in said
+
+
+def test_a_reward_model_saved_without_its_tokenizer_is_an_error_not_scored_with_the_policys(tiny_path, tmp_path):
+    # TRL's AutoTokenizer.from_pretrained fails there; the policy's tokenizer would give the model other ids, silently
+    rm = save_gpt2_rm(tmp_path / "rm", bpe_tokenizer())
+    for name in os.listdir(rm):
+        if "token" in name or name in ("vocab.json", "merges.txt"):
+            os.remove(rm / name)
+    with pytest.raises(ModelLoadError, match=rf"{re.escape(str(rm))} holds no tokenizer: save the one its model was trained with .*tokenizer.save_pretrained"):
+        grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"reward_model": str(rm)}]))
 
 
 def reward_len(completions, **kwargs):
