@@ -323,7 +323,8 @@ class RLConfig(RunConfig):
         "of this many rows (the same update, less memory); also the rows per reference and pi_old pass; null = the whole minibatch; auto = "
         "as many as the memory budget holds (model.memory_fraction of the device; rlalign.train.memory_plan measures what a row keeps)"
     )
-    aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)}")
+    aggregation: Aggregation = Field("seq-mean-token-mean", description=f"token-loss reduction, one of {', '.join(AGGREGATION_MODES)} "
+                                     "(token-mean by default with loss_type: cispo)")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on held-out prompts (eval/* metrics, eval_samples.jsonl)")
     sample_every: int = Field(10, ge=1, description="log a few completions with their rewards every N steps (samples.jsonl)")
     num_samples_logged: int = Field(4, ge=0, description="completions logged each time")
@@ -375,6 +376,15 @@ class RLConfig(RunConfig):
         "(rlalign.agents.agent_source): each call is a row, an episode's rows share its advantage and count once; under torchrun GRPO with DDP only; null = off"
     )
     async_rollouts: AsyncConfig = Field(default_factory=AsyncConfig, description="asynchronous rollout producer with bounded staleness")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cispo_aggregates_tokens(cls, data: object) -> object:
+        """``loss_type: cispo`` with no aggregation given: token-mean, the batch's tokens as the normaliser, as MiniMax-M1
+        (eq. 4) and TRL's ``loss_type: cispo`` have it (a TRL config's cispo would otherwise be averaged per sequence)."""
+        if isinstance(data, dict) and data.get("loss_type") == "cispo" and "aggregation" not in data:
+            return {**data, "aggregation": "token-mean"}
+        return data
 
     @field_validator("loss_type", mode="before")
     @classmethod

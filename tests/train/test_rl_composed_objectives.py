@@ -371,6 +371,14 @@ def test_bad_objective_combinations_are_config_errors(tiny_path, tmp_path, overr
         grpo_cfg(tiny_path, tmp_path, **overrides)
 
 
+def test_cispo_without_an_aggregation_normalises_by_the_batchs_tokens_as_trl_does(tiny_path, tmp_path):
+    # TRL's loss_type: cispo (and MiniMax-M1, eq. 4) divides by the batch's tokens; GRPO's own default averages per sequence
+    assert grpo_cfg(tiny_path, tmp_path, loss_type="cispo").aggregation == "token-mean"
+    assert grpo_cfg(tiny_path, tmp_path, loss_type="cispo", aggregation="seq-mean-token-mean").aggregation == "seq-mean-token-mean"  # given: kept
+    assert grpo_cfg(tiny_path, tmp_path).aggregation == "seq-mean-token-mean"  # the clipped surrogate keeps GRPO's default
+    assert ppo_cfg(tiny_path, tmp_path, loss_type="cispo").aggregation == "token-mean"
+
+
 def test_ppo_shares_the_objective_checks(tiny_path, tmp_path):
     with pytest.raises(ConfigError, match="dual_clip"):
         ppo_cfg(tiny_path, tmp_path, loss_type="sapo", dual_clip=2.0)
