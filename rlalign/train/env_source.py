@@ -108,12 +108,14 @@ class EnvironmentSource(SampledSource):
 def evaluate_episodes(
     policy, tokenizer, prompts: Sequence[PromptExample], rewards: Sequence[RewardTerm], env: Any, env_cfg: EnvironmentConfig, params: SamplingParams,
     model_cfg, num_samples: int = 1, pass_threshold: float = 1.0, seed: int = 0, batch_size: int = 32, rows_logged: int = 8, step: int = 0,
+    max_steps: int = 0,
 ) -> tuple[dict[str, float], list[dict]]:
     """Episodes of every prompt (``num_samples`` each) by ``policy`` (unwrapped): ``eval/success`` (the
     share whose total reward, the environment's included, reaches ``pass_threshold``), ``eval/pass@k``
     (k = 1, 2, 4, ... <= num_samples, unbiased), ``eval/reward/mean``, ``eval/turns``, ``eval/tool_calls``,
     ``eval/malformed_calls``, ``eval/timed_out``; and a table of the first episodes (the conversation
-    as "role: content" lines, the final answer, the reward). One process; uniforms from a generator seeded by ``seed``."""
+    as "role: content" lines, the final answer, the reward). One process; uniforms from a generator seeded by ``seed``;
+    ``step`` and ``max_steps`` are the reward functions' ``trainer_state``."""
     make_env = environment_factory(env if env is not None else env_cfg.cls)
     generator = torch.Generator().manual_seed(seed)
     totals, parts, table = [], [], []
@@ -124,7 +126,8 @@ def evaluate_episodes(
                 policy, tokenizer, _records(batch), make_env, params, group_size=num_samples, max_turns=env_cfg.max_turns, fmt=env_cfg.tool_format,
                 generator=generator, timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
             )
-        scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=max(step, 0))
+        scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=max(step, 0),
+                             max_steps=max_steps)
         total = scored.scores + torch.tensor([0.0 if r is None else r for r in episodes.env_rewards])  # (B,) rewards checked by EnvRunner.reward
         totals.append(total)
         parts.append(episodes)
@@ -146,7 +149,7 @@ def episode_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], 
     params = SamplingParams(eval_cfg.max_new_tokens or env_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature)
     return lambda step: evaluate_episodes(
         policy, tokenizer, prompts, rewards, env, env_cfg, params, cfg.model, eval_cfg.num_samples, eval_cfg.pass_threshold, cfg.seed,
-        eval_cfg.batch_size, eval_cfg.num_samples_logged, step,
+        eval_cfg.batch_size, eval_cfg.num_samples_logged, step, cfg.steps,
     )
 
 def make_environment_source(cfg, sampler, tokenizer, rewards: Sequence[RewardTerm], prompts: Sequence[PromptExample], world: distributed.World,

@@ -5,7 +5,7 @@ sampling this rank's share of the batch, and scoring it.
     examples = prompt_batch(prompts, step, n, seed)  # the step's global batch
     batch = [ex.prompt for ex in examples]
     rollout = sample_shard(updater, tokenizer, batch, cfg.sampling, cfg.model, G, generator, world)
-    scored = score_shard(rewards, tokenizer, examples, rollout, rollout.decode_completions(tokenizer), G, world)
+    scored = score_shard(rewards, tokenizer, examples, rollout, rollout.decode_completions(tokenizer), G, world, step=step, max_steps=cfg.steps)
 """
 
 from __future__ import annotations
@@ -374,13 +374,13 @@ def logged_means(logged: dict[str, list[float]]) -> dict[str, float]:
 
 def score_shard(
     rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
-    world: distributed.World, missing_eos_penalty: float | None = None, step: int = 0, uneven: bool = False, max_steps: int = 0,
+    world: distributed.World, missing_eos_penalty: float | None = None, *, step: int, max_steps: int, uneven: bool = False,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
     without EOS; gather the scores of every rank. Rewards taking TRL's keywords also get
     ``completion_ids`` (each row's tokens, no padding), ``trainer_state`` (a transformers ``TrainerState``:
-    ``global_step`` = ``step``, ``max_steps`` = ``max_steps``, the run's steps; 0 where unknown) and TRL's
+    ``global_step`` = ``step``, ``max_steps`` = ``max_steps``, the run's steps: every caller gives both) and TRL's
     ``log_metric`` and ``log_extra`` (:class:`RewardLog`).
     ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``."""
     rows = [ex for ex in batch[world.split(len(batch)) if uneven else world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent

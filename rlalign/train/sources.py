@@ -396,7 +396,8 @@ class OfflineSource:
         examples = [self.examples[i] for i in index]
         local = index[self.world.shard(self.n, "prompts_per_step")]
         rollout = tokenized_rollout(self.tokenizer, [self.examples[i].prompt for i in local], [self.completions[i] for i in local], self.max_new_tokens)
-        scored = score_shard((), self.tokenizer, examples, rollout, rollout.decode_completions(self.tokenizer), 1, self.world)  # no terms: scores 0
+        scored = score_shard((), self.tokenizer, examples, rollout, rollout.decode_completions(self.tokenizer), 1, self.world, step=state.step,
+                             max_steps=0)  # no terms: scores 0, and no function to see the steps
         return ScoredBatch(examples, rollout, scored, rollout.completion_mask.clone(), {}, state.step, 0.0, time.perf_counter() - t0)
 
     def publish(self, policy: nn.Module, version: int) -> float:

@@ -69,6 +69,22 @@ def test_a_reward_model_saved_without_its_tokenizer_is_an_error_not_scored_with_
         grpo.train(make_cfg(grpo, tiny_path, tmp_path, rewards=[{"reward_model": str(rm)}]))
 
 
+@pytest.mark.parametrize("section", [{"data.task": "arithmetic"}, {"data.task": "multiplication", "tools": {"max_turns": 1}},
+                                     {"data.task": "lookup", "environment": {"class": "rlalign.tasks.lookup:LookupEnvironment", "max_turns": 1}}],
+                         ids=["plain", "tools", "environment"])
+def test_every_evaluation_tells_the_rewards_the_runs_max_steps(tiny_path, tmp_path, section):
+    # a curriculum reward divides by trainer_state.max_steps: the tools' and environments' evaluations told it 0
+    seen = []
+
+    def progress(completions, trainer_state, **kwargs):
+        seen.append((trainer_state.global_step, trainer_state.max_steps))
+        return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+    cfg = make_cfg(grpo, tiny_path, tmp_path, **{"steps": 2, "eval.num_prompts": 2, "eval.max_new_tokens": 4, "sampling.max_new_tokens": 4, **section})
+    grpo.train(cfg, reward_functions=[progress])
+    assert {max_steps for _, max_steps in seen} == {2} and len(seen) == 4  # evaluations before the first step and after the last, two steps
+
+
 def reward_len(completions, **kwargs):
     """TRL's quick-start reward, as its docs write it."""
     return [-abs(20 - len(completion)) for completion in completions]
