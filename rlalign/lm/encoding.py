@@ -272,8 +272,8 @@ def explicit_prompt(example: PreferenceExample) -> PreferenceExample:
     """``example`` with its prompt made explicit: a pair with an implicit prompt (whole texts or
     conversations) becomes the shared start of chosen and rejected plus the two remainders, as TRL's
     ``extract_prompt`` splits them: the longest common prefix of messages for conversations, of
-    characters for texts (moved back before a space the responses differ after). A pair with a prompt
-    is returned as it is.
+    characters for texts (moved back before a space the responses differ after; one short of it where
+    one response is the start of the other, as TRL's loop ends). A pair with a prompt is returned as it is.
 
     Raises:
         DataError: when chosen and rejected share no start, so there is no prompt to condition on.
@@ -284,7 +284,9 @@ def explicit_prompt(example: PreferenceExample) -> PreferenceExample:
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
-    if isinstance(chosen, str) and 0 < shared < min(len(chosen), len(rejected)) and chosen[shared - 1] == " ":
+    if shared == min(len(chosen), len(rejected)):
+        shared -= 1  # one is the start of the other (or both the same): TRL's loop ends a character (a message) short of it
+    elif isinstance(chosen, str) and shared > 0 and chosen[shared - 1] == " ":
         shared -= 1  # the responses start with the space (TRL's convention)
     if shared == 0:
         raise DataError(f"{_at(example)}a pair with no prompt column whose chosen and rejected responses share no start, so no prompt can be "

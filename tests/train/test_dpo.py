@@ -204,6 +204,22 @@ def test_implicit_prompts_are_the_shared_start():
         explicit_prompt(PreferenceExample(None, "abc", "xyz"))
 
 
+@pytest.mark.parametrize("chosen, rejected", [
+    ("Q: sky? It is blue.", "Q: sky? It is green."),  # they differ after a space
+    ("Q: 2+2=4", "Q: 2+2=5"),  # after no space
+    ("ab", "abc"),  # one is the start of the other: TRL's prompt stops one short of it
+    ("Q: yes", "Q: yes"),  # the same text
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}], [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "b"}]),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]),
+])
+def test_implicit_prompts_split_as_trls_extract_prompt(chosen, rejected):
+    from trl.data_utils import extract_prompt
+
+    ours = explicit_prompt(PreferenceExample(None, chosen, rejected))
+    assert {"prompt": ours.prompt, "chosen": ours.chosen, "rejected": ours.rejected} == extract_prompt({"chosen": chosen, "rejected": rejected})
+
+
 def _rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
