@@ -122,9 +122,8 @@ def as_reward_term(term) -> RewardTerm:
     as a term named by its function name, weight 1."""
     if isinstance(term, RewardTerm):
         return term
-    from transformers import PreTrainedModel
-
-    if isinstance(term, (str, PreTrainedModel)):  # TRL takes a reward model (or its id) among its reward functions
+    model = isinstance(term, torch.nn.Module) and hasattr(term, "config")  # a transformers model, bare, compiled or wrapped by peft
+    if isinstance(term, str) or model:  # TRL takes a reward model (or its id) among its reward functions
         raise ConfigError(f"a reward model ({term if isinstance(term, str) else type(term).__name__}) is not a reward function here: give its "
                           "directory as a term of the config, rewards: [{reward_model: PATH}] (it is scored as TRL scores it)")
     if not callable(term):

@@ -323,7 +323,8 @@ def test_a_reward_model_given_as_a_reward_function_points_to_the_config_term():
 
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    for term in ("runs/rm/final", GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10))):
+    model = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=10))
+    for term in ("runs/rm/final", model, torch.compile(model)):  # compiled (or peft-wrapped): no longer a PreTrainedModel, still TRL's reward model
         with pytest.raises(ConfigError, match=r"is not a reward function here: give its directory as a term of the config, rewards: \[\{reward_model: PATH\}\]"):
             as_reward_term(term)
 
