@@ -330,6 +330,9 @@ _UNHONOURED = {  # columns TRL's trainers read that rlalign does not: what TRL d
     "image": "TRL feeds it to a vision-language model; rlalign trains text-only language models",
     "tools": "TRL renders the row's tool schemas into its chat template; rlalign's SFT, reward model and DPO do not",
     "chat_template_kwargs": "TRL passes them to the row's chat template (e.g. enable_thinking); rlalign's SFT, reward model and DPO do not",
+    "input_ids": "TRL trains a pre-tokenized row's ids as they are, skipping its own tokenization; rlalign tokenizes the row's text",
+    **dict.fromkeys(("chosen_ids", "rejected_ids", "chosen_input_ids", "rejected_input_ids"),
+                    "TRL's reward trainer takes a pre-tokenized pair's ids as they are; rlalign tokenizes the pair's texts"),
 }
 
 

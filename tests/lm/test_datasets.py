@@ -202,6 +202,8 @@ def test_a_text_that_already_ends_with_eos_gets_no_second_one():
 @pytest.mark.parametrize("column,value,loader", [
     ("images", ["a.png"], load_prompts), ("image", "a.png", load_sft), ("tools", [{"type": "function"}], load_sft),
     ("chat_template_kwargs", {"enable_thinking": False}, load_preferences),
+    # pre-tokenized rows: TRL trains their ids (its own masks) and skips tokenizing the text beside them
+    ("input_ids", [1, 2, 3], load_sft), ("chosen_ids", [1, 2], load_preferences), ("rejected_input_ids", [1, 2], load_preferences),
 ])
 def test_a_column_trl_acts_on_and_rlalign_would_drop_is_an_error_naming_it(column, value, loader):
     # TRL feeds images to a vision-language model and renders per-row tools and chat_template_kwargs through the template:
