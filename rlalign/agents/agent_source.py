@@ -357,7 +357,7 @@ def agent_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], re
         finally:
             runner.close()
         last = _last_calls(episodes, G, tokenizer.pad_token_id)
-        scored = score_shard(rewards, tokenizer, list(prompts), last, [ep.answer for ep in episodes], G, distributed.World(), step=max(step, 0),
+        scored = score_shard(rewards, tokenizer, list(prompts), last, [ep.answer for ep in episodes], G, distributed.World(), step=step + 1,
                              max_steps=cfg.steps)
         total = scored.scores + torch.tensor([0.0 if ep.reward is None else ep.reward for ep in episodes])  # (prompts x G,)
         passed = (total >= eval_cfg.pass_threshold).view(-1, G)  # (prompts, G)

@@ -126,7 +126,7 @@ def evaluate_episodes(
                 policy, tokenizer, _records(batch), make_env, params, group_size=num_samples, max_turns=env_cfg.max_turns, fmt=env_cfg.tool_format,
                 generator=generator, timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
             )
-        scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=max(step, 0),
+        scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=step + 1,
                              max_steps=max_steps)
         total = scored.scores + torch.tensor([0.0 if r is None else r for r in episodes.env_rewards])  # (B,) rewards checked by EnvRunner.reward
         totals.append(total)

@@ -88,7 +88,7 @@ def evaluate_policy(
         with distributed.gathered(policy), forward_precision(model_cfg, policy), evaluating(policy):
             rollout = sample(policy, ids, params, tokenizer.pad_token_id, stop_token_ids(policy, tokenizer), n, noise=noise[:, columns])
         rollout = rollout.to("cpu")
-        scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), n, world, step=max(step, 0), uneven=True,
+        scored = score_shard(rewards, tokenizer, batch, rollout, rollout.decode_completions(tokenizer), n, world, step=step + 1, uneven=True,
                              max_steps=max_steps)
         scores.append(scored.scores)
         for name, values in scored.per_term.items():
@@ -159,7 +159,7 @@ def tool_evaluator(cfg, policy: nn.Module, tokenizer, prompts: Sequence[PromptEx
             with forward_precision(cfg.model, policy), evaluating(policy), attention_kernel(policy, cfg.sampling.attn_implementation):
                 out = tool_rollout(policy, tokenizer, records, lambda: ToolEnvironment(registry, fmt, tools_cfg.max_turns, tools_cfg.max_result_chars),
                                    fmt, params, n, tools_cfg.max_turns, generator)
-            scored = score_shard(rewards, tokenizer, batch, out.rollout, out.final_texts, n, distributed.World(), step=max(step, 0), max_steps=cfg.steps)
+            scored = score_shard(rewards, tokenizer, batch, out.rollout, out.final_texts, n, distributed.World(), step=step + 1, max_steps=cfg.steps)
             env = torch.tensor([0.0 if r is None else r for r in out.env_rewards], dtype=torch.float32)  # (B,)
             check_finite(env, "the environment's reward is", scored.prompts, "not a finite number in float32")
             total = scored.scores + env  # (B,)

@@ -379,7 +379,8 @@ def score_shard(
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
     without EOS; gather the scores of every rank. Rewards taking TRL's keywords also get
     ``completion_ids`` (each row's tokens, no padding), ``trainer_state`` (a transformers ``TrainerState``:
-    ``global_step`` = ``step``, ``max_steps`` = ``max_steps``, the run's steps: every caller gives both) and TRL's
+    ``global_step`` = ``step``, the steps done (an evaluation after step s gives s + 1, as TRL's), ``max_steps`` = ``max_steps``,
+    the run's steps: every caller gives both) and TRL's
     ``log_metric`` and ``log_extra`` (:class:`RewardLog`).
     ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``."""
     rows = [ex for ex in batch[world.split(len(batch)) if uneven else world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent

@@ -73,7 +73,8 @@ def test_a_reward_model_saved_without_its_tokenizer_is_an_error_not_scored_with_
                                      {"data.task": "lookup", "environment": {"class": "rlalign.tasks.lookup:LookupEnvironment", "max_turns": 1}}],
                          ids=["plain", "tools", "environment"])
 def test_every_evaluation_tells_the_rewards_the_runs_max_steps(tiny_path, tmp_path, section):
-    # a curriculum reward divides by trainer_state.max_steps: the tools' and environments' evaluations told it 0
+    # a curriculum reward divides by trainer_state.max_steps: the tools' and environments' evaluations told it 0, and every
+    # evaluation told global_step one update short (the last one's 1 of 2 where TRL's is 2 of 2)
     seen = []
 
     def progress(completions, trainer_state, **kwargs):
@@ -82,7 +83,8 @@ def test_every_evaluation_tells_the_rewards_the_runs_max_steps(tiny_path, tmp_pa
 
     cfg = make_cfg(grpo, tiny_path, tmp_path, **{"steps": 2, "eval.num_prompts": 2, "eval.max_new_tokens": 4, "sampling.max_new_tokens": 4, **section})
     grpo.train(cfg, reward_functions=[progress])
-    assert {max_steps for _, max_steps in seen} == {2} and len(seen) == 4  # evaluations before the first step and after the last, two steps
+    # an evaluation before the first step, the two steps, an evaluation after the last: global_step counts the updates done, as TRL's
+    assert seen == [(0, 2), (0, 2), (1, 2), (2, 2)]
 
 
 def reward_len(completions, **kwargs):
