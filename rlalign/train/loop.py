@@ -138,7 +138,7 @@ def start_run(cfg: Config, global_batch: int, batch_field: str, resume: str | Pa
     ``batch_field``) splits evenly across it, set threads and seeds, create the run directory, build
     or find the starting model (rank 0 first), load its tokenizer and the checkpoint ``resume``
     (a checkpoint dir, or a run dir: its latest). ``cfg`` has output_dir, seed, num_threads and model."""
-    world = distributed.init(cfg.model.device, producer_ranks(cfg))  # one process unless launched by torchrun
+    world = distributed.init(cfg.model.device, producer_ranks(cfg), cfg.ddp_timeout)  # one process unless launched by torchrun
     if global_batch % world.size:
         raise ConfigError(f"{batch_field}={global_batch} must be a multiple of the number of processes ({world.size})")
     if getattr(cfg, "save_merged", False) and cfg.model.lora is not None and cfg.model.sharding == "fsdp" and world.distributed:
@@ -200,7 +200,7 @@ def start_rl_run(cfg, resume: str | Path | None, prompts: Sequence[dict] | None,
                  rewards_required: bool = True) -> RLRun:
     """:func:`start_run`, then the prompts and the reward terms. Shared by GRPO, PPO and distillation (``cfg``: an
     :class:`rlalign.train.rl_config.RLConfig`); ``rewards_required`` False: a run without reward terms has none (distillation logs them only)."""
-    check_world(distributed.init(cfg.model.device, producer_ranks(cfg)), cfg.prompts_per_step, rows_per_step, minibatches,
+    check_world(distributed.init(cfg.model.device, producer_ranks(cfg), cfg.ddp_timeout), cfg.prompts_per_step, rows_per_step, minibatches,
                 cfg.eval.num_prompts if cfg.eval.enabled else 0)  # before anything is built
     run = start_run(cfg, cfg.prompts_per_step, "prompts_per_step", resume)
     with contextlib.ExitStack() as on_error:

@@ -130,6 +130,10 @@ class RunConfig(Config):
     save_merged: bool = Field(
         False, description="LoRA runs: write final/ as the full model (adapter merged into its base, loadable with AutoModelForCausalLM) instead of the adapter alone"
     )
+    ddp_timeout: float = Field(
+        1800.0, gt=0, description="under torchrun: seconds a process waits in a collective for the others (a slow reward, a checkpoint of a large "
+        "model) before the run stops with the backend's timeout error; transformers' and TRL's ddp_timeout"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -46,6 +46,7 @@ RESUMABLE_CHANGES = {
     "steps", "max_steps", "output_dir", "overwrite", "progress", "report_to", "tensorboard", "plots", "save_every", "keep_last",
     "sample_every", "num_samples_logged", "eval_every", "eval_batch_size", "num_threads", "model.device", "save_merged",
     "eval", "micro_batch_size", "model.memory_fraction", "model.gradient_checkpointing",  # evaluation, and memory-only options (the same updates)
+    "ddp_timeout",
 }
 
 

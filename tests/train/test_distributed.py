@@ -147,6 +147,32 @@ def test_uneven_shares_are_clear_errors():
     check_world(world, 4, 16, 1, eval_prompts=2)
 
 
+def test_ddp_timeout_is_the_process_groups_timeout(monkeypatch, tmp_path):
+    # fixed at 1800 s before: a reward or a checkpoint slower than that on one rank stopped the run, with no setting to raise it
+    import datetime
+
+    from rlalign.config import load_config
+    from rlalign.train import grpo, loop
+
+    class Joined(Exception):
+        pass
+
+    seen = []
+
+    def init_process_group(backend, timeout):
+        seen.append(timeout)
+        raise Joined
+
+    monkeypatch.setattr(distributed.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    cfg = load_config(grpo.GRPOConfig, None, {"ddp_timeout": 7200, "output_dir": str(tmp_path)})
+    with pytest.raises(Joined):
+        loop.start_run(cfg, 8, "prompts_per_step")
+    assert seen == [datetime.timedelta(seconds=7200)]
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ({"batch": 7}, "batch_size=7 must be a multiple of the number of processes \\(2\\)"),  # SFT, RM, DPO: was a traceback on every rank
     ({"save_merged": True, "lora": {"r": 4}, "sharding": "fsdp"}, "save_merged=true is not supported with model.sharding=fsdp"),  # was after training
@@ -157,9 +183,9 @@ def test_settings_that_cannot_split_across_processes_fail_before_anything_is_bui
     from rlalign.config import ConfigError
     from rlalign.train import loop
 
-    monkeypatch.setattr(loop.distributed, "init", lambda device, producers=None: distributed.World(rank=0, size=2))
+    monkeypatch.setattr(loop.distributed, "init", lambda device, producers=None, timeout_s=None: distributed.World(rank=0, size=2))
     model = SimpleNamespace(device="cpu", lora=settings.get("lora"), sharding=settings.get("sharding", "ddp"))
-    cfg = SimpleNamespace(model=model, save_merged=settings.get("save_merged", False), output_dir=str(tmp_path / "run"))
+    cfg = SimpleNamespace(model=model, save_merged=settings.get("save_merged", False), output_dir=str(tmp_path / "run"), ddp_timeout=1800.0)
     with pytest.raises(ConfigError, match=message):
         loop.start_run(cfg, settings.get("batch", 8), "batch_size")
     assert not (tmp_path / "run").exists()  # nothing written
