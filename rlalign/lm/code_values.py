@@ -50,6 +50,7 @@ TYPED = "&"  # a value's text starts with this when it is a tagged literal (no r
 INT_DIGITS = 100_000  # the longest int (in decimal digits) a value may carry, both ways (Python's own default: 4300)
 MAX_DEPTH = 200  # nesting of a value, both ways
 MAX_FIELDS = 255  # fields of a namedtuple rebuilt here
+MAX_COLLISIONS = 1000  # items of a set (keys of a dict) whose hash another one has: building it takes time quadratic in them
 _ATOMS = frozenset(map(id, (int, float, complex, str, bytes, bool, type(None))))  # by id: a metaclass cannot answer for a class
 _SEQUENCES = {id(list): "list", id(tuple): "tuple", id(set): "set", id(frozenset): "frozenset"}
 _FACTORIES = {None: None, int: "int", float: "float", complex: "complex", str: "str", bytes: "bytes", bool: "bool",
@@ -122,6 +123,16 @@ def _shallow(brackets):
     return True
 
 
+def _spread(keys: list) -> list:
+    """``keys`` for a set or a dict, unless more than :data:`MAX_COLLISIONS` share a hash with another:
+    ints that differ by multiples of 2**61 - 1 all hash alike, and a set of 40,000 of them (a MiB of
+    text) took the trainer 9 s to build, every case (a repr has each item once, so honest values never
+    come near). Raises ValueError, or TypeError for an unhashable key as ``set`` would."""
+    if len(keys) > MAX_COLLISIONS and len(keys) - len(set(map(hash, keys))) > MAX_COLLISIONS:
+        raise ValueError(f"a set or dict whose keys' hashes collide ({len(keys)} keys)")
+    return keys
+
+
 def _literal(node, depth):
     if depth > MAX_DEPTH:
         raise ValueError("literal nested too deep")
@@ -130,9 +141,10 @@ def _literal(node, depth):
         return node.value
     if kind in (_ast.List, _ast.Tuple, _ast.Set):
         items = [_literal(item, depth + 1) for item in node.elts]
-        return list(items) if kind is _ast.List else tuple(items) if kind is _ast.Tuple else set(items)
+        return list(items) if kind is _ast.List else tuple(items) if kind is _ast.Tuple else set(_spread(items))
     if kind is _ast.Dict and None not in node.keys:
-        return {_literal(k, depth + 1): _literal(v, depth + 1) for k, v in zip(node.keys, node.values)}
+        keys = _spread([_literal(k, depth + 1) for k in node.keys])
+        return dict(zip(keys, [_literal(v, depth + 1) for v in node.values]))
     if kind is _ast.Name and node.id in ("inf", "nan"):
         return float(node.id)
     if kind is _ast.UnaryOp and type(node.op) in (_ast.USub, _ast.UAdd):
