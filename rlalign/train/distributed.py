@@ -57,9 +57,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from rlalign.config import ConfigError
-from rlalign.errors import RLAlignError
 from rlalign.core.losses import norm_rows, row_weights
 from rlalign.core.masks import masked_mean, masked_var
+from rlalign.errors import RLAlignError
 
 __all__ = [
     "World", "MainRankError", "init", "exit_process", "wrap", "shard_frozen", "unwrap", "gathered", "model_state", "optimizer_state", "load_optimizer_state",
