@@ -50,14 +50,29 @@ def main(argv: list[str] | None = None) -> int:
     ends here once its command returned (:func:`rlalign.train.distributed.exit_process`)."""
     try:
         code = _run(list(sys.argv[1:] if argv is None else argv))
-    except Exception:
-        if argv is None and _in_process_group():  # the traceback as the interpreter prints it, then the same end, status 1
-            traceback.print_exc()
+    except Exception as err:
+        if argv is None and _in_process_group():  # the traceback as the interpreter prints it (one line when a peer ended), then the same end, status 1
+            if _peer_gone(err) and "--debug" not in sys.argv:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                print(f"rlalign {sys.argv[1] if len(sys.argv) > 1 else ''}: rank {os.environ.get('RANK', '?')} stopped: a collective with the other "
+                      f"processes failed, most likely because one of them ended first and printed why above ({first})", file=sys.stderr)
+            else:
+                traceback.print_exc()
             _exit_rank(1)
         raise
     if argv is None and _in_process_group():
         _exit_rank(code)
     return code
+
+
+def _peer_gone(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another process of the group is gone (gloo's
+    "Connection closed by peer", NCCL's errors): that process printed its own error, the reason."""
+    dist = sys.modules.get("torch.distributed")
+    backend_error = getattr(dist, "DistError", None) if dist is not None else None
+    return isinstance(err, RuntimeError) and (
+        (backend_error is not None and isinstance(err, backend_error)) or any(s in str(err) for s in ("Connection closed by peer", "Connection reset by peer"))
+    )
 
 
 def _in_process_group() -> bool:

@@ -122,6 +122,21 @@ def test_a_resume_rank_0_refuses_stops_every_rank_with_one_message(runs):
     assert "Connection closed" not in done.stderr and 'cli.py", line' not in done.stderr, done.stderr[-3000:]
 
 
+def test_a_reward_that_fails_on_rank_0_alone_leaves_the_others_one_line_each(runs, tmp_path):
+    # rank 0 stops with the reward's error while rank 1 waits in the scores' all-gather: it printed gloo's traceback
+    root, tiny = runs
+    (tmp_path / "picky.py").write_text("import os\n\ndef picky(completions, **kwargs):\n    if os.environ['RANK'] == '0':\n"
+                                       "        raise ValueError('a row rank 0 holds')\n    return [0.0] * len(completions)\n")
+    argv = [a for a in _load_runs().commands(str(tmp_path / "run"), str(tiny))[2] if not a.startswith(("rewards=", "output_dir="))]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rlalign", *argv,
+           "rewards=[{function: 'picky:picky'}]", f"output_dir={tmp_path / 'run'}", "steps=1"]
+    done = launch(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, 300, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "rlalign grpo: reward function picky raised ValueError: a row rank 0 holds" in done.stderr
+    assert "rlalign grpo: rank 1 stopped: a collective with the other processes failed, most likely because one of them ended first" in done.stderr
+    assert 'cli.py", line' not in done.stderr, done.stderr[-3000:]
+
+
 def test_one_process_world_is_the_identity():
     world = distributed.init()
     assert not world.distributed and world.is_main and world.shard(8) == slice(0, 8)
