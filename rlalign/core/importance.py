@@ -92,13 +92,15 @@ def importance_weights(
         weights = torch.where(masked, torch.zeros_like(ratio), ratio)
     counted = m > 0
     weight_min = weights[counted].min() if counted.any() else weights.new_ones(())
+    # statistics over the counted tokens, or with one weight a row (sequence) over the rows that have some, as TRL logs them
+    at, share = (slice(None), m) if level == "token" else (slice(0, 1), counted.any(-1, keepdim=True).to(m.dtype))  # share: (B, C) or (B, 1)
     stats = ISStats(
-        weight_mean=masked_mean(weights, m),
+        weight_mean=masked_mean(weights[:, at], share),
         weight_min=weight_min,
-        truncated_frac=masked_mean((below | above).to(m.dtype), m),
-        masked_frac=masked_mean(masked.to(m.dtype), m),
-        low_frac=masked_mean(below.to(m.dtype), m),
-        high_frac=masked_mean(above.to(m.dtype), m),
+        truncated_frac=masked_mean((below | above)[:, at].to(m.dtype), share),
+        masked_frac=masked_mean(masked[:, at].to(m.dtype), share),
+        low_frac=masked_mean(below[:, at].to(m.dtype), share),
+        high_frac=masked_mean(above[:, at].to(m.dtype), share),
     )
     return weights, stats
 

@@ -51,11 +51,11 @@ def test_sequence_ratio_is_the_product_of_the_counted_token_ratios():
     truncated, stats = importance_weights(old, torch.zeros(2, 2), mask, high=2.0, level="sequence")
     rho_1 = math.exp(-0.1)
     torch.testing.assert_close(truncated, torch.tensor([[2.0, 2.0], [rho_1, rho_1]]))
-    assert stats.truncated_frac.item() == pytest.approx(2 / 3)  # over counted tokens: row 0's two of three
+    assert stats.truncated_frac.item() == pytest.approx(1 / 2)  # one weight a row: over the rows, as TRL logs them (row 0 of two)
     masked, stats = importance_weights(old, torch.zeros(2, 2), mask, high=2.0, level="sequence", mode="mask")
     torch.testing.assert_close(masked, torch.tensor([[0.0, 0.0], [rho_1, rho_1]]))
-    assert stats.masked_frac.item() == pytest.approx(2 / 3) and stats.weight_min.item() == 0.0
-    assert stats.weight_mean.item() == pytest.approx(rho_1 / 3)
+    assert stats.masked_frac.item() == pytest.approx(1 / 2) and stats.weight_min.item() == 0.0
+    assert stats.weight_mean.item() == pytest.approx(rho_1 / 2)  # over counted tokens it was rho_1 / 3
     # the product, not GSPO's geometric mean: e^0.9 is over the cap, e^0.45 = 1.57 would not be
     assert math.exp(0.9) > 2.0 > math.exp(0.45)
 

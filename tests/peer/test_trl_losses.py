@@ -327,9 +327,6 @@ def test_sampler_weights_multiply_cispo_and_sapo_as_trls(monkeypatch, rollout, l
     compare(rlalign_grpo_loss(monkeypatch, cfg, rollout, batch["advantages"], rollout.mask), trl_grpo_loss(trainer, batch), [rollout.logp, rollout.entropy])
 
 
-@pytest.mark.xfail(strict=True, reason="TRL's sequence-level sampling/importance_sampling_ratio/mean averages over sequences "
-                   "(grpo_trainer.py: flat_is_ratio = ratio.flatten()); rlalign's tis/weight_mean over counted tokens "
-                   "(importance.py: masked_mean(weights, m)); the README does not say so")
 def test_sequence_sampler_weight_mean_equals_trls_logged_mean(monkeypatch, rollout):
     trainer, batch = trl_grpo(rollout, "dapo", is_mode="sequence_truncate", is_min=0.5, is_max=2.0)
     stats = {}
