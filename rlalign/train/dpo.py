@@ -90,7 +90,7 @@ class DPOConfig(SupervisedConfig):
     eval_every: int = Field(50, ge=1, description="evaluate on the held-out pairs every this many steps (and at the start and end)")
     eval_batch_size: int = Field(64, ge=1, description="pairs per forward at eval and when precomputing; prompts per sampling batch at eval")
     loss: Literal["dpo", "ipo", "simpo"] = Field(
-        "dpo", description="dpo: -log sigmoid(beta h) (TRL's 'sigmoid'; conservative DPO with label_smoothing); ipo: (h_avg - 1/(2 beta))^2 on "
+        "dpo", description="dpo: -log sigmoid(beta h) (TRL's 'sigmoid'; conservative DPO with label_smoothing, which TRL 1.16's sigmoid ignores); ipo: (h_avg - 1/(2 beta))^2 on "
         "per-token average log-ratios; simpo: reference-free, length-normalised, with target margin gamma"
     )
     beta: float = Field(0.1, gt=0, description="inverse temperature of the implicit reward beta * log(pi / pi_ref) (IPO: the paper's tau; SimPO papers use 2-2.5)")

@@ -549,9 +549,8 @@ def test_tied_and_near_tied_groups_get_zero_where_trl_divides_by_1e4():
 
 
 def test_zero_one_reward_advantages_differ_from_trls_by_1e4_over_the_std():
-    # README: "for 0/1 rewards the advantages differ by about 1.5e-4". The gap is |A| 1e-4 / (std + 1e-4): 1.0e-4 for a
-    # group of two with one success, 1.75e-4 for four of eight, but 1.5e-3 for one of sixteen (std 0.25, A = 3.75):
-    # the README's figure holds for balanced groups only.
+    # README: "1e-4 to 2e-4 in balanced groups, 1.5e-3 for one success in 16". The gap is |A| 1e-4 / (std + 1e-4): 1.0e-4 for a
+    # group of two with one success, 1.75e-4 for four of eight, 1.5e-3 for one of sixteen (std 0.25, A = 3.75).
     cases = {2: ([1.0, 0.0], 1.0e-4), 8: ([1.0] * 4 + [0.0] * 4, 1.75e-4), 16: ([1.0] + [0.0] * 15, 1.5e-3)}
     for group, (scores, gap) in cases.items():
         trl = trl_advantages(scores, "group", group_size=group)
@@ -560,9 +559,9 @@ def test_zero_one_reward_advantages_differ_from_trls_by_1e4_over_the_std():
 
 
 def test_scores_1e4_apart_get_advantages_over_twice_trls():
-    # README: "for a reward model's scores that differ by 1e-4 in a group, by up to 2x". TRL's advantage is rlalign's
-    # times std / (std + 1e-4): two scores 1e-4 apart (std 7.07e-5) differ 2.41x, one of four 1e-4 above the rest
-    # (std 5e-5) 3.0x, and just above the 1e-6 clamp up to ~100x. The behaviour is the documented one; its stated size is not.
+    # README: "by a factor of 2.4 (two scores 1e-4 apart) to about 100". TRL's advantage is rlalign's times
+    # std / (std + 1e-4): two scores 1e-4 apart (std 7.07e-5) differ 2.41x, one of four 1e-4 above the rest
+    # (std 5e-5) 3.0x, and just above the 1e-6 clamp up to ~100x.
     for scores, group, ratio in (([0.5, 0.5 + 1e-4], 2, 1 + 2**0.5), ([0.5, 0.5, 0.5, 0.5 + 1e-4], 4, 3.0)):
         trl = trl_advantages(scores, "group", group_size=group)
         ours = grpo.ADVANTAGE_ESTIMATORS["group"](torch.tensor(scores, dtype=F64), group)
@@ -662,14 +661,16 @@ def test_dpo_and_ipo_equal_trls_loss_and_metrics(trl_loss, loss, beta):
     assert 0 < metrics["rewards/accuracy"] < 1
 
 
-@pytest.mark.xfail(strict=True, reason="TRL 1.16's DPOTrainer applies label_smoothing to robust, exo_pair and aot only: loss_type "
-                   "sigmoid ignores it (dpo_trainer.py _compute_loss, 'sigmoid' branch), where rlalign's dpo with label_smoothing is "
-                   "conservative DPO (preference.py dpo_loss); dpo.py's field doc calls loss dpo \"TRL's 'sigmoid'; conservative DPO "
-                   "with label_smoothing\", and the README does not say TRL's sigmoid ignores it")
-def test_conservative_dpo_equals_trls_sigmoid_with_label_smoothing():
+def test_trls_sigmoid_ignores_label_smoothing_where_rlalign_makes_it_conservative_dpo():
+    # Documented (README, DPO table; dpo.py's label_smoothing): TRL 1.16's DPOTrainer applies label_smoothing to robust,
+    # exo_pair and aot only, so its sigmoid with label_smoothing 0.1 is plain DPO; rlalign's dpo with it is cDPO (below).
     pairs = make_pairs()
-    _, theirs = trl_dpo(pairs, "sigmoid", beta=0.1, label_smoothing=0.1)
-    compare(rlalign_dpo(pairs, loss="dpo", beta=0.1, label_smoothing=0.1), theirs, [pairs.logps])
+    _, smoothed = trl_dpo(pairs, "sigmoid", beta=0.1, label_smoothing=0.1)
+    _, plain = trl_dpo(pairs, "sigmoid", beta=0.1)
+    compare(rlalign_dpo(pairs, loss="dpo", beta=0.1), smoothed, [pairs.logps])
+    compare(plain, smoothed, [pairs.logps])
+    with pytest.raises(AssertionError):
+        compare(rlalign_dpo(pairs, loss="dpo", beta=0.1, label_smoothing=0.1), smoothed, [pairs.logps])
 
 
 def test_conservative_dpo_equals_trls_conservative_sigmoid_of_cpo():
