@@ -47,7 +47,8 @@ Every value is given at every position, padding included (-3.0 log-probs, critic
 position either side ignores must not matter, and TRL reads the critic's value one token past the
 EOS. Float64 throughout, so agreement is asserted to 1e-12 (whitened values: 1e-7, see WHITENED_TOL).
 
-Disagreements (each an ``xfail(strict=True)`` equality below; the README documents none of them):
+Disagreements (each an ``xfail(strict=True)`` equality below, so it fails if they ever agree; the README states
+each, under "Differences from TRL's PPO"):
 
 1. where the score lands: TRL adds it one token past the EOS when the budget has room (TRL:778-779),
    rlalign on the EOS (rlalign/core/advantages.py:217-235, as TRL 0.11 did). With it, TRL's GAE runs
