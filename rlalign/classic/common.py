@@ -14,7 +14,7 @@ import importlib
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Annotated, Any, Callable, Literal
 
 import gymnasium as gym
@@ -47,6 +47,7 @@ __all__ = [
     "state_index",
     "evaluate",
     "collect_rollout",
+    "cat_rollouts",
     "linear_schedule",
     "maybe_evaluate",
     "finish",
@@ -453,6 +454,11 @@ def collect_rollout(
         episode_ends=torch.from_numpy(dones),
     )
     return rollout, obs, step
+
+
+def cat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Rollouts sampled one after the other, as one: every field concatenated on time. Shapes: (T_i, N, ...) -> (sum T_i, N, ...)."""
+    return Rollout(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Rollout)})
 
 
 def categorical_logp(policy: nn.Module, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:
