@@ -157,6 +157,8 @@ def test_metrics_lines_are_strict_json(tmp_path):
     (["ppo", "--env", "Pendulum-v1"], "--env 'Pendulum-v1': the classic algorithms need a Discrete action space, not Box(1,)"),
     (["vi", "--env", "CartPole-v1"], "--env 'CartPole-v1': value_iteration needs the environment's model"),
     (["ppo", "--env", "CartPole-v1", "hidden=[0]"], "hidden = [0]: every hidden layer size must be >= 1"),
+    (["trpo", "--env", "CartPole-v1", "hidden=[0]"], "hidden = [0]: every hidden layer size must be >= 1"),
+    (["trpo", "--env", "CartPole-v1", "hidden=[64,-3]"], "hidden = [64, -3]: every hidden layer size must be >= 1"),
     (["vi", "--env", "rlalign/Maze2x3-v0", "gamma=1"], "gamma = 1: Input should be less than 1"),
     (["q_learning", "--env", "rlalign/Maze2x3-v0", "gamma=1.0"], "gamma = 1.0: Input should be less than 1"),
     (["ppo", "--env", "CartPole-v1", "num_minibatches=1000", "num_envs=1", "num_steps=10"], "num_minibatches = 1000 is more than the batch"),
