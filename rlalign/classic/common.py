@@ -72,7 +72,7 @@ class ClassicConfig(Config):
     """Fields every classic run has; each algorithm's config derives from this. Every float must
     lie in float32's range, in which the networks compute (clip_coef=1e40 would overflow)."""
 
-    seed: int = Field(1, description="seeds Python, NumPy, torch and the environments")
+    seed: int = Field(1, ge=0, lt=2**32, description="seeds Python, NumPy, torch and the environments; NumPy takes 0 <= seed < 2**32")
     total_steps: int = Field(100_000, ge=1, description="environment steps to train for (all envs together)")
     eval_every: int = Field(0, ge=0, description="evaluate the greedy policy every this many env steps (0: only at the end)")
     eval_episodes: int = Field(10, ge=1, description="episodes per evaluation")

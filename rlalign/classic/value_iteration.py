@@ -30,7 +30,7 @@ Model = dict[int, dict[int, list[tuple[float, int, float, bool]]]]
 class ValueIterationConfig(Config):
     """Value iteration on a model-exposing environment."""
 
-    seed: int = Field(1, description="seed of the evaluation episodes")
+    seed: int = Field(1, ge=0, lt=2**32, description="seed of the evaluation episodes; NumPy takes 0 <= seed < 2**32")
     gamma: float = Field(
         0.9, gt=0.0, lt=1.0,
         description="discount factor, < 1: only then is a policy greedy w.r.t. V* sure to be optimal (Sutton & Barto 2018, "

@@ -160,6 +160,10 @@ def test_metrics_lines_are_strict_json(tmp_path):
     (["trpo", "--env", "CartPole-v1", "hidden=[0]"], "hidden = [0]: every hidden layer size must be >= 1"),
     (["trpo", "--env", "CartPole-v1", "hidden=[64,-3]"], "hidden = [64, -3]: every hidden layer size must be >= 1"),
     (["vi", "--env", "rlalign/Maze2x3-v0", "gamma=1"], "gamma = 1: Input should be less than 1"),
+    (["ppo", "--env", "CartPole-v1", "--seed", "-1"], "seed = -1: Input should be greater than or equal to 0"),
+    (["dqn", "--env", "CartPole-v1", "seed=4294967296"], "seed = 4294967296: Input should be less than 4294967296"),
+    (["vi", "--env", "rlalign/Maze2x3-v0", "--seed", "4294967296"], "seed = 4294967296: Input should be less than 4294967296"),
+    (["q_learning", "--env", "rlalign/Maze2x3-v0", "seed=-5"], "seed = -5: Input should be greater than or equal to 0"),
     (["q_learning", "--env", "rlalign/Maze2x3-v0", "gamma=1.0"], "gamma = 1.0: Input should be less than 1"),
     (["ppo", "--env", "CartPole-v1", "num_minibatches=1000", "num_envs=1", "num_steps=10"], "num_minibatches = 1000 is more than the batch"),
     (["ppo", "--env", "CartPole-v1", "clip_coef=1e40"], "clip_coef = '1e40': beyond float32's range"),
@@ -178,6 +182,12 @@ def test_bad_envs_and_settings_are_one_message_before_anything_is_written(argv, 
 
 
 PPO_TINY = ["ppo", "--env", "CartPole-v1", "total_steps=64", "num_envs=1", "num_steps=32", "update_epochs=1", "hidden=[8]", "eval_episodes=1"]
+
+
+def test_the_largest_seed_numpy_takes_runs(tmp_path, capsys):
+    # seeds are 0 <= seed < 2**32 (np.random.seed's range): the last one trains, evaluates and saves
+    assert run_cli(capsys, *PPO_TINY, "--seed", 2**32 - 1, "--out", tmp_path / "ppo")[0] == 0
+    assert run_cli(capsys, "vi", "--env", "rlalign/Maze2x3-v0", "--seed", 2**32 - 1, "eval_episodes=1", "--out", tmp_path / "vi")[0] == 0
 
 
 def test_a_second_run_into_an_out_that_holds_a_run_is_refused_and_changes_nothing(tmp_path, capsys):
