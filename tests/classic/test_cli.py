@@ -160,6 +160,8 @@ def test_metrics_lines_are_strict_json(tmp_path):
     (["trpo", "--env", "CartPole-v1", "hidden=[0]"], "hidden = [0]: every hidden layer size must be >= 1"),
     (["trpo", "--env", "CartPole-v1", "hidden=[64,-3]"], "hidden = [64, -3]: every hidden layer size must be >= 1"),
     (["vi", "--env", "rlalign/Maze2x3-v0", "gamma=1"], "gamma = 1: Input should be less than 1"),
+    (["dqn", "--env", "CartPole-v1", "total_steps=1000"],
+     "learning_starts = 1000 and train_freq = 256: the first update would come at env step 1024, after total_steps = 1000"),
     (["ppo", "--env", "CartPole-v1", "--seed", "-1"], "seed = -1: Input should be greater than or equal to 0"),
     (["dqn", "--env", "CartPole-v1", "seed=4294967296"], "seed = 4294967296: Input should be less than 4294967296"),
     (["vi", "--env", "rlalign/Maze2x3-v0", "--seed", "4294967296"], "seed = 4294967296: Input should be less than 4294967296"),
