@@ -28,7 +28,7 @@ def test_ppo_through_the_cli_writes_metrics_and_weights(tmp_path):
     rc = main(["classic", "ppo", "--env", "CartPole-v1", "--out", str(tmp_path), "total_steps=512", "num_envs=2", "num_steps=128", "update_epochs=1", "eval_every=256"])
     assert rc == 0
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and {"approx_kl", "clip_frac", "explained_variance", "entropy"} <= set(metrics[0])
+    assert len(metrics) == 2 and {"approx_kl", "clip_frac", "clip_active_frac", "explained_variance", "entropy"} <= set(metrics[0])
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == 2
     assert (tmp_path / "actor.safetensors").is_file()
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -353,13 +353,15 @@ def ppo_minibatch_by_hand(params: list[Tensor], samples: list, mb: list[int], cl
              over the minibatch when norm_adv;
     L^V = 1/M sum 1/2 (V - R)^2, or 1/2 max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2);
     H = 1/M sum -sum_a pi log pi.  Gradients w.r.t. actor W, b and critic W, b, then clipped to
-    max_grad_norm over all four together."""
+    max_grad_norm over all four together. Stats: approx_kl = 1/M sum (r - 1) - log r; outside =
+    1/M #{|r - 1| > eps} (CleanRL's clipfrac); active = 1/M #{A > 0 and r > 1 + eps, or A < 0 and
+    r < 1 - eps} (the samples whose clipped term is active)."""
     W, b, Wv, bv = params_of(params)
     advs = [samples[i].adv for i in mb]
     if cfg.norm_adv:
         advs = whiten_list(advs)
     pg = value = entropy = 0.0
-    approx_kl = clip_frac = 0.0
+    approx_kl = outside = active = 0.0
     regimes = set()
     for a_hat, i in zip(advs, mb):
         s = samples[i]
@@ -378,13 +380,16 @@ def ppo_minibatch_by_hand(params: list[Tensor], samples: list, mb: list[int], cl
         r = ratio.item()
         approx_kl += (r - 1.0) - math.log(r)
         high, low = a_hat > 0 and r > 1 + clip, a_hat < 0 and r < 1 - clip
-        clip_frac += high + low
+        active += high + low
+        outside += abs(r - 1.0) > clip
         regimes.add("high" if high else "low" if low else "inside")
+        if abs(r - 1.0) > clip and not (high or low):
+            regimes.add("outside, not active")
     M = len(mb)
     loss = pg / M + cfg.vf_coef * value / M - cfg.ent_coef * entropy / M
     grads = clip_by_global_norm(list(torch.autograd.grad(loss, [W, b, Wv, bv])), cfg.max_grad_norm)
     return SimpleNamespace(loss=loss.detach(), grads=grads, pg=pg.item() / M, value=value.item() / M,
-                           entropy=entropy.item() / M, approx_kl=approx_kl / M, clip_frac=clip_frac / M, regimes=regimes)
+                           entropy=entropy.item() / M, approx_kl=approx_kl / M, outside=outside / M, active=active / M, regimes=regimes)
 
 
 @pytest.mark.parametrize("case", PPO_CASES.values(), ids=PPO_CASES.keys())
@@ -407,6 +412,7 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
         adv, returns = gae_by_loop(ro, cfg.gamma, cfg.gae_lambda)
         samples = flat_samples(ro, adv, returns)
         first_params = opt.steps[k].params
+        every = []  # each minibatch of every epoch run, by hand
         for epoch in range(cfg.update_epochs):
             for mb in minibatches:
                 step = opt.steps[k]
@@ -415,14 +421,18 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
                 assert_grads(step.grads, want.grads, F64)
                 assert step.lr == pytest.approx(lr, rel=1e-12)
                 regimes |= want.regimes
+                every.append(want)
                 k += 1
             if cfg.target_kl is not None and want.approx_kl > cfg.target_kl:
                 break
         stats = result.log.updates[it]
         assert stats["epochs"] == epoch + 1 and stats["step"] == (it + 1) * B
         assert stats["lr"] == pytest.approx(lr, rel=1e-12)
+        # CleanRL's logging: the losses, entropy and approx_kl of the last minibatch run; clip_frac the
+        # mean over every minibatch run of the share with |r - 1| > eps; clip_active_frac likewise
         for key, value in [("loss/policy", want.pg), ("loss/value", want.value), ("entropy", want.entropy),
-                           ("approx_kl", want.approx_kl), ("clip_frac", want.clip_frac)]:
+                           ("approx_kl", want.approx_kl), ("clip_frac", sum(w.outside for w in every) / len(every)),
+                           ("clip_active_frac", sum(w.active for w in every) / len(every))]:
             assert stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
         W, b = first_params[0].double(), first_params[1].double()
         first_dev = max(abs(float(log_pi(W, b, samples[i].obs)[samples[i].action]) - samples[i].old_logp) for i in minibatches[0])
@@ -430,7 +440,7 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
         ev = explained_variance_by_hand([s.old_value for s in samples], [s.ret for s in samples])
         assert stats["explained_variance"] == pytest.approx(ev, rel=1e-5, abs=1e-6)  # computed in float32
     assert k == len(opt.steps)
-    assert {"high", "low", "inside"} <= regimes  # the case reaches both clipped sides of the surrogate
+    assert {"high", "low", "inside", "outside, not active"} <= regimes  # both clipped sides, and a ratio outside with an unclipped term
     if cfg.clip_vloss:
         assert {"value clipped, larger", "value clipped, smaller"} <= regimes
     if cfg.target_kl is not None:
