@@ -70,7 +70,11 @@ class PPOConfig(ClassicConfig):
     gae_lambda: float = Field(0.8, ge=0.0, le=1.0, description="GAE lambda")
     clip_coef: float = Field(0.2, gt=0.0, description="surrogate clip range eps")
     anneal_clip: bool = Field(True, description="anneal the clip range linearly to 0 (SB3 zoo 'lin_0.2')")
-    clip_vloss: bool = Field(False, description="clip the value update to +-clip_coef around the old values")
+    clip_vloss: bool = Field(
+        False,
+        description="clip the value update around the old values to +- the clip range in use: clip_coef, annealed with the "
+        "surrogate's when anneal_clip (as OpenAI baselines' ppo2 does)",
+    )
     norm_adv: bool = Field(True, description="whiten advantages per minibatch")
     ent_coef: float = Field(0.0, ge=0.0, description="entropy bonus coefficient c2")
     vf_coef: float = Field(0.5, ge=0.0, description="value loss coefficient c1")

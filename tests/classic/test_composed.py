@@ -334,7 +334,8 @@ PPO_BASE = dict(
 PPO_CASES = {
     "base": {},
     "clip_coef=0.1": dict(clip_coef=0.1),
-    "clip_vloss": dict(clip_vloss=True),
+    "clip_vloss": dict(clip_vloss=True),  # the value clip is annealed with the surrogate's: 0.2, then 0.1
+    "clip_vloss,no_anneal_clip": dict(clip_vloss=True, anneal_clip=False),
     "vf_coef=1.5": dict(vf_coef=1.5),
     "ent_coef=0.1": dict(ent_coef=0.1),
     "no_norm_adv": dict(norm_adv=False),

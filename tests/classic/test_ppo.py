@@ -24,6 +24,13 @@ def test_clip_frac_counts_ratios_outside_the_range_whatever_the_advantage():
     assert stats.clip_frac.item() == pytest.approx(0.4, abs=1e-7)
 
 
+def test_the_value_clip_description_says_it_follows_the_annealed_clip_range():
+    # the code clips V - V_old to the clip range in effect (test_composed pins clip_vloss with and
+    # without anneal_clip); the field's help must say so, not a fixed +-clip_coef
+    description = PPOConfig.model_fields["clip_vloss"].description
+    assert "clip range in use" in description and "annealed" in description and "anneal_clip" in description
+
+
 def test_gae_over_vector_rollout_with_truncation_and_termination(counter_env):
     # env 0 terminates after 3 steps; env 1 is truncated (TimeLimit) after 2. SAME_STEP autoreset.
     envs = SyncVectorEnv([lambda: counter_env(3), lambda: TimeLimit(counter_env(99), 2)], autoreset_mode=AutoresetMode.SAME_STEP)
