@@ -14,7 +14,7 @@ import importlib
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Annotated, Any, Callable, Literal
 
 import gymnasium as gym
@@ -47,6 +47,7 @@ __all__ = [
     "state_index",
     "evaluate",
     "collect_rollout",
+    "cat_rollouts",
     "linear_schedule",
     "maybe_evaluate",
     "finish",
@@ -71,7 +72,7 @@ class ClassicConfig(Config):
     """Fields every classic run has; each algorithm's config derives from this. Every float must
     lie in float32's range, in which the networks compute (clip_coef=1e40 would overflow)."""
 
-    seed: int = Field(1, description="seeds Python, NumPy, torch and the environments")
+    seed: int = Field(1, ge=0, lt=2**32, description="seeds Python, NumPy, torch and the environments; NumPy takes 0 <= seed < 2**32")
     total_steps: int = Field(100_000, ge=1, description="environment steps to train for (all envs together)")
     eval_every: int = Field(0, ge=0, description="evaluate the greedy policy every this many env steps (0: only at the end)")
     eval_episodes: int = Field(10, ge=1, description="episodes per evaluation")
@@ -453,6 +454,11 @@ def collect_rollout(
         episode_ends=torch.from_numpy(dones),
     )
     return rollout, obs, step
+
+
+def cat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Rollouts sampled one after the other, as one: every field concatenated on time. Shapes: (T_i, N, ...) -> (sum T_i, N, ...)."""
+    return Rollout(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Rollout)})
 
 
 def categorical_logp(policy: nn.Module, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor]:

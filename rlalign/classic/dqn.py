@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from rlalign.core.bellman import polyak_update_, q_learning_target
@@ -67,6 +67,17 @@ class DQNConfig(ClassicConfig):
     loss: Literal["huber", "mse"] = Field("huber", description="TD-error loss (the seed uses mse)")
     hidden: Hidden = Field([256, 256], description="hidden layer sizes of the Q-network (ReLU), each >= 1")
     max_grad_norm: float = Field(10.0, gt=0.0, description="global gradient-norm clip")
+
+    @model_validator(mode="after")
+    def _trains_at_least_once(self) -> DQNConfig:
+        first = (self.learning_starts // self.train_freq + 1) * self.train_freq  # the first step > learning_starts that train_freq divides
+        if first > self.total_steps:
+            raise ValueError(
+                f"learning_starts = {self.learning_starts} and train_freq = {self.train_freq}: the first update would come at env step "
+                f"{first}, after total_steps = {self.total_steps}, so the Q-network would never train; lower learning_starts or "
+                "train_freq, or raise total_steps"
+            )
+        return self
 
 
 class ReplayBuffer:

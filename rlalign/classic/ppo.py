@@ -7,17 +7,26 @@ Details of PPO": vector environments (SAME_STEP autoreset, so no transition span
 that bootstraps on truncation but not on termination, the clipped surrogate, optional value
 clipping, an entropy bonus, advantages normalised per minibatch, learning rate (and optionally
 clip range) annealed linearly to 0, global gradient-norm clipping, orthogonal initialisation,
-separate actor and critic MLPs. Logged: approx_kl, clip fraction, explained variance, entropy.
+separate actor and critic MLPs.
+
+Logged per update, as CleanRL's ppo.py logs them: ``loss/policy``, ``loss/value``, ``entropy`` and
+``approx_kl`` (mean((r - 1) - log r)) of the last minibatch of the last epoch run; ``clip_frac``,
+CleanRL's clipfrac: the share of samples with |r - 1| > eps (:func:`ratio_clip_frac`), averaged
+over every minibatch of every epoch run, eps the clip range in effect; ``clip_active_frac``, the
+share whose clip is active, so that their gradient is zero (A > 0 and r > 1 + eps, or A < 0 and
+r < 1 - eps: ClipStats.clip_frac, the clip ratio verl and TRL log), averaged the same way;
+``explained_variance`` of the rollout's values against its returns; ``lr``; ``epochs`` run; and
+``ratio/first_minibatch_max_log_dev``, max |log r| on the first minibatch (0 before any step).
 
 Every formula is a call into rlalign.core (gae, clipped_surrogate_loss, value_loss, entropy_loss,
-masked_whiten); this file is only the loop.
+masked_whiten) or :func:`ratio_clip_frac`; the rest of this file is the loop.
 """
 
 from __future__ import annotations
 
 import torch
 from pydantic import Field, model_validator
-from torch import nn
+from torch import Tensor, nn
 
 from rlalign.classic.common import (
     ClassicConfig,
@@ -42,7 +51,7 @@ from rlalign.core.kl import entropy_from_logits
 from rlalign.core.losses import clipped_surrogate_loss, entropy_loss, explained_variance, value_loss
 from rlalign.core.masks import masked_whiten
 
-__all__ = ["PPOConfig", "ENV_KIND", "train"]
+__all__ = ["PPOConfig", "ENV_KIND", "ratio_clip_frac", "train"]
 
 ENV_KIND = "vector"  # what common.check_env asks of the environment
 
@@ -61,7 +70,11 @@ class PPOConfig(ClassicConfig):
     gae_lambda: float = Field(0.8, ge=0.0, le=1.0, description="GAE lambda")
     clip_coef: float = Field(0.2, gt=0.0, description="surrogate clip range eps")
     anneal_clip: bool = Field(True, description="anneal the clip range linearly to 0 (SB3 zoo 'lin_0.2')")
-    clip_vloss: bool = Field(False, description="clip the value update to +-clip_coef around the old values")
+    clip_vloss: bool = Field(
+        False,
+        description="clip the value update around the old values to +- the clip range in use: clip_coef, annealed with the "
+        "surrogate's when anneal_clip (as OpenAI baselines' ppo2 does)",
+    )
     norm_adv: bool = Field(True, description="whiten advantages per minibatch")
     ent_coef: float = Field(0.0, ge=0.0, description="entropy bonus coefficient c2")
     vf_coef: float = Field(0.5, ge=0.0, description="value loss coefficient c1")
@@ -77,6 +90,16 @@ class PPOConfig(ClassicConfig):
                 f"{self.num_envs * self.num_steps} transitions; at most {self.num_envs * self.num_steps}"
             )
         return self
+
+
+def ratio_clip_frac(logp: Tensor, old_logp: Tensor, eps: float) -> Tensor:
+    """mean(|r - 1| > eps), r = exp(log pi - log pi_old): CleanRL's clipfrac (ppo.py), the share of
+    samples whose ratio has left the clip range, whichever the sign of their advantage.
+
+    Shapes: logp, old_logp (M,) -> ().
+    """
+    ratio = torch.exp(logp.detach() - old_logp)  # (M,)
+    return ((ratio - 1.0).abs() > eps).to(ratio.dtype).mean()
 
 
 def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
@@ -109,6 +132,7 @@ def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
         b_obs, b_act, b_logp = ro.obs.flatten(0, 1), ro.actions.flatten(), ro.logp.flatten()  # (B, dim), (B,), (B,)
         b_adv, b_ret, b_val = adv.flatten(), returns.flatten(), ro.values.flatten()  # (B,)
         first_dev = None
+        clip_fracs, active_fracs = [], []  # one per minibatch of every epoch run
         for epoch in range(cfg.update_epochs):
             for mb in torch.randperm(batch_size).split(minibatch_size):
                 logp, logits = categorical_logp(actor, b_obs[mb], b_act[mb])  # (M,), (M, A)
@@ -116,6 +140,8 @@ def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
                     first_dev = (logp - b_logp[mb]).abs().max().item()
                 mb_adv = masked_whiten(b_adv[mb]) if cfg.norm_adv else b_adv[mb]
                 pg_loss, pg_stats = clipped_surrogate_loss(logp, b_logp[mb], mb_adv, eps_low=clip)
+                clip_fracs.append(ratio_clip_frac(logp, b_logp[mb], clip))
+                active_fracs.append(pg_stats.clip_frac)
                 values = critic(b_obs[mb]).squeeze(-1)  # (M,)
                 v_loss, _ = value_loss(values, b_ret[mb], old_values=b_val[mb], clip_range=clip if cfg.clip_vloss else None)
                 ent_loss, ent_stats = entropy_loss(entropy_from_logits(logits))
@@ -131,7 +157,8 @@ def train(cfg: PPOConfig, env_id: str, log: RunLog | None = None) -> Result:
 
         log.update(step, {
             "loss/policy": pg_loss.item(), "loss/value": v_loss.item(), "entropy": ent_stats.entropy.item(),
-            "approx_kl": pg_stats.approx_kl.item(), "clip_frac": pg_stats.clip_frac.item(),
+            "approx_kl": pg_stats.approx_kl.item(), "clip_frac": torch.stack(clip_fracs).mean().item(),
+            "clip_active_frac": torch.stack(active_fracs).mean().item(),
             "explained_variance": explained_variance(b_val, b_ret).item(), "lr": optimizer.param_groups[0]["lr"],
             "ratio/first_minibatch_max_log_dev": first_dev, "epochs": epoch + 1,
         })

@@ -39,7 +39,11 @@ class QLearningConfig(ClassicConfig):
     """Tabular Q-learning."""
 
     total_steps: int = Field(5_000, ge=1, description="environment steps to train for")
-    gamma: float = Field(0.9, gt=0.0, le=1.0, description="discount factor")
+    gamma: float = Field(
+        0.9, gt=0.0, lt=1.0,
+        description="discount factor, < 1: only then is a policy greedy w.r.t. V* sure to be optimal (Sutton & Barto 2018, "
+        "section 4.4); at 1, bumping into the maze's walls ties with moving on and the greedy policy never finishes",
+    )
     alpha: float = Field(1.0, gt=0.0, le=1.0, description="initial step size of the Bellman update (1 = the seed's form)")
     alpha_end: float = Field(1.0, gt=0.0, le=1.0, description="step size at the end of the run (linear decay)")
     eps_start: float = Field(1.0, ge=0.0, le=1.0, description="initial exploration probability")

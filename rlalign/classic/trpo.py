@@ -69,7 +69,7 @@ class TRPOConfig(ClassicConfig):
     critic_lr: float = Field(1e-3, gt=0.0, description="Adam learning rate of the value function")
     critic_updates: int = Field(10, ge=1, description="passes of value regression per rollout")
     critic_minibatch: int = Field(128, ge=1, description="minibatch size of the value regression")
-    hidden: list[int] = Field([64, 64], description="hidden sizes of the actor and of the critic (tanh)")
+    hidden: Hidden = Field([64, 64], description="hidden sizes of the actor and of the critic (tanh), each >= 1")
 
 
 def conjugate_gradient(Avp: Callable[[Tensor], Tensor], b: Tensor, iters: int, residual_tol: float = 1e-10) -> Tensor:

@@ -30,8 +30,12 @@ Model = dict[int, dict[int, list[tuple[float, int, float, bool]]]]
 class ValueIterationConfig(Config):
     """Value iteration on a model-exposing environment."""
 
-    seed: int = Field(1, description="seed of the evaluation episodes")
-    gamma: float = Field(0.9, gt=0.0, le=1.0, description="discount factor")
+    seed: int = Field(1, ge=0, lt=2**32, description="seed of the evaluation episodes; NumPy takes 0 <= seed < 2**32")
+    gamma: float = Field(
+        0.9, gt=0.0, lt=1.0,
+        description="discount factor, < 1: only then is a policy greedy w.r.t. V* sure to be optimal (Sutton & Barto 2018, "
+        "section 4.4); at 1, bumping into the maze's walls ties with moving on and the greedy policy never finishes",
+    )
     tol: float = Field(1e-10, gt=0.0, description="stop when the largest value change is below this")
     max_iters: int = Field(10_000, ge=1, description="give up after this many sweeps")
     eval_episodes: int = Field(100, ge=1, description="greedy episodes of the final evaluation")
@@ -57,7 +61,11 @@ def value_iteration(
     P: Model, gamma: float, tol: float = 1e-10, max_iters: int = 10_000, on_sweep: Callable[[int, float], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Optimal values V* (S,), action values Q* (S, A) and a greedy policy (S,) of the model ``P``;
-    ``on_sweep(i, max_s |V_new(s) - V(s)|)`` after each sweep i = 1, 2, ... (the convergence curve)."""
+    ``on_sweep(i, max_s |V_new(s) - V(s)|)`` after each sweep i = 1, 2, ... (the convergence curve).
+
+    The greedy policy is optimal for gamma < 1. With gamma = 1 it need not even end: on the maze
+    V* = 10 in every live cell, so bumping into a wall (Q = 10, staying put) ties with moving on,
+    and the first action of the tie, up, is taken everywhere."""
     _, reward, cont = tabular_model(P)
     v = np.zeros(len(P))  # (S,)
     for i in range(1, max_iters + 1):

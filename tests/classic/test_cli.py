@@ -28,7 +28,7 @@ def test_ppo_through_the_cli_writes_metrics_and_weights(tmp_path):
     rc = main(["classic", "ppo", "--env", "CartPole-v1", "--out", str(tmp_path), "total_steps=512", "num_envs=2", "num_steps=128", "update_epochs=1", "eval_every=256"])
     assert rc == 0
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and {"approx_kl", "clip_frac", "explained_variance", "entropy"} <= set(metrics[0])
+    assert len(metrics) == 2 and {"approx_kl", "clip_frac", "clip_active_frac", "explained_variance", "entropy"} <= set(metrics[0])
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == 2
     assert (tmp_path / "actor.safetensors").is_file()
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -157,6 +157,16 @@ def test_metrics_lines_are_strict_json(tmp_path):
     (["ppo", "--env", "Pendulum-v1"], "--env 'Pendulum-v1': the classic algorithms need a Discrete action space, not Box(1,)"),
     (["vi", "--env", "CartPole-v1"], "--env 'CartPole-v1': value_iteration needs the environment's model"),
     (["ppo", "--env", "CartPole-v1", "hidden=[0]"], "hidden = [0]: every hidden layer size must be >= 1"),
+    (["trpo", "--env", "CartPole-v1", "hidden=[0]"], "hidden = [0]: every hidden layer size must be >= 1"),
+    (["trpo", "--env", "CartPole-v1", "hidden=[64,-3]"], "hidden = [64, -3]: every hidden layer size must be >= 1"),
+    (["vi", "--env", "rlalign/Maze2x3-v0", "gamma=1"], "gamma = 1: Input should be less than 1"),
+    (["dqn", "--env", "CartPole-v1", "total_steps=1000"],
+     "learning_starts = 1000 and train_freq = 256: the first update would come at env step 1024, after total_steps = 1000"),
+    (["ppo", "--env", "CartPole-v1", "--seed", "-1"], "seed = -1: Input should be greater than or equal to 0"),
+    (["dqn", "--env", "CartPole-v1", "seed=4294967296"], "seed = 4294967296: Input should be less than 4294967296"),
+    (["vi", "--env", "rlalign/Maze2x3-v0", "--seed", "4294967296"], "seed = 4294967296: Input should be less than 4294967296"),
+    (["q_learning", "--env", "rlalign/Maze2x3-v0", "seed=-5"], "seed = -5: Input should be greater than or equal to 0"),
+    (["q_learning", "--env", "rlalign/Maze2x3-v0", "gamma=1.0"], "gamma = 1.0: Input should be less than 1"),
     (["ppo", "--env", "CartPole-v1", "num_minibatches=1000", "num_envs=1", "num_steps=10"], "num_minibatches = 1000 is more than the batch"),
     (["ppo", "--env", "CartPole-v1", "clip_coef=1e40"], "clip_coef = '1e40': beyond float32's range"),
     (["ppo", "--env", "CartPole-v1", "overwrite=maybe"], "overwrite = 'maybe': must be true or false"),
@@ -174,6 +184,12 @@ def test_bad_envs_and_settings_are_one_message_before_anything_is_written(argv, 
 
 
 PPO_TINY = ["ppo", "--env", "CartPole-v1", "total_steps=64", "num_envs=1", "num_steps=32", "update_epochs=1", "hidden=[8]", "eval_episodes=1"]
+
+
+def test_the_largest_seed_numpy_takes_runs(tmp_path, capsys):
+    # seeds are 0 <= seed < 2**32 (np.random.seed's range): the last one trains, evaluates and saves
+    assert run_cli(capsys, *PPO_TINY, "--seed", 2**32 - 1, "--out", tmp_path / "ppo")[0] == 0
+    assert run_cli(capsys, "vi", "--env", "rlalign/Maze2x3-v0", "--seed", 2**32 - 1, "eval_episodes=1", "--out", tmp_path / "vi")[0] == 0
 
 
 def test_a_second_run_into_an_out_that_holds_a_run_is_refused_and_changes_nothing(tmp_path, capsys):

@@ -207,10 +207,12 @@ class FakeVecEnv:
         pass
 
 
-def patch_on_policy(monkeypatch, module, batch: Batch) -> SimpleNamespace:
+def patch_on_policy(monkeypatch, module, batch: Batch, extension: Batch | None = None) -> SimpleNamespace:
     """Fixed nets, a fake vector env, and ``collect_rollout`` returning ``batch`` with the log-probs
-    and values of the old actor and critic (the current ones plus the shifts). Returns the rollouts
-    handed out, the ``mlp`` calls and the envs made as (env_id, num_envs, seed, env)."""
+    and values of the old actor and critic (the current ones plus the shifts). With ``extension``
+    (VPG's critic-free Psi) the calls alternate: ``batch`` for a rollout, then ``extension`` for the
+    min(T, 32) steps the trainer samples next to run the rollout's episodes to their ends. Returns
+    the rollouts handed out, the ``mlp`` calls and the envs made as (env_id, num_envs, seed, env)."""
     calls = patch_mlp(monkeypatch, module, {N_ACTIONS: ACTOR, 1: CRITIC})
     patch_finish(monkeypatch, module)
     made: list[tuple] = []
@@ -223,13 +225,15 @@ def patch_on_policy(monkeypatch, module, batch: Batch) -> SimpleNamespace:
     monkeypatch.setattr(torch, "randperm", reversed_randperm)
     rollouts: list[Rollout] = []
     d_actor, d_critic = linear(*OLD_ACTOR_SHIFT), linear(*OLD_CRITIC_SHIFT)
-    obs, next_obs = torch.tensor(batch.obs, dtype=torch.float64), torch.tensor(batch.next_obs, dtype=torch.float64)
-    actions = torch.tensor(batch.actions)
+    T, N = torch.tensor(batch.actions).shape
 
     def fake_collect(envs, last_obs, policy, value, num_steps, tracker, log, step, guard):
-        T, N = actions.shape
+        part = batch if extension is None or len(rollouts) % 2 == 0 else extension
+        obs, next_obs = torch.tensor(part.obs, dtype=torch.float64), torch.tensor(part.next_obs, dtype=torch.float64)
+        actions = torch.tensor(part.actions)
         assert isinstance(guard, FiniteGuard) and guard.env_id == "fixed-batch"
-        assert num_steps == T and envs.num_envs == N and step == len(rollouts) * T * N
+        assert actions.shape == (num_steps, N) and num_steps == (T if part is batch else min(T, vpg.EXTENSION_CHUNK))
+        assert envs.num_envs == N and step == len(rollouts) * T * N
         assert last_obs is envs.obs  # continues from the reset, then from where the last rollout stopped
         assert isinstance(tracker, EpisodeTracker) and len(tracker.running) == N and isinstance(log, RunLog)
         envs.obs = np.full((N, DIM), float(len(rollouts) + 1))
@@ -240,12 +244,12 @@ def patch_on_policy(monkeypatch, module, batch: Batch) -> SimpleNamespace:
             next_values = (value(next_obs) + d_critic(next_obs)).squeeze(-1)  # (T, N)
         ro = Rollout(
             obs=obs, actions=actions, logp=logp, values=values, next_values=next_values,
-            rewards=torch.tensor(batch.rewards, dtype=torch.float64),
-            terminated=torch.tensor(batch.terminated, dtype=torch.float64),
-            episode_ends=torch.tensor(batch.episode_ends, dtype=torch.float64),
+            rewards=torch.tensor(part.rewards, dtype=torch.float64),
+            terminated=torch.tensor(part.terminated, dtype=torch.float64),
+            episode_ends=torch.tensor(part.episode_ends, dtype=torch.float64),
         )
         rollouts.append(ro)
-        return ro, envs.obs, step + T * N
+        return ro, envs.obs, step + num_steps * N
 
     monkeypatch.setattr(module, "collect_rollout", fake_collect)
     return SimpleNamespace(rollouts=rollouts, mlp_calls=calls, made=made)
@@ -258,11 +262,11 @@ def assert_made_and_reset(seam: SimpleNamespace, cfg) -> None:
 
 
 
-def run_on_policy(monkeypatch, module, cfg, batch: Batch):
+def run_on_policy(monkeypatch, module, cfg, batch: Batch, extension: Batch | None = None):
     """``module.train`` on the fixed batch, after checking what every on-policy trainer builds: one
     seeded vector env, reset once, and an actor (gain 0.01) and a critic (gain 1) of the fixed nets.
     Returns (the trainer's result, the rollouts it was handed)."""
-    seam = patch_on_policy(monkeypatch, module, batch)
+    seam = patch_on_policy(monkeypatch, module, batch, extension)
     result = module.train(cfg, "fixed-batch")
     assert_made_and_reset(seam, cfg)
     assert seam.mlp_calls == [([DIM, N_ACTIONS], nn.Tanh, 0.01), ([DIM, 1], nn.Tanh, 1.0)]
@@ -330,7 +334,8 @@ PPO_BASE = dict(
 PPO_CASES = {
     "base": {},
     "clip_coef=0.1": dict(clip_coef=0.1),
-    "clip_vloss": dict(clip_vloss=True),
+    "clip_vloss": dict(clip_vloss=True),  # the value clip is annealed with the surrogate's: 0.2, then 0.1
+    "clip_vloss,no_anneal_clip": dict(clip_vloss=True, anneal_clip=False),
     "vf_coef=1.5": dict(vf_coef=1.5),
     "ent_coef=0.1": dict(ent_coef=0.1),
     "no_norm_adv": dict(norm_adv=False),
@@ -349,13 +354,15 @@ def ppo_minibatch_by_hand(params: list[Tensor], samples: list, mb: list[int], cl
              over the minibatch when norm_adv;
     L^V = 1/M sum 1/2 (V - R)^2, or 1/2 max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2);
     H = 1/M sum -sum_a pi log pi.  Gradients w.r.t. actor W, b and critic W, b, then clipped to
-    max_grad_norm over all four together."""
+    max_grad_norm over all four together. Stats: approx_kl = 1/M sum (r - 1) - log r; outside =
+    1/M #{|r - 1| > eps} (CleanRL's clipfrac); active = 1/M #{A > 0 and r > 1 + eps, or A < 0 and
+    r < 1 - eps} (the samples whose clipped term is active)."""
     W, b, Wv, bv = params_of(params)
     advs = [samples[i].adv for i in mb]
     if cfg.norm_adv:
         advs = whiten_list(advs)
     pg = value = entropy = 0.0
-    approx_kl = clip_frac = 0.0
+    approx_kl = outside = active = 0.0
     regimes = set()
     for a_hat, i in zip(advs, mb):
         s = samples[i]
@@ -374,13 +381,16 @@ def ppo_minibatch_by_hand(params: list[Tensor], samples: list, mb: list[int], cl
         r = ratio.item()
         approx_kl += (r - 1.0) - math.log(r)
         high, low = a_hat > 0 and r > 1 + clip, a_hat < 0 and r < 1 - clip
-        clip_frac += high + low
+        active += high + low
+        outside += abs(r - 1.0) > clip
         regimes.add("high" if high else "low" if low else "inside")
+        if abs(r - 1.0) > clip and not (high or low):
+            regimes.add("outside, not active")
     M = len(mb)
     loss = pg / M + cfg.vf_coef * value / M - cfg.ent_coef * entropy / M
     grads = clip_by_global_norm(list(torch.autograd.grad(loss, [W, b, Wv, bv])), cfg.max_grad_norm)
     return SimpleNamespace(loss=loss.detach(), grads=grads, pg=pg.item() / M, value=value.item() / M,
-                           entropy=entropy.item() / M, approx_kl=approx_kl / M, clip_frac=clip_frac / M, regimes=regimes)
+                           entropy=entropy.item() / M, approx_kl=approx_kl / M, outside=outside / M, active=active / M, regimes=regimes)
 
 
 @pytest.mark.parametrize("case", PPO_CASES.values(), ids=PPO_CASES.keys())
@@ -403,6 +413,7 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
         adv, returns = gae_by_loop(ro, cfg.gamma, cfg.gae_lambda)
         samples = flat_samples(ro, adv, returns)
         first_params = opt.steps[k].params
+        every = []  # each minibatch of every epoch run, by hand
         for epoch in range(cfg.update_epochs):
             for mb in minibatches:
                 step = opt.steps[k]
@@ -411,14 +422,18 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
                 assert_grads(step.grads, want.grads, F64)
                 assert step.lr == pytest.approx(lr, rel=1e-12)
                 regimes |= want.regimes
+                every.append(want)
                 k += 1
             if cfg.target_kl is not None and want.approx_kl > cfg.target_kl:
                 break
         stats = result.log.updates[it]
         assert stats["epochs"] == epoch + 1 and stats["step"] == (it + 1) * B
         assert stats["lr"] == pytest.approx(lr, rel=1e-12)
+        # CleanRL's logging: the losses, entropy and approx_kl of the last minibatch run; clip_frac the
+        # mean over every minibatch run of the share with |r - 1| > eps; clip_active_frac likewise
         for key, value in [("loss/policy", want.pg), ("loss/value", want.value), ("entropy", want.entropy),
-                           ("approx_kl", want.approx_kl), ("clip_frac", want.clip_frac)]:
+                           ("approx_kl", want.approx_kl), ("clip_frac", sum(w.outside for w in every) / len(every)),
+                           ("clip_active_frac", sum(w.active for w in every) / len(every))]:
             assert stats[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
         W, b = first_params[0].double(), first_params[1].double()
         first_dev = max(abs(float(log_pi(W, b, samples[i].obs)[samples[i].action]) - samples[i].old_logp) for i in minibatches[0])
@@ -426,7 +441,7 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
         ev = explained_variance_by_hand([s.old_value for s in samples], [s.ret for s in samples])
         assert stats["explained_variance"] == pytest.approx(ev, rel=1e-5, abs=1e-6)  # computed in float32
     assert k == len(opt.steps)
-    assert {"high", "low", "inside"} <= regimes  # the case reaches both clipped sides of the surrogate
+    assert {"high", "low", "inside", "outside, not active"} <= regimes  # both clipped sides, and a ratio outside with an unclipped term
     if cfg.clip_vloss:
         assert {"value clipped, larger", "value clipped, smaller"} <= regimes
     if cfg.target_kl is not None:
@@ -440,10 +455,13 @@ def test_ppo_update_matches_hand_computation(case, monkeypatch, recorder):
 # --------------------------------------------------------------------------------------------
 
 # T = 5 steps of N = 2 envs. env 0: episode A = t0-t1 (terminated), episode B = t2-t3 (truncated),
-# t4 unfinished. env 1: one episode t0-t2 (terminated), t3-t4 unfinished. The unfinished steps
-# count for nothing (complete-episode mask): 7 of 10 steps count. Two rollouts of this batch: in the
-# second, both envs' first episode began in the first rollout (its last row ended none), so
-# total_return counts only env 0's episode B there (2 of 10 steps).
+# episode C begins at t4. env 1: one episode t0-t2 (terminated), episode D begins at t3. With a
+# critic every step counts (the cut bootstraps from V(s_5)). Without one the trainer samples
+# VPG_EXTENSION next (t5-t9), in which C terminates at t5 and D is truncated at t6: env 0 counts
+# t0-t5, env 1 t0-t6, 13 of the 20 steps; the episodes begun in the extension (env 0: t6-t7 and
+# t8-t9, env 1: t7-t9) count for nothing. Two rollouts: in the second, total_return also drops env
+# 1's t0-t2, the rest of an episode begun before (the first rollout's t9 ended none in env 1, but
+# did in env 0): 10 of 20 steps.
 VPG_BATCH = Batch(
     obs=[
         [[1.0, 0.0, 0.5], [0.2, -1.0, 0.3]],
@@ -464,6 +482,26 @@ VPG_BATCH = Batch(
     terminated=[[0, 0], [1, 0], [0, 1], [0, 0], [0, 0]],
     episode_ends=[[0, 0], [1, 0], [0, 1], [1, 0], [0, 0]],
 )
+VPG_EXTENSION = Batch(  # t5-t9, sampled after VPG_BATCH by the critic-free Psi
+    obs=[
+        [[0.5, 0.5, -1.0], [-1.0, 0.0, 0.5]],
+        [[1.0, 0.0, 0.5], [0.5, 1.5, -0.5]],
+        [[0.0, 1.0, -1.0], [1.0, 0.0, 0.5]],
+        [[-0.5, 0.5, 0.5], [0.5, -1.0, 1.0]],
+        [[1.0, 0.0, 0.5], [-0.5, 0.5, 0.0]],
+    ],
+    next_obs=[
+        [[2.0, 2.0, 2.0], [0.5, 1.5, -0.5]],  # env 0: terminal (C ends)
+        [[0.0, 1.0, -1.0], [1.5, -0.5, 1.0]],  # env 1: true final obs of the truncated D
+        [[2.0, -2.0, 2.0], [0.5, -1.0, 1.0]],  # env 0: terminal
+        [[1.0, 0.0, 0.5], [-0.5, 0.5, 0.0]],
+        [[0.0, -1.0, 1.0], [1.0, 1.0, -1.0]],  # env 0: true final obs of a truncated episode
+    ],
+    actions=[[1, 0], [0, 2], [2, 2], [1, 0], [0, 1]],
+    rewards=[[0.5, 2.5], [-1.0, 1.0], [2.0, -1.5], [1.0, 0.5], [-0.5, 2.0]],
+    terminated=[[1, 0], [0, 0], [1, 0], [0, 0], [0, 0]],
+    episode_ends=[[1, 0], [0, 1], [1, 0], [0, 0], [1, 0]],
+)
 VPG_BASE = dict(total_steps=20, num_envs=2, num_steps=5, lr=0.5, critic_lr=0.3, critic_updates=3, gamma=0.9,
                 gae_lambda=0.8, norm_adv=False, measure_variance=True, hidden=[], eval_every=0)
 VPG_CASES = {
@@ -476,6 +514,9 @@ VPG_CASES = {
     "reward_to_go_baseline,norm_adv": dict(psi="reward_to_go_baseline", norm_adv=True),
     "total_return,norm_adv,gamma=0.5": dict(psi="total_return", norm_adv=True, gamma=0.5),
 }
+CRITIC_FREE = ("total_return", "reward_to_go")
+# counted steps / sampled steps in the two iterations (the comment above VPG_BATCH)
+VPG_COUNTED_FRAC = {"total_return": (13 / 20, 10 / 20), "reward_to_go": (13 / 20, 13 / 20), "reward_to_go_baseline": (1.0, 1.0), "gae": (1.0, 1.0)}
 
 
 def episodes_of(ends_column: list) -> list[list[int]]:
@@ -489,30 +530,39 @@ def episodes_of(ends_column: list) -> list[list[int]]:
     return episodes + ([current] if current else [])
 
 
-def psi_by_loop(psi: str, ro: Rollout, gamma: float, lam: float, starts: list | None = None) -> tuple[list, list, list]:
+def cat_by_hand(parts: list[Rollout]) -> Rollout:
+    """Rollouts one after the other: each field concatenated on time (None stays None)."""
+    return Rollout(**{k: None if v is None else torch.cat([getattr(p, k) for p in parts]) for k, v in vars(parts[0]).items()})
+
+
+def psi_by_loop(psi: str, ro: Rollout, gamma: float, lam: float, starts: list | None = None, window: int | None = None) -> tuple[list, list, list]:
     """(Psi, baseline target, the mask of the steps the loss counts), lists (T, N), from the
     definitions in vpg's docstring: reward-to-go G_t = sum_{i >= t in the episode} gamma^(i-t) r_i;
     R(tau) = G at the episode's first step, given to all its steps; the bootstrapped reward-to-go
     G^b_t = G_t + gamma^(last + 1 - t) V(s_{last + 1}) unless the episode's last step is terminal
     (a truncation, or the rollout's cut), and G^b_t - V(s_t); GAE(gamma, lambda). The baseline's
-    target is G^b, or the GAE return A_t + V(s_t) for gae. The mask: the episodes that end inside the
-    rollout, and for total_return that also begin inside it (row 0 begins one in env n when
-    ``starts[n]``; all envs when None)."""
+    target is G^b, or the GAE return A_t + V(s_t) for gae. The mask: with a critic every step.
+    Without one ``ro`` holds the rollout's ``window`` rows (all of them by default) and the steps
+    sampled after them: the episodes that begin at or before row window - 1 and end inside ``ro``
+    count whole, the others not; for total_return only those that also begin inside the rollout
+    (row 0 begins one in env n when ``starts[n]``; all envs when None)."""
     T, N = ro.rewards.shape
     starts = [1.0] * N if starts is None else starts
+    window = T if window is None else window
     r = ro.rewards.tolist()
     ends = ro.episode_ends.tolist()
     to_go, boot, total, mask = ([[0.0] * N for _ in range(T)] for _ in range(4))
     for n in range(N):
         for steps in episodes_of([ends[t][n] for t in range(T)]):
             last = steps[-1]
-            complete = ends[last][n] == 1
-            whole = complete and (steps[0] > 0 or starts[n] == 1)
+            counts = ends[last][n] == 1 and steps[0] <= window - 1
+            if psi == "total_return":
+                counts = counts and (steps[0] > 0 or starts[n] == 1)
             v_after = 0.0 if ro.terminated[last, n] == 1 else float(ro.next_values[last, n])
             for t in steps:
                 to_go[t][n] = sum(gamma ** (i - t) * r[i][n] for i in steps if i >= t)
                 boot[t][n] = to_go[t][n] + gamma ** (last + 1 - t) * v_after
-                mask[t][n] = 1.0 if (whole if psi == "total_return" else complete) else 0.0
+                mask[t][n] = 1.0 if counts or psi not in CRITIC_FREE else 0.0
             for t in steps:
                 total[t][n] = to_go[steps[0]][n]
     if psi == "total_return":
@@ -525,63 +575,79 @@ def psi_by_loop(psi: str, ro: Rollout, gamma: float, lam: float, starts: list | 
     return adv, returns, mask
 
 
+def _fixed_rollout(batch: Batch, next_value: float = 0.0) -> Rollout:
+    T, N = len(batch.rewards), len(batch.rewards[0])
+    return Rollout(obs=None, actions=None, logp=None, values=torch.zeros(T, N), next_values=torch.full((T, N), next_value),
+                   rewards=torch.tensor(batch.rewards), terminated=torch.tensor(batch.terminated, dtype=torch.float32),
+                   episode_ends=torch.tensor(batch.episode_ends, dtype=torch.float32))
+
+
 def test_psi_by_loop_by_hand():
-    # The expected side's own helper on VPG_BATCH's rewards, gamma = 0.9:
-    # env 0, episode A (1, 2): G = 1 + 0.9 * 2 = 2.8, 2; episode B (0.5, -1): G = 0.5 - 0.9 = -0.4, -1;
-    #   the tail (3) is unfinished. R(tau) = 2.8, 2.8, -0.4, -0.4.
-    # env 1, one episode (0.5, 1, 2): G = 0.5 + 0.9 * (1 + 0.9 * 2) = 3.02, 2.8, 2.
-    ro = Rollout(obs=None, actions=None, logp=None, values=torch.zeros(5, 2), next_values=torch.zeros(5, 2),
-                 rewards=torch.tensor(VPG_BATCH.rewards), terminated=torch.tensor(VPG_BATCH.terminated),
-                 episode_ends=torch.tensor(VPG_BATCH.episode_ends))
-    to_go, _, mask = psi_by_loop("reward_to_go", ro, 0.9, 0.0)
-    total, _, _ = psi_by_loop("total_return", ro, 0.9, 0.0)
-    assert [row[0] for row in to_go[:4]] == pytest.approx([2.8, 2.0, -0.4, -1.0])
-    assert [row[1] for row in to_go[:3]] == pytest.approx([3.02, 2.8, 2.0])
-    assert [row[0] for row in total[:4]] == pytest.approx([2.8, 2.8, -0.4, -0.4])
-    assert sum(map(sum, mask)) == 7 and mask[4] == [0.0, 0.0] and mask[3] == [1.0, 0.0]
+    # The expected side's own helper on VPG_BATCH then VPG_EXTENSION (t0-t9), gamma = 0.9:
+    # env 0, episode A (1, 2): G = 1 + 0.9 * 2 = 2.8, 2; B (0.5, -1): 0.5 - 0.9 = -0.4, -1; C (3, 0.5):
+    #   3 + 0.45 = 3.45, 0.5; then t6-t7 (-1, 2): 0.8, 2 and t8-t9 (1, -0.5): 0.55, -0.5.
+    #   R(tau) = 2.8, 2.8, -0.4, -0.4, 3.45, 3.45, 0.8, 0.8, 0.55, 0.55.
+    # env 1, t0-t2 (0.5, 1, 2): G = 0.5 + 0.9 * (1 + 0.9 * 2) = 3.02, 2.8, 2; D (-0.5, 1.5, 2.5, 1):
+    #   G6 = 1, G5 = 2.5 + 0.9 = 3.4, G4 = 1.5 + 0.9 * 3.4 = 4.56, G3 = -0.5 + 0.9 * 4.56 = 3.604.
+    ro = cat_by_hand([_fixed_rollout(VPG_BATCH), _fixed_rollout(VPG_EXTENSION)])
+    to_go, _, mask = psi_by_loop("reward_to_go", ro, 0.9, 0.0, window=5)
+    total, _, whole = psi_by_loop("total_return", ro, 0.9, 0.0, window=5)
+    assert [row[0] for row in to_go] == pytest.approx([2.8, 2.0, -0.4, -1.0, 3.45, 0.5, 0.8, 2.0, 0.55, -0.5])
+    assert [row[1] for row in to_go[:7]] == pytest.approx([3.02, 2.8, 2.0, 3.604, 4.56, 3.4, 1.0])
+    assert [row[0] for row in total] == pytest.approx([2.8, 2.8, -0.4, -0.4, 3.45, 3.45, 0.8, 0.8, 0.55, 0.55])
+    # the episodes begun at t0-t4 count: env 0 t0-t5, env 1 t0-t6; and for total_return, with row 0
+    # beginning an episode in both envs, the same
+    assert [row[0] for row in mask] == [1.0] * 6 + [0.0] * 4 and [row[1] for row in mask] == [1.0] * 7 + [0.0] * 3
+    assert whole == mask
+    # total_return when both envs' row 0 continues an episode: env 0's A and env 1's t0-t2 are
+    # rests of episodes begun before; env 0's B and C and env 1's D are whole.
+    _, _, whole = psi_by_loop("total_return", ro, 0.9, 0.0, starts=[0.0, 0.0], window=5)
+    assert [row[0] for row in whole] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [row[1] for row in whole] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    # with a critic every step of VPG_BATCH counts, the cut included
+    ro = _fixed_rollout(VPG_BATCH, next_value=2.0)
+    _, boot, ones = psi_by_loop("reward_to_go_baseline", ro, 0.9, 0.0)
+    assert ones == [[1.0, 1.0]] * 5
     # the bootstrapped reward-to-go with V(s_{t+1}) = 2 everywhere: env 0's episode B is truncated at
     # t3: -1 + 0.9 * 2 = 0.8, then 0.5 + 0.9 * 0.8 = 1.22; its tail is cut: 3 + 0.9 * 2 = 4.8. Episode A
     # and env 1's episode terminate: 2.8, 2 and 3.02, 2.8, 2 as above. Env 1's tail (-0.5, 1.5): 1.5 + 1.8
     # = 3.3, then -0.5 + 0.9 * 3.3 = 2.47.
-    ro.next_values = torch.full((5, 2), 2.0)
-    _, boot, _ = psi_by_loop("reward_to_go_baseline", ro, 0.9, 0.0)
     assert [row[0] for row in boot] == pytest.approx([2.8, 2.0, 1.22, 0.8, 4.8])
     assert [row[1] for row in boot] == pytest.approx([3.02, 2.8, 2.0, 2.47, 3.3])
-    # total_return when both envs' row 0 continues an episode: env 0's A and env 1's t0-t2 are
-    # rests of episodes begun before; only env 0's B (t2-t3) is whole.
-    _, _, whole = psi_by_loop("total_return", ro, 0.9, 0.0, starts=[0.0, 0.0])
-    assert whole == [[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]
 
 
 @pytest.mark.parametrize("case", VPG_CASES.values(), ids=VPG_CASES.keys())
 def test_vpg_update_matches_hand_computation(case, monkeypatch, recorder):
-    cfg = vpg.VPGConfig(**{**VPG_BASE, **case})
-    result, rollouts = run_on_policy(monkeypatch, vpg, cfg, VPG_BATCH)
-    actor_opt, critic_opt = recorder.optimizers
     T, N = 5, 2
-    fits_baseline = cfg.psi in ("reward_to_go_baseline", "gae")
-    assert len(rollouts) == len(actor_opt.steps) == len(result.log.updates) == 2
-    assert len(critic_opt.steps) == (2 * cfg.critic_updates if fits_baseline else 0)
+    critic_free = case["psi"] in CRITIC_FREE
+    calls = 2 if critic_free else 1  # collect_rollout calls per iteration: the rollout, then (critic-free) its extension
+    cfg = vpg.VPGConfig(**{**VPG_BASE, "total_steps": 2 * calls * T * N, **case})
+    result, rollouts = run_on_policy(monkeypatch, vpg, cfg, VPG_BATCH, VPG_EXTENSION if critic_free else None)
+    actor_opt, critic_opt = recorder.optimizers
+    assert len(rollouts) == 2 * calls and len(actor_opt.steps) == len(result.log.updates) == 2
+    assert len(critic_opt.steps) == (0 if critic_free else 2 * cfg.critic_updates)
     starts = [1.0] * N  # row 0 of the first rollout begins an episode in every env
-    for it, ro in enumerate(rollouts):
-        psi, target, mask = psi_by_loop(cfg.psi, ro, cfg.gamma, cfg.gae_lambda, starts)
-        counted = [(t, n) for t in range(T) for n in range(N) if mask[t][n]]
+    for it in range(2):
+        ro = cat_by_hand(rollouts[it * calls:(it + 1) * calls])  # the rollout and the steps sampled after it
+        rows = len(ro.rewards)
+        psi, target, mask = psi_by_loop(cfg.psi, ro, cfg.gamma, cfg.gae_lambda, starts, window=T)
+        counted = [(t, n) for t in range(rows) for n in range(N) if mask[t][n]]
         weights = {tn: psi[tn[0]][tn[1]] for tn in counted}
         if cfg.norm_adv:  # whitened over the counted steps
             weights = dict(zip(counted, whiten_list([weights[tn] for tn in counted])))
 
-        # the policy step: L = -1/|counted| sum_{counted} log pi(a_t | s_t) Psi_t
+        # the policy step: L = -1/(T N) sum_{counted} log pi(a_t | s_t) Psi_t, T N = 10 the rollout's steps
         step = actor_opt.steps[it]
         assert step.lr == cfg.lr
         W, b = params_of(step.params)
-        pg = -sum(log_pi(W, b, ro.obs[t, n])[int(ro.actions[t, n])] * weights[(t, n)] for t, n in counted) / len(counted)
+        pg = -sum(log_pi(W, b, ro.obs[t, n])[int(ro.actions[t, n])] * weights[(t, n)] for t, n in counted) / (T * N)
         torch.testing.assert_close(step.loss, pg.detach(), **F64)
         assert_grads(step.grads, torch.autograd.grad(pg, [W, b]), F64)
         if it == 0:
             torch.testing.assert_close(step.params, [torch.tensor(x, dtype=torch.float64) for x in ACTOR], rtol=0, atol=0)
 
         # the baseline: critic_updates full-batch steps of L_V = 1/|counted| sum_{counted} 1/2 (V(s_t) - target_t)^2
-        for step in critic_opt.steps[it * cfg.critic_updates:(it + 1) * cfg.critic_updates] if fits_baseline else []:
+        for step in [] if critic_free else critic_opt.steps[it * cfg.critic_updates:(it + 1) * cfg.critic_updates]:
             assert step.lr == cfg.critic_lr
             Wv, bv = params_of(step.params)
             v_loss = sum(0.5 * ((Wv @ ro.obs[t, n] + bv)[0] - target[t][n]) ** 2 for t, n in counted) / len(counted)
@@ -589,17 +655,18 @@ def test_vpg_update_matches_hand_computation(case, monkeypatch, recorder):
             assert_grads(step.grads, torch.autograd.grad(v_loss, [Wv, bv]), F64)
 
         stats = result.log.updates[it]
-        assert stats["loss/policy"] == pytest.approx(pg.item(), rel=1e-9) and stats["step"] == (it + 1) * T * N
-        assert stats["counted_frac"] == (0.2 if cfg.psi == "total_return" and it == 1 else 0.7)
-        # gradient variance of each Psi (unwhitened): tr Cov over the whole episodes (begun and ended in
-        # the rollout: 3 in the first, env 0's B alone in the second, which gives 0) of
+        assert stats["loss/policy"] == pytest.approx(pg.item(), rel=1e-9) and stats["step"] == (it + 1) * calls * T * N
+        assert stats["counted_frac"] == pytest.approx(VPG_COUNTED_FRAC[cfg.psi][it], rel=1e-12) == len(counted) / (rows * N)
+        # gradient variance of each Psi (unwhitened): tr Cov over the whole episodes (begun in the rollout,
+        # ended in it or the extension: with a critic 3 in the first, env 0's B alone in the second, which
+        # gives 0; without one A, B, C, t0-t2 and D, then all but t0-t2) of
         # g_i = sum_{t in episode i} grad log pi(a_t | s_t) Psi_t, at the parameters before the step
         W0, b0 = params_of(actor_opt.steps[it].params)
-        episodes = [[(t, n) for t in steps] for n in range(N) for steps in episodes_of([ro.episode_ends[t, n].item() for t in range(T)])
-                    if ro.episode_ends[steps[-1], n] == 1 and (steps[0] > 0 or starts[n] == 1)]
-        assert len(episodes) == (3 if it == 0 else 1)
+        episodes = [[(t, n) for t in steps] for n in range(N) for steps in episodes_of([ro.episode_ends[t, n].item() for t in range(rows)])
+                    if ro.episode_ends[steps[-1], n] == 1 and steps[0] <= T - 1 and (steps[0] > 0 or starts[n] == 1)]
+        assert len(episodes) == ((5, 4) if critic_free else (3, 1))[it]
         for name in vpg.PSI_CHOICES:
-            psi_n, _, _ = psi_by_loop(name, ro, cfg.gamma, cfg.gae_lambda, starts)
+            psi_n, _, _ = psi_by_loop(name, ro, cfg.gamma, cfg.gae_lambda, starts, window=T)
             grads = []
             for ep in episodes:
                 g = torch.autograd.grad(sum(log_pi(W0, b0, ro.obs[t, n])[int(ro.actions[t, n])] * psi_n[t][n] for t, n in ep), [W0, b0])
@@ -610,7 +677,7 @@ def test_vpg_update_matches_hand_computation(case, monkeypatch, recorder):
             mean = sum(grads) / len(grads)
             variance = sum(((g - mean) ** 2 for g in grads)) / (len(grads) - 1)  # unbiased, per coordinate
             assert stats[f"grad_var/{name}"] == pytest.approx(variance.sum().item(), rel=1e-9), name
-        starts = [float(ro.episode_ends[T - 1, n]) for n in range(N)]  # the next rollout's row 0 begins an episode
+        starts = [float(ro.episode_ends[rows - 1, n]) for n in range(N)]  # the next rollout's row 0 begins an episode
 
 
 # --------------------------------------------------------------------------------------------

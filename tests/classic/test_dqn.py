@@ -7,6 +7,7 @@ import torch
 from rlalign.classic.dqn import DQNConfig, ReplayBuffer, train
 from rlalign.classic.maze import MAZE_ID, Maze2x3Env
 from rlalign.classic.value_iteration import value_iteration
+from rlalign.config import ConfigError, load_config
 
 NON_TERMINAL = [0, 1, 3, 4]
 MAZE = dict(total_steps=3_000, gamma=0.9, learning_starts=200, train_freq=1, gradient_steps=1, lr=1e-3,
@@ -49,3 +50,22 @@ def test_same_seed_same_returns():
     assert a.episode_returns != c.episode_returns
     for pa, pb in zip(a.agent.parameters(), b.agent.parameters()):
         assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("learning_starts, train_freq, first", [
+    (100, 1, 101),  # an update needs step > learning_starts: learning_starts = total_steps never trains
+    (0, 101, 101),  # train_freq > total_steps
+    (80, 60, 120),  # both below total_steps, but the first multiple of 60 past 80 is 120
+])
+def test_a_run_that_would_never_train_is_refused(learning_starts, train_freq, first):
+    with pytest.raises(ConfigError) as err:
+        load_config(DQNConfig, None, {"total_steps": 100, "learning_starts": learning_starts, "train_freq": train_freq})
+    assert (f"learning_starts = {learning_starts} and train_freq = {train_freq}: the first update would come at env step {first}, "
+            "after total_steps = 100, so the Q-network would never train") in str(err.value)
+
+
+def test_the_first_update_at_the_last_step_is_allowed_and_happens():
+    # learning_starts 10, train_freq 100: the first multiple of 100 past 10 is 100 = total_steps, one update there
+    cfg = load_config(DQNConfig, None, {"total_steps": 100, "learning_starts": 10, "train_freq": 100, "gradient_steps": 1,
+                                        "batch_size": 8, "hidden": [8], "eval_episodes": 1})
+    assert [u["step"] for u in train(cfg, "CartPole-v1").log.updates] == [100]

@@ -144,6 +144,15 @@ def test_bad_policies_and_a_policy_that_never_ends():
     np.testing.assert_array_equal(terminal_states(P), [0, 0, 1, 0, 0, 1])
 
 
+def test_a_policy_that_always_ends_is_evaluated_with_gamma_one():
+    # right, down, right from 0 and right from 3 reach the goal from every live cell: with gamma = 1
+    # the return is the goal's +10 (V^pi = 10 there, 0 in the terminal cells); Q(0, up) = 0 + V(0) = 10
+    # (a bump, then pi); Q(1, right) = -10 (the trap).
+    values = policy_evaluation(P, deterministic_policy(np.array([RIGHT, DOWN, UP, RIGHT, RIGHT, UP]), 4), 1.0)
+    np.testing.assert_allclose(values.v, [10.0, 10.0, 0.0, 10.0, 10.0, 0.0], atol=1e-12)
+    assert values.q[0, UP] == pytest.approx(10.0, abs=1e-12) and values.q[1, RIGHT] == pytest.approx(-10.0, abs=1e-12)
+
+
 # ---------------------------------------------------------------- Monte Carlo
 
 

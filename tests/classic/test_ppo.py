@@ -8,8 +8,27 @@ from gymnasium.wrappers import TimeLimit
 from torch import nn
 
 from rlalign.classic.common import EpisodeTracker, RunLog, collect_rollout, make_vec_env
-from rlalign.classic.ppo import PPOConfig, train
+from rlalign.classic.ppo import PPOConfig, ratio_clip_frac, train
 from rlalign.core.advantages import gae
+from rlalign.core.losses import clipped_surrogate_loss
+
+
+def test_clip_frac_counts_ratios_outside_the_range_whatever_the_advantage():
+    # ratios 1.5, 0.5, 1.5, 0.5, 1.1 (old log-probs 0), eps 0.2, advantages 1, -1, -1, 1, 1:
+    # |r - 1| > 0.2 for the first four: CleanRL's clipfrac 4/5. The clip is active only where it
+    # zeroes the gradient, 1.5 with A > 0 and 0.5 with A < 0: 2/5 (ClipStats.clip_frac, unchanged).
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5, 1.1]))
+    old, adv = torch.zeros(5), torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0])
+    assert ratio_clip_frac(logp, old, 0.2).item() == pytest.approx(0.8, abs=1e-7)
+    _, stats = clipped_surrogate_loss(logp, old, adv, eps_low=0.2)
+    assert stats.clip_frac.item() == pytest.approx(0.4, abs=1e-7)
+
+
+def test_the_value_clip_description_says_it_follows_the_annealed_clip_range():
+    # the code clips V - V_old to the clip range in effect (test_composed pins clip_vloss with and
+    # without anneal_clip); the field's help must say so, not a fixed +-clip_coef
+    description = PPOConfig.model_fields["clip_vloss"].description
+    assert "clip range in use" in description and "annealed" in description and "anneal_clip" in description
 
 
 def test_gae_over_vector_rollout_with_truncation_and_termination(counter_env):

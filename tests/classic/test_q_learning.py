@@ -2,10 +2,12 @@
 
 import gymnasium as gym
 import numpy as np
+import pytest
 
 from rlalign.classic.maze import MAZE_ID, Maze2x3Env
 from rlalign.classic.q_learning import QLearningConfig, train
 from rlalign.classic.value_iteration import policy_value, value_iteration
+from rlalign.config import ConfigError, load_config
 
 NON_TERMINAL = [0, 1, 3, 4]
 
@@ -41,3 +43,11 @@ def test_evaluates_every_eval_every_steps_from_the_start():
     # eval_every = 5 over 20 steps: greedy evaluations after steps 5, 10, 15 and 20, none earlier
     result = train(QLearningConfig(total_steps=20, eval_every=5, eval_episodes=1), MAZE_ID)
     assert [step for step, _ in result.log.evals] == [5, 10, 15, 20]
+
+
+def test_gamma_one_is_refused():
+    # with gamma = 1 the maze's Q* ties bumping into a wall with moving on (test_value_iteration), so
+    # a greedy policy on a converged table can bump forever
+    with pytest.raises(ConfigError, match=r"gamma = 1.0: Input should be less than 1"):
+        load_config(QLearningConfig, None, {"gamma": 1.0})
+    assert load_config(QLearningConfig, None, {"gamma": 0.999}).gamma == 0.999

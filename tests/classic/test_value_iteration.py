@@ -2,9 +2,11 @@
 
 import gymnasium as gym
 import numpy as np
+import pytest
 
 from rlalign.classic.maze import MAZE_ID, Maze2x3Env
 from rlalign.classic.value_iteration import ValueIterationConfig, policy_value, train, value_iteration
+from rlalign.config import ConfigError, load_config
 
 UP, DOWN, LEFT, RIGHT = 0, 1, 2, 3
 
@@ -43,6 +45,19 @@ def test_train_evaluates_the_greedy_policy():
     result = train(ValueIterationConfig(gamma=0.9, eval_episodes=3), MAZE_ID)
     assert result.eval_returns == [10.0, 10.0, 10.0]
     assert next(u for u in result.log.updates if "v_start" in u)["v_start"] == 8.1
+
+
+def test_gamma_one_is_refused_its_greedy_policy_never_finishes():
+    # gamma = 1: V* = 10 in every live cell (the goal is reachable from each), so bumping into a wall
+    # (stay put, Q = 0 + V* = 10) ties with moving on, and argmax takes the first action, up,
+    # everywhere: from 0 and 1 up bumps forever. The config refuses gamma = 1; just below is fine.
+    v, q, policy = value_iteration(Maze2x3Env().P, gamma=1.0)
+    np.testing.assert_allclose(v, [10.0, 10.0, 0.0, 10.0, 10.0, 0.0])
+    np.testing.assert_allclose(q[0], [10.0, 10.0, 10.0, 10.0])
+    assert policy.tolist() == [UP] * 6
+    with pytest.raises(ConfigError, match=r"gamma = 1.0: Input should be less than 1"):
+        load_config(ValueIterationConfig, None, {"gamma": 1.0})
+    assert load_config(ValueIterationConfig, None, {"gamma": 0.999}).gamma == 0.999
 
 
 def test_bellman_residuals_shrink_by_at_least_gamma_each_sweep():
