@@ -208,7 +208,8 @@ def test_reverse_kl_loss_by_hand(tiny_path, teacher_path, tmp_path, tokenizer, m
     assert float(stats["kl/reverse"]) == pytest.approx(sum(diffs) / len(diffs), rel=1e-5)
     assert float(stats["adv/min"]) == pytest.approx(-max(diffs), rel=1e-5) and float(stats["adv/max"]) == pytest.approx(-min(diffs), rel=1e-5)
     if tis_mode is not None:
-        assert float(stats["tis/truncated_frac"]) == pytest.approx(2 / 9, abs=1e-6)  # tokens 0.9 and 0.8, or row 2's two
+        # tokens 0.9 and 0.8 of nine; at the sequence level the rows' share (TRL's): row 2 of three
+        assert float(stats["tis/truncated_frac"]) == pytest.approx(1 / 3 if tis_mode == "sequence" else 2 / 9, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])

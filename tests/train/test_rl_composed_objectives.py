@@ -198,8 +198,10 @@ def test_grpo_loss_with_sampler_weights_by_hand(tiny_path, tmp_path, tokenizer, 
     stats, _ = trainer_and_hand(
         policy, tokenizer, lambda: grpo.grpo_loss(policy, rollout, torch.tensor(ADVANTAGES), rollout.completion_mask.float(), None, cfg, sampler_logp=sampler), hand
     )
-    flat = [w for row in weights for w in row]
-    outside = [(r < (low or 0.0), r > 2.0) for row in (SAMPLER_RATIOS if level == "token" else [[math.prod(r)] * len(r) for r in SAMPLER_RATIOS]) for r in row]
+    # the statistics are over the tokens, or with one weight a row (sequence) over the rows, as TRL logs them
+    counted = (lambda rows: [x for row in rows for x in row]) if level == "token" else (lambda rows: [row[0] for row in rows])
+    flat = counted(weights)
+    outside = [(r < (low or 0.0), r > 2.0) for r in counted(SAMPLER_RATIOS if level == "token" else [[math.prod(r)] * len(r) for r in SAMPLER_RATIOS])]
     assert float(stats["tis/weight_mean"]) == pytest.approx(sum(flat) / len(flat), rel=1e-4)
     assert float(stats["tis/masked_frac"]) == pytest.approx(sum(w == 0 for w in flat) / len(flat), abs=1e-6)
     assert float(stats["tis/low_frac"]) == pytest.approx(sum(lo for lo, _ in outside) / len(flat), abs=1e-6)
