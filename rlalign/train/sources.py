@@ -133,6 +133,8 @@ class Scorer:
         (B,) bool that the source could not finish, left out of training (:func:`mark_failed`; every rank passes the same names)."""
         scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step,
                              max_steps=self.max_steps)
+        if env_rewards is not None and NO_TERM_APPLIES not in scored.failed:  # no reward terms: a row the environment gives no reward has none
+            scored = replace(scored, failed={**scored.failed, NO_TERM_APPLIES: torch.ones(len(scored.scores), dtype=torch.bool)})
         if env_rewards is not None and distributed.any_rank(any(r is not None for r in env_rewards), self.world):  # an environment's own reward
             values = torch.tensor([0.0 if r is None else r for r in env_rewards], dtype=torch.float32)  # (B,)
             check_finite(values, "the environment's reward is", scored.prompts, "not a finite number in float32")

@@ -3,6 +3,8 @@ episode evaluation, and an asynchronous producer. (Learning on the look-up task:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -68,6 +70,36 @@ def test_trainers_take_the_environment_source(trainer, tiny_path, tmp_path, monk
     env = torch.tensor([r or 0.0 for r in seen[0].env_rewards])
     assert history["reward/environment/mean"] == pytest.approx(env.mean().item())
     assert ("reward/correct/mean" in history) == (trainer == "ppo")
+
+
+class Sometimes(L.LookupEnvironment):
+    """The look-up environment that gives no reward (None) to an answer of odd length, 1.0 to the others."""
+
+    def reward(self, answer: str) -> float | None:
+        return None if len(answer) % 2 else 1.0
+
+
+class Never(L.LookupEnvironment):
+    def reward(self, answer: str) -> float | None:
+        return None
+
+
+@pytest.mark.parametrize("environment", [Sometimes, Never])
+def test_an_environment_that_gives_a_row_no_reward_leaves_it_out_when_no_term_scores_it(environment, tiny_path, tmp_path, monkeypatch):
+    # the environment's reward alone: a row it gave None (no reward) was scored 0 and entered its group's baseline
+    from rlalign.agents import episodes as ep
+
+    seen = []
+    real = ep.run_episodes
+    monkeypatch.setattr("rlalign.train.env_source.run_episodes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    cfg = load_config(grpo.GRPOConfig, None, {
+        "model.path": str(tiny_path), "output_dir": str(tmp_path), "data.task": "arithmetic", "rewards": [], "steps": 1, "prompts_per_step": 2,
+        "group_size": 4, "sampling.max_new_tokens": 8, "beta": 0.0, "progress": False, "plots": False, "environment.max_turns": 2,
+    })
+    history = grpo.train(cfg, prompts=L.prompt_records("train", 8), environment=environment).history[0]
+    missing = sum(r is None for r in seen[0].env_rewards)
+    assert missing > 0 and history["reward/no_term_applies/failed"] == missing
+    assert all(math.isfinite(v) for v in history.values() if isinstance(v, float))
 
 
 def test_the_environment_source_runs_in_an_async_producer(tiny_path, tmp_path):
