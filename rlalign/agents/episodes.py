@@ -83,7 +83,7 @@ class Episodes:
     turns: Tensor  # (B,) assistant turns taken
     tool_calls: Tensor  # (B,) calls made (malformed included)
     malformed: Tensor  # (B,) malformed calls
-    finished: Tensor  # (B,) bool: ended with a final answer (or the environment's done)
+    finished: Tensor  # (B,) bool: ended with a final answer that stopped on its own (or the environment's done); else truncated
     timed_out: Tensor  # (B,) bool: ended by the time limit
 
 
@@ -282,7 +282,7 @@ def run_episodes(
                 break
             # text prompts stop after the closing tag; chat turns at the end-of-turn token
             stops = text_stops if not all(chat[r] for r in range(B) if active[r]) else []
-            new, new_logps, _ = _sample_turn(state, active, params, stop_ids, stops, generator, shard)
+            new, new_logps, stopped = _sample_turn(state, active, params, stop_ids, stops, generator, shard)
             jobs, env_chunks = {}, [[] for _ in range(B)]
             for r in range(B):
                 if not active[r]:
@@ -298,8 +298,8 @@ def run_episodes(
                 calls = fmt.parse(text)
                 n_calls[r] += len(calls)
                 n_bad[r] += sum(c.error is not None for c in calls)
-                if not calls:
-                    done[r] = finished[r] = True
+                if not calls:  # the final answer: finished where it ended, truncated (as a completion with no EOS) where max_new_tokens cut it
+                    done[r], finished[r] = True, stopped[r]
                 elif turn == max_turns - 1:
                     done[r] = True  # the last turn's calls are not run
                 else:

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from rlalign.agents import episodes as ep
 from rlalign.agents.tool_calls import TAGS
+from rlalign.lm.data import load_prompts
 from rlalign.lm.decode import SamplingParams
 from rlalign.tasks.lookup import LookupEnvironment, lookup, prompt_records
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_llama
@@ -75,6 +76,23 @@ def test_hermes_episodes_are_the_sampled_ids_plus_the_templates_tokens(monkeypat
     sampled = out.assistant_mask.bool()
     torch.testing.assert_close(out.rollout.logprobs[sampled], train[sampled], rtol=0, atol=2e-5)
     assert (out.rollout.logprobs[~sampled] == 0).all()
+
+
+def test_a_final_answer_cut_at_max_new_tokens_is_truncated_not_finished(monkeypatch):
+    # it counted as finished: mask_truncated, DAPO's overlong filter and PPO's missing-EOS penalty never saw it
+    from rlalign.train.passes import loss_mask
+    from rlalign.train.sources import Scorer
+
+    tokenizer = family_tokenizer("hermes")
+    records = prompt_records("train", 8)[:2]
+    cut = ids_of(tokenizer, "I think it is the " + "x" * 200)  # no <|im_end|> within the 100 tokens
+    script(monkeypatch, [ids_of(tokenizer, records[0]["answer"] + "<|im_end|>"), cut])
+    out = ep.run_episodes(build_tiny_llama(tokenizer, SPEC).eval(), tokenizer, records, LookupEnvironment,
+                          SamplingParams(max_new_tokens=100, temperature=1.0), max_turns=4)
+    assert out.finished.tolist() == [True, False] and out.rollout.truncated.tolist() == [False, True]
+    assert loss_mask(out.rollout, mask_truncated=True)[1].sum() == 0
+    penalised = Scorer([], tokenizer, 1, missing_eos_penalty=1.0)(load_prompts(records), out.rollout, out.final_texts, 0, out.env_rewards)
+    assert penalised.scores.tolist() == [1.0, -1.0]  # the environment's 1.0 for the right answer, 0.0 minus the penalty for the cut one
 
 
 def bpe_tokenizer() -> PreTrainedTokenizerFast:
