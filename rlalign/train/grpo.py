@@ -126,8 +126,10 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"num_minibatches={self.num_minibatches} must divide prompts_per_step * group_size = {batch}")
         if self.overlong_buffer is not None and self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} exceeds sampling.max_new_tokens={self.sampling.max_new_tokens}")
-        if self.tools is not None and self.overlong_buffer is not None:
-            raise ValueError("tools: overlong_buffer is not supported with multi-turn rollouts")
+        for section in ("tools", "environment"):  # a completion there holds several turns and the environment's tokens: its length is no turn's
+            if getattr(self, section) is not None and self.overlong_buffer is not None:
+                raise ValueError(f"{section}: overlong_buffer is not supported with multi-turn rollouts (the limit is per turn; a completion "
+                                 "holds several turns and the environment's tokens)")
         if self.importance_sampling == "sequence" and self.loss_type != "clip":
             raise ValueError(f"importance_sampling: sequence (GSPO) clips the sequence ratio; loss_type={self.loss_type} works on token ratios")
         return self

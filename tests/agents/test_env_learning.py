@@ -117,6 +117,9 @@ def test_environment_config_checks():
         load_config(grpo.GRPOConfig, None, {"model.path": "x", "data.task": "arithmetic", "environment.max_turns": 2, "tools.max_turns": 2})
     cfg = load_config(grpo.GRPOConfig, None, {"model.path": "x", "data.task": "arithmetic", "environment.class": "a:B", "environment.tool_format": "hermes"})
     assert cfg.environment.cls == "a:B" and cfg.environment.tool_format == "hermes"
+    # DAPO's overlong penalty measured an episode's turns and tool results together against one turn's limit
+    with pytest.raises(ConfigError, match="environment: overlong_buffer is not supported with multi-turn rollouts"):
+        load_config(grpo.GRPOConfig, None, {"model.path": "x", "environment.class": "a:B", "overlong_buffer": 4, "sampling.max_new_tokens": 8})
 
 
 class Quarter(L.LookupEnvironment):
