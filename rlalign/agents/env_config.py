@@ -23,4 +23,4 @@ class EnvironmentConfig(Config):
     tool_format: Literal["auto", "hermes", "llama3", "mistral", "tags"] = Field(
         "auto", description="how calls are written and parsed: auto = the chat template's (hermes, llama3, mistral), tags (<tool>NAME: ARG</tool>) without one"
     )
-    max_result_chars: int = Field(1000, ge=1, description="a tool result is cut to this many characters")
+    max_result_chars: int = Field(1000, ge=1, description="a tool result (each message of a step() reply) is cut to this many characters")

@@ -166,7 +166,9 @@ class EnvRunner:
                 out = await _call(self.env.step, list(calls))
             except Exception as err:  # as a tool's: the policy's observation
                 out = f"error: {type(err).__name__}: {err}"
-            return [{"role": "tool", "content": out}] if isinstance(out, str) else list(out)
+            messages = [{"role": "tool", "content": out}] if isinstance(out, str) else list(out)
+            cut = self.max_result_chars  # as a tool's result is cut
+            return [{**m, "content": m["content"][:cut]} if isinstance(m, Mapping) and isinstance(m.get("content"), str) else m for m in messages]
         return [tool_message(c, await self._run(c)) for c in calls]
 
     async def _run(self, call: ToolCall) -> str:

@@ -230,6 +230,23 @@ def test_a_step_environment_and_done(monkeypatch):
     assert int(out.assistant_mask[0].sum()) == int(out.rollout.completion_mask[0].sum())  # done: no environment tokens follow
 
 
+def test_a_step_environments_replies_are_cut_at_max_result_chars_as_a_tools_are():
+    from rlalign.agents.environment import EnvRunner
+    from rlalign.agents.tool_calls import ToolCall
+
+    class Long:
+        def reset(self, record):
+            return "go"
+
+        def step(self, calls):
+            return "y" * 5000 if len(calls) == 1 else [{"role": "tool", "content": "z" * 5000}, {"role": "user", "content": "w" * 5000}]
+
+    runner = EnvRunner(Long(), max_result_chars=1000)
+    one = asyncio.run(runner.respond([ToolCall("f", {})]))
+    two = asyncio.run(runner.respond([ToolCall("f", {}), ToolCall("g", {})]))
+    assert [len(m["content"]) for m in one + two] == [1000, 1000, 1000]  # 5000 each before: only tool methods' results were cut
+
+
 def test_greedy_rows_batched_equal_rows_alone():
     tokenizer = family_tokenizer("hermes")
     model = build_tiny_llama(tokenizer, SPEC, seed=3).eval()
