@@ -11,7 +11,9 @@ Per step: the step's n prompt records, G episodes each (E = n G), run at once (a
 ``max_concurrency``; async agents on one event loop, sync ones on threads), each with its own base URL
 ``http://127.0.0.1:PORT/episodes/ID/v1`` so the server records its calls, each within ``timeout_s``.
 An agent returns its final answer (text), a dict with ``answer`` and/or ``reward``, or None (the
-last reply's content is the answer). The reward terms score the answer against the record's
+last reply's content is the answer; so is an ``answer`` of None); anything else (another type, a
+dict with another key) is an error naming the agent and the prompt, as a reward function's wrong
+return is. The reward terms score the answer against the record's
 columns (as the last completion of a single-turn rollout); a returned ``reward`` is added as the term
 "agent"; one that is not a number or not finite is an error naming the agent and the prompt
 (:func:`rlalign.agents.environment.checked_reward`). An episode that raises, times out or passes
@@ -69,7 +71,7 @@ from rlalign.agents.openai_server import CallRecord, PolicyServer
 from rlalign.config import ConfigError
 from rlalign.lm.data import PromptExample
 from rlalign.lm.model_modes import attention_kernel, evaluating
-from rlalign.lm.reward_calls import is_async_reward
+from rlalign.lm.reward_calls import RewardFunctionError, is_async_reward
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.sampling import sample
 from rlalign.lm.models import stop_token_ids
@@ -108,6 +110,7 @@ class Episode:
     answer: str
     reward: Any = None  # a float once checked (AgentSource._episodes); None: no reward of its own
     error: str | None = None  # None: the agent returned
+    misuse: str | None = None  # what it returned is no answer (_outcome): the agent's code is wrong, and the run stops
     seconds: float = 0.0
 
 
@@ -119,7 +122,10 @@ def _outcome(result: Any, calls: list[CallRecord]) -> tuple[str, Any]:
     if isinstance(result, str):
         return result, None
     if isinstance(result, dict):
-        answer = result.get("answer", last)
+        unknown = sorted(map(str, set(result) - {"answer", "reward"}))
+        if unknown:
+            raise TypeError(f"the agent returned a dict with {', '.join(map(repr, unknown))}; its keys are 'answer' and 'reward'")
+        answer = last if result.get("answer") is None else result["answer"]  # None: the last reply's, as a None return
         return (answer if isinstance(answer, str) else str(answer)), result.get("reward")
     raise TypeError(f"the agent returned {type(result).__name__}; expected text, a dict with 'answer' / 'reward', or None")
 
@@ -215,13 +221,13 @@ class AgentSource:
             except Exception as err:  # the agent's own failure (or the endpoint's 400 past max_calls, raised by its client)
                 error = f"{type(err).__name__}: {str(err)[:300]}"
             calls = server.close_episode(episode_id)
-            answer, reward = "", None
+            answer, reward, misuse = "", None, None
             if error is None:
                 try:
                     answer, reward = _outcome(result, calls)
                 except TypeError as err:
-                    error = str(err)
-            return Episode(calls, answer, reward, error, time.perf_counter() - t0)
+                    misuse = str(err)
+            return Episode(calls, answer, reward, error, seconds=time.perf_counter() - t0, misuse=misuse)
 
     async def _episodes(self, server: PolicyServer, step: int, records: list[dict], G: int, prefix: str = "s", first: int = 0) -> list[Episode]:
         """G episodes of each record; ``first``: the step's index of ``records[0]`` (a rank's share), which names the episodes
@@ -230,6 +236,8 @@ class AgentSource:
         ids = [f"{prefix}{step}-p{first + i}-g{j}" for i in range(len(records)) for j in range(G)]
         episodes = list(await asyncio.gather(*(self._episode(server, ids[e], records[e // G], gate) for e in range(len(ids)))))
         for e, episode in enumerate(episodes):  # once every episode has ended: an error stops the step, not the others' episodes
+            if episode.misuse is not None:  # a return no episode can be scored by, as a reward function's wrong return stops the run
+                raise RewardFunctionError(f"agent {self.cfg.function}: {episode.misuse} (prompt {records[e // G].get('prompt')!r})")
             episode.reward = checked_reward(episode.reward, f"agent {self.cfg.function}", records[e // G].get("prompt"))
         return episodes
 

@@ -101,6 +101,22 @@ def text_reward_agent(base_url: str, record: dict) -> dict:
     return {"answer": "x", "reward": "1.0"}
 
 
+def float_agent(base_url: str, record: dict) -> float:
+    """Returns its reward where its answer belongs: a bug in the agent's code."""
+    openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(model="policy", messages=record["prompt"], max_tokens=2)
+    return 1.0
+
+
+def misspelt_agent(base_url: str, record: dict) -> dict:
+    openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(model="policy", messages=record["prompt"], max_tokens=2)
+    return {"answer": "x", "rewrd": 5.0}
+
+
+def none_answer_agent(base_url: str, record: dict) -> dict:
+    reply = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(model="policy", messages=record["prompt"], max_tokens=2)
+    return {"answer": None, "reward": len(reply.choices[0].message.content or "")}
+
+
 def correct(prompts: list, completions: list, answer: list, **columns) -> list[float]:
     """The lookup task's exact-answer reward; conversational prompts get their completions as messages (TRL's convention)."""
     return lk.reward(prompts, [completion_text(c) for c in completions], answer)
@@ -285,6 +301,34 @@ def test_an_agents_reward_that_is_not_a_finite_number_is_an_error_naming_the_age
     message = str(err.value)
     assert message.startswith(f"agent {HERE}:{function} returned {shown} for prompt ") and why in message
     assert message.split(" for prompt ")[1].split(": expected")[0] in prompts
+
+
+@pytest.mark.parametrize(("function", "message"), [
+    ("float_agent", "the agent returned float; expected text, a dict with 'answer' / 'reward', or None"),
+    ("misspelt_agent", "the agent returned a dict with 'rewrd'; its keys are 'answer' and 'reward'"),
+])
+def test_an_agent_whose_return_is_no_answer_is_an_error_naming_it_and_the_prompt(tiny_path, tmp_path, function, message):
+    # it failed its episode: trained as the answer "" with no error, skewing its group's advantages
+    cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, function)
+    records = lk.prompt_records("train", 16)[:2]
+    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(records))
+    try:
+        with pytest.raises(RewardFunctionError) as err:
+            source.next(grpo.TrainState(step=0, generator=torch.Generator()))
+    finally:
+        source.close()
+    assert str(err.value).startswith(f"agent {HERE}:{function}: {message} (prompt ")
+
+
+def test_an_answer_of_none_is_the_last_reply_as_a_none_return_is(tiny_path, tmp_path):
+    cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "none_answer_agent")
+    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(lk.prompt_records("train", 8)))
+    try:
+        batch = source.next(grpo.TrainState(step=0, generator=torch.Generator()))
+    finally:
+        source.close()
+    assert batch.metrics["agent/failed"] == 0.0 and "None" not in batch.scored.completions  # was the text "None"
+    assert batch.scored.per_term["agent"].tolist() == [float(len(c)) for c in batch.scored.completions]  # the answer is the reply it measured
 
 
 def test_agent_config_errors(tiny_path, tmp_path):
