@@ -17,7 +17,8 @@ return is. The reward terms score the answer against the record's
 columns (as the last completion of a single-turn rollout); a returned ``reward`` is added as the term
 "agent"; one that is not a number or not finite is an error naming the agent and the prompt
 (:func:`rlalign.agents.environment.checked_reward`). An episode that raises, times out or passes
-``max_calls`` fails: its answer is "" (metric agent/failed), and the calls it made are still trained.
+``max_calls`` fails (metric agent/failed): it is marked :data:`AGENT_FAILED` and leaves training like
+an unscored row (advantage 0, no loss tokens, not in its group's baseline), never scored as a 0.
 The endpoint samples every call at the run's ``sampling`` settings (a request asking for another
 temperature, top_p or top_k gets a 400), so the rows' log-probs are those of the policy they are
 trained as; a call whose client left before its reply (a timeout, then the client's retry) is not
@@ -81,7 +82,9 @@ from rlalign.train.rl_eval import pass_at_ks
 from rlalign.train.rollouts import RewardTerm, add_score_term, prompt_batch, score_shard
 from rlalign.train.sources import ScoredBatch, Scorer, make_scorer
 
-__all__ = ["AgentConfig", "Episode", "load_agent", "episode_rows", "row_weights", "AgentSource", "make_agent_source", "agent_evaluator"]
+__all__ = ["AgentConfig", "AGENT_FAILED", "Episode", "load_agent", "episode_rows", "row_weights", "AgentSource", "make_agent_source", "agent_evaluator"]
+
+AGENT_FAILED = "agent_failed"  # the failed rows' entry of episodes that raised, timed out or passed max_calls (reward/agent_failed/failed)
 
 
 def load_agent(spec: str) -> Callable:
@@ -254,7 +257,8 @@ class AgentSource:
         pad = self.scorer.tokenizer.pad_token_id
         rollout, row_episode = episode_rows(episodes, pad)
         t1 = time.perf_counter()
-        scored = self.scorer(examples, _last_calls(episodes, G, pad), [ep.answer for ep in episodes], state.step)
+        failed = {AGENT_FAILED: torch.tensor([ep.error is not None for ep in episodes])}  # left out of training, as an environment's timeouts
+        scored = self.scorer(examples, _last_calls(episodes, G, pad), [ep.answer for ep in episodes], state.step, failed=failed)
         if distributed.any_rank(any(ep.reward is not None for ep in episodes), self.scorer.world):  # the agent's own reward: the term "agent"
             scored = add_score_term(scored, "agent", torch.tensor([0.0 if ep.reward is None else ep.reward for ep in episodes]), self.scorer.world,
                                     torch.tensor([ep.reward is not None for ep in episodes]))

@@ -83,6 +83,14 @@ def failing_agent(base_url: str, record: dict) -> str:
     raise RuntimeError("the agent's own bug")
 
 
+def heavier_failing_agent(base_url: str, record: dict) -> str:
+    """Answers every question but the 'heavier' ones, on which it raises after its call."""
+    reply = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(model="policy", messages=record["prompt"], max_tokens=3)
+    if record["kind"] == "heavier":
+        raise RuntimeError("the agent's own bug")
+    return reply.choices[0].message.content or ""
+
+
 def kind_agent(base_url: str, record: dict) -> dict:
     """One call; its own reward 1 for 'heavier' questions, 0 for the rest (whatever the reply)."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
@@ -272,7 +280,11 @@ def test_grpo_with_the_lookup_agent_and_asynchronous_rollouts(tiny_path, tmp_pat
     assert len(result.history) == 2 and all(m["agent/calls"] >= 1.0 for m in result.history)
 
 
-def test_an_agent_that_raises_fails_its_episode_and_its_calls_are_still_rows(tiny_path, tmp_path):
+def test_an_agent_that_raises_fails_its_episode_and_leaves_training_never_scored_0(tiny_path, tmp_path):
+    # its answer "" was scored 0 and entered its group's baseline: a failure became a 0
+    from rlalign.agents.agent_source import AGENT_FAILED
+    from rlalign.train.rollouts import trusted_rows
+
     cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "failing_agent")
     model, tokenizer = load_policy(tiny_path), load_tokenizer(tiny_path)
     source = make_agent_source(cfg, _Sampler(model), tokenizer, [CORRECT], load_prompts(lk.prompt_records("train", 8)))
@@ -280,8 +292,24 @@ def test_an_agent_that_raises_fails_its_episode_and_its_calls_are_still_rows(tin
         batch = source.next(grpo.TrainState(step=0, generator=torch.Generator()))
     finally:
         source.close()
-    assert batch.metrics["agent/failed"] == 1.0 and batch.rollout.batch_size == 4
-    assert batch.scored.scores.tolist() == [0.0] * 4  # the answer of a failed episode is ""
+    assert batch.metrics["agent/failed"] == 1.0 and batch.rollout.batch_size == 4  # its calls are still rows, with no loss tokens
+    assert batch.scored.failed[AGENT_FAILED].tolist() == [True] * 4 and not trusted_rows(batch.scored).any()
+
+
+def test_only_the_failed_episodes_leave_training_and_their_groups_baselines(tiny_path, tmp_path):
+    from rlalign.agents.agent_source import AGENT_FAILED
+    from rlalign.train.rollouts import trusted_rows
+
+    cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "heavier_failing_agent")
+    records = lk.prompt_records("train", 16)
+    records = [next(r for r in records if r["kind"] == "heavier"), next(r for r in records if r["kind"] != "heavier")]
+    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(records))
+    try:
+        batch = source.next(grpo.TrainState(step=0, generator=torch.Generator()))
+    finally:
+        source.close()
+    heavier = [ex.metadata["kind"] == "heavier" for ex in batch.examples for _ in range(cfg.group_size)]  # the step's order, G episodes each
+    assert batch.scored.failed[AGENT_FAILED].tolist() == heavier and trusted_rows(batch.scored).tolist() == [not h for h in heavier]
 
 
 @pytest.mark.parametrize(("function", "shown", "why"), [
