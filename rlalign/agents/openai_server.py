@@ -50,7 +50,10 @@ Safety: it listens on a loopback address only (another host is refused), since a
 it can sample the policy; there is no authentication.
 
 Tool calls are parsed from the reply with its special tokens kept (Mistral's ``[TOOL_CALLS]`` is one),
-as :mod:`rlalign.agents.episodes` parses them; the content returned has them removed.
+as :mod:`rlalign.agents.episodes` parses them; the content returned has them removed. A call's id is
+9 alphanumeric characters (Mistral v0.3 / Nemo / Small templates refuse any other when the agent sends
+it back), a hash of (seed, episode, call index, choice, position): the prompts that render it again are
+reproducible (on the unrecorded ``/v1``, a random one).
 
 Recording: each choice of each call is a :class:`CallRecord` of the episode: the prompt ids as
 rendered, the completion ids exactly as sampled (never decoded and encoded again; cut after the token
@@ -191,12 +194,23 @@ def _without_special(tokenizer, text: str | None) -> str | None:
     return (text or "").strip() or None
 
 
+_ALPHANUMERIC = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _call_id(key: str) -> str:
+    """A tool call's id: 9 alphanumeric characters (the ids Mistral v0.3 / Nemo / Small templates require, as
+    :func:`rlalign.agents.tool_calls.call_id`'s), from sha256 of ``key`` (36^9 ~ 1e14 of them)."""
+    number = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return "".join(_ALPHANUMERIC[number // 36**i % 36] for i in range(9))
+
+
 @dataclass
 class _Job:
     prompt: list[int]
     params: SamplingParams
     noise: Tensor | None  # (N, n)
     n: int
+    key: str = ""  # names the call (episode, index) for its tool-call ids; "" on the unrecorded /v1
     future: Future = field(default_factory=Future)
     abandoned: bool = False  # its client left before it was sampled: the worker skips it
 
@@ -398,7 +412,7 @@ class PolicyServer:
         params = SamplingParams(steps, temperature, top_k if temperature > 0 else 0, top_p)
         index = self._reserve(episode)
         noise = None if params.greedy else self._noise(episode, index, steps, request.n)
-        return request, _Job(prompt, params, noise, request.n)
+        return request, _Job(prompt, params, noise, request.n, "" if episode is None else f"{self.seed} {episode} {index}")
 
     def _reply_calls(self, ids: list[int], text: str, stop: str | None, tools: list[dict]) -> tuple[str | None, list[dict]]:
         """(content, calls) of a reply to a request with tools: the calls parsed from the reply with its special tokens
@@ -432,9 +446,9 @@ class PolicyServer:
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    {"id": _call_id(f"{job.key or uuid.uuid4()} {index} {position}"), "type": "function",
                      "function": {"name": c["name"], "arguments": c["arguments"]}}
-                    for c in calls
+                    for position, c in enumerate(calls)
                 ]
             choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": self._logprobs(ids, logps) if request.logprobs else None})
             records.append(CallRecord(job.prompt, ids, logps, truncated, content or "", reason))

@@ -24,7 +24,7 @@ from rlalign.lm.sampling import SamplingParams, sample  # noqa: E402
 from rlalign.tasks import lookup as lk  # noqa: E402
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint  # noqa: E402
 from rlalign.train.passes import rollout_token_logprobs  # noqa: E402
-from tests.agents.families import family_tokenizer  # noqa: E402
+from tests.agents.families import MISTRAL_TEMPLATE, family_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 USER = [{"role": "user", "content": "Which is heavier, the brom or the tiva?"}]
@@ -318,3 +318,53 @@ def test_a_call_whose_client_left_is_not_recorded_and_its_retry_is(tiny):
         calls = server.close_episode("e")
     assert retry.status_code == 200, retry.text
     assert server.abandoned == 1 and [c.text for c in calls] == [retry.json()["choices"][0]["message"]["content"]] == ["second"]
+
+
+# the family test template plus the id checks of Mistral v0.3 / Nemo / Small templates, on the calls and on the tool results
+MISTRAL_CHECKED = MISTRAL_TEMPLATE.replace(
+    "{% for c in m.tool_calls %}",
+    "{% for c in m.tool_calls %}{%- if c.id is not defined or c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with "
+    "length 9!') }}{% endif %}", 1,
+).replace(
+    "{%- elif m.role == 'tool' %}",
+    "{%- elif m.role == 'tool' %}{%- if m.tool_call_id is not defined or m.tool_call_id|length != 9 %}{{ raise_exception('Tool call IDs should be "
+    "alphanumeric strings with length 9!') }}{% endif %}", 1,
+)
+
+
+@pytest.mark.parametrize("episode", ["e", None])
+def test_tool_call_ids_are_nine_alphanumerics_that_a_mistral_template_takes_back(episode):
+    """Mistral's templates refuse a call id that is not 9 alphanumeric characters: the second call of an agent sends
+    the ids of the first back (the assistant's tool_calls, the tool results), and is served with them in its prompt."""
+    tok = family_tokenizer("mistral")
+    tok.chat_template = MISTRAL_CHECKED
+    first = tok('[TOOL_CALLS][{"name": "lookup", "arguments": {"name": "brom"}}, {"name": "lookup", "arguments": {"name": "tiva"}}]</s>',
+                add_special_tokens=False)["input_ids"]
+    tools = tool_schemas([lk.lookup])
+    with PolicyServer(tok, scripted(tok, [first, chars(tok, "brom")]), max_new_tokens=256) as server:
+        server.open_episode("e")
+        c = client(server, episode)
+        message = c.chat.completions.create(model="policy", messages=USER, tools=tools).choices[0].message
+        ids = [call.id for call in message.tool_calls]
+        history = USER + [message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": call.id, "content": lk.lookup(**json.loads(call.function.arguments))} for call in message.tool_calls]
+        second = c.chat.completions.create(model="policy", messages=history, tools=tools)
+        calls = server.close_episode("e")
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and ids[0] != ids[1]
+    assert second.choices[0].message.content == "brom"
+    if episode is not None:
+        prompt = tok.decode(calls[1].prompt_ids)
+        assert all(prompt.count(f'"id": "{i}"') == 1 and prompt.count(f'"call_id": "{i}"') == 1 for i in ids)
+
+
+def test_tool_call_ids_of_an_episode_are_the_same_in_a_run_with_the_same_seed():
+    """The ids are rendered into later prompts: a hash of (seed, episode, call, choice, position), so a run is reproducible."""
+    tok = family_tokenizer("hermes")
+    reply = tok('<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n</tool_call><|im_end|>', add_special_tokens=False)["input_ids"]
+    seen = []
+    for seed in (0, 0, 1):
+        with PolicyServer(tok, scripted(tok, [reply]), max_new_tokens=128, seed=seed) as server:
+            server.open_episode("e")
+            choices = client(server, "e").chat.completions.create(model="policy", messages=USER, tools=tool_schemas([lk.lookup]), n=2).choices
+            seen.append([ch.message.tool_calls[0].id for ch in choices])
+    assert seen[0] == seen[1] and seen[0][0] != seen[0][1] and seen[2] != seen[0]
