@@ -50,7 +50,9 @@ Safety: it listens on a loopback address only (another host is refused), since a
 it can sample the policy; there is no authentication.
 
 Tool calls are parsed from the reply with its special tokens kept (Mistral's ``[TOOL_CALLS]`` is one),
-as :mod:`rlalign.agents.episodes` parses them; the content returned has them removed. A call's id is
+as :mod:`rlalign.agents.episodes` parses them; the content returned has them removed. As vLLM's
+parsers, a reply with a malformed call is plain content (no call of it is returned), and a final call
+left open by a stop string (``stop="</tool_call>"``) or EOS is a call (:func:`parse_calls`). A call's id is
 9 alphanumeric characters (Mistral v0.3 / Nemo / Small templates refuse any other when the agent sends
 it back), a hash of (seed, episode, call index, choice, position): the prompts that render it again are
 reproducible (on the unrecorded ``/v1``, a random one).
@@ -111,13 +113,19 @@ class CallRecord:
     finish_reason: str
 
 
-def parse_calls(fmt, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
-    """(content, calls) of a reply: ``fmt.parse`` (a :class:`rlalign.agents.tool_calls.CallFormat`) gives
-    the calls; well-formed ones become ``{name, arguments (JSON text)}`` and the content is the text
-    before the first call (None when empty); a reply whose calls are all malformed is plain content.
-    A tag-format argument that is a plain string goes to the tool's only parameter."""
-    calls = [c for c in fmt.parse(text) if c.error is None]
-    if not calls:
+def parse_calls(fmt, text: str, tools: list[dict], ended: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a reply, as vLLM's tool parsers: ``fmt.parse`` (a :class:`rlalign.agents.tool_calls.CallFormat`)
+    gives the calls, which become ``{name, arguments (JSON text)}``, and the content is the text before the first
+    call (None when empty). All or nothing: a reply with a malformed call is plain content, its well-formed calls
+    with it. A final call left open (no closing tag: the reply stopped there, at a stop string such as
+    ``</tool_call>`` or at EOS) is a call, as vLLM's Hermes parser reads ``<tool_call>(.*)`` at the end; a reply
+    cut at ``max_tokens`` (``ended`` false) only where the call is JSON, which shows where it ends (Hermes), since
+    a tag-format argument cut short would still parse. A tag-format argument that is a plain string goes to the
+    tool's only parameter."""
+    if fmt.close and fmt.open in text and text.rfind(fmt.open) > text.rfind(fmt.close) and (ended or fmt.name == "hermes"):
+        text = text + fmt.close
+    calls = fmt.parse(text)
+    if not calls or any(c.error is not None for c in calls):
         return text, []
     out = []
     for call in calls:
@@ -414,7 +422,7 @@ class PolicyServer:
         noise = None if params.greedy else self._noise(episode, index, steps, request.n)
         return request, _Job(prompt, params, noise, request.n, "" if episode is None else f"{self.seed} {episode} {index}")
 
-    def _reply_calls(self, ids: list[int], text: str, stop: str | None, tools: list[dict]) -> tuple[str | None, list[dict]]:
+    def _reply_calls(self, ids: list[int], text: str, stop: str | None, tools: list[dict], ended: bool) -> tuple[str | None, list[dict]]:
         """(content, calls) of a reply to a request with tools: the calls parsed from the reply with its special tokens
         kept (a format's marker may be one: Mistral's ``[TOOL_CALLS]``) and its ending token dropped, as
         :mod:`rlalign.agents.episodes` parses them; the content without special tokens (``text`` when there is no call)."""
@@ -422,7 +430,7 @@ class PolicyServer:
         raw = self.tokenizer.decode(body, skip_special_tokens=False)
         if stop is not None and stop in raw:
             raw = raw[: raw.rfind(stop)]
-        content, calls = parse_calls(self.call_format, raw, tools)
+        content, calls = parse_calls(self.call_format, raw, tools, ended)
         return (text, []) if not calls else (_without_special(self.tokenizer, content), calls)
 
     def _logprobs(self, ids: list[int], logps: list[float]) -> dict:
@@ -441,7 +449,7 @@ class PolicyServer:
             if cut is not None:
                 ids, logps, truncated, text = ids[: cut[0]], logps[: cut[0]], False, text[: cut[1]]
             parse = request.tools and request.tool_choice != "none"  # "none": the reply is content
-            content, calls = self._reply_calls(ids, text, cut[2] if cut else None, request.tools) if parse else (text, [])
+            content, calls = self._reply_calls(ids, text, cut[2] if cut else None, request.tools, not truncated) if parse else (text, [])
             reason = "tool_calls" if calls else "length" if truncated else "stop"
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:

@@ -1,7 +1,9 @@
 """The policy behind an OpenAI-compatible endpoint, asked by the ``openai`` client on the loopback
 address: messages, n, greedy decoding equal to rlalign's sampler, max_tokens, stop, tool calls (in
-the families' formats, special-token markers included), the token-exact record, the run's sampling
-settings, calls whose client left, batching of concurrent requests, and OpenAI-style errors."""
+the families' formats, special-token markers included; all or nothing, and a last call left open by a
+stop string or EOS, as vLLM's parsers; 9-character ids a Mistral template takes back), the token-exact
+record, the run's sampling settings, calls whose client left, batching of concurrent requests, and
+OpenAI-style errors. The request fields: test_openai_request_fields.py."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from rlalign.lm.models import load_tokenizer  # noqa: E402
 from rlalign.lm.rollout import Rollout  # noqa: E402
 from rlalign.lm.sampling import SamplingParams, sample  # noqa: E402
 from rlalign.tasks import lookup as lk  # noqa: E402
-from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint  # noqa: E402
+from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_checkpoint  # noqa: E402
 from rlalign.train.passes import rollout_token_logprobs  # noqa: E402
 from tests.agents.families import MISTRAL_TEMPLATE, family_tokenizer  # noqa: E402
 
@@ -368,3 +370,69 @@ def test_tool_call_ids_of_an_episode_are_the_same_in_a_run_with_the_same_seed():
             choices = client(server, "e").chat.completions.create(model="policy", messages=USER, tools=tool_schemas([lk.lookup]), n=2).choices
             seen.append([ch.message.tool_calls[0].id for ch in choices])
     assert seen[0] == seen[1] and seen[0][0] != seen[0][1] and seen[2] != seen[0]
+
+
+def reply_to(tok, reply_ids, max_new_tokens=256, **request):
+    """(choice, recorded call) of one request with the look-up tool, served by a scripted policy."""
+    with PolicyServer(tok, scripted(tok, [reply_ids]), max_new_tokens=max_new_tokens) as server:
+        server.open_episode("e")
+        choice = client(server, "e").chat.completions.create(model="policy", messages=USER, tools=tool_schemas([lk.lookup]), **request).choices[0]
+        (call,) = server.close_episode("e")
+    return choice, call
+
+
+GOOD_HERMES = '<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("family", "reply"), [
+    ("hermes", GOOD_HERMES + '<tool_call>\n{"name": "lookup", "arguments": {"name": "tiva"\n</tool_call><|im_end|>'),  # broken JSON
+    ("hermes", GOOD_HERMES + '<tool_call>\n{"arguments": {"name": "tiva"}}\n</tool_call><|im_end|>'),  # no name
+    ("mistral", '[TOOL_CALLS][{"name": "lookup", "arguments": {"name": "brom"}}, {"name": "lookup", "arguments": 5}]</s>'),  # arguments not an object
+    ("llama3", '<|python_tag|>{"name": "lookup", "parameters": {"name": "brom"}}; {"name": "lookup", "parameters": {"name": <|eot_id|>'),
+])
+def test_a_reply_with_a_malformed_call_is_plain_content_its_good_calls_with_it(family, reply):
+    """vLLM's parsers are all or nothing: one malformed call makes the reply content, not the good calls alone
+    (which would drop the malformed one unseen)."""
+    tok = family_tokenizer(family)
+    ids = tok(reply, add_special_tokens=False)["input_ids"]
+    choice, call = reply_to(tok, ids)
+    assert (choice.finish_reason, choice.message.tool_calls) == ("stop", None)
+    assert choice.message.content == tok.decode(ids, skip_special_tokens=True)
+    assert call.completion_ids == ids and call.finish_reason == "stop"
+
+
+def test_a_malformed_call_cut_at_max_tokens_is_content_that_ends_with_length():
+    tok = family_tokenizer("hermes")
+    ids = tok(GOOD_HERMES + '<tool_call>\n{"name": "lookup", "arguments": {"name": "tiva"}}\n</tool_call>', add_special_tokens=False)["input_ids"]
+    choice, call = reply_to(tok, ids, max_new_tokens=len(ids) - 20)  # the second call's JSON cut short
+    assert (choice.finish_reason, choice.message.tool_calls) == ("length", None) and call.truncated
+    assert choice.message.content == tok.decode(ids[: len(ids) - 20])
+
+
+@pytest.mark.parametrize("stop", ["</tool_call>", ["more", "</tool_call>"], None])
+def test_a_final_hermes_call_left_open_by_a_stop_string_or_eos_is_a_call(stop):
+    """stop="</tool_call>" (an agent idiom) cuts the reply before the closing tag; without a stop string, EOS comes
+    before it. vLLM's Hermes parser reads <tool_call>(.*) at the end: a call. The record keeps the stop string's tokens."""
+    tok = family_tokenizer("hermes")
+    text = 'Let me check.<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n' + ("</tool_call> and more<|im_end|>" if stop else "<|im_end|>")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    choice, call = reply_to(tok, ids, stop=stop)
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("lookup", {"name": "brom"})]
+    kept = len(tok(text[: text.index("</tool_call>") + len("</tool_call>")], add_special_tokens=False)["input_ids"]) if stop else len(ids)
+    assert call.completion_ids == ids[:kept] and not call.truncated
+
+
+def test_a_final_call_left_open_at_max_tokens_is_a_call_only_where_its_json_shows_it_ended():
+    """Cut at max_tokens: a Hermes call whose JSON is whole is a call (as vLLM), a tag-format call is not, since its
+    plain argument cut short ("bro") would still parse; at a stop string it is."""
+    tok = family_tokenizer("hermes")
+    ids = tok('<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n</tool_call>', add_special_tokens=False)["input_ids"]
+    choice, _ = reply_to(tok, ids, max_new_tokens=len(ids) - len("</tool_call>"))  # the JSON and its newline
+    assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == {"name": "brom"}
+    tags = build_char_tokenizer()
+    ids = chars(tags, "<tool>lookup: brom</tool>", eos=False)
+    cut, _ = reply_to(tags, ids, max_new_tokens=len("<tool>lookup: bro"))
+    assert (cut.finish_reason, cut.message.tool_calls, cut.message.content) == ("length", None, "<tool>lookup: bro")
+    stopped, _ = reply_to(tags, ids, stop="</tool>")
+    assert stopped.finish_reason == "tool_calls" and json.loads(stopped.message.tool_calls[0].function.arguments) == {"name": "brom"}
