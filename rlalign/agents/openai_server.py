@@ -12,14 +12,18 @@ served, not recorded) or ``/episodes/{id}/v1`` (calls recorded under episode ``i
 no change beyond the base URL it is given).
 
 A request takes ``messages`` (system / user / assistant, with ``tool_calls``, / tool; content as text
-or text parts), ``tools`` (function JSON schemas), ``n``, ``temperature``, ``top_p``, ``top_k``,
-``max_tokens`` (or ``max_completion_tokens``) and ``stop``; ``model`` is any name. Other fields the
-``openai`` client may send (``seed``, ``user``, ...) are ignored; ``stream: true`` is refused, and so
-are sampling options the sampler does not have (``frequency_penalty``, ``presence_penalty``,
-``logit_bias``, ``min_p``, ``repetition_penalty`` other than their neutral values). Its prompt is the
-chat template's rendering of the messages with the tools (``add_generation_prompt``), tokenised
-once; its completion is sampled by :func:`rlalign.lm.sampling.sample`. ``max_tokens`` is capped at
-``max_new_tokens`` (the run's ``sampling.max_new_tokens``); without it, that cap.
+or text parts), ``tools`` (function JSON schemas), ``tool_choice`` (``"auto"``, or ``"none"``: the reply
+is content, never parsed for calls), ``n``, ``temperature``, ``top_p``, ``top_k``, ``max_tokens`` (or
+``max_completion_tokens``), ``stop``, ``logprobs`` and ``chat_template_kwargs`` (variables the chat
+template reads, such as ``enable_thinking``; any other key is refused); ``model`` is any name. Every
+other field is refused with a 400 naming it, except those taken at a neutral value (``stream`` false,
+``parallel_tool_calls`` true, ``response_format`` text, ``top_logprobs`` 0, the sampling options the
+sampler lacks at their neutral values) and those without effect on a completion (``user``,
+``metadata``, ``safety_identifier``, ``prompt_cache_key``): :mod:`rlalign.agents.chat_request` lists
+them with the reason for each (``seed`` is refused: a call's draws are the server's, below). Its
+prompt is the chat template's rendering of the messages with the tools (``add_generation_prompt``),
+tokenised once; its completion is sampled by :func:`rlalign.lm.sampling.sample`. ``max_tokens`` is
+capped at ``max_new_tokens`` (the run's ``sampling.max_new_tokens``); without it, that cap.
 
 Sampling settings: the calls' log-probs are trained as the log-probs of the run's policy at the
 run's ``sampling.temperature`` / ``top_p`` / ``top_k`` (log pi_old, the behaviour policy of the
@@ -31,16 +35,27 @@ used and the server's are the defaults.
 
 The reply is OpenAI's ``chat.completion`` object: a choice per sample with its message (content, and
 ``tool_calls`` parsed from the text when the request gave tools), ``finish_reason`` (``tool_calls``
-when calls were parsed, ``stop`` at EOS or a stop string, ``length`` at ``max_tokens``) and
-``usage``. A malformed request gets HTTP 400 with OpenAI's error object, ``{"error": {"message",
-"type": "invalid_request_error", "param", "code"}}``, the message naming the field; an episode that
-is not open gets 404, one past its ``max_calls`` 400 (param ``max_calls``).
+when calls were parsed, ``stop`` at EOS or a stop string, ``length`` at ``max_tokens``), ``logprobs``
+and ``usage``. With ``logprobs: true`` a choice's ``logprobs.content`` has one entry per completion
+token (those of ``usage``: through the token that completed a stop string, the EOS included) with its
+``token`` text, ``bytes`` (its UTF-8; null for a token whose text is not whole characters) and ``logprob``,
+the sampler's log-prob of it: log softmax(z / tau)[y], which is the model's own log-prob (what OpenAI
+and vLLM return) at temperature 1, and at 0 (greedy, recorded with tau = 1); at any other temperature
+the server has only the tempered one, so ``logprobs`` is refused there. A malformed request gets HTTP
+400 with OpenAI's error object, ``{"error": {"message", "type": "invalid_request_error", "param",
+"code"}}``, the message naming the field; an episode that is not open gets 404, one past its
+``max_calls`` 400 (param ``max_calls``).
 
 Safety: it listens on a loopback address only (another host is refused), since anyone who can reach
 it can sample the policy; there is no authentication.
 
 Tool calls are parsed from the reply with its special tokens kept (Mistral's ``[TOOL_CALLS]`` is one),
-as :mod:`rlalign.agents.episodes` parses them; the content returned has them removed.
+as :mod:`rlalign.agents.episodes` parses them; the content returned has them removed. As vLLM's
+parsers, a reply with a malformed call is plain content (no call of it is returned), and a final call
+left open by a stop string (``stop="</tool_call>"``) or EOS is a call (:func:`parse_calls`). A call's id is
+9 alphanumeric characters (Mistral v0.3 / Nemo / Small templates refuse any other when the agent sends
+it back), a hash of (seed, episode, call index, choice, position): the prompts that render it again are
+reproducible (on the unrecorded ``/v1``, a random one).
 
 Recording: each choice of each call is a :class:`CallRecord` of the episode: the prompt ids as
 rendered, the completion ids exactly as sampled (never decoded and encoded again; cut after the token
@@ -74,6 +89,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlalign.agents.chat_request import ChatRequest, RequestError, check_template_kwargs, parse_chat_request
 from rlalign.lm.decode import SamplingParams
 from rlalign.lm.rollout import Rollout
 from rlalign.lm.models import stop_token_ids
@@ -83,33 +99,6 @@ __all__ = [
 ]
 
 Generate = Callable[[list[list[int]], SamplingParams, Tensor | None], Rollout]  # (prompts, params, noise (N, B) or None) -> Rollout
-
-
-class RequestError(ValueError):
-    """A request the endpoint cannot serve; ``param`` names the field, ``status`` is the HTTP status."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-    def body(self) -> dict:
-        kind = "not_found_error" if self.status == 404 else "invalid_request_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """A parsed ``/chat/completions`` body."""
-
-    messages: list[dict]
-    tools: list[dict] | None
-    n: int
-    temperature: float | None
-    top_p: float | None
-    max_tokens: int | None
-    stop: list[str]
-    model: str
-    top_k: int | None = None  # -1 and 0: off
 
 
 @dataclass
@@ -124,106 +113,19 @@ class CallRecord:
     finish_reason: str
 
 
-_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-def _content(value: Any, where: str) -> str:
-    """A message's content as text: a string, text parts joined, or "" for null."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
-        return "".join(p["text"] for p in value)
-    raise RequestError(f"{where}: expected text or a list of text parts, got {str(value)[:80]!r}", where)
-
-
-def _message(m: Any, i: int) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in _ROLES:
-        raise RequestError(f"{where}: expected an object with a role in {', '.join(_ROLES)}, got {str(m)[:80]!r}", f"{where}.role")
-    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": _content(m.get("content"), f"{where}.content")}
-    if m["role"] == "assistant" and m.get("tool_calls"):
-        calls = []
-        for j, call in enumerate(m["tool_calls"]):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise RequestError(f"{where}.tool_calls[{j}]: expected {{type: function, function: {{name, arguments}}}}", f"{where}.tool_calls")
-            arguments = fn.get("arguments", "{}")
-            try:  # templates render the arguments as an object
-                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-            except json.JSONDecodeError:
-                pass
-            calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
-        out["tool_calls"] = calls
-    for key in ("tool_call_id", "name"):
-        if m.get(key) is not None:
-            out[key] = m[key]
-    return out
-
-
-def _number(body: dict, key: str, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise RequestError(f"{key}: expected a number in [{low}, {high}], got {value!r}", key)
-    return float(value)
-
-
-def _integer(body: dict, key: str, low: int, high: int) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise RequestError(f"{key}: expected an integer in [{low}, {high}], got {value!r}", key)
-    return value
-
-
-_UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "min_p": 0, "repetition_penalty": 1}  # sampling options the sampler lacks: their neutral values
-
-
-def parse_chat_request(body: Any) -> ChatRequest:
-    """The fields of a chat-completions body, checked.
-
-    Raises:
-        RequestError: naming the field that is missing or malformed.
-    """
-    if not isinstance(body, dict):
-        raise RequestError("request body: expected a JSON object with 'model' and 'messages'")
-    if body.get("stream"):
-        raise RequestError("stream: streaming is not supported by this endpoint; leave stream unset", "stream")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages: missing, or not a non-empty list", "messages")
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"] for t in tools):
-            raise RequestError("tools: expected a list of {type: function, function: {name, description, parameters}}", "tools")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"stop: expected a string or a list of up to 4 non-empty strings, got {body.get('stop')!r}", "stop")
-    max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 30)
-    for key, neutral in _UNSUPPORTED.items():
-        if body.get(key) is not None and body[key] != neutral:
-            raise RequestError(f"{key}: not supported by this endpoint (the policy is sampled as it is trained); leave it out or give {neutral}, got {body[key]!r}", key)
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias: not supported by this endpoint (the policy is sampled as it is trained); leave it out", "logit_bias")
-    return ChatRequest(
-        [_message(m, i) for i, m in enumerate(messages)], tools or None, _integer(body, "n", 1, 128) or 1,
-        _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0), max_tokens, stop, str(body.get("model") or "policy"),
-        _integer(body, "top_k", -1, 1 << 30),
-    )
-
-
-def parse_calls(fmt, text: str, tools: list[dict]) -> tuple[str | None, list[dict]]:
-    """(content, calls) of a reply: ``fmt.parse`` (a :class:`rlalign.agents.tool_calls.CallFormat`) gives
-    the calls; well-formed ones become ``{name, arguments (JSON text)}`` and the content is the text
-    before the first call (None when empty); a reply whose calls are all malformed is plain content.
-    A tag-format argument that is a plain string goes to the tool's only parameter."""
-    calls = [c for c in fmt.parse(text) if c.error is None]
-    if not calls:
+def parse_calls(fmt, text: str, tools: list[dict], ended: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a reply, as vLLM's tool parsers: ``fmt.parse`` (a :class:`rlalign.agents.tool_calls.CallFormat`)
+    gives the calls, which become ``{name, arguments (JSON text)}``, and the content is the text before the first
+    call (None when empty). All or nothing: a reply with a malformed call is plain content, its well-formed calls
+    with it. A final call left open (no closing tag: the reply stopped there, at a stop string such as
+    ``</tool_call>`` or at EOS) is a call, as vLLM's Hermes parser reads ``<tool_call>(.*)`` at the end; a reply
+    cut at ``max_tokens`` (``ended`` false) only where the call is JSON, which shows where it ends (Hermes), since
+    a tag-format argument cut short would still parse. A tag-format argument that is a plain string goes to the
+    tool's only parameter."""
+    if fmt.close and fmt.open in text and text.rfind(fmt.open) > text.rfind(fmt.close) and (ended or fmt.name == "hermes"):
+        text = text + fmt.close
+    calls = fmt.parse(text)
+    if not calls or any(c.error is not None for c in calls):
         return text, []
     out = []
     for call in calls:
@@ -249,14 +151,16 @@ def calls_as_text(fmt, message: dict) -> dict:
     return message
 
 
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, fmt=None) -> list[int]:
-    """The prompt ids of ``messages``: the chat template with ``tools`` and the generation prompt, tokenised
-    once (the template writes its own special tokens); "role: content" lines without a template. With the
-    tag format ``fmt`` (a template without tool calls), assistants' calls are written into their content."""
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None, fmt=None, template_kwargs: dict | None = None) -> list[int]:
+    """The prompt ids of ``messages``: the chat template with ``tools``, ``template_kwargs`` (its own variables:
+    :func:`rlalign.agents.chat_request.check_template_kwargs`) and the generation prompt, tokenised once (the
+    template writes its own special tokens); "role: content" lines without a template. With the tag format
+    ``fmt`` (a template without tool calls), assistants' calls are written into their content."""
+    check_template_kwargs(tokenizer, template_kwargs or {}, tools)
     if fmt is not None and fmt.name == "tags":
         messages = [calls_as_text(fmt, dict(m)) if m.get("tool_calls") else m for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     if tools:
         raise RequestError("tools: the model has no chat template to describe tools with", "tools")
@@ -298,12 +202,23 @@ def _without_special(tokenizer, text: str | None) -> str | None:
     return (text or "").strip() or None
 
 
+_ALPHANUMERIC = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def _call_id(key: str) -> str:
+    """A tool call's id: 9 alphanumeric characters (the ids Mistral v0.3 / Nemo / Small templates require, as
+    :func:`rlalign.agents.tool_calls.call_id`'s), from sha256 of ``key`` (36^9 ~ 1e14 of them)."""
+    number = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return "".join(_ALPHANUMERIC[number // 36**i % 36] for i in range(9))
+
+
 @dataclass
 class _Job:
     prompt: list[int]
     params: SamplingParams
     noise: Tensor | None  # (N, n)
     n: int
+    key: str = ""  # names the call (episode, index) for its tool-call ids; "" on the unrecorded /v1
     future: Future = field(default_factory=Future)
     abandoned: bool = False  # its client left before it was sampled: the worker skips it
 
@@ -489,7 +404,7 @@ class PolicyServer:
         """
         request = parse_chat_request(body)
         try:
-            prompt = render_chat(self.tokenizer, request.messages, request.tools, self.call_format)
+            prompt = render_chat(self.tokenizer, request.messages, request.tools, self.call_format, request.template_kwargs)
         except RequestError:
             raise
         except Exception as err:  # the template's own checks (roles out of order, a missing field)
@@ -498,12 +413,16 @@ class PolicyServer:
         if self.max_context is not None and len(prompt) + steps > self.max_context:
             raise RequestError(f"messages: the prompt has {len(prompt)} tokens, which with max_tokens={steps} exceeds the context of {self.max_context}", "messages")
         temperature, top_p, top_k = self._sampling(request)
+        if request.logprobs and temperature not in (0.0, 1.0):
+            raise RequestError(f"logprobs: calls are sampled at temperature {temperature:g}, where the server has the log-probs of the tempered "
+                               "distribution, log softmax(z / temperature), not the model's own (which OpenAI and vLLM return); leave logprobs out, "
+                               "or sample at temperature 1", "logprobs")
         params = SamplingParams(steps, temperature, top_k if temperature > 0 else 0, top_p)
         index = self._reserve(episode)
         noise = None if params.greedy else self._noise(episode, index, steps, request.n)
-        return request, _Job(prompt, params, noise, request.n)
+        return request, _Job(prompt, params, noise, request.n, "" if episode is None else f"{self.seed} {episode} {index}")
 
-    def _reply_calls(self, ids: list[int], text: str, stop: str | None, tools: list[dict]) -> tuple[str | None, list[dict]]:
+    def _reply_calls(self, ids: list[int], text: str, stop: str | None, tools: list[dict], ended: bool) -> tuple[str | None, list[dict]]:
         """(content, calls) of a reply to a request with tools: the calls parsed from the reply with its special tokens
         kept (a format's marker may be one: Mistral's ``[TOOL_CALLS]``) and its ending token dropped, as
         :mod:`rlalign.agents.episodes` parses them; the content without special tokens (``text`` when there is no call)."""
@@ -511,8 +430,15 @@ class PolicyServer:
         raw = self.tokenizer.decode(body, skip_special_tokens=False)
         if stop is not None and stop in raw:
             raw = raw[: raw.rfind(stop)]
-        content, calls = parse_calls(self.call_format, raw, tools)
+        content, calls = parse_calls(self.call_format, raw, tools, ended)
         return (text, []) if not calls else (_without_special(self.tokenizer, content), calls)
+
+    def _logprobs(self, ids: list[int], logps: list[float]) -> dict:
+        """OpenAI's ``choice.logprobs`` of a completion: per token its text (vLLM's: the token as a string), UTF-8 bytes
+        (None when the text is not whole characters) and log-prob; no alternatives (``top_logprobs`` is 0)."""
+        texts = [self.tokenizer.convert_tokens_to_string([token]) for token in self.tokenizer.convert_ids_to_tokens(ids)]
+        return {"content": [{"token": t, "logprob": lp, "bytes": None if "\ufffd" in t else list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(texts, logps)], "refusal": None}
 
     def finish(self, request: ChatRequest, job: _Job, samples: list[tuple[list[int], list[float], bool]], episode: str | None) -> dict:
         """The OpenAI reply of a sampled job; its choices recorded under ``episode``."""
@@ -522,16 +448,17 @@ class PolicyServer:
             cut = _stop_cut(self.tokenizer, ids, text, request.stop)
             if cut is not None:
                 ids, logps, truncated, text = ids[: cut[0]], logps[: cut[0]], False, text[: cut[1]]
-            content, calls = self._reply_calls(ids, text, cut[2] if cut else None, request.tools) if request.tools else (text, [])
+            parse = request.tools and request.tool_choice != "none"  # "none": the reply is content
+            content, calls = self._reply_calls(ids, text, cut[2] if cut else None, request.tools, not truncated) if parse else (text, [])
             reason = "tool_calls" if calls else "length" if truncated else "stop"
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [
-                    {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    {"id": _call_id(f"{job.key or uuid.uuid4()} {index} {position}"), "type": "function",
                      "function": {"name": c["name"], "arguments": c["arguments"]}}
-                    for c in calls
+                    for position, c in enumerate(calls)
                 ]
-            choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": None})
+            choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": self._logprobs(ids, logps) if request.logprobs else None})
             records.append(CallRecord(job.prompt, ids, logps, truncated, content or "", reason))
         if episode is not None:
             with self._lock:

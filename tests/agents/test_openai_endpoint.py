@@ -1,7 +1,9 @@
 """The policy behind an OpenAI-compatible endpoint, asked by the ``openai`` client on the loopback
 address: messages, n, greedy decoding equal to rlalign's sampler, max_tokens, stop, tool calls (in
-the families' formats, special-token markers included), the token-exact record, the run's sampling
-settings, calls whose client left, batching of concurrent requests, and OpenAI-style errors."""
+the families' formats, special-token markers included; all or nothing, and a last call left open by a
+stop string or EOS, as vLLM's parsers; 9-character ids a Mistral template takes back), the token-exact
+record, the run's sampling settings, calls whose client left, batching of concurrent requests, and
+OpenAI-style errors. The request fields: test_openai_request_fields.py."""
 
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ from rlalign.lm.models import load_tokenizer  # noqa: E402
 from rlalign.lm.rollout import Rollout  # noqa: E402
 from rlalign.lm.sampling import SamplingParams, sample  # noqa: E402
 from rlalign.tasks import lookup as lk  # noqa: E402
-from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_checkpoint  # noqa: E402
+from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_checkpoint  # noqa: E402
 from rlalign.train.passes import rollout_token_logprobs  # noqa: E402
-from tests.agents.families import family_tokenizer  # noqa: E402
+from tests.agents.families import MISTRAL_TEMPLATE, family_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 USER = [{"role": "user", "content": "Which is heavier, the brom or the tiva?"}]
@@ -318,3 +320,119 @@ def test_a_call_whose_client_left_is_not_recorded_and_its_retry_is(tiny):
         calls = server.close_episode("e")
     assert retry.status_code == 200, retry.text
     assert server.abandoned == 1 and [c.text for c in calls] == [retry.json()["choices"][0]["message"]["content"]] == ["second"]
+
+
+# the family test template plus the id checks of Mistral v0.3 / Nemo / Small templates, on the calls and on the tool results
+MISTRAL_CHECKED = MISTRAL_TEMPLATE.replace(
+    "{% for c in m.tool_calls %}",
+    "{% for c in m.tool_calls %}{%- if c.id is not defined or c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with "
+    "length 9!') }}{% endif %}", 1,
+).replace(
+    "{%- elif m.role == 'tool' %}",
+    "{%- elif m.role == 'tool' %}{%- if m.tool_call_id is not defined or m.tool_call_id|length != 9 %}{{ raise_exception('Tool call IDs should be "
+    "alphanumeric strings with length 9!') }}{% endif %}", 1,
+)
+
+
+@pytest.mark.parametrize("episode", ["e", None])
+def test_tool_call_ids_are_nine_alphanumerics_that_a_mistral_template_takes_back(episode):
+    """Mistral's templates refuse a call id that is not 9 alphanumeric characters: the second call of an agent sends
+    the ids of the first back (the assistant's tool_calls, the tool results), and is served with them in its prompt."""
+    tok = family_tokenizer("mistral")
+    tok.chat_template = MISTRAL_CHECKED
+    first = tok('[TOOL_CALLS][{"name": "lookup", "arguments": {"name": "brom"}}, {"name": "lookup", "arguments": {"name": "tiva"}}]</s>',
+                add_special_tokens=False)["input_ids"]
+    tools = tool_schemas([lk.lookup])
+    with PolicyServer(tok, scripted(tok, [first, chars(tok, "brom")]), max_new_tokens=256) as server:
+        server.open_episode("e")
+        c = client(server, episode)
+        message = c.chat.completions.create(model="policy", messages=USER, tools=tools).choices[0].message
+        ids = [call.id for call in message.tool_calls]
+        history = USER + [message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": call.id, "content": lk.lookup(**json.loads(call.function.arguments))} for call in message.tool_calls]
+        second = c.chat.completions.create(model="policy", messages=history, tools=tools)
+        calls = server.close_episode("e")
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and ids[0] != ids[1]
+    assert second.choices[0].message.content == "brom"
+    if episode is not None:
+        prompt = tok.decode(calls[1].prompt_ids)
+        assert all(prompt.count(f'"id": "{i}"') == 1 and prompt.count(f'"call_id": "{i}"') == 1 for i in ids)
+
+
+def test_tool_call_ids_of_an_episode_are_the_same_in_a_run_with_the_same_seed():
+    """The ids are rendered into later prompts: a hash of (seed, episode, call, choice, position), so a run is reproducible."""
+    tok = family_tokenizer("hermes")
+    reply = tok('<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n</tool_call><|im_end|>', add_special_tokens=False)["input_ids"]
+    seen = []
+    for seed in (0, 0, 1):
+        with PolicyServer(tok, scripted(tok, [reply]), max_new_tokens=128, seed=seed) as server:
+            server.open_episode("e")
+            choices = client(server, "e").chat.completions.create(model="policy", messages=USER, tools=tool_schemas([lk.lookup]), n=2).choices
+            seen.append([ch.message.tool_calls[0].id for ch in choices])
+    assert seen[0] == seen[1] and seen[0][0] != seen[0][1] and seen[2] != seen[0]
+
+
+def reply_to(tok, reply_ids, max_new_tokens=256, **request):
+    """(choice, recorded call) of one request with the look-up tool, served by a scripted policy."""
+    with PolicyServer(tok, scripted(tok, [reply_ids]), max_new_tokens=max_new_tokens) as server:
+        server.open_episode("e")
+        choice = client(server, "e").chat.completions.create(model="policy", messages=USER, tools=tool_schemas([lk.lookup]), **request).choices[0]
+        (call,) = server.close_episode("e")
+    return choice, call
+
+
+GOOD_HERMES = '<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("family", "reply"), [
+    ("hermes", GOOD_HERMES + '<tool_call>\n{"name": "lookup", "arguments": {"name": "tiva"\n</tool_call><|im_end|>'),  # broken JSON
+    ("hermes", GOOD_HERMES + '<tool_call>\n{"arguments": {"name": "tiva"}}\n</tool_call><|im_end|>'),  # no name
+    ("mistral", '[TOOL_CALLS][{"name": "lookup", "arguments": {"name": "brom"}}, {"name": "lookup", "arguments": 5}]</s>'),  # arguments not an object
+    ("llama3", '<|python_tag|>{"name": "lookup", "parameters": {"name": "brom"}}; {"name": "lookup", "parameters": {"name": <|eot_id|>'),
+])
+def test_a_reply_with_a_malformed_call_is_plain_content_its_good_calls_with_it(family, reply):
+    """vLLM's parsers are all or nothing: one malformed call makes the reply content, not the good calls alone
+    (which would drop the malformed one unseen)."""
+    tok = family_tokenizer(family)
+    ids = tok(reply, add_special_tokens=False)["input_ids"]
+    choice, call = reply_to(tok, ids)
+    assert (choice.finish_reason, choice.message.tool_calls) == ("stop", None)
+    assert choice.message.content == tok.decode(ids, skip_special_tokens=True)
+    assert call.completion_ids == ids and call.finish_reason == "stop"
+
+
+def test_a_malformed_call_cut_at_max_tokens_is_content_that_ends_with_length():
+    tok = family_tokenizer("hermes")
+    ids = tok(GOOD_HERMES + '<tool_call>\n{"name": "lookup", "arguments": {"name": "tiva"}}\n</tool_call>', add_special_tokens=False)["input_ids"]
+    choice, call = reply_to(tok, ids, max_new_tokens=len(ids) - 20)  # the second call's JSON cut short
+    assert (choice.finish_reason, choice.message.tool_calls) == ("length", None) and call.truncated
+    assert choice.message.content == tok.decode(ids[: len(ids) - 20])
+
+
+@pytest.mark.parametrize("stop", ["</tool_call>", ["more", "</tool_call>"], None])
+def test_a_final_hermes_call_left_open_by_a_stop_string_or_eos_is_a_call(stop):
+    """stop="</tool_call>" (an agent idiom) cuts the reply before the closing tag; without a stop string, EOS comes
+    before it. vLLM's Hermes parser reads <tool_call>(.*) at the end: a call. The record keeps the stop string's tokens."""
+    tok = family_tokenizer("hermes")
+    text = 'Let me check.<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n' + ("</tool_call> and more<|im_end|>" if stop else "<|im_end|>")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    choice, call = reply_to(tok, ids, stop=stop)
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("lookup", {"name": "brom"})]
+    kept = len(tok(text[: text.index("</tool_call>") + len("</tool_call>")], add_special_tokens=False)["input_ids"]) if stop else len(ids)
+    assert call.completion_ids == ids[:kept] and not call.truncated
+
+
+def test_a_final_call_left_open_at_max_tokens_is_a_call_only_where_its_json_shows_it_ended():
+    """Cut at max_tokens: a Hermes call whose JSON is whole is a call (as vLLM), a tag-format call is not, since its
+    plain argument cut short ("bro") would still parse; at a stop string it is."""
+    tok = family_tokenizer("hermes")
+    ids = tok('<tool_call>\n{"name": "lookup", "arguments": {"name": "brom"}}\n</tool_call>', add_special_tokens=False)["input_ids"]
+    choice, _ = reply_to(tok, ids, max_new_tokens=len(ids) - len("</tool_call>"))  # the JSON and its newline
+    assert choice.finish_reason == "tool_calls" and json.loads(choice.message.tool_calls[0].function.arguments) == {"name": "brom"}
+    tags = build_char_tokenizer()
+    ids = chars(tags, "<tool>lookup: brom</tool>", eos=False)
+    cut, _ = reply_to(tags, ids, max_new_tokens=len("<tool>lookup: bro"))
+    assert (cut.finish_reason, cut.message.tool_calls, cut.message.content) == ("length", None, "<tool>lookup: bro")
+    stopped, _ = reply_to(tags, ids, stop="</tool>")
+    assert stopped.finish_reason == "tool_calls" and json.loads(stopped.message.tool_calls[0].function.arguments) == {"name": "brom"}
