@@ -11,7 +11,8 @@ message ``template.format(prompt=..., completion=..., **the row's columns it nam
 may use ``{answer}`` to show a reference; a literal brace is written ``{{``). A prompt given as chat
 messages is shown as "role: content" lines; a completion given as messages, as their contents.
 
-Its answer is parsed by ``pattern`` (default: "Score: 7", "score = 7.5", "Score: 7/10", "7/10"):
+Its answer is parsed by ``pattern`` (default: "Score: 7", "score = 7.5", "Score: 7/10", "7/10"; "score"
+as a word, so ``best_score = 0`` is no verdict, and "Score: .5", "Score: −3" or "Score: 1e3" none):
 judges reason first and give their verdict last, so of the pattern's matches the last one counts,
 with two refinements. A group named ``of``, when it matched, is the scale the number is given on
 ("7/8"): such a match counts only when ``of`` equals ``max_score`` (else it is a quoted fraction, not
@@ -26,7 +27,8 @@ counted (``judge.failures``; :meth:`JudgeReward.pop_stats` gives the count since
 a trainer to log ``reward/<name>/parse_failed``) and logged, and when more than
 ``max_failure_fraction`` of a call's answers fail, the call raises :class:`RewardFunctionError`
 naming the judge, a prompt and the judge's raw answer: a judge that cannot follow the format is
-broken, not a source of zeros. Never a silent 0.
+broken, not a source of zeros. Never a silent 0. An answer cut at the judge's token limit (no EOS, or
+``finish_reason: length``; :class:`CutAnswer`) gives no number it ends in: "Score: 1" may be "Score: 10".
 
 What the judge reads is never taken from the policy as control tokens: a completion (or a prompt,
 a column) containing the literal text "<|im_end|>" reaches a local judge as those characters, not
@@ -73,7 +75,7 @@ from rlalign.lm.models import stop_token_ids
 from rlalign.lm.remote_reward import RETRY_STATUSES, post_json, run_sync
 from rlalign.lm.rewards import RewardFunctionError
 
-__all__ = ["JudgeReward", "LocalJudge", "ChatEndpoint", "DEFAULT_TEMPLATE", "DEFAULT_PATTERN", "parse_score", "defuse_markers"]
+__all__ = ["JudgeReward", "LocalJudge", "ChatEndpoint", "CutAnswer", "DEFAULT_TEMPLATE", "DEFAULT_PATTERN", "parse_score", "defuse_markers"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,18 @@ DEFAULT_TEMPLATE = (
     "[Prompt]\n{prompt}\n\n[Response]\n{completion}\n\n"
     'Reply with your rating in the form "Score: N" and nothing else.'
 )
-DEFAULT_PATTERN = r"(?i)(?:score[^\w-]{0,5}(-?\d+(?:\.\d+)?)|(-?\d+(?:\.\d+)?)(?=\s*/\s*\d))(?:\s*/\s*(?P<of>\d+(?:\.\d+)?))?"
+# "score" as a word (not best_score's), then a separator that takes no sign or point ("Score: .5", "Score: −3" never read
+# as 5 or 3), and a number no exponent follows ("Score: 1e3" is no 1)
+DEFAULT_PATTERN = (r"(?i)(?:\bscore[^\w.\-\u2212]{0,5}(-?\d+(?:\.\d+)?)(?![eE][-+]?\d)|(-?\d+(?:\.\d+)?)(?=\s*/\s*\d))"
+                   r"(?:\s*/\s*(?P<of>\d+(?:\.\d+)?))?")
+
+
+class CutAnswer(str):
+    """A judge's answer that ended at its token limit, not on its own (no EOS; ``finish_reason: length``):
+    a number at its end may be cut short ("Score: 1" of "Score: 10"), so :func:`parse_score` does not read one there."""
+
+
+_MAY_GO_ON = re.compile(r"[\s\d.,/\-]*")  # what may follow a number that a cut ended: more of it
 
 
 def _number(text: str | None) -> float | None:
@@ -111,6 +124,8 @@ def parse_score(answer: str, pattern: re.Pattern, min_score: float, max_score: f
     for match in pattern.finditer(answer):
         if of is not None and match.group(of) is not None and _number(match.group(of)) != max_score:
             continue  # a fraction on another scale: not a verdict
+        if isinstance(answer, CutAnswer) and _MAY_GO_ON.fullmatch(answer, match.end()):
+            continue  # the answer was cut right after it: its number (or its scale) may be cut short
         if numbers:
             group = next((g for g in numbers if match.group(g) is not None), None)
             if group is None:
@@ -192,8 +207,9 @@ class LocalJudge:
         with evaluating(self.model):
             for start in range(0, len(ids), self.batch_size):
                 rollout = sample(self.model, ids[start : start + self.batch_size], params, self.pad_token_id, self.eos_token_ids)
-                for row, mask in zip(rollout.completion_ids, rollout.completion_mask):  # (N,), (N,)
-                    answers.append(self.tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True))
+                for row, mask, cut in zip(rollout.completion_ids, rollout.completion_mask, rollout.truncated):  # (N,), (N,), ()
+                    text = self.tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True)
+                    answers.append(CutAnswer(text) if bool(cut) else text)  # no EOS within max_new_tokens
         return answers
 
 
@@ -273,7 +289,8 @@ class ChatEndpoint:
                     content = answer["choices"][0]["message"]["content"]
                 except (KeyError, IndexError, TypeError):
                     raise RewardFunctionError(f"POST {self.url} answered without choices[0].message.content: {str(answer)[:200]} ({what})") from None
-                return content if isinstance(content, str) else ""
+                content = content if isinstance(content, str) else ""
+                return CutAnswer(content) if answer["choices"][0].get("finish_reason") == "length" else content  # cut at max_tokens
 
             try:
                 async with asyncio.TaskGroup() as group:
@@ -387,12 +404,14 @@ class JudgeReward:
         self.last_answers = answers
         scores = [parse_score(a, self.pattern, self.min_score, self.max_score) for a in answers]
         failed = [i for i, s in enumerate(scores) if s is None]
-        self.judged += len(answers)
-        self.failures += len(failed)
+        over = len(failed) / len(answers) > self.max_failure_fraction
+        if not over or len(answers) == 1:  # a call of several rows that raises is re-run a row at a time (reward_calls), which counts them once
+            self.judged += len(answers)
+            self.failures += len(failed)
         if failed:
             i = failed[0]
-            example = f"prompt {prompts[i]!r:.200}: the judge answered {answers[i]!r:.300}"
-            if len(failed) > self.max_failure_fraction * len(answers):
+            example = f"prompt {prompts[i]!r:.200}: the judge answered {str(answers[i])!r:.300}"
+            if over:
                 raise RewardFunctionError(
                     f"judge {self.name}: {len(failed)} of {len(answers)} answers have no score in [{self.min_score:g}, {self.max_score:g}] "
                     f"matching {self.pattern.pattern!r} (more than max_failure_fraction={self.max_failure_fraction:g}); e.g. {example}"

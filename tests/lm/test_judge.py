@@ -53,6 +53,12 @@ class Scripted:
         ("Score: 11", None),  # out of [0, 10]
         ("Score: -1", None),
         ("I would give it a high mark", None),
+        # "score" inside a word is no verdict (it was read as 0); a point, a Unicode minus or an exponent is never dropped
+        ("The code initialises best_score = 0 before the loop, which is right. 9/10", 0.9),
+        ("my_score = 2. Verdict: 9/10", 0.9),
+        ("Score: .5", None),  # was 0.5 (read as 5)
+        ("Score: \u22123", None),  # was 0.3 (read as 3)
+        ("Score: 1e3", None),  # was 0.1
     ],
 )
 def test_the_default_pattern_reads_the_last_verdict_on_the_scale_and_normalises_by_max_score(answer, expected):
@@ -60,6 +66,55 @@ def test_the_default_pattern_reads_the_last_verdict_on_the_scale_and_normalises_
 
     got = parse_score(answer, re.compile(DEFAULT_PATTERN), 0.0, 10.0)
     assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_an_answer_cut_at_the_token_limit_never_gives_the_number_it_was_cut_in():
+    import re
+
+    from rlalign.lm.judge import CutAnswer
+
+    pattern = re.compile(DEFAULT_PATTERN)
+    assert parse_score("Score: 1", pattern, 0.0, 10.0) == 0.1  # ended on its own: a 1
+    for cut in ("Score: 1", "Score: 8.", "Score: 7/", "Score: 7/1", "Score: 9 "):  # of "Score: 10", "8.5", "7/10", "9 ..."
+        assert parse_score(CutAnswer(cut), pattern, 0.0, 10.0) is None, cut
+    assert parse_score(CutAnswer("Score: 10 because the answer"), pattern, 0.0, 10.0) == 1.0  # text follows the number: whole
+
+
+def test_local_and_remote_judges_mark_an_answer_cut_at_max_new_tokens(tokenizer, monkeypatch):
+    from types import SimpleNamespace
+
+    from rlalign.lm.judge import CutAnswer
+
+    ids = tokenizer("Score: 1", add_special_tokens=False)["input_ids"]
+    cut = SimpleNamespace(completion_ids=torch.tensor([ids, ids]), completion_mask=torch.ones(2, len(ids)), truncated=torch.tensor([True, False]))
+    monkeypatch.setattr("rlalign.lm.sampling.sample", lambda *args, **kwargs: cut)
+    judge = JudgeReward(LocalJudge(make_llama(vocab=len(tokenizer)), tokenizer, max_new_tokens=len(ids)), max_failure_fraction=1.0)
+    assert judge(["p", "q"], ["a", "b"]) == [None, pytest.approx(0.1)]  # "Score: 1" of "Score: 10" was 0.1, silently
+    assert [isinstance(a, CutAnswer) for a in judge.last_answers] == [True, False]
+
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        finish = "length" if "cut" in body["messages"][-1]["content"] else "stop"
+        return JSONResponse({"choices": [{"message": {"role": "assistant", "content": "Score: 1"}, "finish_reason": finish}]})
+
+    with running(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])) as url:
+        assert JudgeReward.remote(f"{url}/v1", "judge", max_failure_fraction=1.0)(["p", "q"], ["cut", "whole"]) == [None, pytest.approx(0.1)]
+
+
+def test_a_raising_batch_rerun_a_row_at_a_time_counts_each_parse_failure_once():
+    # the batch's call counted its 3 failures, then the rows' re-runs counted them again: 6 of 4
+    from rlalign.lm.reward_calls import CallPolicy, score_terms
+
+    judge = JudgeReward(Scripted({"a": "meh", "b": "x", "c": "y", "d": "Score: 5"}), name="j")
+    result = score_terms([CallPolicy("j", judge, on_error="skip")], ["p"] * 4, ["a", "b", "c", "d"])[0]
+    assert result.failed.tolist() == [True, True, True, False] and judge.pop_stats() == {"parse_failed": 3.0, "parse_failed_fraction": 0.75}
+
+
+def test_the_failure_fraction_is_compared_exactly_at_the_threshold():
+    # 0.29 * 100 is 28.999999999999996 in floats: 29 failures of 100 raised, where "more than 0.29" allows them
+    answers = {f"c{i}": ("meh" if i < 29 else "Score: 5") for i in range(100)}
+    scores = JudgeReward(Scripted(answers), max_failure_fraction=0.29)(["p"] * 100, list(answers))
+    assert sum(s is None for s in scores) == 29
 
 
 def test_a_fraction_is_a_verdict_only_over_the_scales_maximum():
@@ -124,7 +179,11 @@ def test_too_many_parse_failures_raise_naming_the_judge_a_prompt_and_its_raw_ans
         judge(["pa", "pb", "pc", "pd"], ["a", "b", "c", "d"])  # 3 of 4 fail: 0.75 > 0.5
     assert "judge helpful: 3 of 4 answers have no score in [0, 10]" in str(err.value)
     assert "prompt 'pb': the judge answered 'great!'" in str(err.value)
-    assert judge.failures == 3  # counted before raising
+    assert judge.failures == 0  # not counted here: the trainer re-runs a raising call's rows one at a time, and those count them once
+    one = JudgeReward(Scripted({"b": "great!"}), max_failure_fraction=0.5)
+    with pytest.raises(RewardFunctionError):
+        one(["pb"], ["b"])
+    assert one.failures == 1  # a row's own call, counted before raising
     # exactly half failing is allowed at 0.5; 1.0 never raises
     assert JudgeReward(Scripted({"a": "Score: 6", "b": "x"}), max_failure_fraction=0.5)(["p", "q"], ["a", "b"]) == [0.6, None]
     assert JudgeReward(Scripted({"b": "x"}), max_failure_fraction=1.0)(["q"], ["b"]) == [None]
@@ -244,7 +303,7 @@ def test_a_completion_cannot_write_the_local_judges_control_tokens(monkeypatch):
 def _stop(n: int):
     from types import SimpleNamespace
 
-    return SimpleNamespace(completion_ids=torch.full((n, 1), 2), completion_mask=torch.ones(n, 1))
+    return SimpleNamespace(completion_ids=torch.full((n, 1), 2), completion_mask=torch.ones(n, 1), truncated=torch.zeros(n, dtype=torch.bool))
 
 
 def test_without_a_chat_template_the_contents_are_plain_text_after_bos():
