@@ -198,7 +198,7 @@ def load_function(spec: str) -> Callable:
 
 
 def load_model_reward(
-    path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 32, max_length: int = 1024,
+    path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 32, max_length: int | None = None,
     attn_implementation: str | None = None, input_format: str = "auto",
 ):
     """A reward-model directory as a :class:`RewardModelReward`, loaded as the trainers load one: frozen,
@@ -379,7 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default="cpu", help="device of the model (default: cpu)")
     model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype of the model (default: float32)")
     model.add_argument("--batch-size", type=int, default=32, help="rows per forward pass (default: 32)")
-    model.add_argument("--max-length", type=int, default=1024, help="tokens read per prompt + completion, the last ones kept (default: 1024)")
+    model.add_argument("--max-length", type=int, default=None, help="eos format: tokens read per prompt + completion, the last ones kept (default: the "
+                       "model's positions); the text format reads the whole text, an error past the model's positions")
     model.add_argument("--input-format", default="auto", choices=["auto", "text", "eos"],
                        help="how prompt + completion reach the model: auto (what the checkpoint records), text (Hugging Face's), eos (rlalign rm's)")
     model.add_argument("--attn-implementation", default=None, help="transformers' attention kernel, e.g. eager or sdpa (default: its own choice)")

@@ -21,7 +21,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from rlalign.lm.data import Messages, Prompt, PreferenceExample
-from rlalign.lm.encoding import collate_preferences
+from rlalign.lm.encoding import collate_preferences, example_tokens
 from rlalign.lm.heads import HEAD_FILE, REWARD_INPUT_KEY
 from rlalign.lm.models import resolve_model_path
 from rlalign.lm.reward_calls import RewardFunctionError, call_reward, check_finite, reward_fn_name, score_completions
@@ -136,19 +136,22 @@ class RewardModelReward:
       EOS when it has none, as TRL sets it): transformers' ``*ForSequenceClassification`` rule.
     - ``"eos"``: how ``rlalign rm`` trains (:func:`rlalign.lm.encoding.collate_preferences`): the prompt
       encoded as the policy reads it, the completion's tokens closed by EOS, the score read at that
-      EOS; sequences longer than ``max_length`` keep their last tokens.
+      EOS; sequences longer than ``max_length`` (default: the model's positions) keep their last
+      tokens, as ``rlalign rm`` trains them, and are counted (:meth:`pop_stats`: ``cut``).
 
     ``prompts`` are the data's prompts (text or messages) and ``completions`` the completions' texts
     (or their assistant messages), as the trainers pass them.
     """
 
     def __init__(
-        self, model, tokenizer: PreTrainedTokenizerBase, input_format: RewardInput = "text", batch_size: int = 32, max_length: int = 1024
+        self, model, tokenizer: PreTrainedTokenizerBase, input_format: RewardInput = "text", batch_size: int = 32, max_length: int | None = None
     ):
         if input_format not in ("text", "eos"):
             raise ValueError(f"input_format must be 'text' or 'eos', got {input_format!r}")
         self.model, self.tokenizer, self.input_format = model, tokenizer, input_format
-        self.batch_size, self.max_length = batch_size, max_length
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None) if hasattr(model, "config") else None
+        self.batch_size, self.max_length = batch_size, max_length or context or 1024  # a fixed 1024 cut longer rows' prompts away silently
+        self.cut = self._cut_logged = 0  # eos rows longer than max_length (their first tokens dropped)
         self.name = f"RewardModelReward({getattr(model.config, 'name_or_path', '') or type(model).__name__})"
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -162,8 +165,14 @@ class RewardModelReward:
             scores.extend(score(prompts[batch], completions[batch], device).tolist())
         return scores
 
+    def pop_stats(self) -> dict[str, float]:
+        """{"cut": eos rows longer than ``max_length`` scored on their last tokens} since the last call (``reward/<name>/cut``)."""
+        cut, self._cut_logged = self.cut - self._cut_logged, self.cut
+        return {"cut": float(cut)} if self.input_format == "eos" else {}
+
     def _eos_scores(self, prompts: list, completions: list, device) -> Tensor:
         pairs = [PreferenceExample(p, c, c) for p, c in zip(prompts, completions, strict=True)]
+        self.cut += sum(len(example_tokens(self.tokenizer, p, c)[0]) > self.max_length for p, c in zip(prompts, completions))
         batch = collate_preferences(self.tokenizer, pairs, self.max_length)
         n = batch.num_pairs
         ids, mask = batch.input_ids[:n].to(device), batch.attention_mask[:n].to(device)  # (n, T): the "chosen" half

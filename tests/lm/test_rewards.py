@@ -61,13 +61,16 @@ def test_reward_model_as_reward_function_in_rlalign_training_format(llama_checkp
     assert grad_enabled and not any(grad_enabled)
 
 
-def test_reward_model_reward_reads_up_to_1024_tokens_by_default():
-    # the documented default: pairs longer than 1024 tokens keep their last 1024 (the completion's end)
-    import inspect
-
-    from rlalign.lm.rewards import RewardModelReward
-
-    assert inspect.signature(RewardModelReward).parameters["max_length"].default == 1024
+def test_an_eos_reward_model_reads_up_to_its_positions_and_counts_the_rows_it_cuts(llama_checkpoint, tokenizer):
+    # a fixed 1024 cut a longer prompt's start away silently, whatever the model's context
+    rm = load_reward_model(llama_checkpoint, trainable=True).eval()
+    assert RewardModelReward(rm, tokenizer, input_format="eos").max_length == rm.config.max_position_embeddings
+    fn = RewardModelReward(rm, tokenizer, input_format="eos", max_length=4)
+    prompts, completions = ["abcdef", "a"], ["xy", "b"]  # <bos> abcdef xy <eos>: 10 tokens; <bos> a b <eos>: 4
+    scores = fn(prompts, completions)
+    last4 = torch.tensor([(tokenizer("abcdefxy")["input_ids"] + [tokenizer.eos_token_id])[-4:]])  # its last 4 tokens, as rlalign rm trains
+    assert scores[0] == pytest.approx(rm.sequence_scores(last4, torch.ones_like(last4)).item(), abs=1e-5)
+    assert fn.pop_stats() == {"cut": 1.0} and fn.pop_stats() == {"cut": 0.0}  # logged as reward/<name>/cut
 
 
 # Three reward functions written from TRL's documented signature (GRPOTrainer's reward_funcs), unchanged.
