@@ -140,9 +140,17 @@ def check_rewards(values: Any, n: int, who: str, prompts: Sequence) -> list[floa
     if len(values) != n:
         raise RewardFunctionError(f"{who} returned {len(values)} rewards for {n} completions (first prompt {prompts[0]!r:.200})")
     for p, v in zip(prompts, values):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise RewardFunctionError(f"{who} returned {v!r} (expected a finite number, or null where the reward does not apply) for prompt {p!r:.200}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite_float(v)):
+            raise RewardFunctionError(f"{who} returned {v!r:.100} (expected a finite number, or null where the reward does not apply) for prompt {p!r:.200}")
     return [None if v is None else float(v) for v in values]
+
+
+def _finite_float(v: int | float) -> bool:
+    """Whether ``v`` is a finite float: a JSON int too large for a float is not (math.isfinite raises OverflowError on it)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 def _is_row_column(value: Any, n: int) -> bool:

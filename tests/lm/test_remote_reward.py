@@ -193,6 +193,7 @@ def test_nothing_listening_is_an_error_after_the_retries():
         ({"rewards": [1.0, "0.5"]}, r"returned '0.5' \(expected a finite number, or null .*\) for prompt 'p1'"),
         ({"rewards": [True, 1.0]}, r"returned True \(expected a finite number"),
         (b'{"rewards": [1.0, NaN]}', r"returned nan \(expected a finite number"),
+        (b'{"rewards": [1.0, 1' + b"0" * 400 + b"]}", r"returned 10{99} \(expected a finite number"),  # past a float: was a bare OverflowError
         ({"scores": [1.0, 2.0]}, r"answered without a 'rewards' list \(got \['scores'\]\)"),
         ({"rewards": {"a": 1}}, r"returned dict .* not a list of rewards"),
         (b"<html>oops</html>", r"HTTP 200 with a body that is not JSON"),
