@@ -164,6 +164,15 @@ class _Sampler:
 # ----------------------------------------------------------------------------------------------
 
 
+def first_batch(cfg, tiny_path, records):
+    """The agent source's first step on ``records`` (prompt records), the source closed however it ends."""
+    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(records))
+    try:
+        return source.next(grpo.TrainState(step=0, generator=torch.Generator()))
+    finally:
+        source.close()
+
+
 def test_each_call_is_a_row_of_its_episode_weighted_one_over_its_calls():
     def call(n: int) -> CallRecord:
         return CallRecord([5] * n, [7] * n, [-0.5] * n, False, "x", "stop")
@@ -286,12 +295,7 @@ def test_an_agent_that_raises_fails_its_episode_and_leaves_training_never_scored
     from rlalign.train.rollouts import trusted_rows
 
     cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "failing_agent")
-    model, tokenizer = load_policy(tiny_path), load_tokenizer(tiny_path)
-    source = make_agent_source(cfg, _Sampler(model), tokenizer, [CORRECT], load_prompts(lk.prompt_records("train", 8)))
-    try:
-        batch = source.next(grpo.TrainState(step=0, generator=torch.Generator()))
-    finally:
-        source.close()
+    batch = first_batch(cfg, tiny_path, lk.prompt_records("train", 8))
     assert batch.metrics["agent/failed"] == 1.0 and batch.rollout.batch_size == 4  # its calls are still rows, with no loss tokens
     assert batch.scored.failed[AGENT_FAILED].tolist() == [True] * 4 and not trusted_rows(batch.scored).any()
 
@@ -303,11 +307,7 @@ def test_only_the_failed_episodes_leave_training_and_their_groups_baselines(tiny
     cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "heavier_failing_agent")
     records = lk.prompt_records("train", 16)
     records = [next(r for r in records if r["kind"] == "heavier"), next(r for r in records if r["kind"] != "heavier")]
-    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(records))
-    try:
-        batch = source.next(grpo.TrainState(step=0, generator=torch.Generator()))
-    finally:
-        source.close()
+    batch = first_batch(cfg, tiny_path, records)
     heavier = [ex.metadata["kind"] == "heavier" for ex in batch.examples for _ in range(cfg.group_size)]  # the step's order, G episodes each
     assert batch.scored.failed[AGENT_FAILED].tolist() == heavier and trusted_rows(batch.scored).tolist() == [not h for h in heavier]
 
@@ -319,12 +319,8 @@ def test_an_agents_reward_that_is_not_a_finite_number_is_an_error_naming_the_age
     """As a reward term's NaN is: not a NaN score in every advantage of its group, nor a failed episode."""
     cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, function)
     records = [r for r in lk.prompt_records("train", 16) if r["kind"] == "heavier"][:2]
-    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(records))
-    try:
-        with pytest.raises(RewardFunctionError) as err:
-            source.next(grpo.TrainState(step=0, generator=torch.Generator()))
-    finally:
-        source.close()
+    with pytest.raises(RewardFunctionError) as err:
+        first_batch(cfg, tiny_path, records)
     prompts = [repr(r["prompt"]) for r in records]
     message = str(err.value)
     assert message.startswith(f"agent {HERE}:{function} returned {shown} for prompt ") and why in message
@@ -339,22 +335,14 @@ def test_an_agent_whose_return_is_no_answer_is_an_error_naming_it_and_the_prompt
     # it failed its episode: trained as the answer "" with no error, skewing its group's advantages
     cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, function)
     records = lk.prompt_records("train", 16)[:2]
-    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(records))
-    try:
-        with pytest.raises(RewardFunctionError) as err:
-            source.next(grpo.TrainState(step=0, generator=torch.Generator()))
-    finally:
-        source.close()
+    with pytest.raises(RewardFunctionError) as err:
+        first_batch(cfg, tiny_path, records)
     assert str(err.value).startswith(f"agent {HERE}:{function}: {message} (prompt ")
 
 
 def test_an_answer_of_none_is_the_last_reply_as_a_none_return_is(tiny_path, tmp_path):
     cfg = agent_cfg(grpo.GRPOConfig, tiny_path, tmp_path, "none_answer_agent")
-    source = make_agent_source(cfg, _Sampler(load_policy(tiny_path)), load_tokenizer(tiny_path), [CORRECT], load_prompts(lk.prompt_records("train", 8)))
-    try:
-        batch = source.next(grpo.TrainState(step=0, generator=torch.Generator()))
-    finally:
-        source.close()
+    batch = first_batch(cfg, tiny_path, lk.prompt_records("train", 8))
     assert batch.metrics["agent/failed"] == 0.0 and "None" not in batch.scored.completions  # was the text "None"
     assert batch.scored.per_term["agent"].tolist() == [float(len(c)) for c in batch.scored.completions]  # the answer is the reply it measured
 
