@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from rlalign.config import Config
@@ -22,6 +24,11 @@ class AgentConfig(Config):
     max_calls: int = Field(8, ge=1, description="chat-completion requests one episode may make; past that the endpoint answers 400 and the episode fails")
     max_concurrency: int = Field(64, ge=1, description="episodes run at once (threads for synchronous agents)")
     batch_wait_ms: float = Field(5.0, ge=0, description="how long the endpoint waits for more requests to sample together after the first")
+    serve_without_effect: list[Literal["seed", "tool_choice"]] = Field(
+        default_factory=list, description="request fields the endpoint serves without their effect instead of a 400, for agent frameworks that "
+        "always send them: seed (the draws stay the run's), tool_choice \"required\" or a named function (served as \"auto\": the policy may "
+        "answer without a call; smolagents' ToolCallingAgent sends \"required\")"
+    )
 
     @model_validator(mode="after")
     def _module_function(self) -> AgentConfig:

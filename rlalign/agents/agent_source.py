@@ -331,6 +331,7 @@ def make_agent_source(
         return PolicyServer(
             tokenizer, policy_generate(sampler, tokenizer, s, cfg.model), s.max_new_tokens, s.temperature, s.top_p, s.top_k,
             max_calls=agent_cfg.max_calls, max_context=context, batch_wait_s=agent_cfg.batch_wait_ms / 1000, seed=cfg.seed,
+            serve_without_effect=tuple(agent_cfg.serve_without_effect),
         )
 
     return AgentSource(
@@ -359,7 +360,7 @@ def agent_evaluator(cfg, policy, tokenizer, prompts: Sequence[PromptExample], re
     def make_server() -> PolicyServer:
         return PolicyServer(tokenizer, generate, eval_cfg.max_new_tokens or cfg.sampling.max_new_tokens, eval_cfg.temperature, 1.0, 0,
                             max_calls=agent_cfg.max_calls, max_context=context, batch_wait_s=agent_cfg.batch_wait_ms / 1000, seed=cfg.seed,
-                            sampling_from_requests=True)  # not trained: a request's own temperature is served
+                            sampling_from_requests=True, serve_without_effect=tuple(agent_cfg.serve_without_effect))  # not trained: a request's own temperature is served
 
     def evaluate(step: int) -> tuple[dict, list]:
         runner = AgentSource(agent, agent_cfg, None, prompts, len(prompts), cfg.seed, cfg.aggregation, make_server)

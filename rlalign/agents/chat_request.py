@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestError", "ChatRequest", "parse_chat_request", "check_template_kwargs", "HONOURED", "NEUTRAL_ONLY", "WITHOUT_EFFECT", "REFUSED"]
+__all__ = ["RequestError", "ChatRequest", "parse_chat_request", "check_template_kwargs", "HONOURED", "NEUTRAL_ONLY", "WITHOUT_EFFECT", "REFUSED", "LENIENT"]
 
 
 class RequestError(ValueError):
@@ -148,10 +148,14 @@ def _integer(body: dict, key: str, low: int, high: int) -> int | None:
     return value
 
 
-def _check_fields(body: dict) -> None:
-    """Every field with a value is honoured, neutral, or without effect (module docstring); else RequestError naming it."""
+LENIENT = ("seed", "tool_choice")  # fields a run may choose to serve without their effect (AgentConfig.serve_without_effect)
+
+
+def _check_fields(body: dict, lenient: frozenset[str]) -> None:
+    """Every field with a value is honoured, neutral, or without effect (module docstring; ``lenient``: the run
+    serves these without their effect too); else RequestError naming it."""
     for key, value in body.items():
-        if value is None or key in HONOURED or key in WITHOUT_EFFECT:
+        if value is None or key in HONOURED or key in WITHOUT_EFFECT or key in lenient:
             continue
         if key in NEUTRAL_ONLY:
             neutral, why = NEUTRAL_ONLY[key]
@@ -163,12 +167,15 @@ def _check_fields(body: dict) -> None:
         raise RequestError(f"{key}: {reason} (the fields taken: {taken})", key)
 
 
-def _tool_choice(body: dict) -> str:
+def _tool_choice(body: dict, lenient: frozenset[str]) -> str:
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none"):
         return choice or "auto"
+    if "tool_choice" in lenient:  # the run asked for it (agent.serve_without_effect): served as "auto"
+        return "auto"
     raise RequestError(f'tool_choice: only "auto" (the default) and "none" are served: {_UNCONSTRAINED}, so it cannot promise that the reply calls '
-                       f"a tool (\"required\") or a given one; got {json.dumps(choice)[:80]}", "tool_choice")
+                       f"a tool (\"required\") or a given one; got {json.dumps(choice)[:80]} (agent frameworks that always send it, such as "
+                       "smolagents' ToolCallingAgent: set agent.serve_without_effect: [tool_choice] to serve it as \"auto\")", "tool_choice")
 
 
 def _template_kwargs(body: dict) -> dict[str, Any]:
@@ -180,15 +187,16 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return kwargs
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """The fields of a chat-completions body, checked (module docstring).
+def parse_chat_request(body: Any, lenient: frozenset[str] = frozenset()) -> ChatRequest:
+    """The fields of a chat-completions body, checked (module docstring); ``lenient`` (of :data:`LENIENT`): fields
+    the run serves without their effect, ``seed`` ignored and ``tool_choice`` "required" or named served as "auto".
 
     Raises:
         RequestError: naming the field that is missing, malformed, or not served.
     """
     if not isinstance(body, dict):
         raise RequestError("request body: expected a JSON object with 'model' and 'messages'")
-    _check_fields(body)
+    _check_fields(body, lenient)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: missing, or not a non-empty list", "messages")
@@ -209,7 +217,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(
         [_message(m, i) for i, m in enumerate(messages)], tools or None, _integer(body, "n", 1, 128) or 1,
         _number(body, "temperature", 0.0, 2.0), _number(body, "top_p", 0.0, 1.0), max_tokens or max_completion, stop, str(body.get("model") or "policy"),
-        _integer(body, "top_k", -1, 1 << 30), _tool_choice(body), bool(logprobs), _template_kwargs(body),
+        _integer(body, "top_k", -1, 1 << 30), _tool_choice(body, lenient), bool(logprobs), _template_kwargs(body),
     )
 
 

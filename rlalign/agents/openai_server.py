@@ -253,7 +253,7 @@ class PolicyServer:
         self, tokenizer, generate: Generate, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
         call_format=None, max_calls: int = 16, max_context: int | None = None,
         batch_wait_s: float = 0.005, max_batch_rows: int = 256, seed: int = 0, host: str = "127.0.0.1", model_name: str = "policy",
-        sampling_from_requests: bool = False,
+        sampling_from_requests: bool = False, serve_without_effect: tuple[str, ...] = (),
     ):
         from rlalign.agents.episodes import end_of_turn_ids
         from rlalign.agents.tool_calls import call_format as format_named
@@ -265,7 +265,7 @@ class PolicyServer:
         self.call_format = call_format or format_named("auto", tokenizer)
         self.end_ids = set(end_of_turn_ids(tokenizer))  # a reply's last token that ends the turn, dropped before its calls are parsed
         self.max_new_tokens, self.defaults, self.top_k = max_new_tokens, (temperature, top_p), top_k
-        self.sampling_from_requests = sampling_from_requests
+        self.sampling_from_requests, self.lenient = sampling_from_requests, frozenset(serve_without_effect)  # chat_request.LENIENT
         self.max_calls, self.max_context, self.batch_wait_s, self.max_batch_rows = max_calls, max_context, batch_wait_s, max_batch_rows
         self.seed, self.host, self.model_name = seed, host, model_name
         self.base = ""
@@ -402,7 +402,7 @@ class PolicyServer:
         Raises:
             RequestError: naming the field.
         """
-        request = parse_chat_request(body)
+        request = parse_chat_request(body, self.lenient)
         try:
             prompt = render_chat(self.tokenizer, request.messages, request.tools, self.call_format, request.template_kwargs)
         except RequestError:

@@ -88,8 +88,8 @@ DEFAULT_TEMPLATE = (
     'Reply with your rating in the form "Score: N" and nothing else.'
 )
 # "score" as a word (not best_score's), then a separator that takes no sign or point ("Score: .5", "Score: −3" never read
-# as 5 or 3), and a number no exponent follows ("Score: 1e3" is no 1)
-DEFAULT_PATTERN = (r"(?i)(?:\bscore[^\w.\-\u2212]{0,5}(-?\d+(?:\.\d+)?)(?![eE][-+]?\d)|(-?\d+(?:\.\d+)?)(?=\s*/\s*\d))"
+# as 5 or 3), and a whole number no exponent follows ("Score: 12e3" is no 1, "Score: 7.5e1" no 7)
+DEFAULT_PATTERN = (r"(?i)(?:\bscore[^\w.\-\u2212]{0,5}(-?\d+(?:\.\d+)?)(?!\d|\.\d|[eE][-+]?\d)|(-?\d+(?:\.\d+)?)(?=\s*/\s*\d))"
                    r"(?:\s*/\s*(?P<of>\d+(?:\.\d+)?))?")
 
 

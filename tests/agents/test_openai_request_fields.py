@@ -138,6 +138,22 @@ def test_fields_that_would_change_the_result_and_cannot_act_get_400_naming_the_f
     assert err.value.body["param"] == field and err.value.body["message"].startswith(f"{field}: ") and says in err.value.body["message"]
 
 
+def test_a_run_may_serve_seed_and_a_required_tool_choice_without_their_effect():
+    # smolagents' ToolCallingAgent always sends tool_choice "required", LangChain's ChatOpenAI(seed=...) a seed: refused by
+    # default (they cannot act), served without their effect when the run says so (agent.serve_without_effect)
+    tok = family_tokenizer("hermes")
+    ids = tok(TWO_CALLS, add_special_tokens=False)["input_ids"]
+    auto, (auto_call,) = ask(tok, ids, tools=TOOLS)
+    lenient = {"serve_without_effect": ("seed", "tool_choice")}
+    for fields in ({"tool_choice": "required", "seed": 7}, {"tool_choice": {"type": "function", "function": {"name": "lookup"}}}):
+        reply, (call,) = ask(tok, ids, server_kwargs=lenient, tools=TOOLS, **fields)
+        assert reply.choices[0].message.tool_calls is not None and len(reply.choices[0].message.tool_calls) == 2  # served as "auto"
+        assert (call.prompt_ids, call.completion_ids) == (auto_call.prompt_ids, auto_call.completion_ids)
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(tok, ids, server_kwargs={"serve_without_effect": ("seed",)}, tools=TOOLS, tool_choice="required")
+    assert "agent.serve_without_effect: [tool_choice]" in err.value.body["message"]
+
+
 def test_neutral_values_and_fields_without_effect_are_served_as_a_request_without_them(tiny):
     """user, metadata, safety_identifier and prompt_cache_key label a request; the neutral values are the defaults.
     The same episode's first call draws the same uniforms, so at temperature 1 the tiny model's reply is the same."""

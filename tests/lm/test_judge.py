@@ -59,6 +59,8 @@ class Scripted:
         ("Score: .5", None),  # was 0.5 (read as 5)
         ("Score: \u22123", None),  # was 0.3 (read as 3)
         ("Score: 1e3", None),  # was 0.1
+        ("Score: 12e3", None),  # not its first digit either
+        ("Score: 7.5e1", None),
     ],
 )
 def test_the_default_pattern_reads_the_last_verdict_on_the_scale_and_normalises_by_max_score(answer, expected):
