@@ -66,13 +66,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _peer_gone(err: BaseException) -> bool:
-    """Whether ``err`` is a collective that failed because another process of the group is gone (gloo's
-    "Connection closed by peer", NCCL's errors): that process printed its own error, the reason."""
-    dist = sys.modules.get("torch.distributed")
-    backend_error = getattr(dist, "DistError", None) if dist is not None else None
-    return isinstance(err, RuntimeError) and (
-        (backend_error is not None and isinstance(err, backend_error)) or any(s in str(err) for s in ("Connection closed by peer", "Connection reset by peer"))
-    )
+    """Whether ``err`` is a collective that failed because another process of the group is gone (the transport's
+    "Connection closed by peer" or "... reset by peer"): that process printed its own error, the reason. Any other
+    backend error (this rank's own, a timeout) keeps its traceback."""
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in ("Connection closed by peer", "Connection reset by peer"))
 
 
 def _in_process_group() -> bool:

@@ -267,7 +267,8 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
                     return _all_failed(n)
                 raise RewardFunctionError(
                     f"reward function {name} raised {type(outcome).__name__}: {outcome} on its batch of {n} completions (first prompt "
-                    f"{prompts[0]!r}), though each alone returned: a function whose scores depend on its batch cannot be scored row by row"
+                    f"{prompts[0]!r}), though each alone returned: a function whose scores depend on its batch cannot be scored row by row "
+                    "(where the batch's size is the cause, e.g. out of memory, let the function score in smaller batches)"
                 ) from outcome
             rows = [_checked(policy, o, [p], [c], _row(columns, i), context) for i, (o, p, c) in enumerate(zip(outcomes, prompts, completions))]
             return TermScores(torch.cat([r.values for r in rows]), torch.cat([r.failed for r in rows]))
