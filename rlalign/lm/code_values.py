@@ -125,9 +125,9 @@ def _shallow(brackets):
 
 def _spread(keys: list) -> list:
     """``keys`` for a set or a dict, unless more than :data:`MAX_COLLISIONS` share a hash with another:
-    ints that differ by multiples of 2**61 - 1 all hash alike, and a set of 40,000 of them (a MiB of
-    text) took the trainer 9 s to build, every case (a repr has each item once, so honest values never
-    come near). Raises ValueError, or TypeError for an unhashable key as ``set`` would."""
+    ints that differ by multiples of 2**61 - 1 all hash alike, and a set of 20,000 of them (half a MiB
+    of text) took the trainer 2 s to build, growing with the square of their number, every case (a
+    repr has each item once, so honest values never come near). Raises ValueError, or TypeError for an unhashable key as ``set`` would."""
     if len(keys) > MAX_COLLISIONS and len(keys) - len(set(map(hash, keys))) > MAX_COLLISIONS:
         raise ValueError(f"a set or dict whose keys' hashes collide ({len(keys)} keys)")
     return keys
