@@ -25,22 +25,9 @@ from rlalign.core.policy_losses import cispo_loss, sapo_loss
 
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is not installed (the bench extra has it)")
 
+from tests.peer.test_trl_losses import OneProcessAccelerator  # noqa: E402  (TRL imported: the stub of its accelerator)
+
 B, C = 4, 5
-
-
-class _OneProcess:
-    """accelerate's Accelerator in one process: gathers and reductions are the identity."""
-
-    num_processes = 1
-    sync_gradients = True
-
-    def gather(self, x):
-        return x
-
-    gather_for_metrics = gather
-
-    def reduce(self, x, reduction="sum"):
-        return x
 
 
 def trl_loss(loss_type: str, logp, old_logp, advantages, mask, is_ratio=None, epsilon_low=0.2, epsilon_high=0.28, tau_pos=1.0, tau_neg=1.05):
@@ -49,7 +36,7 @@ def trl_loss(loss_type: str, logp, old_logp, advantages, mask, is_ratio=None, ep
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logp, torch.zeros_like(logp), None),
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=0.0, loss_type=loss_type,
         epsilon_low=epsilon_low, epsilon_high=epsilon_high, use_vllm=is_ratio is not None, vllm_importance_sampling_correction=True,
-        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=_OneProcess(), _entropy_bonus_enabled=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=OneProcessAccelerator(), _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         args=SimpleNamespace(sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg, delta=None, use_bias_correction_kl=False, steps_per_generation=1),
     )

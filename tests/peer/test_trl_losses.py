@@ -57,7 +57,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-class _OneProcess:
+class OneProcessAccelerator:
     """accelerate's Accelerator in one CPU process: gathers, reductions and padding across processes are the identity."""
 
     num_processes, process_index, sync_gradients, is_main_process = 1, 0, True, True
@@ -82,7 +82,7 @@ class _OneProcess:
 def bare(cls, **attributes):
     """A ``cls`` trainer without its __init__: only the attributes its loss method reads."""
     trainer = cls.__new__(cls)
-    vars(trainer).update(accelerator=_OneProcess(), _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, **attributes)
+    vars(trainer).update(accelerator=OneProcessAccelerator(), _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, **attributes)
     return trainer
 
 
