@@ -35,6 +35,10 @@ fails that way, the rows not yet re-run fail with it.
 
 A synchronous function that times out cannot be stopped from outside: its thread runs on until it
 returns, and its result is dropped. An async one is cancelled.
+
+What a call logs through the context's ``log_metric`` and ``log_extra`` (TRL's callbacks) is held back
+until its scores are kept (:class:`_CallLog`): a call that fails logs nothing, and a batch re-run row by
+row logs what each row's call logged, in row order, once.
 """
 
 from __future__ import annotations
@@ -98,6 +102,26 @@ class EndpointUnavailable(RewardFunctionError):
 
 
 RERUN_CONCURRENCY = 8  # rows of a failed batch re-run at once, for an async function
+LOG_CALLBACKS = ("log_metric", "log_extra")  # TRL's logging callbacks in a call's context
+
+
+class _CallLog:
+    """One call's logging, held back: ``context`` is the call's context with each of :data:`LOG_CALLBACKS`
+    recording instead of logging; :meth:`keep` passes what was recorded on to the real callbacks, once.
+    A call whose scores are not kept (it raised, timed out, or its batch is re-run row by row) is never kept,
+    so a re-run batch does not log twice, and a synchronous call still running past its limit logs nowhere."""
+
+    def __init__(self, context: dict) -> None:
+        self._real, self._calls = context, []
+        self.context = {**context, **{key: functools.partial(self._record, key) for key in LOG_CALLBACKS if key in context}}
+
+    def _record(self, key: str, *args, **kwargs) -> None:
+        self._calls.append((key, args, kwargs))
+
+    def keep(self) -> None:
+        calls, self._calls = self._calls, []
+        for key, args, kwargs in calls:
+            self._real[key](*args, **kwargs)
 
 
 def reward_fn_name(fn: Callable) -> str:
@@ -252,8 +276,9 @@ def _bad_value(score) -> bool:
     return score is not None and score is not UNSCORED and (not isinstance(score, (int, float)) or not math.isfinite(score))
 
 
-def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, columns: dict, context: dict) -> TermScores:
-    """Scores from a call's ``outcome`` (its return value or its exception), by ``policy.on_error``."""
+def _checked(policy: CallPolicy, outcome, log: _CallLog, prompts: list, completions: list, columns: dict, context: dict) -> TermScores:
+    """Scores from a call's ``outcome`` (its return value or its exception), by ``policy.on_error``; what the call
+    logged (``log``) is kept where its scores are."""
     n, name, skip = len(prompts), policy.name, policy.on_error == "skip"
     if isinstance(outcome, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
         if skip:
@@ -261,7 +286,7 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
         raise RewardFunctionError(f"reward function {name} took longer than its timeout_s={policy.timeout_s} (batch of {n}, first prompt {prompts[0]!r})") from outcome
     if isinstance(outcome, BaseException):
         if n > 1 and not isinstance(outcome, EndpointUnavailable):  # find the rows that raise: alone, each succeeds or fails on its own
-            outcomes = _rerun_rows(policy, prompts, completions, columns, context)
+            outcomes, logs = _rerun_rows(policy, prompts, completions, columns, context)
             if not any(isinstance(o, BaseException) for o in outcomes):  # the batch failed, no row does alone: scores alone are not the batch's
                 if skip:
                     return _all_failed(n)
@@ -270,7 +295,8 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
                     f"{prompts[0]!r}), though each alone returned: a function whose scores depend on its batch cannot be scored row by row "
                     "(where the batch's size is the cause, e.g. out of memory, let the function score in smaller batches)"
                 ) from outcome
-            rows = [_checked(policy, o, [p], [c], _row(columns, i), context) for i, (o, p, c) in enumerate(zip(outcomes, prompts, completions))]
+            rows = [_checked(policy, o, row_log, [p], [c], _row(columns, i), context)
+                    for i, (o, row_log, p, c) in enumerate(zip(outcomes, logs, prompts, completions))]
             return TermScores(torch.cat([r.values for r in rows]), torch.cat([r.failed for r in rows]))
         if skip:
             return _all_failed(n)
@@ -294,6 +320,7 @@ def _checked(policy: CallPolicy, outcome, prompts: list, completions: list, colu
         )
     values = [math.nan if s is None or s is UNSCORED or bad else float(s) for s, bad in zip(scores, failed)]
     unscored = [bad or s is UNSCORED for s, bad in zip(scores, failed)]
+    log.keep()
     return TermScores(torch.tensor(values, dtype=torch.float32), torch.tensor(unscored, dtype=torch.bool))
 
 
@@ -304,20 +331,22 @@ def _outcome(policy: CallPolicy, prompts: list, completions: list, columns: dict
         return err
 
 
-def _rerun_rows(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict) -> list:
-    """Each row's outcome alone (its scores or its exception): an async function's rows
+def _rerun_rows(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict) -> tuple[list, list[_CallLog]]:
+    """Each row's outcome alone (its scores or its exception) and its call's log: an async function's rows
     ``RERUN_CONCURRENCY`` at a time, a synchronous one's in turn. Once a row fails with
     :class:`EndpointUnavailable`, the rows not yet started get that outcome without a call."""
+    logs = [_CallLog(context) for _ in prompts]
     if async_entry(policy.fn) is None:
         outcomes: list = []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             down = next((o for o in outcomes if isinstance(o, EndpointUnavailable)), None)
-            outcomes.append(down or _outcome(policy, [p], [c], _row(columns, i), context))
-        return outcomes
-    return asyncio.run_coroutine_threadsafe(_rerun_rows_async(policy, prompts, completions, columns, context), _event_loop()).result()
+            outcomes.append(down or _outcome(policy, [p], [c], _row(columns, i), logs[i].context))
+        return outcomes, logs
+    rerun = _rerun_rows_async(policy, prompts, completions, columns, [log.context for log in logs])
+    return asyncio.run_coroutine_threadsafe(rerun, _event_loop()).result(), logs
 
 
-async def _rerun_rows_async(policy: CallPolicy, prompts: list, completions: list, columns: dict, context: dict) -> list:
+async def _rerun_rows_async(policy: CallPolicy, prompts: list, completions: list, columns: dict, contexts: list[dict]) -> list:
     limit, down = asyncio.Semaphore(RERUN_CONCURRENCY), []
 
     async def one(i: int):
@@ -325,7 +354,7 @@ async def _rerun_rows_async(policy: CallPolicy, prompts: list, completions: list
             if down:
                 return down[0]
             try:
-                coroutine = call_reward(async_entry(policy.fn), [prompts[i]], [completions[i]], _row(columns, i), context)
+                coroutine = call_reward(async_entry(policy.fn), [prompts[i]], [completions[i]], _row(columns, i), contexts[i])
                 return await _await_with_limit(coroutine, policy.timeout_s)
             except Exception as err:  # noqa: BLE001 - judged by the policy, as _outcome does
                 if isinstance(err, EndpointUnavailable):
@@ -357,19 +386,21 @@ def score_terms(
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     columns, context = dict(columns or {}), dict(context or {})
     pending: dict[int, concurrent.futures.Future] = {}
+    logs = [_CallLog(context) for _ in policies]
     for k, policy in enumerate(policies):  # start every async call before the first synchronous one
         if async_entry(policy.fn) is not None:
             try:
-                pending[k] = _start_async(policy, prompts, completions, columns, context)
+                pending[k] = _start_async(policy, prompts, completions, columns, logs[k].context)
             except Exception as err:  # noqa: BLE001 - raised before its first await
                 pending[k] = _done(err)
     results: dict[int, TermScores] = {}
     for k, policy in enumerate(policies):
         if k not in pending:
-            results[k] = _checked(policy, _outcome(policy, prompts, completions, columns, context), prompts, completions, columns, context)
+            outcome = _outcome(policy, prompts, completions, columns, logs[k].context)
+            results[k] = _checked(policy, outcome, logs[k], prompts, completions, columns, context)
     for k, future in pending.items():
         outcome = future.exception() or future.result()
-        results[k] = _checked(policies[k], outcome, prompts, completions, columns, context)
+        results[k] = _checked(policies[k], outcome, logs[k], prompts, completions, columns, context)
     return [results[k] for k in range(len(policies))]
 
 

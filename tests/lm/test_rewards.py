@@ -194,3 +194,35 @@ def test_once_the_endpoint_is_down_the_remaining_rows_are_not_asked():
     calls.clear()
     assert score_terms([CallPolicy("down", down, on_error="skip")], ["p"] * 4, ["a", "b", "c", "d"])[0].failed.all()
     assert calls == [["a", "b", "c", "d"]]  # the batch's failure is the endpoint's: not split
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_what_a_re_run_batch_logs_counts_once_in_row_order(kind):
+    # a batch that raised logged its metric and column before raising, then each row logged again when re-run: the
+    # metric averaged 4 calls (3, 1, 1, 1) and the column had 6 values, so the samples table dropped it; re-run async rows
+    # finishing out of order would have filled the column out of row order
+    import asyncio
+
+    from rlalign.lm.reward_calls import CallPolicy, score_terms
+    from rlalign.train.rollouts import RewardLog
+
+    def score(completions, log_metric, log_extra):
+        log_metric("rows", len(completions))
+        log_extra("seen", list(completions))
+        if "bad" in completions:
+            raise ValueError("cannot score bad")
+        return [1.0] * len(completions)
+
+    async def score_async(completions, log_metric, log_extra):
+        await asyncio.sleep(0.01 * (3 - len(completions[0])))  # the longest completion's row finishes first
+        return score(completions, log_metric, log_extra)
+
+    log = RewardLog()
+    policy = CallPolicy("score", score if kind == "sync" else score_async, on_error="skip")
+    result = score_terms([policy], ["p"] * 4, ["a", "bad", "cc", "ddd"], context={"log_metric": log.log_metric, "log_extra": log.log_extra})[0]
+    assert result.failed.tolist() == [False, True, False, False]
+    assert log.metrics == {"rows": [1.0, 1.0, 1.0]} and log.columns == {"seen": ["a", "cc", "ddd"]}  # the rows kept, in row order
+
+    log = RewardLog()
+    score_terms([CallPolicy("score", score)], ["p"] * 2, ["a", "b"], context={"log_metric": log.log_metric, "log_extra": log.log_extra})
+    assert log.metrics == {"rows": [2.0]} and log.columns == {"seen": ["a", "b"]}  # a batch that succeeds logs once, as it logged
