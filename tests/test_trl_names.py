@@ -1,0 +1,84 @@
+"""A TRL user's config names: each unknown key TRL or transformers defines gets rlalign's field, never a look-alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from rlalign.config import ConfigError, load_config
+from rlalign.train import distill, dpo, grpo, ppo, reward_model, sft
+from rlalign.trl_names import _BY_TRAINER, trl_hint
+
+CONFIGS = {c.__name__: c for c in (grpo.GRPOConfig, ppo.PPOConfig, distill.DistillConfig, dpo.DPOConfig, sft.SFTConfig, reward_model.RMConfig)}
+PROSE = ("no such setting", "no float16", "the ", "each ")  # hints that name no field first
+LEGACY = {  # names of TRL releases before 1.16 (its last PPOConfig, older length limits), of transformers 4 (warmup_ratio) and model kwargs
+    "num_ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value", "vf_coef", "response_length", "total_episodes",
+    "local_rollout_forward_batch_size", "max_seq_length", "max_prompt_length", "max_completion_length", "ref_model", "torch_dtype",
+    "use_liger_kernel", "attn_implementation", "dtype", "warmup_ratio",
+}
+
+
+def _fields(cls, prefix=""):
+    out = set()
+    for name, field in cls.model_fields.items():
+        out.add(prefix + (field.alias or name))
+        for model in _models(field.annotation):
+            out |= _fields(model, prefix + (field.alias or name) + ".")
+    return out
+
+
+def _models(annotation):
+    import typing
+
+    from pydantic import BaseModel
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+@pytest.mark.parametrize("trainer", sorted(_BY_TRAINER))
+def test_every_hint_names_a_field_of_its_trainer_and_never_shadows_one(trainer):
+    fields = _fields(CONFIGS[trainer])
+    for key, target in _BY_TRAINER[trainer].items():
+        first = re.split(r"[ :,]", target)[0]
+        assert target.startswith(PROSE) or first in fields, (trainer, key, first)
+        assert key not in fields or trl_hint(trainer, key, sorted(fields)) is None  # a name both share is this config's field
+
+
+def test_every_name_is_trls_or_transformers():
+    trl = pytest.importorskip("trl")
+    from transformers import TrainingArguments
+
+    known = {f.name for c in (TrainingArguments, trl.GRPOConfig, trl.DPOConfig, trl.SFTConfig, trl.RewardConfig) for f in dataclasses.fields(c)}
+    invented = {key for table in _BY_TRAINER.values() for key in table} - known - LEGACY
+    assert not invented
+
+
+@pytest.mark.parametrize("trainer, override, hint", [
+    (grpo.GRPOConfig, "num_generations=4", "TRL's num_generations: group_size."),
+    (grpo.GRPOConfig, "per_device_train_batch_size=4", "TRL's per_device_train_batch_size: the step's batch is prompts_per_step prompts x group_size"),
+    (grpo.GRPOConfig, "epsilon=0.2", "TRL's epsilon: eps_low and eps_high"),
+    (grpo.GRPOConfig, "scale_rewards=false", "TRL's scale_rewards: advantage: group"),
+    (ppo.PPOConfig, "epsilon=0.2", "TRL's epsilon: eps."),
+    (ppo.PPOConfig, "num_generations=4", "TRL's num_generations: no such setting: PPO samples one completion per prompt"),
+    (sft.SFTConfig, "learning_rate=1e-5", "TRL's learning_rate: optim.lr."),
+    (sft.SFTConfig, "assistant_only_loss=true", "TRL's assistant_only_loss: data.completion_only_loss"),
+    (reward_model.RMConfig, "center_rewards_coefficient=0.01", "TRL's center_rewards_coefficient: center_coef."),
+    (dpo.DPOConfig, "precompute_ref_log_probs=true", "TRL's precompute_ref_log_probs: precompute_ref_logprobs."),
+])
+def test_an_unknown_trl_key_names_the_field_it_is_here(trainer, override, hint):
+    # before: per_device_train_batch_size got "Did you mean 'micro_batch_size'?", epsilon "'eps_low'?" (half of it),
+    # scale_rewards "'rewards'?", and num_generations or learning_rate nothing
+    with pytest.raises(ConfigError) as err:
+        load_config(trainer, None, [override])
+    message = str(err.value)
+    assert hint in message and "Did you mean" not in message and "Allowed here:" in message
+
+
+def test_a_nested_key_or_an_unknown_name_keeps_the_spelling_hint():
+    with pytest.raises(ConfigError, match=r"unknown key 'sampling.temprature'. Did you mean 'temperature'\?"):
+        load_config(grpo.GRPOConfig, None, ["sampling.temprature=0.5"])
+    assert trl_hint("GRPOConfig", "temperature", ["beta"]) == "TRL's temperature: sampling.temperature"
+    assert trl_hint("GRPOConfig", "no_such_name") is None and trl_hint("SFTConfig", "num_generations") is None
