@@ -48,6 +48,7 @@ __all__ = [
     "load_policy",
     "load_reference",
     "apply_lora",
+    "set_adapter_dropout",
     "reference_policy",
     "unwrap_causal_lm",
     "cast_copy",
@@ -239,10 +240,11 @@ def load_policy(
     gguf_file: str | None = None,
     attn_implementation: str | None = None,
 ) -> nn.Module:
-    """A trainable causal LM (the model's own dropout off; LoRA's ``dropout`` on the adapters' input as
-    configured, 0 by default). ``lora`` adds fresh adapters; a directory holding a saved adapter
+    """A trainable causal LM in train mode (the model's own dropout off; LoRA's ``dropout`` on the adapters'
+    input as configured, 0 by default). ``lora`` adds fresh adapters; a directory holding a saved adapter
     (``adapter_config.json``) reloads the base named there with that adapter, trainable, every dropout off (as
-    it was saved, a PEFT adapter often has 0.05-0.1, which would make an RL step's first ratio differ from 1).
+    it was saved, a PEFT adapter often has 0.05-0.1, which would make an RL step's first ratio differ from 1)
+    unless ``lora`` is given too: then it is the adapters ``lora`` made, resumed, and they keep ``lora.dropout``.
     ``attn_implementation``: transformers' attention kernel (None = its default).
     """
     path = Path(path)
@@ -252,12 +254,23 @@ def load_policy(
         _check_weight_adapter(path)
         base_path = adapter_base(path)
         base = _from_pretrained(AutoModelForCausalLM, base_path, dtype, device, gguf_file, attn_implementation)
-        return disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)  # a saved adapter's dropout too: off
+        model = disable_dropout(PeftModel.from_pretrained(base, str(path), is_trainable=True)).to(device)  # a saved adapter's dropout too: off
+        if lora is not None:
+            set_adapter_dropout(model, lora.dropout)
+        return model.train()  # every module: from_pretrained left the base's in eval mode (no dropout, no activation checkpointing)
     model = disable_dropout(_from_pretrained(AutoModelForCausalLM, path, dtype, device, gguf_file, attn_implementation))
     if lora is not None:
         model = apply_lora(model, lora)  # after disable_dropout: the adapters keep lora.dropout
     model.train()  # train mode: LoRA's dropout if set (the model's own is 0)
     return model
+
+
+def set_adapter_dropout(model: nn.Module, p: float) -> None:
+    """Set the dropout on every LoRA adapter's input of ``model`` to ``p`` (peft holds one ``nn.Dropout``
+    per adapter where it was made with a dropout above 0, an ``nn.Identity`` where not)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and ".lora_dropout." in f".{name}.":
+            module.p = p
 
 
 def load_reference(

@@ -12,7 +12,9 @@ error naming the function and the prompt, never a silent 0): :mod:`rlalign.lm.re
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
@@ -72,15 +74,30 @@ def exact_match(references: Mapping[str, str] | None = None, strip: bool = True)
 
 def math_answer(references: Mapping[str, str] | None = None) -> RewardFn:
     """1.0 when ``math_verify`` finds the completion's answer equal to its reference (e.g. "1/2" vs
-    "0.5", "\\boxed{4}" vs "4"), else 0.0; the reference as in :func:`exact_match`. An unparsable
-    completion scores 0."""
+    "0.5", "\\boxed{4}" vs "4"), else 0.0; None where the reference itself does not parse (as TRL's
+    ``accuracy_reward``: the term leaves those completions' sum); the reference as in :func:`exact_match`.
+
+    The completion is parsed with math-verify's defaults (LaTeX and plain expressions, a bare number
+    counts: "The answer is 4" scores 1 against "4"), where TRL's ``accuracy_reward`` takes only LaTeX: an
+    answer in ``\\boxed{}``, or in ``$...$`` after an anchor such as "The answer is", and scores "4" or "$4$" 0. Off the
+    main thread (async rollouts' scoring, a term's ``timeout_s``) math-verify's own time limits, which
+    need ``signal.alarm``, are off, as TRL turns them off there."""
     from math_verify import parse, verify
 
-    def math_answer_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-        out = []
+    def math_answer_reward(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+        main = threading.current_thread() is threading.main_thread()
+        parse_s, verify_s = (10, 5) if main else (None, None)  # TRL's limits; signal.alarm raises off the main thread
+        if not main:  # its warning that the limits are off, once a call: TRL quiets it too
+            for logger in ("math_verify.parser", "math_verify.grader"):
+                logging.getLogger(logger).setLevel(logging.ERROR)
+        out: list[float | None] = []
         for c, r in zip(completions, row_references(references, prompts, columns, "answer", "math_answer"), strict=True):
-            gold, answer = parse(r), parse(c)
-            out.append(1.0 if gold and answer and verify(gold, answer) else 0.0)
+            gold = parse(r, parsing_timeout=parse_s)
+            if not gold:
+                out.append(None)
+                continue
+            answer = parse(c, parsing_timeout=parse_s)
+            out.append(1.0 if answer and verify(gold, answer, timeout_seconds=verify_s) else 0.0)
         return out
 
     return math_answer_reward

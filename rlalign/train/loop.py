@@ -97,7 +97,8 @@ class Run:
         start: the base with optional fresh LoRA, or the saved adapter to train on its base."""
         m = model_cfg
         path = self.checkpoint.model_dir if self.checkpoint else (self.adapter_path or self.base_path)
-        policy = load_policy(path, m.dtype, self.device, None if self.checkpoint else m.lora, m.gguf_file, m.attn_implementation)
+        lora = m.lora if self.checkpoint is None or is_adapter_dir(path) else None  # a resumed adapter keeps lora.dropout
+        policy = load_policy(path, m.dtype, self.device, lora, m.gguf_file, m.attn_implementation)
         return enable_gradient_checkpointing(policy) if m.gradient_checkpointing else policy
 
     def __enter__(self) -> Run:

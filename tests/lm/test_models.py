@@ -184,6 +184,22 @@ def test_lora_dropout_is_the_configured_one_and_the_models_own_stays_off(tmp_pat
     assert load_policy(tmp_path, lora=LoraConfig(r=4)).config.resid_pdrop == 0.0  # the default: no dropout anywhere
 
 
+def test_a_reloaded_adapter_is_in_train_mode_and_keeps_the_dropout_of_the_lora_that_made_it(tmp_path, tokenizer):
+    # a resumed LoRA run reloads its checkpoint's adapter: with lora.dropout 0.5 it trained with 0.5 before the
+    # checkpoint and must after it; every module in train mode (from_pretrained leaves the base's in eval
+    # mode, where activation checkpointing and the adapters' dropout do not act)
+    make_gpt2(vocab=len(tokenizer), resid_pdrop=0.3).save_pretrained(tmp_path / "base")
+    load_policy(tmp_path / "base", lora=LoraConfig(r=4, dropout=0.5)).save_pretrained(tmp_path / "adapter")
+
+    def rates(model):
+        return {m.p for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in name}
+
+    resumed = load_policy(tmp_path / "adapter", lora=LoraConfig(r=4, dropout=0.5))
+    assert rates(resumed) == {0.5} and all(m.training for m in resumed.modules())
+    trained_on = load_policy(tmp_path / "adapter")  # a saved adapter to train on (model.adapter: train): dropout off
+    assert rates(trained_on) == {0.0} and all(m.training for m in trained_on.modules())
+
+
 def test_completions_stop_where_the_generation_config_says(llama_checkpoint):
     # an instruct model lists its end of turn beside the EOS (Llama 3: <|eot_id|>): transformers' generate and TRL stop at
     # every id listed; sampling stopped at the tokenizer's EOS alone and ran on past the end of the turn

@@ -16,6 +16,27 @@ def test_rule_based_rewards():
     assert format_check(r"-?\d+")(["p", "p", "p"], ["12", "-3", "1 2"]) == [1.0, 1.0, 0.0]
 
 
+def test_math_answer_skips_an_unparsable_answer_and_scores_off_the_main_thread_too():
+    import threading
+
+    from rlalign.lm.reward_calls import CallPolicy, score_terms
+
+    fn = math_answer()
+    # "(1,2)" and "hello" do not parse: no score (TRL's accuracy_reward gives None), not a 0 that trains
+    assert fn(["q"] * 3, ["$(1, 2)$", "hello", "$4$"], answer=["(1,2)", "hello", "4"]) == [None, None, 1.0]
+    # a bare number counts (math-verify's defaults; TRL's accuracy_reward would give 0: README, Rewards)
+    assert fn(["q"] * 2, ["The answer is 4", "1,000"], answer=["4", "1000"]) == [1.0, 1.0]
+    # off the main thread math-verify's signal.alarm limits raised ValueError on every call: with a term's
+    # timeout_s (a worker thread) and on_error: skip every completion left training as failed
+    (term,) = score_terms([CallPolicy("math_answer", fn, "skip", timeout_s=30.0)], ["q", "q"], ["\\boxed{4}", "\\boxed{5}"], {"answer": ["4", "4"]})
+    assert term.values.tolist() == [1.0, 0.0] and term.failed.tolist() == [False, False]
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn(["q"], ["\\boxed{\\frac{1}{2}}"], answer=["0.5"])))
+    worker.start()
+    worker.join()
+    assert out == [[1.0]]
+
+
 def test_score_completions_weights_and_sums():
     # 1.0 * [1, 0] + 0.5 * [1, 1] = [1.5, 0.5]
     scores = score_completions([exact_match({"q": "a"}), format_check("[a-z]")], ["q", "q"], ["a", "b"], weights=[1.0, 0.5])

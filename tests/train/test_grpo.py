@@ -138,10 +138,11 @@ def test_mask_truncated_leaves_truncated_completions_out(tiny_path, tmp_path):
     assert grpo.train(cfg, reward_functions=[grpo.RewardTerm("code", 1.0, char_code_reward)]).history[0]["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8}, {"r": 4, "alpha": 8, "dropout": 0.3}], ids=["full", "lora", "lora_dropout"])
 def test_resume_equals_straight_run(tiny_path, tmp_path, lora):
     # a cosine schedule with warm-up, a reference model (LoRA: the base), mu = 2 and two minibatches:
-    # everything a checkpoint must carry (weights, AdamW moments, schedule, sampling generator, data position)
+    # everything a checkpoint must carry (weights, AdamW moments, schedule, sampling generator, data position;
+    # the adapters' dropout too, which a reloaded adapter would otherwise lose)
     overrides = {"steps": 4, "save_every": 2, "beta": 0.05, "mu": 2, "num_minibatches": 2, "optim.warmup_steps": 2, "optim.min_lr_ratio": 0.1,
                  "model.lora": lora}
     rewards = [grpo.RewardTerm("digits", 1.0, digit_share)]
