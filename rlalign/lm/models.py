@@ -21,6 +21,7 @@ import inspect
 import json
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -45,6 +46,7 @@ __all__ = [
     "adapter_base",
     "load_tokenizer",
     "disable_dropout",
+    "dropout_as_loaded",
     "load_policy",
     "load_reference",
     "apply_lora",
@@ -186,11 +188,44 @@ def load_tokenizer(path: str | Path, gguf_file: str | None = None) -> PreTrained
     return tokenizer
 
 
+_DROPOUT_AS_LOADED: dict[int, dict[str, float]] = {}  # id(config) -> the dropout fields zeroed in it, as loaded (saved so)
+
+
 def _zero_dropout_config(config: PretrainedConfig) -> PretrainedConfig:
+    zeroed = {}
     for key, value in list(config.to_dict().items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
+            if value != 0.0:
+                zeroed[key] = value
+    _remember_dropout(config, zeroed)
     return config
+
+
+def _remember_dropout(config: PretrainedConfig, zeroed: dict[str, float]) -> None:
+    if not zeroed:
+        return
+    if id(config) not in _DROPOUT_AS_LOADED:
+        weakref.finalize(config, _DROPOUT_AS_LOADED.pop, id(config), None)
+    _DROPOUT_AS_LOADED.setdefault(id(config), {}).update(zeroed)
+
+
+@contextlib.contextmanager
+def dropout_as_loaded(*models: nn.Module) -> Iterator[None]:
+    """While saving: the models' configs hold the dropout probabilities they were loaded with, which
+    training zeroes (:func:`disable_dropout`), so a saved ``config.json`` keeps the model's own (TRL zeroes
+    only the modules); zeroed again afterwards."""
+    configs = {id(c): c for model in models for m in model.modules() if isinstance(c := getattr(m, "config", None), PretrainedConfig)}  # wrappers' too
+    held = [(config, _DROPOUT_AS_LOADED.get(key, {})) for key, config in configs.items()]
+    for config, values in held:
+        for key, value in values.items():
+            setattr(config, key, value)
+    try:
+        yield
+    finally:
+        for config, values in held:
+            for key in values:
+                setattr(config, key, 0.0)
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
@@ -217,7 +252,10 @@ def _from_pretrained(auto_cls, path: str | Path, dtype: DType, device: str, gguf
     if attn_implementation:  # e.g. "eager" (faster than SDPA for short sequences on CPU), "sdpa", "flash_attention_2"
         kwargs["attn_implementation"] = attn_implementation
     path = check_checkpoint_dir(path, gguf_file)
-    model = auto_cls.from_pretrained(str(path), config=_load_config(path, gguf_file), dtype=torch_dtype(dtype), **kwargs)
+    config = _load_config(path, gguf_file)
+    model = auto_cls.from_pretrained(str(path), config=config, dtype=torch_dtype(dtype), **kwargs)
+    if model.config is not config:  # a copy: it is saved, so it carries what was zeroed
+        _remember_dropout(model.config, _DROPOUT_AS_LOADED.get(id(config), {}))
     return disable_dropout(model).to(device)
 
 

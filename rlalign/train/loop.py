@@ -36,7 +36,7 @@ from rlalign.config import Config, ConfigError, fields_help, load_config
 from rlalign.errors import RLAlignError
 from rlalign.lm.data import PromptExample
 from rlalign.lm.model_modes import enable_gradient_checkpointing
-from rlalign.lm.models import context_length, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
+from rlalign.lm.models import context_length, dropout_as_loaded, hold_matmul_weights, load_policy, load_reference, load_tokenizer, resolve_model_path
 from rlalign.train import distributed
 from rlalign.train.common import is_adapter_dir, prepare_model_path
 from rlalign.train.checkpoints import Checkpoint, CheckpointError, disk_full, latest_checkpoint, load_checkpoint, replace_dir, save_checkpoint
@@ -291,14 +291,15 @@ class SavedModels:
     def save_pretrained(self, path: str | Path, merged: bool = False) -> None:
         """Every model's weights; a LoRA policy as its adapter, or with ``merged`` as the full model
         (a merged copy: the trained policy keeps its adapters)."""
-        if merged and hasattr(self.policy, "merge_and_unload"):
-            if self.states.get("policy") is not None:
-                raise ConfigError("save_merged is not supported with sharding: fsdp; merge the saved adapter afterwards")
-            copy.deepcopy(self.policy).merge_and_unload().save_pretrained(path)
-        else:
-            self.policy.save_pretrained(path, state_dict=self.states.get("policy"))
-        for name, model in self.others.items():
-            model.save_pretrained(Path(path) / name, state_dict=self.states.get(name))
+        with dropout_as_loaded(self.policy, *self.others.values()):  # config.json as loaded: training zeroes its dropout
+            if merged and hasattr(self.policy, "merge_and_unload"):
+                if self.states.get("policy") is not None:
+                    raise ConfigError("save_merged is not supported with sharding: fsdp; merge the saved adapter afterwards")
+                copy.deepcopy(self.policy).merge_and_unload().save_pretrained(path)
+            else:
+                self.policy.save_pretrained(path, state_dict=self.states.get("policy"))
+            for name, model in self.others.items():
+                model.save_pretrained(Path(path) / name, state_dict=self.states.get(name))
 
 
 def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: SavedModels, updaters: dict[str, Updater], tokenizer,

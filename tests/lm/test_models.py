@@ -594,3 +594,31 @@ def test_a_prompt_learning_adapter_is_one_clear_error(tmp_path, tokenizer, llama
         load_policy(tmp_path / "prefix")
     with pytest.raises(ModelLoadError, match=message):
         check_checkpoint_dir(tmp_path / "prefix")
+
+
+def test_a_saved_model_keeps_the_dropout_it_was_loaded_with(tmp_path, tokenizer):
+    # training zeroes the model's dropout, in its modules and its config; the config was saved so, so a final/ of a
+    # GPT-2 (0.1 by default) said 0.0 to whoever trained it next (TRL zeroes only the modules)
+    import json
+
+    from rlalign.lm.heads import load_critic
+    from rlalign.train.loop import SavedModels
+
+    make_gpt2(vocab=len(tokenizer), resid_pdrop=0.3, embd_pdrop=0.2, attn_pdrop=0.1).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    as_loaded = {"resid_pdrop": 0.3, "embd_pdrop": 0.2, "attn_pdrop": 0.1}
+
+    def saved(path):
+        config = json.loads((path / "config.json").read_text())
+        return {key: config[key] for key in as_loaded}
+
+    policy, critic = load_policy(tmp_path / "base"), load_critic(tmp_path / "base")
+    SavedModels(policy, critic=critic).save_pretrained(tmp_path / "full")
+    assert saved(tmp_path / "full") == as_loaded and saved(tmp_path / "full" / "critic") == as_loaded
+    assert policy.config.resid_pdrop == 0.0 and {m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}  # still off
+    assert {m.p for m in critic.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}
+
+    lora = load_policy(tmp_path / "base", lora=LoraConfig(r=4))
+    SavedModels(lora).save_pretrained(tmp_path / "merged", merged=True)
+    assert saved(tmp_path / "merged") == as_loaded and lora.config.embd_pdrop == 0.0
+    assert load_policy(tmp_path / "merged").config.attn_pdrop == 0.0  # loaded to train again: off
