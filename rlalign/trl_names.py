@@ -61,8 +61,8 @@ _RL = {  # GRPOConfig's names for what GRPO, PPO and distillation share
     "repetition_penalty": "no such setting: sampling has temperature, top_k and top_p",
     "generation_kwargs": "the sampling section (temperature, top_k, top_p, max_new_tokens)",
     "steps_per_generation": "num_minibatches (optimiser steps per pass over a rollout)",
-    "generation_batch_size": "prompts_per_step (x group_size completions a rollout)",
-    "per_device_train_batch_size": _BATCH_RL,
+    "generation_batch_size": "prompts_per_step (the prompts of a rollout)",
+    "per_device_train_batch_size": "the step's batch is prompts_per_step prompts over all processes; micro_batch_size sets the rows per forward",
     "gradient_accumulation_steps": "micro_batch_size (rows per forward; auto by default)",
     "delta": "dual_clip (the same function for a delta above the upper clip bound)",
     "reward_weights": "each term's weight in the rewards list",
@@ -85,6 +85,8 @@ _RL = {  # GRPOConfig's names for what GRPO, PPO and distillation share
 
 _GRPO = {
     "num_generations": "group_size",
+    "generation_batch_size": "prompts_per_step (x group_size completions a rollout)",
+    "per_device_train_batch_size": _BATCH_RL,
     "num_iterations": "mu",
     "epsilon": "eps_low and eps_high (TRL's epsilon sets both, epsilon_high defaulting to it)",
     "epsilon_high": "eps_high",
