@@ -179,12 +179,14 @@ def model_generate(model, tokenizer) -> Generate:
 
 
 def _stop_cut(tokenizer, ids: list[int], text: str, stop: Sequence[str]) -> tuple[int, int, str] | None:
-    """(tokens to keep, characters of content, the stop string) when a stop string occurs in ``text``: the shortest
-    prefix of ``ids`` whose text contains the earliest stop string, and the text before it; None when none occurs."""
-    found = [(text.find(s), s) for s in stop if s in text]
+    """(tokens to keep, characters of content, the stop string) when a stop string occurs in ``text``: the one
+    decoding completes first (the earliest end; of two ending together, the first listed, as vLLM checks them), the
+    shortest prefix of ``ids`` whose text contains it, and the text before it; None when none occurs."""
+    found = [(text.find(s) + len(s), order, s) for order, s in enumerate(stop) if s in text]
     if not found:
         return None
-    at, s = min(found)
+    _, _, s = min(found)
+    at = text.find(s)
     low, high = 1, len(ids)  # containment grows with the prefix: bisect for the first prefix that holds it
     while low < high:
         mid = (low + high) // 2

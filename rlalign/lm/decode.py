@@ -45,19 +45,23 @@ def filter_logits(scaled_logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> 
     """Set logits outside the top-k / top-p (nucleus) set to -inf. Shape: (B, V) -> (B, V).
 
     Top-p keeps token i when the probability mass of the tokens ranked strictly above it is < p,
-    so the most likely token always stays.
+    so the most likely token always stays (transformers' ``TopPLogitsWarper``). The kept tokens are
+    those whose logit reaches the n-th largest, n the number kept in sorted order: no scatter back
+    from sorted order (inductor, with the decode step's ``realize_cpu_opcount_threshold``, read the
+    scattered mask as all False and so kept every token). A token tied with the last kept one stays,
+    as top-k keeps ties with the k-th.
     """
     out = scaled_logits
     if top_k > 0 and top_k < out.shape[-1]:
         kth = torch.topk(out, top_k, dim=-1).values[:, -1:]  # (B, 1)
         out = out.masked_fill(out < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(out, dim=-1, descending=True)  # (B, V)
+        sorted_logits = torch.sort(out, dim=-1, descending=True).values  # (B, V)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_above = torch.cumsum(probs, dim=-1) - probs  # (B, V)
-        drop_sorted = mass_above >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        out = out.masked_fill(drop, float("-inf"))
+        kept = (mass_above < top_p).sum(-1, keepdim=True)  # (B, 1), >= 1: the top token has no mass above it
+        cutoff = sorted_logits.gather(-1, kept - 1)  # (B, 1): the last kept logit
+        out = out.masked_fill(out < cutoff, float("-inf"))
     return out
 
 

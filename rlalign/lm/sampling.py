@@ -45,10 +45,10 @@ cache then holds every position, not just the window: more KV memory than ``gene
 sequences much longer than the window.
 
 Sampling: logits z / tau, then optional top-k (keep the k largest) and top-p (keep the smallest
-set of tokens whose probability reaches p; Holtzman et al. 2020), then a categorical draw by
-inverse CDF: token = the first y with F(y) > u * F(V), F the cumulative sum of the probabilities,
-u ~ U[0, 1) one number per row and step (found in two levels, blocks then tokens:
-:func:`inverse_cdf_draw`). The uniforms are drawn up front, (N, B) from the
+set of tokens whose probability reaches p, and any token tied with the last one kept; Holtzman et
+al. 2020), then a categorical draw by inverse CDF: token = the first y with F(y) > u * F(V), F the
+cumulative sum of the probabilities, u ~ U[0, 1) one number per row and step (found in two levels,
+blocks then tokens: :func:`inverse_cdf_draw`). The uniforms are drawn up front, (N, B) from the
 generator, or handed in as ``noise``: a trainer under torchrun draws them for the global batch
 and gives each rank its own rows' columns, so a row's completion does not depend on how the
 batch is split across processes (rlalign.train.distributed).

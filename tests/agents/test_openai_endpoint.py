@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from rlalign.agents.agent_source import Episode, episode_rows  # noqa: E402
-from rlalign.agents.openai_server import PolicyServer, model_generate, render_chat  # noqa: E402
+from rlalign.agents.openai_server import PolicyServer, _stop_cut, model_generate, render_chat  # noqa: E402
 from rlalign.agents.tool_calls import TAGS, tool_schemas  # noqa: E402
 from rlalign.lm.models import load_tokenizer  # noqa: E402
 from rlalign.lm.rollout import Rollout  # noqa: E402
@@ -145,6 +145,17 @@ def test_stop_strings_cut_the_content_and_the_record_keeps_the_tokens_up_to_the_
     assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("Answer: brom", "stop")
     assert call.completion_ids == ids[: len("Answer: brom\n")]  # through the token that completes the stop string
     assert call.logprobs == [-0.25] * len(call.completion_ids) and not call.truncated
+
+
+def test_the_stop_string_completed_first_ends_the_reply(tiny):
+    # "abcdef" starts first but "cd" is complete first (at character 6 against 8): decoding stops there, so the
+    # content is "xxab" and the tokens kept are "xxabcd", never the "ef" a server would not have sampled
+    _, tok = tiny
+    text = "xxabcdefyy"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert _stop_cut(tok, ids, text, ["abcdef", "cd"]) == (6, 4, "cd")
+    assert _stop_cut(tok, ids, text, ["cdef", "bcdef"]) == (8, 4, "cdef")  # both end at 8: the first listed (vLLM's order)
+    assert _stop_cut(tok, ids, text, ["zz"]) is None
 
 
 def test_tools_rendered_calls_parsed_and_sent_back_through_the_template(tiny):

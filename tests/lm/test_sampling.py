@@ -190,6 +190,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert kept.tolist() == [[False, True, False, True]]
     assert filter_logits(logits, top_p=0.01).isfinite().tolist() == [[False, True, False, False]]  # the top token always stays
     assert filter_logits(logits, top_k=3).isfinite().tolist() == [[True, True, False, True]]
+    # probs 0.4, 0.3, 0.3 with p = 0.5: mass above 0, 0.4, 0.7 keeps the first 0.3; the other 0.3 ties
+    # with it and stays too (as top-k keeps ties with the k-th; transformers' pick between them is the sort's)
+    tied = torch.log(torch.tensor([[0.3, 0.4, 0.3]]))
+    assert filter_logits(tied, top_p=0.5).isfinite().tolist() == [[True, True, True]]
 
 
 def test_inverse_cdf_draw_by_hand():
@@ -267,6 +271,20 @@ def test_compiled_decode_step_samples_what_the_eager_one_does_and_follows_weight
     both(long_prompts, group_size=3, noise=torch.rand((10, 6), generator=torch.Generator().manual_seed(2)))
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
     assert torch.equal(sample(tiny_model, PROMPTS, greedy, 0, [EOS], compile=True).completion_ids, _greedy(tiny_model, PROMPTS).completion_ids)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.3, 0, 0.8), (1.0, 5, 0.9)])
+def test_the_compiled_decode_step_filters_top_p_as_the_eager_one_does(tiny_llama, compiled_sampling_calls, temperature, top_k, top_p):
+    # top-p after a temperature or a top-k: the compiled decode step (inductor with the decode
+    # options) once read the mask scattered back from sorted order as all False and drew from every
+    # token; every draw must stay in the eager step's top-p set, so the tokens are the eager ones
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p)
+    noise = torch.rand((12, 8), generator=torch.Generator().manual_seed(0))  # (N, B)
+    eager = sample(tiny_llama, PROMPTS[:2], params, 0, [EOS], group_size=4, noise=noise)
+    compiled = sample(tiny_llama, PROMPTS[:2], params, 0, [EOS], group_size=4, noise=noise, compile=True)
+    assert compiled_sampling_calls["decode"] >= 11
+    assert torch.equal(compiled.completion_ids, eager.completion_ids)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=0, atol=1e-4)
 
 
 def test_cuda_graphs_on_a_cpu_model_run_the_plain_compiled_step(tiny_model, compiled_sampling_calls):
