@@ -216,6 +216,7 @@ def _update_flops_counter(setup: lb.GRPOSetup, cfg):
     from rlalign.train.rollouts import prompt_batch
 
     dims = mfu.model_dims(setup.policy.config)
+    lengths = mfu.capture_completion_lengths()  # lengths[-1]: the last step's per-row completion lengths
 
     def before_step():
         batch = [ex.prompt for ex in prompt_batch(setup.run.prompts, setup.state.step, cfg.prompts_per_step, cfg.seed)]
@@ -224,7 +225,7 @@ def _update_flops_counter(setup: lb.GRPOSetup, cfg):
         def after_step(metrics: dict) -> float:
             c = int(metrics["completion_len/max"])
             groups = cfg.prompts_per_step if share_prompts(setup.updater.model) and not cfg.compile else None
-            return mfu.step_flops(dims, cfg.prompts_per_step * cfg.group_size, prompt_len, c, c, groups, cfg.prompts_per_step)["policy_fwd_bwd"]
+            return mfu.step_flops(dims, cfg.prompts_per_step * cfg.group_size, prompt_len, c, c, groups, cfg.prompts_per_step, lengths[-1])["policy_fwd_bwd"]
 
         return after_step
 

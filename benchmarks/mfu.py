@@ -25,13 +25,19 @@
                    token runs once, with one position's unused logits; each row then runs its last
                    prompt token and C - 1 completion tokens against that cache)
                    2 N_body U (P - 1) + 2 N_head U + U attn(P - 1, P - 1) + 2 (N_body + N_head) B C
-                   + B attn(C, P + C - 1): the FLOPs executed, which MFU counts
+                   + B attn(C, P + C - 1), the positions it runs; none with ``--beta 0`` (no
+                   reference pass runs)
        policy      forward + backward = 3 x the reference forward
        pi_old      only when the sampler's numerics differ (bfloat16) and a rollout gets more than one
                    update (mu x minibatches > 1; with one update pi_old is the detached training
                    forward): one more no-grad forward, = the reference forward
-   Every computed position counts (padding included: it is work the hardware does). Random
-   weights never emit EOS, so every row runs the full ``--new-tokens`` and C is fixed.
+   MFU counts the model's work on the completions, not padding: every phase counts each row's own
+   completion length C_i in place of C (the sums above run over rows; generation counts a row at
+   decode steps t < C_i only), the prompts at their padded length P. B x max C would count padding
+   past a row's end, which rlalign mostly does not run (it packs ragged rows): on the tiny model at
+   mean 28-33 of max 48 tokens that was 1.03-1.19x the reference pass's executed matmul FLOPs, the
+   C_i count 0.69-0.81x of them (what packing leaves of the padding is not counted).
+   Random weights never emit EOS, so there every row runs the full ``--new-tokens``: C_i = C.
 3. The step: ``rlalign.train.grpo.grpo_step`` on a LlamaForCausalLM with SmolLM2-135M's shape and
    random weights (``--shape tiny`` for the recipe's tiny Llama, ``--shape llama-1b`` for
    Llama-3.2-1B's decoder with SmolLM2's vocabulary, 1.07B parameters), the SmolLM2 tokenizer and chat
@@ -64,6 +70,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -167,24 +174,47 @@ def model_dims(config) -> dict:
 
 
 def step_flops(
-    dims: dict, batch: int, prompt_len: int, completion_len: int, decode_steps: int, groups: int | None = None, prefill_rows: int | None = None
+    dims: dict, batch: int, prompt_len: int, completion_len: int, decode_steps: int, groups: int | None = None, prefill_rows: int | None = None,
+    completion_lens: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """Analytic FLOPs of one GRPO step's three phases (see the module docstring). ``groups``: the
     training and reference forwards run each of the U groups' prompts once (shared prompts);
-    ``prefill_rows``: the sampler's prefill runs this many rows (its distinct prompts; default B)."""
+    ``prefill_rows``: the sampler's prefill runs this many rows (its distinct prompts; default B);
+    ``completion_lens``: each row's completion tokens C_i, counted by every phase in place of
+    ``completion_len`` (default: every row ``completion_len``)."""
     nb, nh, layers, d = dims["n_body"], dims["n_head"], dims["layers"], dims["d_attn"]
     attn = lambda tokens, context: 4 * layers * d * tokens * context  # noqa: E731
     rows = batch if prefill_rows is None else prefill_rows
+    lens = [completion_len] * batch if completion_lens is None else list(completion_lens)
+    if len(lens) != batch:
+        raise ValueError(f"completion_lens has {len(lens)} rows, not {batch}")
     gen = 2 * nb * rows * prompt_len + 2 * nh * rows + rows * attn(prompt_len, prompt_len)
-    for t in range(1, decode_steps):  # decode step t feeds token t-1 at context P + t
-        gen += 2 * (nb + nh) * batch + batch * attn(1, prompt_len + t)
-    total = prompt_len + completion_len
-    if groups is None or prompt_len == 1:  # one forward over prompt + completion per row (a one-token prompt shares nothing)
-        forward = 2 * nb * batch * total + 2 * nh * batch * completion_len + batch * attn(total, total)
-    else:  # U rows of P - 1 prompt tokens (one position's logits), then B rows of the last prompt token + C - 1 completion tokens
-        forward = 2 * nb * groups * (prompt_len - 1) + 2 * nh * groups + groups * attn(prompt_len - 1, prompt_len - 1)
-        forward += 2 * (nb + nh) * batch * completion_len + batch * attn(completion_len, total - 1)
+    for t in range(1, decode_steps):  # decode step t feeds token t-1 at context P + t, for the rows still running (C_i > t)
+        live = sum(c > t for c in lens)
+        gen += 2 * (nb + nh) * live + live * attn(1, prompt_len + t)
+    p = prompt_len
+    if groups is None or p == 1:  # one forward over prompt + completion per row (a one-token prompt shares nothing)
+        forward = sum(2 * nb * (p + c) + 2 * nh * c + attn(p + c, p + c) for c in lens)
+    else:  # U rows of P - 1 prompt tokens (one position's logits), then B rows of the last prompt token + C_i - 1 completion tokens
+        forward = 2 * nb * groups * (p - 1) + 2 * nh * groups + groups * attn(p - 1, p - 1)
+        forward += sum(2 * (nb + nh) * c + attn(c, p + c - 1) for c in lens)
     return {"generate": gen, "reference": forward, "policy_fwd_bwd": 3 * forward}
+
+
+def capture_completion_lengths() -> list[list[int]]:
+    """Each later GRPO step's per-row completion lengths (EOS included), appended to the returned list:
+    ``grpo.completion_stats``, which ``grpo_step`` looks up at call time, wrapped in this process."""
+    from rlalign.train import grpo
+
+    seen: list[list[int]] = []
+    inner = grpo.completion_stats
+
+    def wrapper(rollout, *args, **kwargs):
+        seen.append([int(n) for n in rollout.completion_lengths().tolist()])
+        return inner(rollout, *args, **kwargs)
+
+    grpo.completion_stats = wrapper
+    return seen
 
 
 def profile_step(setup, part: str, device: str) -> str:
@@ -250,6 +280,7 @@ def run(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / torch.cuda.mem_get_info()[1]))
     setup = lb.GRPOSetup(cfg, records, reward)  # grpo.train()'s setup, without its outer loop
     dims = model_dims(setup.policy.config)
+    lengths = capture_completion_lengths()  # lengths[-1]: the last step's C_i
 
     def next_prompt_len() -> int:
         batch = [ex.prompt for ex in prompt_batch(setup.run.prompts, setup.state.step, cfg.prompts_per_step, cfg.seed)]
@@ -259,10 +290,12 @@ def run(args) -> dict:
         rows = cfg.prompts_per_step * cfg.group_size
         completion_len = int(metrics["completion_len/max"])  # the rollout's C (every row runs to the cap with random weights)
         shared = share_prompts(setup.updater.model) and not cfg.compile  # the compiled training forward runs prompt + completion per row
-        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if shared else None, cfg.prompts_per_step)
-        flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len)  # had every row run its own prompt
+        flops = step_flops(dims, rows, prompt_len, completion_len, completion_len, cfg.prompts_per_step if shared else None, cfg.prompts_per_step, lengths[-1])
+        flops_full = step_flops(dims, rows, prompt_len, completion_len, completion_len, completion_lens=lengths[-1])  # had every row run its own prompt
         if cfg.recompute_old_logprobs and cfg.mu * cfg.num_minibatches > 1:  # log pi_old recomputed by one more no-grad forward
             flops["old_logp"] = flops["reference"]
+        if cfg.beta == 0:  # no reference model, no reference pass (lb.GRPOSetup, grpo_step)
+            del flops["reference"], flops_full["reference"]
         return flops, flops_full, completion_len
 
     steps = []
