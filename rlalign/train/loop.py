@@ -45,7 +45,7 @@ from rlalign.train.rl_eval import evaluate_policy, load_eval_prompts, tool_evalu
 from rlalign.train.rollouts import RewardTerm, build_rewards, check_prompt_lengths, load_prompt_set
 from rlalign.train.run_config import ModelConfig
 from rlalign.train.run_dir import claim_run_dir, run_inputs
-from rlalign.train.seeding import restore_rng_state, set_seed
+from rlalign.train.seeding import restore_rng_state, rng_state, set_seed
 from rlalign.train.updater import NonFiniteError, Updater
 
 __all__ = [
@@ -263,7 +263,8 @@ def resume_state(ckpt: Checkpoint | None, seed: int, updaters: dict[str, Updater
             )
         for name, updater in updaters.items():
             updater.load_state_dict(ckpt.extra[f"updater/{name}"])
-        restore_rng_state(ckpt.rng)
+        ranks = ckpt.extra.get("rng/ranks")  # each learner's own RNGs (its LoRA dropout drew as many numbers as its rows' tokens)
+        restore_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size and world.producer is None else ckpt.rng)
         state.generator.set_state(ckpt.extra["generator"])
         state.step = ckpt.step
         state.data_position = ckpt.extra.get("data_position")
@@ -305,10 +306,11 @@ class SavedModels:
 def write_checkpoint(run_dir: Path, cfg: Config, state: TrainState, models: SavedModels, updaters: dict[str, Updater], tokenizer,
                      data_position: int, extra: dict[str, Any], inputs: dict[str, dict[str, str]] | None = None) -> None:
     """Checkpoint after ``state.step`` steps (named by it): weights, optimisers and schedules of
-    every updater, RNGs, the generator, ``extra`` (e.g. the KL controller) and ``inputs`` (:attr:`Run.inputs`).
+    every updater, RNGs (under torchrun every learner's: each restores its own), the generator, ``extra`` (e.g. the KL controller) and ``inputs`` (:attr:`Run.inputs`).
     Rank 0 writes (every rank holds the same weights and optimiser state under DDP); the others wait."""
     with models.gathered():  # collective under FSDP2, like the optimiser states below
-        extra = {**extra, **state.state_dict(), **{f"updater/{name}": u.state_dict() for name, u in updaters.items()}}
+        ranks = {"rng/ranks": distributed.gather_objects([rng_state()], state.world)} if state.world.distributed else {}  # every learner's RNGs
+        extra = {**extra, **ranks, **state.state_dict(), **{f"updater/{name}": u.state_dict() for name, u in updaters.items()}}
         with state.world.main_first(learners_only=True):  # the others wait, and stop with one message if rank 0 cannot write
             if state.world.is_main:
                 save_checkpoint(run_dir, state.step, models, None, None, tokenizer, cfg, data_position, extra, cfg.keep_last, inputs)

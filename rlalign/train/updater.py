@@ -173,6 +173,7 @@ class Updater:
     def load_state_dict(self, state: dict) -> None:
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.updates = self.scheduler.last_epoch  # the schedule steps once an update: a resumed run counts on from the checkpoint's
 
 
 def minibatch_step(

@@ -6,7 +6,8 @@ none of a minibatch) run for a few steps through the real CLI, under
 ``torchrun --nproc-per-node 2`` with DDP and with FSDP2 (reference and critic sharded too), and in
 this process, with the same global batch and seed.
 The final weights agree to float32 round-off and so do the logged metrics; a GRPO run resumed from
-a checkpoint the two processes wrote ends bit-identical to their uninterrupted run.
+a checkpoint the two processes wrote ends bit-identical to their uninterrupted run (SFT with LoRA dropout too:
+each rank restores its own RNG states).
 """
 
 from __future__ import annotations
@@ -106,6 +107,28 @@ def test_resume_from_a_two_process_checkpoint_equals_the_straight_run(runs, run)
     steps = _metrics(root / "two" / f"{run}_resumed")
     assert [r["step"] for r in steps] == [2]
     assert steps[0] == next(r for r in _metrics(root / "two" / run) if r["step"] == 2)
+
+
+def test_a_resumed_two_process_run_with_lora_dropout_draws_each_ranks_own_masks(tmp_path):
+    # LoRA dropout draws from each rank's global torch RNG, as many numbers as its batch's padded tokens (SFT pads each
+    # rank's share to its own longest pair), so the ranks' RNGs part; the checkpoint held rank 0's alone, every rank
+    # restored it, and rank 1's masks after the resume were other than the uninterrupted run's (weights off by 1e-2)
+    tiny = build_tiny_checkpoint(tmp_path / "tiny", TinyModelSpec(hidden_size=32, num_layers=1, intermediate_size=64), seed=0)
+    argv = ["sft", f"model.path={tiny}", "data.num_train=64", "data.num_eval=4", "batch_size=4", "max_steps=4", "eval_every=100", "progress=false",
+            "plots=false", "num_threads=1", "model.lora.r=4", "model.lora.alpha=8", "model.lora.dropout=0.3", "save_every=2", "optim.lr=1e-2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rlalign", *argv]
+    step2 = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    for extra in ([f"output_dir={tmp_path / 'straight'}"], [f"output_dir={tmp_path / 'resumed'}", "--resume", str(step2)]):
+        done = launch(torchrun + extra, {**os.environ, "OMP_NUM_THREADS": "1"}, 300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    straight, resumed = _weights(tmp_path / "straight" / "final"), _weights(tmp_path / "resumed" / "final")
+    before = _weights(step2 / "model")
+    assert max((straight[k] - before[k]).abs().max().item() for k in straight) > 1e-3  # steps 2-3 moved the adapters
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "straight")[-2:]
+    ranks = torch.load(step2 / "trainer_state.pt", weights_only=True)["extra"]["rng/ranks"]
+    assert not torch.equal(ranks[0]["torch"], ranks[1]["torch"])  # the premise: the ranks' RNGs had parted by the checkpoint
 
 
 def test_a_resume_rank_0_refuses_stops_every_rank_with_one_message(runs):

@@ -214,6 +214,17 @@ def test_a_diverging_run_stops_with_the_step_and_the_last_good_checkpoint_and_wr
         main(["--debug", *args[:2], *args[2:-3], f"output_dir={tmp_path / 'debug'}", "optim.lr=1e30", "optim.grad_clip=null", "optim.warmup_steps=0"])
 
 
+def test_a_resumed_run_that_diverges_names_the_update_the_uninterrupted_run_names(tmp_path, capsys):
+    # the updater counted its updates from 0 again after a resume: "step 1 stopped: update 1" where the run had done one
+    args = ["rm", *RM, f"output_dir={tmp_path}", "max_steps=6", "save_every=1", "optim.lr=1e30", "optim.grad_clip=null", "optim.warmup_steps=0"]
+    assert main(args) == 2
+    straight = capsys.readouterr().err.strip().splitlines()[-1]
+    assert main([*args, "--resume", str(tmp_path)]) == 2  # from the checkpoint after step 0: step 1 diverges again
+    resumed = capsys.readouterr().err.strip().splitlines()[-1]
+    assert straight.startswith("rlalign rm: step 1 stopped: update 2: the loss is nan"), straight
+    assert resumed.split(". The last good")[0] == straight.split(". The last good")[0]
+
+
 def test_an_update_that_steps_the_weights_past_float_range_stops_the_run_before_anything_is_saved(tmp_path, capsys):
     # a finite loss and gradient with a learning rate of 1e38: the update makes the weights inf, and final/ and the step's
     # checkpoint were written with them, exit 0
