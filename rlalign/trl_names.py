@@ -4,13 +4,14 @@ A TRL user's ``num_generations: 8`` is an unknown key here; the closest field by
 no help (``per_device_train_batch_size`` is nearest to ``micro_batch_size``, which it is not), so
 :func:`trl_hint` names rlalign's field, or says that no setting matches. Sources: TRL 1.16's
 ``GRPOConfig``, ``DPOConfig``, ``SFTConfig`` and ``RewardConfig``, transformers' ``TrainingArguments``.
-A hint is given only for the trainer whose config lacks the key: ``beta``, ``loss_type`` and
-``max_length`` are rlalign fields too (``max_length`` under ``data``).
+A hint is given only for the trainer whose config lacks the key (``beta`` and ``loss_type`` are rlalign
+fields too; TRL's top-level ``max_length`` is ``data.max_length`` here), and only for rlalign's LM
+trainers (:func:`trl_trainer`): a classic algorithm's config has other fields.
 """
 
 from __future__ import annotations
 
-__all__ = ["trl_hint"]
+__all__ = ["trl_hint", "trl_trainer"]
 
 _BATCH_RL = ("the step's batch is prompts_per_step prompts x group_size completions over all processes (TRL's is per device "
              "and counts completions); micro_batch_size sets the rows per forward")
@@ -60,7 +61,8 @@ _RL = {  # GRPOConfig's names for what GRPO, PPO and distillation share
     "min_p": "no such setting: sampling has temperature, top_k and top_p",
     "repetition_penalty": "no such setting: sampling has temperature, top_k and top_p",
     "generation_kwargs": "the sampling section (temperature, top_k, top_p, max_new_tokens)",
-    "steps_per_generation": "num_minibatches (optimiser steps per pass over a rollout)",
+    "steps_per_generation": "num_minibatches = TRL's steps_per_generation / gradient_accumulation_steps (TRL counts micro-batches, "
+                            "num_minibatches optimiser steps per pass over a rollout)",
     "generation_batch_size": "prompts_per_step (the prompts of a rollout)",
     "per_device_train_batch_size": "the step's batch is prompts_per_step prompts over all processes; micro_batch_size sets the rows per forward",
     "gradient_accumulation_steps": "micro_batch_size (rows per forward; auto by default)",
@@ -115,6 +117,7 @@ _DPO = {
     "ref_model": "reference",
     "max_prompt_length": "data.max_length (prompt and response together)",
     "max_completion_length": "data.max_length (prompt and response together)",
+    "max_length": "data.max_length",
 }
 
 _SFT = {
@@ -122,11 +125,13 @@ _SFT = {
     "completion_only_loss": "data.completion_only_loss",
     "packing": "data.packing",
     "max_seq_length": "data.max_length",
+    "max_length": "data.max_length",
     "dataset_text_field": "data.columns, {name in the data: text} (e.g. {content: text})",
 }
 
 _RM = {
     "center_rewards_coefficient": "center_coef",
+    "max_length": "data.max_length",
 }
 
 _BY_TRAINER = {
@@ -139,10 +144,17 @@ _BY_TRAINER = {
 }
 
 
-def trl_hint(trainer: str, key: str, allowed: list[str] | None = None) -> str | None:
-    """What TRL's or transformers' ``key`` is called here, for the config class named ``trainer``, as one
-    phrase (None when ``key`` is no TRL name, or names a field this config has: ``allowed``)."""
+def trl_trainer(cls: type) -> str | None:
+    """The trainer whose hints a config class gets: the first of its classes that is one of rlalign's LM trainer configs
+    (a subclass of GRPOConfig gets GRPO's); None for any other config (the classic algorithms' ``PPOConfig`` shares a
+    name with the LM trainer's but has neither its fields nor an ``optim`` section)."""
+    return next((c.__name__ for c in cls.__mro__ if c.__module__.startswith("rlalign.train.") and c.__name__ in _BY_TRAINER), None)
+
+
+def trl_hint(trainer: str | None, key: str, allowed: list[str] | None = None) -> str | None:
+    """What TRL's or transformers' ``key`` is called here, for the trainer config named ``trainer`` (:func:`trl_trainer`), as
+    one phrase (None when ``key`` is no TRL name, names a field this config has: ``allowed``, or ``trainer`` is none of them)."""
     if allowed is not None and key in allowed:
         return None
-    target = _BY_TRAINER.get(trainer, _COMMON).get(key)
+    target = _BY_TRAINER.get(trainer, {}).get(key)
     return None if target is None else f"TRL's {key}: {target}"

@@ -82,3 +82,37 @@ def test_a_nested_key_or_an_unknown_name_keeps_the_spelling_hint():
         load_config(grpo.GRPOConfig, None, ["sampling.temprature=0.5"])
     assert trl_hint("GRPOConfig", "temperature", ["beta"]) == "TRL's temperature: sampling.temperature"
     assert trl_hint("GRPOConfig", "no_such_name") is None and trl_hint("SFTConfig", "num_generations") is None
+
+
+def test_a_config_that_is_no_lm_trainer_gets_no_trl_hint():
+    # the classic algorithms' PPOConfig shares the LM trainer's name: it was told "TRL's learning_rate: optim.lr" and
+    # "TRL's cliprange: eps", fields it lacks (its own are lr and clip_coef); DQN and the demo got _COMMON's optim.lr
+    from rlalign.classic.dqn import DQNConfig
+    from rlalign.classic.ppo import PPOConfig as ClassicPPOConfig
+    from rlalign.demo import DemoConfig
+
+    for cls, key in [(ClassicPPOConfig, "learning_rate"), (ClassicPPOConfig, "cliprange"), (DQNConfig, "learning_rate"), (DemoConfig, "learning_rate")]:
+        with pytest.raises(ConfigError) as err:
+            load_config(cls, None, {key: 1})
+        assert "TRL's" not in str(err.value) and "optim." not in str(err.value).split("Allowed here:")[0], str(err.value)
+
+    class MyGRPOConfig(grpo.GRPOConfig):  # a subclass of an LM trainer's config keeps its hints
+        pass
+
+    with pytest.raises(ConfigError, match="TRL's num_generations: group_size"):
+        load_config(MyGRPOConfig, None, ["num_generations=4"])
+
+
+@pytest.mark.parametrize("trainer", [sft.SFTConfig, dpo.DPOConfig, reward_model.RMConfig])
+def test_trls_top_level_max_length_names_data_max_length(trainer):
+    # TRL's SFTConfig, DPOConfig and RewardConfig take max_length at the top level; here it is under data, and the
+    # top-level key got no hint at all
+    with pytest.raises(ConfigError, match=r"TRL's max_length: data.max_length\."):
+        load_config(trainer, None, ["max_length=512"])
+
+
+def test_steps_per_generation_counts_micro_batches_not_optimiser_steps():
+    # TRL generates once per steps_per_generation training steps (micro-batches; by default gradient_accumulation_steps
+    # of them, one optimiser step): set as num_minibatches it made that many optimiser steps per rollout
+    hint = trl_hint("GRPOConfig", "steps_per_generation")
+    assert hint.startswith("TRL's steps_per_generation: num_minibatches") and "/ gradient_accumulation_steps" in hint
