@@ -22,7 +22,7 @@ from transformers import AutoConfig
 from rlalign.config import ConfigError
 from rlalign.errors import RLAlignError
 from rlalign.lm.encoding import encode_prompts, render_prompt
-from rlalign.lm.models import adapter_base, load_policy, load_tokenizer, resolve_model_path, stop_token_ids
+from rlalign.lm.models import adapter_base, dropout_as_loaded, load_policy, load_tokenizer, resolve_model_path, stop_token_ids
 from rlalign.lm.rewards import score_completions
 from rlalign.lm.sampling import SamplingParams, sample
 from rlalign.train.bf16_adamw import StochasticRoundingAdamW
@@ -132,7 +132,8 @@ def merge_adapter(adapter_dir: Path, out_dir: Path) -> Path:
     merged = load_policy(adapter_dir).merge_and_unload()
     stored = AutoConfig.from_pretrained(str(resolve_model_path(base_path))).dtype or torch.float32
     tmp = out_dir.parent / f".tmp_{out_dir.name}_{os.getpid()}"
-    merged.to(stored).save_pretrained(tmp)
+    with dropout_as_loaded(merged):  # the base's own dropout in config.json: the run trained from it saves what it loads
+        merged.to(stored).save_pretrained(tmp)
     load_tokenizer(adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else resolve_model_path(base_path)).save_pretrained(tmp)
     (tmp / MERGED_MARKER).write_text(json.dumps(marker))
     replace_dir(tmp, out_dir)

@@ -622,3 +622,18 @@ def test_a_saved_model_keeps_the_dropout_it_was_loaded_with(tmp_path, tokenizer)
     SavedModels(lora).save_pretrained(tmp_path / "merged", merged=True)
     assert saved(tmp_path / "merged") == as_loaded and lora.config.embd_pdrop == 0.0
     assert load_policy(tmp_path / "merged").config.attn_pdrop == 0.0  # loaded to train again: off
+
+
+def test_a_merged_adapter_keeps_the_dropout_its_base_was_saved_with(tmp_path, tokenizer):
+    # model.adapter: merge trains from the base with the adapter merged in, written by merge_adapter: it was written
+    # with the dropout zeroed, so the run loaded 0.0 "as loaded" and its final/config.json said 0.0 too
+    import json
+
+    from rlalign.train.common import merge_adapter
+
+    make_gpt2(vocab=len(tokenizer), resid_pdrop=0.3, attn_pdrop=0.1).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    load_policy(tmp_path / "base", lora=LoraConfig(r=4)).save_pretrained(tmp_path / "adapter")
+    config = json.loads((merge_adapter(tmp_path / "adapter", tmp_path / "merged") / "config.json").read_text())
+    assert (config["resid_pdrop"], config["attn_pdrop"]) == (0.3, 0.1)
+    assert load_policy(tmp_path / "merged").config.resid_pdrop == 0.0  # trained without it
