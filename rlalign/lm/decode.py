@@ -59,7 +59,8 @@ def filter_logits(scaled_logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> 
         sorted_logits = torch.sort(out, dim=-1, descending=True).values  # (B, V)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_above = torch.cumsum(probs, dim=-1) - probs  # (B, V)
-        kept = (mass_above < top_p).sum(-1, keepdim=True)  # (B, 1), >= 1: the top token has no mass above it
+        kept = (mass_above < top_p).sum(-1, keepdim=True).clamp(min=1)  # (B, 1): the top token has no mass above it (a NaN row has none
+        # below p: kept 0 would index -1, an IndexError on a CPU and a device-side assert on a GPU; it keeps every token, as before)
         cutoff = sorted_logits.gather(-1, kept - 1)  # (B, 1): the last kept logit
         out = out.masked_fill(out < cutoff, float("-inf"))
     return out

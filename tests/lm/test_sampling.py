@@ -194,6 +194,11 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     # with it and stays too (as top-k keeps ties with the k-th; transformers' pick between them is the sort's)
     tied = torch.log(torch.tensor([[0.3, 0.4, 0.3]]))
     assert filter_logits(tied, top_p=0.5).isfinite().tolist() == [[True, True, True]]
+    # a row whose logits hold a NaN (or are all -inf) has no mass below p anywhere: it is left as it is, not an index of -1
+    # (an IndexError here, a device-side assert on a GPU) that ends the run
+    odd = torch.tensor([[1.0, float("nan"), 3.0], [float("-inf")] * 3, [1.0, 2.0, 3.0]])
+    out = filter_logits(odd, top_p=0.5)
+    assert out[1].isneginf().all() and out[2].isfinite().tolist() == [False, False, True] and out[0, 2] == 3.0
 
 
 def test_inverse_cdf_draw_by_hand():
