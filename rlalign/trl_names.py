@@ -87,7 +87,8 @@ _RL = {  # GRPOConfig's names for what GRPO, PPO and distillation share
 
 _GRPO = {
     "num_generations": "group_size",
-    "generation_batch_size": "prompts_per_step (x group_size completions a rollout)",
+    "generation_batch_size": "prompts_per_step = TRL's generation_batch_size / num_generations (TRL counts completions; a rollout "
+                             "here is prompts_per_step x group_size completions)",
     "per_device_train_batch_size": _BATCH_RL,
     "num_iterations": "mu",
     "epsilon": "eps_low and eps_high (TRL's epsilon sets both, epsilon_high defaulting to it)",

@@ -111,8 +111,11 @@ def test_trls_top_level_max_length_names_data_max_length(trainer):
         load_config(trainer, None, ["max_length=512"])
 
 
-def test_steps_per_generation_counts_micro_batches_not_optimiser_steps():
+def test_trls_generation_counts_name_the_conversion():
     # TRL generates once per steps_per_generation training steps (micro-batches; by default gradient_accumulation_steps
     # of them, one optimiser step): set as num_minibatches it made that many optimiser steps per rollout
     hint = trl_hint("GRPOConfig", "steps_per_generation")
     assert hint.startswith("TRL's steps_per_generation: num_minibatches") and "/ gradient_accumulation_steps" in hint
+    # likewise TRL's generation_batch_size counts completions: GRPO's prompts_per_step is it over the group size
+    hint = trl_hint("GRPOConfig", "generation_batch_size")
+    assert hint.startswith("TRL's generation_batch_size: prompts_per_step = TRL's generation_batch_size / num_generations"), hint
