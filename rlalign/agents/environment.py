@@ -30,6 +30,8 @@ naming the environment and the prompt (:func:`checked_reward`), never a NaN in t
 
 Tool errors never reach the trainer: an unknown tool, arguments that do not fit the signature, an
 exception in the tool become the text of the tool message ("error: ..."), which the policy reads.
+A string argument of a parameter typed otherwise in the tool's schema is cast first (``"3"`` for
+``a: int`` is 3), as transformers' response parser types the calls TRL's GRPOTrainer runs.
 
 :class:`EnvRunner` runs the methods of one environment on an event loop shared by a batch of
 episodes: ``async`` methods as coroutines, plain ones in the loop's thread pool, so the episodes of a
@@ -51,7 +53,7 @@ from typing import Any
 
 import torch
 
-from rlalign.agents.tool_calls import ToolCall, call_id, tool_message, tool_schemas
+from rlalign.agents.tool_calls import ToolCall, call_id, tool_message, tool_schemas, typed_arguments
 from rlalign.lm.reward_calls import RewardFunctionError, _as_number, check_finite
 
 __all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object", "checked_reward"]
@@ -140,6 +142,7 @@ class EnvRunner:
             if not callable(fn):
                 raise ValueError(f"environment {type(env).__name__}: tool {name!r} is not a method")
             self.tools[name] = fn
+        self._typed: dict[str, Mapping[str, Any]] = {}  # each tool's schema, read once to type its string arguments
         self.has_step = callable(getattr(env, "step", None))
         if not self.tools and not self.has_step:
             raise ValueError(f"environment {type(env).__name__} has neither tools (a 'tools' list of method names) nor a step(calls) method")
@@ -150,6 +153,15 @@ class EnvRunner:
         if given is not None:
             return list(given() if callable(given) else given)
         return tool_schemas(list(self.tools.values()))
+
+    def _schema(self, name: str, fn: Callable) -> Mapping[str, Any]:
+        """Tool ``name``'s JSON schema, {} when it has none to give (its string arguments are then passed as written)."""
+        if name not in self._typed:
+            try:
+                self._typed[name] = tool_schemas([fn])[0]
+            except ValueError:
+                self._typed[name] = {}
+        return self._typed[name]
 
     async def reset(self, record: Mapping[str, Any]) -> str | list[Message]:
         prompt = await _call(self.env.reset, record)
@@ -183,6 +195,8 @@ class EnvRunner:
             if len(params) != 1:
                 return f"error: {call.name} takes {len(params)} arguments; write them as a JSON object"
             arguments = {params[0]: arguments}
+        if any(isinstance(value, str) for value in arguments.values()):  # "3" for an int parameter is 3, as TRL's calls are typed
+            arguments = typed_arguments(arguments, self._schema(call.name, fn))
         try:
             inspect.signature(fn).bind(**arguments)
         except TypeError as err:

@@ -35,13 +35,14 @@ set: the environment answers it with an error message the policy sees, and it is
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "ToolCall", "CallFormat", "call_id", "HERMES", "LLAMA3", "MISTRAL", "TAGS", "FORMATS", "call_format", "tool_schemas", "tool_message", "format_of_template",
+    "ToolCall", "CallFormat", "call_id", "HERMES", "LLAMA3", "MISTRAL", "TAGS", "FORMATS", "call_format", "tool_schemas", "typed_arguments", "tool_message", "format_of_template",
 ]
 
 Message = dict[str, Any]
@@ -242,6 +243,52 @@ def tool_schemas(tools: Sequence[Callable | Mapping[str, Any]]) -> list[dict[str
         except Exception as err:  # transformers raises its own TypeHintParsingException / DocstringParsingException
             raise ValueError(f"tool {getattr(tool, '__name__', tool)!r} needs type hints and a docstring with an Args section: {err}") from None
     return out
+
+
+def _schema_types(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema allows (``type``, a list of them, ``anyOf`` / ``oneOf``, ``nullable``)."""
+    if not isinstance(schema, Mapping):
+        return []
+    declared = schema.get("type")
+    types = [declared] if isinstance(declared, str) else [t for t in declared or [] if isinstance(t, str)]
+    types += [t for key in ("anyOf", "oneOf") for choice in schema.get(key) or [] for t in _schema_types(choice)]
+    return types + ["null"] if schema.get("nullable") and "null" not in types else types
+
+
+def _cast(raw: str, types: Sequence[str]) -> Any:
+    for name in types:
+        try:
+            if name == "integer":
+                try:
+                    return int(raw)
+                except ValueError:  # a whole number written as a float ("3.0") is an integer too
+                    number = float(raw)
+                    if number.is_integer():
+                        return int(number)
+            elif name == "number":
+                number = float(raw)
+                if math.isfinite(number):
+                    return int(number) if number.is_integer() and "." not in raw else number
+            elif name == "boolean" and raw.strip().lower() in ("true", "1", "false", "0"):
+                return raw.strip().lower() in ("true", "1")
+            elif name == "null" and raw.strip() in ("null", "None"):
+                return None
+            elif name in ("object", "array"):
+                value = json.loads(raw)
+                if isinstance(value, dict if name == "object" else list):
+                    return value
+        except (ValueError, OverflowError):
+            continue
+    return raw
+
+
+def typed_arguments(arguments: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``arguments`` with each string cast to its parameter's type in the tool's JSON ``schema`` (integer,
+    number, boolean, null, object, array), as transformers' response parser types the calls TRL's
+    GRPOTrainer runs (``{"a": "3"}`` -> ``{"a": 3}`` for ``a: int``); a string parameter, a parameter the
+    schema does not list and a cast that fails keep the text."""
+    properties = schema.get("function", schema).get("parameters", {}).get("properties", {})
+    return {key: _cast(value, _schema_types(properties.get(key))) if isinstance(value, str) else value for key, value in arguments.items()}
 
 
 def call_id(row: int, turn: int, index: int) -> str:

@@ -286,6 +286,28 @@ def test_an_episode_is_the_sft_tokens_of_its_conversation(monkeypatch):
     assert out.assistant_mask[0, :n].tolist() == target[prompt_len:] and out.env_rewards == [1.0]
 
 
+def test_a_string_argument_of_a_typed_tool_is_cast_as_trl_casts_it():
+    # TRL runs multiply(a=3, b=4) for {"a": "3", "b": "4"} (its calls are typed by the schema): 12, not a TypeError
+    from rlalign.agents.environment import EnvRunner, FunctionTools
+    from rlalign.agents.tool_calls import ToolCall
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return a * b
+
+    loop = asyncio.new_event_loop()
+    try:
+        replies = loop.run_until_complete(EnvRunner(FunctionTools([multiply])).respond([ToolCall("multiply", {"a": "3", "b": "4"}), ToolCall("multiply", "5")]))
+    finally:
+        loop.close()
+    assert [m["content"] for m in replies] == ["12", "error: multiply takes 2 arguments; write them as a JSON object"]
+
+
 def test_function_tools_and_environment_factory():
     from rlalign.agents.environment import EnvRunner, FunctionTools, environment_factory
     from rlalign.agents.tool_calls import ToolCall

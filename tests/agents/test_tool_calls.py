@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlalign.agents.episodes import TemplateError, environment_tokens
-from rlalign.agents.tool_calls import FORMATS, HERMES, LLAMA3, MISTRAL, TAGS, ToolCall, call_format, tool_schemas
+from rlalign.agents.tool_calls import FORMATS, HERMES, LLAMA3, MISTRAL, TAGS, ToolCall, call_format, tool_schemas, typed_arguments
 from rlalign.tasks.lookup import lookup
 from rlalign.tasks.tiny_model import build_char_tokenizer
 from tests.agents.families import family_tokenizer
@@ -89,6 +89,31 @@ def test_schemas_from_typed_functions_and_dicts():
     assert schema[0]["function"]["parameters"]["required"] == ["a"] and schema[1] == {"type": "function", "function": {"name": "x"}}
     with pytest.raises(ValueError, match="needs type hints and a docstring"):
         tool_schemas([lambda x: x])
+
+
+def _typed(a: int, x: float, flag: bool, items: list, opt: int | None, text: str) -> str:
+    """A tool with one parameter of each JSON type.
+
+    Args:
+        a: An integer.
+        x: A number.
+        flag: A boolean.
+        items: A list.
+        opt: An optional integer.
+        text: A string.
+    """
+    return ""
+
+
+def test_string_arguments_are_cast_to_their_parameters_types_as_transformers_types_trls_calls():
+    # transformers' response parser (TRL 1.16's parse_response(tools=...)) casts a string to its parameter's JSON type;
+    # a string parameter, a failed cast and an unlisted key keep the text
+    schema = tool_schemas([_typed])[0]
+    got = typed_arguments({"a": "3", "x": "2.5", "flag": "true", "items": "[1, 2]", "opt": "null", "text": "7", "extra": "9"}, schema)
+    assert got == {"a": 3, "x": 2.5, "flag": True, "items": [1, 2], "opt": None, "text": "7", "extra": "9"}
+    assert typed_arguments({"a": "3.0", "x": "4", "flag": "maybe", "items": "{}", "opt": "5"}, schema) == {"a": 3, "x": 4, "flag": "maybe", "items": "{}", "opt": 5}
+    assert typed_arguments({"a": "3.5", "x": "nan"}, schema) == {"a": "3.5", "x": "nan"}  # 3.5 is no integer, NaN no JSON number
+    assert typed_arguments({"a": 3, "items": [1]}, schema) == {"a": 3, "items": [1]} and typed_arguments({"a": "3"}, {}) == {"a": "3"}
 
 
 @pytest.mark.parametrize("family, turn, expected", [
