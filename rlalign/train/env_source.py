@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlalign.agents.env_config import EnvironmentConfig
-from rlalign.agents.environment import environment_factory
+from rlalign.agents.environment import FunctionTools, environment_factory
+from rlalign.agents.tool_calls import tool_schemas
+from rlalign.config import ConfigError
 from rlalign.agents.episodes import Episodes, episode_metrics, episode_sums, metrics_of_sums, run_episodes
 from rlalign.lm.data import PromptExample
 from rlalign.lm.decode import SamplingParams
@@ -41,7 +44,10 @@ from rlalign.train.rl_eval import pass_at_ks
 from rlalign.train.rollouts import RewardTerm, prompt_batch, score_shard
 from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_generator
 
-__all__ = ["TIMED_OUT", "EnvironmentSource", "make_environment_source", "sample_episodes", "global_episode_metrics", "evaluate_episodes", "episode_evaluator"]
+__all__ = [
+    "TIMED_OUT", "EnvironmentSource", "make_environment_source", "sample_episodes", "global_episode_metrics", "evaluate_episodes", "episode_evaluator",
+    "train_tools",
+]
 
 TIMED_OUT = "environment_timeout"  # the failed rows' entry of episodes past environment.timeout_s (reward/environment_timeout/failed)
 
@@ -157,3 +163,30 @@ def make_environment_source(cfg, sampler, tokenizer, rewards: Sequence[RewardTer
     """The source of a GRPO or PPO config with an ``environment:`` section; ``environment``: the object given to ``train`` (else the config's class)."""
     scorer = make_scorer(cfg, tokenizer, rewards, world)
     return EnvironmentSource(sampler, scorer, prompts, cfg.prompts_per_step, cfg.seed, cfg.sampling, cfg.model, env=environment, env_cfg=cfg.environment)
+
+
+def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, environment: Any) -> tuple[Mapping[str, Callable] | None, Any]:
+    """``(tools, environment)`` for ``train``: a mapping of one-string functions is the ``tools:`` section's; a
+    list of typed functions with docstrings (TRL's ``GRPOTrainer(tools=[fn])``) runs as the environment
+    :class:`FunctionTools` of an ``environment:`` section (``environment.max_turns`` = TRL's
+    ``max_tool_calling_iterations`` + 1), its calls and tool replies written by the chat template, as TRL's.
+
+    Raises:
+        ConfigError: tools without the section they need, a list next to an environment, or a function the
+            chat template cannot be shown (no type hints or no docstring with an Args section).
+    """
+    if not tools or isinstance(tools, Mapping):
+        if tools and cfg.tools is None:
+            raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
+        return tools, environment
+    tools = list(tools)
+    if cfg.environment is None:
+        raise ConfigError("tools=[...] (typed functions, TRL's GRPOTrainer(tools=...)) run in episodes of the environment section: set "
+                          "environment.max_turns (TRL's max_tool_calling_iterations + 1); a {name: function of one string} mapping goes with tools:")
+    if environment is not None or cfg.environment.cls is not None:
+        raise ConfigError("tools=[...] and an environment were both given: give the tools as methods of the environment, or drop it")
+    try:
+        tool_schemas(tools)  # each must be describable to the chat template: fail before the run starts
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return None, functools.partial(FunctionTools, tools)

@@ -53,7 +53,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
-from rlalign.config import Config, ConfigError, load_config
+from rlalign.config import Config, load_config
 from rlalign.core.advantages import kl_shaped_rewards, sampled_token_gae
 from rlalign.core.kl import AdaptiveKLController, FixedKLController, kl_k1, kl_k3, masked_token_kl
 from rlalign.core.losses import Aggregation, entropy_loss, value_loss
@@ -63,6 +63,7 @@ from rlalign.lm.model_modes import enable_gradient_checkpointing
 from rlalign.lm.rollout import Rollout
 from rlalign.train import distributed
 from rlalign.train.async_source import check_one_process, open_source
+from rlalign.train.env_source import train_tools
 from rlalign.train.common import forward_precision, memory_named
 from rlalign.train.loop import RLResult, SavedModels, TrainState, UpdateMeans, add_run_arguments, print_summary, resume_state, run_steps, start_rl_run, step_timings
 from rlalign.train.memory_plan import Pass, plan_rows
@@ -334,7 +335,7 @@ def _critic_init(cfg: PPOConfig, base_path: Path) -> str | Path:
 
 def train(
     cfg: PPOConfig, resume: str | Path | None = None, reward_functions: Sequence[RewardTerm] = (), prompts: Sequence[dict] | None = None,
-    tools: Mapping[str, Callable[[str], object]] | None = None, environment: object | None = None,
+    tools: Mapping[str, Callable[[str], object]] | Sequence[Callable] | None = None, environment: object | None = None,
 ) -> RLResult:
     """Run PPO, or continue the run of checkpoint ``resume`` (a checkpoint dir or a run dir).
 
@@ -342,11 +343,11 @@ def train(
         reward_functions: extra score terms from Python, added to ``cfg.rewards``: :class:`RewardTerm` objects or plain
             functions (TRL's ``reward_len(completions, **kwargs)``; named by the function, weight 1).
         prompts: prompt records to use instead of ``cfg.data``.
-        tools: Python functions of one string to register as tools, by name, next to ``cfg.tools.enabled``.
+        tools: Python functions of one string to register as tools, by name, next to ``cfg.tools.enabled``; or TRL's
+            list of typed functions with docstrings, run in episodes of ``cfg.environment`` (:func:`rlalign.train.env_source.train_tools`).
         environment: a Python environment (a class or zero-argument maker, rlalign.agents.environment) for ``cfg.environment``.
     """
-    if tools and cfg.tools is None:
-        raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
+    tools, environment = train_tools(cfg, tools, environment)
     run = start_rl_run(cfg, resume, prompts, reward_functions, cfg.prompts_per_step, 1)  # minibatches may hold any share of a rank's rows
     with run:  # the output_dir lock is let go of when the run ends, however it ends
         check_one_process(cfg, run.world)

@@ -72,6 +72,40 @@ def test_trainers_take_the_environment_source(trainer, tiny_path, tmp_path, monk
     assert ("reward/correct/mean" in history) == (trainer == "ppo")
 
 
+def test_trls_list_of_typed_tools_runs_as_episodes_of_those_functions(tiny_path, tmp_path, monkeypatch):
+    # GRPOTrainer(tools=[lookup]) in TRL: here grpo.train(cfg, tools=[lookup]) with an environment: section (it was
+    # an AttributeError: 'list' object has no attribute 'items')
+    from rlalign.agents import episodes as ep
+    from rlalign.agents.environment import FunctionTools
+
+    made = []
+    real = ep.run_episodes
+    monkeypatch.setattr("rlalign.train.env_source.run_episodes", lambda m, t, r, make_env, *a, **k: made.append(make_env()) or real(m, t, r, make_env, *a, **k))
+    cfg = load_config(grpo.GRPOConfig, None, {
+        "model.path": str(tiny_path), "output_dir": str(tmp_path), "data.task": "arithmetic", "rewards": [], "steps": 1, "prompts_per_step": 2,
+        "group_size": 2, "sampling.max_new_tokens": 8, "beta": 0.0, "progress": False, "plots": False, "eval.enabled": False, "environment.max_turns": 2,
+    })
+    history = grpo.train(cfg, reward_functions=[CORRECT], prompts=L.prompt_records("train", 8), tools=[L.lookup]).history[0]
+    assert isinstance(made[0], FunctionTools) and made[0].tools == ["lookup"] and made[0].lookup is L.lookup
+    assert "agents/turns" in history and "reward/correct/mean" in history
+
+
+def test_trls_list_of_tools_needs_the_environment_section_and_describable_functions():
+    from rlalign.train.env_source import train_tools
+
+    with_env = load_config(grpo.GRPOConfig, None, {"environment.max_turns": 2})
+    _, make = train_tools(with_env, [L.lookup], None)
+    assert make().tools == ["lookup"] and train_tools(with_env, None, Scripted) == (None, Scripted)
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations"):
+        train_tools(load_config(grpo.GRPOConfig, None, {}), [L.lookup], None)
+    with pytest.raises(ConfigError, match="both given"):
+        train_tools(with_env, [L.lookup], Scripted)
+    with pytest.raises(ConfigError, match="needs type hints and a docstring"):
+        train_tools(with_env, [lambda name: name], None)
+    with pytest.raises(ConfigError, match="cfg.tools is null"):
+        train_tools(with_env, {"lookup": L.lookup}, None)
+
+
 class Sometimes(L.LookupEnvironment):
     """The look-up environment that gives no reward (None) to an answer of odd length, 1.0 to the others."""
 
