@@ -53,8 +53,12 @@ _COMMON = {
     "push_to_hub": "no such setting: final/ is an ordinary checkpoint to upload",
 }
 
+_TOOL_TURNS = ("environment.max_turns = TRL's max_tool_calling_iterations + 1 (assistant turns, the last one's calls not run); TRL's "
+               "tools=[fn, ...] is train(cfg, tools=[fn, ...]) with that section")
+
 _RL = {  # GRPOConfig's names for what GRPO, PPO and distillation share
-    "max_completion_length": "sampling.max_new_tokens",
+    "max_completion_length": "sampling.max_new_tokens (in multi-turn episodes each assistant turn's, where TRL's bounds the whole "
+                             "episode, tool results included)",
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
     "top_k": "sampling.top_k (0: off)",
@@ -96,6 +100,7 @@ _GRPO = {
     "scale_rewards": "advantage: group (TRL's true / 'group'), batch ('batch'), or none (false; Dr. GRPO)",
     "importance_sampling_level": "importance_sampling (token or sequence)",
     "mask_truncated_completions": "mask_truncated",
+    "max_tool_calling_iterations": _TOOL_TURNS,
 }
 
 _PPO = {  # TRL's last PPOConfig (0.x), and GRPOConfig's names for PPO's fields
@@ -111,6 +116,7 @@ _PPO = {  # TRL's last PPOConfig (0.x), and GRPOConfig's names for PPO's fields
     "total_episodes": "steps (each one rollout of prompts_per_step prompts)",
     "local_rollout_forward_batch_size": "micro_batch_size (rows per forward; auto by default)",
     "num_generations": "no such setting: PPO samples one completion per prompt (GRPO has group_size)",
+    "max_tool_calling_iterations": _TOOL_TURNS,
 }
 
 _DPO = {

@@ -119,3 +119,12 @@ def test_trls_generation_counts_name_the_conversion():
     # likewise TRL's generation_batch_size counts completions: GRPO's prompts_per_step is it over the group size
     hint = trl_hint("GRPOConfig", "generation_batch_size")
     assert hint.startswith("TRL's generation_batch_size: prompts_per_step = TRL's generation_batch_size / num_generations"), hint
+
+
+@pytest.mark.parametrize("trainer", [grpo.GRPOConfig, ppo.PPOConfig])
+def test_trls_tool_settings_name_the_turns_and_the_per_turn_length(trainer):
+    # TRL's max_tool_calling_iterations counts tool rounds (N rounds: N + 1 assistant turns) and got no hint; its
+    # max_completion_length bounds a whole tool episode, where sampling.max_new_tokens bounds each turn
+    with pytest.raises(ConfigError, match=r"TRL's max_tool_calling_iterations: environment.max_turns = TRL's max_tool_calling_iterations \+ 1"):
+        load_config(trainer, None, ["max_tool_calling_iterations=2"])
+    assert "each assistant turn's, where TRL's bounds the whole episode" in trl_hint(trainer.__name__, "max_completion_length")
