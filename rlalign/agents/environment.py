@@ -20,9 +20,15 @@ An environment is any object with these members (each method may be ``async def`
 
 Instead of tool methods an environment may define ``step(calls: list[ToolCall]) -> list[dict] | str``
 (the tool messages of a turn's calls, or one text message) and ``tool_schemas`` (the JSON schemas
-the chat template shows). One object serves one episode: the trainer makes one per row (a class is
-instantiated with no arguments; :func:`environment_factory` takes ``module:Class``, a class or a
-zero-argument callable).
+the chat template shows). Instead of a ``tools`` list it may give ``tool_functions`` (name -> callable),
+read again after ``reset`` (the environment may pick its tools there). One object serves one episode:
+the trainer makes one per row (a class is instantiated with no arguments; :func:`environment_factory`
+takes ``module:Class``, a class or a zero-argument callable).
+
+TRL's environment classes (``GRPOTrainer(environment_factory=...)``: every public method a tool,
+``reset(**row)``, ``get_reward()``) run unchanged, and so does TRL's dict of them selected by the
+``environment`` column: :class:`EnvRunner` tells the protocols apart on each object and wraps TRL's
+(:mod:`rlalign.agents.trl_environment`).
 
 A reward that is not a number (None: no reward; a bool, a NumPy scalar or a one-element tensor counts as
 its value, as for reward terms) or not finite is a :class:`rlalign.lm.reward_calls.RewardFunctionError`
@@ -45,6 +51,7 @@ record's ``prompt``; the episode ends at the final answer; rewards come from the
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -95,9 +102,18 @@ def checked_reward(value: Any, who: str, prompt: Any) -> float | None:
     return float(value)
 
 
-def environment_factory(env: str | type | Callable[[], Any]) -> Callable[[], Any]:
-    """A maker of fresh environments from ``module:Class``, a class, or a zero-argument callable."""
+def environment_factory(env: str | type | Callable[[], Any] | Mapping[str, Callable[[], Any]]) -> Callable[[], Any]:
+    """A maker of fresh environments from ``module:Class``, a class, or a zero-argument callable (what it makes
+    may speak TRL's protocol: :class:`EnvRunner` wraps it). A dict ``{name: factory}`` (or ``module:attribute``
+    naming one) is TRL's multi-environment form: the record's ``environment`` column picks the factory."""
+    from rlalign.agents.trl_environment import TRLEnvironment  # it builds on this module
+
     obj = load_object(env) if isinstance(env, str) else env
+    if isinstance(obj, Mapping):
+        bad = [name for name, factory in obj.items() if not callable(factory)]
+        if not obj or bad:
+            raise ValueError(f"environment dict {env!r:.80}: expected {{name: class or zero-argument callable}}" + (f"; {bad[0]!r} is not callable" if bad else ""))
+        return functools.partial(TRLEnvironment, factories=dict(obj))
     if not callable(obj):
         raise ValueError(f"environment {env!r} is not a class or a callable")
     return obj
@@ -130,22 +146,39 @@ async def _call(fn: Callable, *args, **kwargs) -> Any:
 
 
 class EnvRunner:
-    """Drives one environment object through an episode (all methods are coroutines)."""
+    """Drives one environment object through an episode (all methods are coroutines); a TRL-style one is wrapped
+    (:func:`rlalign.agents.trl_environment.adapt`: ``env`` is then the wrapper, its ``env`` the object given)."""
 
     def __init__(self, env: Any, max_result_chars: int = 1000):
-        self.env, self.max_result_chars = env, max_result_chars
+        from rlalign.agents.trl_environment import adapt  # it builds on this module
+
+        self.env, self.max_result_chars = adapt(env), max_result_chars
         self.prompt: Any = None  # the record's prompt (what a reward error names)
-        names = list(getattr(env, "tools", []) or [])
+        self.has_step = callable(getattr(env, "step", None))
+        self._bind_tools()
+
+    def _bind_tools(self) -> None:
+        """The tools: the environment's ``tool_functions``, or its methods its ``tools`` list names."""
+        env = self.env
+        self._typed: dict[str, Mapping[str, Any]] = {}  # each tool's schema, read once to type its string arguments
         self.tools: dict[str, Callable] = {}
-        for name in names:
+        given = getattr(env, "tool_functions", None)
+        if given is not None:
+            self.tools = dict(given)
+            return
+        for name in list(getattr(env, "tools", []) or []):
             fn = getattr(env, name, None)
             if not callable(fn):
                 raise ValueError(f"environment {type(env).__name__}: tool {name!r} is not a method")
             self.tools[name] = fn
-        self._typed: dict[str, Mapping[str, Any]] = {}  # each tool's schema, read once to type its string arguments
-        self.has_step = callable(getattr(env, "step", None))
         if not self.tools and not self.has_step:
-            raise ValueError(f"environment {type(env).__name__} has neither tools (a 'tools' list of method names) nor a step(calls) method")
+            raise ValueError(f"environment {type(env).__name__} has neither tools (a 'tools' list of method names) nor a step(calls) method "
+                             "(nor TRL's reset(**row), whose public methods are the tools)")
+
+    @property
+    def schema_key(self) -> tuple:
+        """What the tools' schemas depend on (runners with equal keys show the same schemas): the class and the tools' functions."""
+        return type(self.env), tuple((name, getattr(fn, "__func__", fn)) for name, fn in self.tools.items())
 
     def schemas(self) -> list[dict[str, Any]]:
         """The JSON schemas of the tools (the environment's ``tool_schemas`` when it has a step function)."""
@@ -165,6 +198,8 @@ class EnvRunner:
 
     async def reset(self, record: Mapping[str, Any]) -> str | list[Message]:
         prompt = await _call(self.env.reset, record)
+        if getattr(self.env, "tool_functions", None) is not None:
+            self._bind_tools()  # chosen at reset (TRL's environments by the record's environment column)
         self.prompt = record.get("prompt", prompt) if isinstance(record, Mapping) else prompt
         if not isinstance(prompt, (str, list)) or not prompt:
             raise ValueError(f"environment {type(self.env).__name__}.reset returned {prompt!r:.80}; expected a non-empty text or list of messages")

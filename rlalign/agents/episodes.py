@@ -260,11 +260,11 @@ def run_episodes(
         resets = loop.run_until_complete(_gather({r: runners[r].reset(rows[r]) for r in range(B)}, deadlines))
         if any(timed for _, timed in resets.values()):
             raise TimeoutError(f"an environment's reset took longer than the episode time limit ({timeout_s} s)")
-        schemas: dict[type, list] = {}  # one environment class, one set of schemas
+        schemas: dict[tuple, list] = {}  # one environment class and set of tools, one set of schemas
         for runner in runners:
-            if fmt is not TAGS and type(runner.env) not in schemas:
-                schemas[type(runner.env)] = runner.schemas()
-        tools = [schemas.get(type(runner.env)) for runner in runners]
+            if fmt is not TAGS and runner.schema_key not in schemas:
+                schemas[runner.schema_key] = runner.schemas()
+        tools = [schemas.get(runner.schema_key) for runner in runners]
         chat = [isinstance(resets[r][0], list) for r in range(B)]
         conversations: list[list[Message]] = [list(resets[r][0]) if chat[r] else [{"role": "user", "content": resets[r][0]}] for r in range(B)]
         prompts = [_encode(tokenizer, _render(tokenizer, conversations[r], tools[r], True)) if chat[r] else tokenizer(resets[r][0])["input_ids"] for r in range(B)]
