@@ -26,11 +26,13 @@ tags      ``<tool>N: ARGUMENT</tool>``; ARGUMENT a JSON object, or a plain     a
           string given to the tool's only parameter                           prompts
 ========  ==================================================================  ==========================================
 
-A turn with no call is the final answer. :func:`parsed_turn` and :func:`parsed_reply` write a turn and
-a tool reply as TRL's GRPOTrainer hands them to reward functions (its ``parse_response`` of the turn). A malformed call (broken JSON, no name, an opening tag
+A turn with no call is the final answer. A malformed call (broken JSON, no name, an opening tag
 without its closing tag, arguments that are not an object) is a :class:`ToolCall` with ``error``
 set: the environment answers it with an error message the policy sees, and it is counted
 (``agents/malformed_calls``); it never raises and never passes silently.
+
+:func:`parsed_turn` and :func:`parsed_reply` write a turn and a tool reply as TRL's GRPOTrainer hands
+them to reward functions (its ``parse_response`` of the turn, its tool message).
 """
 
 from __future__ import annotations
@@ -336,8 +338,12 @@ def parsed_turn(text: str, plain: str, calls: Sequence[ToolCall], fmt: CallForma
     message: Message = {"role": "assistant", "content": content}
     if good:
         by_name = {s.get("function", s).get("name"): s for s in schemas or []}
-        typed = lambda c: typed_arguments(c.arguments, by_name[c.name]) if isinstance(c.arguments, dict) and c.name in by_name else c.arguments  # noqa: E731
-        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": typed(c)}} for c in good]
+
+        def arguments(call: ToolCall) -> dict[str, Any] | str:
+            typed = isinstance(call.arguments, dict) and call.name in by_name
+            return typed_arguments(call.arguments, by_name[call.name]) if typed else call.arguments
+
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": arguments(c)}} for c in good]
     return message
 
 
