@@ -4,7 +4,8 @@ KV cache carries over between its turns, and the environment's tokens are the ch
     out = run_episodes(policy, tokenizer, records, LookupEnvironment, SamplingParams(32), group_size=8, max_turns=4)
     out.rollout          # one Rollout row per (record, sample): the completion holds every turn and every tool reply
     out.assistant_mask   # (B, C) 1 on the tokens the policy sampled, 0 on the environment's tokens and padding
-    out.final_texts      # the last assistant turn's text (what the reward functions score)
+    out.final_texts      # the last assistant turn's text (what the built-in reward terms and env.reward score)
+    out.completions      # a conversational row's episode after the prompt as messages: what TRL's reward functions get
 
 One row (Qwen-style template, hermes calls):
 
@@ -31,6 +32,14 @@ family's ``<|im_end|>`` / ``<|eot_id|>`` / ``<|eom_id|>``), after the format's c
 prompt (matched on token ids), or at ``max_new_tokens``; the ending token is fed too, so the cache
 holds the whole sequence when the environment's tokens follow.
 
+What reward functions get. TRL's GRPOTrainer hands a reward function, as ``completions[i]`` of a
+conversational prompt, the whole episode after the prompt: each assistant turn as its ``parse_response``
+gives it (``content`` the text outside the call markup, ``tool_calls`` the calls with their arguments
+typed by the tool's schema), each tool reply ``{"role": "tool", "name": ..., "content": ...}``, then the
+final turn. ``Episodes.completions`` is that list, built from the calls the environment ran
+(:func:`rlalign.agents.tool_calls.parsed_turn`); a turn without calls keeps its text as sampled (special
+tokens dropped: ``final_texts``), where parse_response trims its whitespace.
+
 Episodes end at a turn without a call (the final answer: reward from ``env.reward`` and the reward
 functions), when the environment sets ``done``, after ``max_turns`` turns (the last turn's calls are
 not run; ``finished`` False), or past ``timeout_s`` seconds from the batch's start (``timed_out``).
@@ -55,7 +64,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from rlalign.agents.environment import EnvRunner
-from rlalign.agents.tool_calls import TAGS, CallFormat, call_format
+from rlalign.agents.tool_calls import TAGS, CallFormat, call_format, parsed_reply, parsed_turn
 from rlalign.lm.decode import SamplingParams, _draw
 from rlalign.lm.models import cache_argument
 from rlalign.lm.rollout import Rollout
@@ -79,6 +88,7 @@ class Episodes:
     assistant_mask: Tensor  # (B, C) 1 on sampled tokens, 0 on environment tokens and padding
     final_texts: list[str]  # (B,) the last assistant turn's text, special tokens dropped
     conversations: list[list[Message]]  # (B,) the episode as messages (prompt, turns, tool replies)
+    completions: list[list[Message] | None]  # (B,) the episode after the prompt as TRL's reward functions get it; None: a text prompt
     env_rewards: list[float | None]  # (B,) the environment's reward, None when it gives none
     turns: Tensor  # (B,) assistant turns taken
     tool_calls: Tensor  # (B,) calls made (malformed included)
@@ -267,6 +277,8 @@ def run_episodes(
         tools = [schemas.get(runner.schema_key) for runner in runners]
         chat = [isinstance(resets[r][0], list) for r in range(B)]
         conversations: list[list[Message]] = [list(resets[r][0]) if chat[r] else [{"role": "user", "content": resets[r][0]}] for r in range(B)]
+        completions: list[list[Message]] = [[] for _ in range(B)]  # TRL's view of each row's episode after the prompt
+        special = list(tokenizer.all_special_tokens)
         prompts = [_encode(tokenizer, _render(tokenizer, conversations[r], tools[r], True)) if chat[r] else tokenizer(resets[r][0])["input_ids"] for r in range(B)]
         close = _encode(tokenizer, fmt.close) if fmt.close else []
         text_stops = [close] if close else []
@@ -296,6 +308,7 @@ def run_episodes(
                 final[r] = tokenizer.decode(body, skip_special_tokens=True)
                 conversations[r].append({"role": "assistant", "content": text.rstrip()})  # trailing whitespace: the template's (matched below)
                 calls = fmt.parse(text)
+                completions[r].append(parsed_turn(text, final[r], calls, fmt, tools[r], special))
                 n_calls[r] += len(calls)
                 n_bad[r] += sum(c.error is not None for c in calls)
                 if not calls:  # the final answer: finished where it ended, truncated (as a completion with no EOS) where max_new_tokens cut it
@@ -314,6 +327,7 @@ def run_episodes(
                 else:
                     env_chunks[r] = _encode(tokenizer, "".join(fmt.render_result(str(m["content"])) if m.get("role") == "tool" else str(m["content"]) for m in messages))
                 conversations[r] += messages
+                completions[r] += [parsed_reply(m) for m in messages]
                 if runners[r].done:
                     done[r] = finished[r] = True
                     env_chunks[r] = []
@@ -329,10 +343,13 @@ def run_episodes(
             timed_out[r] = timed_out[r] or timed
     finally:
         loop.close()  # its thread pool is shut down without waiting: a tool past the time limit finishes on its own
-    return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, rewards, turns, n_calls, n_bad, finished, timed_out)
+    completions = [completions[r] if chat[r] else None for r in range(B)]
+    return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, completions, rewards, turns, n_calls, n_bad, finished,
+                    timed_out)
 
 
-def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, conversations, rewards, turns, n_calls, n_bad, finished, timed_out) -> Episodes:
+def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, conversations, completions, rewards, turns, n_calls, n_bad, finished,
+             timed_out) -> Episodes:
     width = max(1, max(len(x) for x in ids))
 
     def right_pad(values: list[list], fill, dtype) -> Tensor:
@@ -345,7 +362,7 @@ def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, co
         torch.arange(n_records).repeat_interleave(group_size), unfinished,
     )
     return Episodes(
-        rollout, right_pad(sampled, 0, torch.long), final, conversations, rewards, torch.tensor(turns), torch.tensor(n_calls), torch.tensor(n_bad),
+        rollout, right_pad(sampled, 0, torch.long), final, conversations, completions, rewards, torch.tensor(turns), torch.tensor(n_calls), torch.tensor(n_bad),
         torch.tensor(finished), torch.tensor(timed_out),
     )
 

@@ -30,6 +30,9 @@ A turn with no call is the final answer. A malformed call (broken JSON, no name,
 without its closing tag, arguments that are not an object) is a :class:`ToolCall` with ``error``
 set: the environment answers it with an error message the policy sees, and it is counted
 (``agents/malformed_calls``); it never raises and never passes silently.
+
+:func:`parsed_turn` and :func:`parsed_reply` write a turn and a tool reply as TRL's GRPOTrainer hands
+them to reward functions (its ``parse_response`` of the turn, its tool message).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 
 __all__ = [
     "ToolCall", "CallFormat", "call_id", "HERMES", "LLAMA3", "MISTRAL", "TAGS", "FORMATS", "call_format", "tool_schemas", "typed_arguments", "tool_message", "format_of_template",
+    "call_free_text", "parsed_turn", "parsed_reply",
 ]
 
 Message = dict[str, Any]
@@ -302,3 +306,50 @@ def tool_message(call: ToolCall, content: str) -> Message:
     if call.id:
         message["tool_call_id"] = call.id
     return message
+
+
+def call_free_text(fmt: CallFormat, text: str) -> str:
+    """``text`` (an assistant turn with calls) without the calls' markup: the text around ``open ... close``
+    blocks; in the formats whose calls run to the end of the turn, the text before the first call."""
+    if fmt.close:
+        return re.sub(re.escape(fmt.open) + ".*?" + re.escape(fmt.close), "", text, flags=re.DOTALL)
+    return text.partition(fmt.open)[0] if fmt.open in text else ""  # llama3 without <|python_tag|>: the whole turn is the call
+
+
+def parsed_turn(text: str, plain: str, calls: Sequence[ToolCall], fmt: CallFormat, schemas: Sequence[Mapping[str, Any]] | None = None,
+                special_tokens: Sequence[str] = ()) -> Message:
+    """An assistant turn as TRL's ``parse_response`` gives it: ``{"role": "assistant", "content": ..., "tool_calls":
+    [{"type": "function", "function": {"name": N, "arguments": {...}}}]}``, no ``tool_calls`` key without calls.
+
+    Args:
+        text: the turn as sampled, special tokens kept (what ``calls`` were parsed from).
+        plain: the turn's text with special tokens dropped: the content of a turn without calls, or with a
+            malformed one (parse_response's fallback, its markup kept; its well-formed calls are still listed).
+        calls: ``fmt.parse(text)``; the arguments typed by the tool's schema in ``schemas`` (as the environment ran them).
+        special_tokens: dropped from the text outside the calls (``tokenizer.all_special_tokens``).
+    """
+    good = [c for c in calls if c.error is None]
+    content = plain
+    if good and len(good) == len(calls):  # the text outside the markup, trimmed, as parse_response gives it
+        content = call_free_text(fmt, text)
+        for token in special_tokens:
+            content = content.replace(token, "")
+        content = content.strip()
+    message: Message = {"role": "assistant", "content": content}
+    if good:
+        by_name = {s.get("function", s).get("name"): s for s in schemas or []}
+
+        def arguments(call: ToolCall) -> dict[str, Any] | str:
+            typed = isinstance(call.arguments, dict) and call.name in by_name
+            return typed_arguments(call.arguments, by_name[call.name]) if typed else call.arguments
+
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": arguments(c)}} for c in good]
+    return message
+
+
+def parsed_reply(message: Message) -> Message:
+    """A tool reply as TRL gives it to reward functions, ``{"role": "tool", "name": N, "content": ...}`` (no call id);
+    a message of another role (an environment's ``step`` may answer with any) as it is."""
+    if message.get("role") != "tool":
+        return dict(message)
+    return {"role": "tool", **({"name": message["name"]} if "name" in message else {}), "content": message.get("content")}

@@ -26,6 +26,7 @@ from rlalign.lm.data import DataError, Messages, PreferenceExample, Prompt, SFTE
 __all__ = [
     "render_prompt",
     "completion_text",
+    "final_answer",
     "encode_prompts",
     "example_tokens",
     "SFTBatch",
@@ -64,6 +65,18 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
 def completion_text(completion: str | Messages) -> str:
     """A completion's text: itself, or the contents of its messages joined."""
     return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
+def final_answer(completion: str | Messages) -> str:
+    """The answer a built-in reward scores: a text completion itself, else the contents of its trailing
+    assistant messages joined (a single-turn completion's messages; a multi-turn episode's final turn,
+    after its last tool reply)."""
+    if isinstance(completion, str):
+        return completion
+    start = len(completion)
+    while start > 0 and completion[start - 1].get("role") == "assistant":
+        start -= 1
+    return "".join(m.get("content") or "" for m in completion[start:])
 
 
 def _encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:

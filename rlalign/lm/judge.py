@@ -9,7 +9,8 @@ parsed to a score in [0, 1].
 Per completion the judge is sent one conversation: an optional system message, then the user
 message ``template.format(prompt=..., completion=..., **the row's columns it names)`` (a template
 may use ``{answer}`` to show a reference; a literal brace is written ``{{``). A prompt given as chat
-messages is shown as "role: content" lines; a completion given as messages, as their contents.
+messages is shown as "role: content" lines; a completion given as messages, as the contents of its
+trailing assistant messages (a multi-turn episode's final answer: :func:`rlalign.lm.encoding.final_answer`).
 
 Its answer is parsed by ``pattern`` (default: "Score: 7", "score = 7.5", "Score: 7/10", "7/10"; "score"
 as a word, so ``best_score = 0`` is no verdict, and "Score: .5", "Score: −3" or "Score: 1e3" none):
@@ -69,7 +70,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlalign.lm.decode import SamplingParams
-from rlalign.lm.encoding import completion_text
+from rlalign.lm.encoding import final_answer
 from rlalign.lm.model_modes import evaluating
 from rlalign.lm.models import stop_token_ids
 from rlalign.lm.remote_reward import RETRY_STATUSES, post_json, run_sync
@@ -381,7 +382,7 @@ class JudgeReward:
             raise RewardFunctionError(f"judge {self.name}: its template needs the column {missing[0]!r}, which the rows do not have (prompt {prompts[0]!r:.200})")
         out = []
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            text = self.template.format(prompt=_shown(p), completion=completion_text(c), **{k: columns[k][i] for k in self.columns})
+            text = self.template.format(prompt=_shown(p), completion=final_answer(c), **{k: columns[k][i] for k in self.columns})
             out.append(([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [{"role": "user", "content": text}])
         return out
 

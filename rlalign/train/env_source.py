@@ -4,9 +4,12 @@
     batch = source.next(state)   # ScoredBatch: token mask 0 on the environment's tokens; metrics agents/*
 
 Each step's ``n`` prompt records each get ``group_size`` episodes (:func:`rlalign.agents.episodes.run_episodes`),
-sampled by the policy (or its sampling copy). Rewards: the reward terms score each episode's final
-answer (the last assistant turn), and the environment's own reward, where it gives one, is the term
-"environment" (:class:`rlalign.train.sources.Scorer`); either or both. An episode that ran past
+sampled by the policy (or its sampling copy). Rewards: the reward terms score each episode, and the
+environment's own reward, where it gives one, is the term "environment" (:class:`rlalign.train.sources.Scorer`);
+either or both. A reward function gets, for a conversational prompt, the episode after the prompt as TRL
+gives it (``Episodes.completions``: assistant turns with their tool calls, tool replies, the final turn),
+in training and in :func:`evaluate_episodes` alike; the built-in terms score the final answer (the last
+assistant turn). An episode that ran past
 ``environment.timeout_s`` is left out of training (its unfinished turn is no answer to score): marked failed
 as :data:`TIMED_OUT` (``reward/environment_timeout/failed``: how many), so its advantage is 0 and its
 tokens are out of the loss. GRPO and PPO take it like any
@@ -107,6 +110,7 @@ class EnvironmentSource(SampledSource):
         return Sampled(
             state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
             global_episode_metrics(episodes, self.scorer.world), failed={TIMED_OUT: episodes.timed_out.clone()},  # every step, so every rank has the entry
+            messages=episodes.completions,
         )
 
 
@@ -133,7 +137,7 @@ def evaluate_episodes(
                 generator=generator, timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
             )
         scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=step + 1,
-                             max_steps=max_steps)
+                             max_steps=max_steps, messages=episodes.completions)
         total = scored.scores + torch.tensor([0.0 if r is None else r for r in episodes.env_rewards])  # (B,) rewards checked by EnvRunner.reward
         totals.append(total)
         parts.append(episodes)

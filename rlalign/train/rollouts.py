@@ -23,7 +23,7 @@ from torch import Tensor
 from rlalign.config import ConfigError
 from rlalign.lm.code_execution import CODE_COLUMNS, TestsError, code_execution, code_tests
 from rlalign.lm.data import DataError, PromptExample, load_prompts
-from rlalign.lm.encoding import completion_text, encode_prompts, render_prompt
+from rlalign.lm.encoding import encode_prompts, final_answer, render_prompt
 from rlalign.lm.heads import load_reward_model
 from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.lm.models import load_tokenizer, stop_token_ids
@@ -53,6 +53,7 @@ __all__ = [
     "score_rollout",
     "sample_shard",
     "ScoredRollout",
+    "reward_completion",
     "score_shard",
     "reward_stats",
     "scored_stats",
@@ -147,10 +148,11 @@ def _references(prompts: Sequence[PromptExample], tokenizer, function: str, colu
 
 def _on_text(fn: Callable, tokenizer) -> Callable:
     """A built-in reward called on texts whatever the data's type: each prompt rendered as the policy
-    saw it, each completion's text (a user's function gets TRL's values: messages for conversational rows)."""
+    saw it, each completion's final answer (:func:`rlalign.lm.encoding.final_answer`: an episode's last
+    assistant turn; a user's function gets TRL's values: messages for conversational rows, an episode's all)."""
 
     def on_text(prompts: list, completions: list, **columns) -> Sequence[float]:
-        return call_reward(fn, [render_prompt(tokenizer, p) for p in prompts], [completion_text(c) for c in completions], columns, {})
+        return call_reward(fn, [render_prompt(tokenizer, p) for p in prompts], [final_answer(c) for c in completions], columns, {})
 
     on_text.name = reward_fn_name(fn)
     return on_text
@@ -371,9 +373,19 @@ def logged_means(logged: dict[str, list[float]]) -> dict[str, float]:
     return {name: sum(values) / len(values) for name, values in logged.items() if values}
 
 
+def reward_completion(prompt, text: str, messages: list[dict] | None = None):
+    """What reward functions get as one row's completion, as TRL gives it: the text for a text prompt; for a
+    conversational one the episode's messages after the prompt where the row is an episode (``messages``:
+    :attr:`rlalign.agents.episodes.Episodes.completions`), else ``[{"role": "assistant", "content": text}]``."""
+    if isinstance(prompt, str):
+        return text
+    return messages if messages is not None else [{"role": "assistant", "content": text}]
+
+
 def score_shard(
     rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
     world: distributed.World, missing_eos_penalty: float | None = None, *, step: int, max_steps: int, uneven: bool = False,
+    messages: Sequence[list[dict] | None] | None = None,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
@@ -382,10 +394,13 @@ def score_shard(
     ``global_step`` = ``step``, the steps done (an evaluation after step s gives s + 1, as TRL's), ``max_steps`` = ``max_steps``,
     the run's steps: every caller gives both) and TRL's
     ``log_metric`` and ``log_extra`` (:class:`RewardLog`).
-    ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``."""
+    ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``. ``messages``:
+    this rank's rows as multi-turn episodes (None: single turns), given to the reward functions by :func:`reward_completion`;
+    ``completions`` are then each episode's final answer (the samples table's)."""
     rows = [ex for ex in batch[world.split(len(batch)) if uneven else world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
     prompts = [ex.prompt for ex in rows]  # text or messages, as in the data (TRL's convention)
-    as_messages = [completion if isinstance(ex.prompt, str) else [{"role": "assistant", "content": completion}] for ex, completion in zip(rows, completions)]
+    episodes = messages if messages is not None else [None] * len(rows)
+    as_messages = [reward_completion(ex.prompt, text, episode) for ex, text, episode in zip(rows, completions, episodes, strict=True)]
     columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
     columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
     from transformers import TrainerState  # imports peft: only where a batch is scored
