@@ -157,6 +157,13 @@ class EnvRunner:
         self.has_step = callable(getattr(env, "step", None))
         self._bind_tools()
 
+    @property
+    def given(self) -> Any:
+        """The environment object as given (a TRL-style one unwrapped): what TRL's reward functions get in ``environments``."""
+        from rlalign.agents.trl_environment import TRLEnvironment
+
+        return self.env.env if isinstance(self.env, TRLEnvironment) else self.env
+
     def _bind_tools(self) -> None:
         """The tools: the environment's ``tool_functions``, or its methods its ``tools`` list names."""
         env = self.env

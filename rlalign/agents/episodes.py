@@ -89,6 +89,7 @@ class Episodes:
     final_texts: list[str]  # (B,) the last assistant turn's text, special tokens dropped
     conversations: list[list[Message]]  # (B,) the episode as messages (prompt, turns, tool replies)
     completions: list[list[Message] | None]  # (B,) the episode after the prompt as TRL's reward functions get it; None: a text prompt
+    environments: list[Any]  # (B,) each episode's environment object, as given (TRL's reward functions get them as `environments`)
     env_rewards: list[float | None]  # (B,) the environment's reward, None when it gives none
     turns: Tensor  # (B,) assistant turns taken
     tool_calls: Tensor  # (B,) calls made (malformed included)
@@ -344,12 +345,13 @@ def run_episodes(
     finally:
         loop.close()  # its thread pool is shut down without waiting: a tool past the time limit finishes on its own
     completions = [completions[r] if chat[r] else None for r in range(B)]
-    return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, completions, rewards, turns, n_calls, n_bad, finished,
-                    timed_out)
+    environments = [runner.given for runner in runners]
+    return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, completions, environments, rewards, turns, n_calls,
+                    n_bad, finished, timed_out)
 
 
-def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, conversations, completions, rewards, turns, n_calls, n_bad, finished,
-             timed_out) -> Episodes:
+def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, conversations, completions, environments, rewards, turns, n_calls, n_bad,
+             finished, timed_out) -> Episodes:
     width = max(1, max(len(x) for x in ids))
 
     def right_pad(values: list[list], fill, dtype) -> Tensor:
@@ -362,7 +364,8 @@ def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, co
         torch.arange(n_records).repeat_interleave(group_size), unfinished,
     )
     return Episodes(
-        rollout, right_pad(sampled, 0, torch.long), final, conversations, completions, rewards, torch.tensor(turns), torch.tensor(n_calls), torch.tensor(n_bad),
+        rollout, right_pad(sampled, 0, torch.long), final, conversations, completions, environments, rewards, torch.tensor(turns), torch.tensor(n_calls),
+        torch.tensor(n_bad),
         torch.tensor(finished), torch.tensor(timed_out),
     )
 

@@ -110,7 +110,7 @@ class EnvironmentSource(SampledSource):
         return Sampled(
             state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
             global_episode_metrics(episodes, self.scorer.world), failed={TIMED_OUT: episodes.timed_out.clone()},  # every step, so every rank has the entry
-            messages=episodes.completions,
+            messages=episodes.completions, environments=episodes.environments,
         )
 
 
@@ -137,7 +137,7 @@ def evaluate_episodes(
                 generator=generator, timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
             )
         scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=step + 1,
-                             max_steps=max_steps, messages=episodes.completions)
+                             max_steps=max_steps, messages=episodes.completions, environments=episodes.environments)
         total = scored.scores + torch.tensor([0.0 if r is None else r for r in episodes.env_rewards])  # (B,) rewards checked by EnvRunner.reward
         totals.append(total)
         parts.append(episodes)

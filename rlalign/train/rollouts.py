@@ -385,7 +385,7 @@ def reward_completion(prompt, text: str, messages: list[dict] | None = None):
 def score_shard(
     rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
     world: distributed.World, missing_eos_penalty: float | None = None, *, step: int, max_steps: int, uneven: bool = False,
-    messages: Sequence[list[dict] | None] | None = None,
+    messages: Sequence[list[dict] | None] | None = None, environments: Sequence | None = None,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
@@ -396,7 +396,8 @@ def score_shard(
     ``log_metric`` and ``log_extra`` (:class:`RewardLog`).
     ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``. ``messages``:
     this rank's rows as multi-turn episodes (None: single turns), given to the reward functions by :func:`reward_completion`;
-    ``completions`` are then each episode's final answer (the samples table's)."""
+    ``completions`` are then each episode's final answer (the samples table's). ``environments``: this rank's rows' environment
+    objects, given to reward functions as TRL's ``environments`` keyword (None: not given)."""
     rows = [ex for ex in batch[world.split(len(batch)) if uneven else world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
     prompts = [ex.prompt for ex in rows]  # text or messages, as in the data (TRL's convention)
     episodes = messages if messages is not None else [None] * len(rows)
@@ -408,6 +409,8 @@ def score_shard(
     log = RewardLog()
     state = TrainerState(global_step=step, max_steps=max_steps, epoch=None)  # TRL hands its TrainerState; counted in rlalign's steps
     context = {"trainer_state": state, "log_metric": log.log_metric, "log_extra": log.log_extra}
+    if environments is not None:
+        context["environments"] = list(environments)  # (B,) TRL's, when an environment runs the episodes
     local_scores, local_per_term, local_failed = score_rollout(rewards, prompts, as_messages, columns, context)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()

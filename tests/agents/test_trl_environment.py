@@ -277,3 +277,25 @@ def test_the_environments_get_reward_is_the_reward_trained_on(entry, tiny_path, 
     assert sorted(seen[0].env_rewards) == sorted(rewards) and len(rewards) == 4
     assert {answer for answer, _ in TRLLookup.scored} <= {r["answer"] for r in records}  # the answer column reached reset
     assert history["reward/environment/mean"] == pytest.approx(sum(rewards) / 4)
+
+
+def test_reward_functions_get_the_episodes_environments_as_trl_passes_them(tiny_path, tmp_path, monkeypatch):
+    # TRL hands reward functions `environments`, each row's environment object as the user wrote it (a reward reading
+    # its state, or `type(e) is Class`); they got no such keyword (TypeError: missing argument 'environments')
+    seen = []
+
+    def lookups_made(completions, environments, **kwargs):
+        seen.append([(type(e), e.lookups, e.answer) for e in environments])
+        return [float(e.lookups) for e in environments]
+
+    monkeypatch.setattr(TRLLookup, "scored", [])
+    cfg = load_config(grpo.GRPOConfig, None, {
+        "model.path": str(tiny_path), "output_dir": str(tmp_path), "data.task": "arithmetic", "rewards": [], "steps": 1, "prompts_per_step": 2,
+        "group_size": 2, "sampling.max_new_tokens": 8, "beta": 0.0, "progress": False, "plots": False, "eval.enabled": False,
+        "environment.max_turns": 2})
+    records = L.prompt_records("train", 8)
+    history = grpo.train(cfg, prompts=records, environment=TRLLookup, reward_functions=[lookups_made]).history[0]
+    assert len(seen) == 1 and len(seen[0]) == 4 and all(kind is TRLLookup for kind, _, _ in seen[0])  # the user's objects, unwrapped
+    answers = [r["answer"] for r in records]
+    assert all(answer in answers for _, _, answer in seen[0])  # each episode's own instance, reset with its row
+    assert history["reward/lookups_made/mean"] == pytest.approx(sum(n for _, n, _ in seen[0]) / 4)
