@@ -68,15 +68,18 @@ def completion_text(completion: str | Messages) -> str:
 
 
 def final_answer(completion: str | Messages) -> str:
-    """The answer a built-in reward scores: a text completion itself, else the contents of its trailing
-    assistant messages joined (a single-turn completion's messages; a multi-turn episode's final turn,
-    after its last tool reply)."""
+    """The answer a built-in reward scores: a text completion itself, else the contents of its last run of
+    assistant messages joined (a single-turn completion's messages; a multi-turn episode's final turn, after
+    its last tool reply; of an episode the environment ended after a tool reply, its last assistant turn)."""
     if isinstance(completion, str):
         return completion
-    start = len(completion)
+    end = len(completion)
+    while end > 0 and completion[end - 1].get("role") != "assistant":  # the environment's replies after the last turn (it set done)
+        end -= 1
+    start = end
     while start > 0 and completion[start - 1].get("role") == "assistant":
         start -= 1
-    return "".join(m.get("content") or "" for m in completion[start:])
+    return "".join(m.get("content") or "" for m in completion[start:end])
 
 
 def _encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:

@@ -149,6 +149,41 @@ def test_builtin_terms_and_the_judge_score_the_final_answer(monkeypatch):
     assert judge.conversations([QUESTION], out.completions, {}) == [[{"role": "user", "content": "12"}]]
 
 
+class Submit:
+    """An rlalign environment that ends the episode (done) when the answer is submitted through its tool."""
+
+    tools = ["submit"]
+    done = False
+
+    def reset(self, record):
+        return record["prompt"]
+
+    def submit(self, answer: str) -> str:
+        """Submit the final answer.
+
+        Args:
+            answer: The answer.
+        """
+        self.done = True
+        return "submitted"
+
+
+def test_an_episode_the_environment_ends_scores_its_last_assistant_turn(monkeypatch):
+    # the completion ends with the tool reply (done after it): the built-in terms score the last assistant turn's text
+    # outside the call, not "" (the trailing assistant messages of [turn, reply] are none; math_answer read the turn before)
+    tokenizer = family_tokenizer("hermes")
+    script(monkeypatch, [ids_of(tokenizer, '12 <tool_call>\n{"name": "submit", "arguments": {"answer": "12"}}\n</tool_call><|im_end|>')])
+    out = ep.run_episodes(build_tiny_llama(tokenizer, SPEC).eval(), tokenizer, [{"prompt": QUESTION}], Submit,
+                          SamplingParams(max_new_tokens=200, temperature=1.0), max_turns=3)
+    assert [m["role"] for m in out.completions[0]] == ["assistant", "tool"] and out.finished.tolist() == [True]
+    examples = [PromptExample(QUESTION, {"answer": "12"})]
+    terms = build_rewards([RewardConfig(function="exact_match"), RewardConfig(function="math_answer")], examples, tokenizer, None)
+    scored = score_shard(terms, tokenizer, examples, out.rollout, out.final_texts, 1, distributed.World(), step=1, max_steps=1, messages=out.completions)
+    assert {name: values.tolist() for name, values in scored.per_term.items()} == {"exact_match": [1.0], "math_answer": [1.0]}
+    judge = JudgeReward(lambda conversations: ["Score: 10"] * len(conversations), template="{completion}")
+    assert judge.conversations([QUESTION], out.completions, {}) == [[{"role": "user", "content": "12"}]]
+
+
 def test_a_text_prompt_and_a_single_turn_keep_their_completions(monkeypatch):
     # TRL's completions are texts for text prompts: the episode's final text, as before
     tokenizer = family_tokenizer("hermes")
