@@ -215,15 +215,16 @@ class RemoteReward:
             raise ValueError(f"{self.name}: the bearer token {self._token_source} must be printable ASCII without surrounding spaces")
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}  # kept out of ``headers``, which callers may print
 
-    def __call__(self, prompts: list, completions: list, trainer_state: Any = None, **columns: Sequence) -> list:
+    def __call__(self, prompts: list, completions: list, trainer_state: Any = None, environments: Sequence | None = None, **columns: Sequence) -> list:
         """One reward per completion: a float, None where the server says the reward does not apply,
         :data:`rlalign.lm.reward_calls.UNSCORED` where it says the row could not be scored."""
-        return run_sync(self.acall(prompts, completions, trainer_state=trainer_state, **columns))
+        return run_sync(self.acall(prompts, completions, trainer_state=trainer_state, environments=environments, **columns))
 
-    async def acall(self, prompts: list, completions: list, trainer_state: Any = None, **columns: Sequence) -> list:
+    async def acall(self, prompts: list, completions: list, trainer_state: Any = None, environments: Sequence | None = None, **columns: Sequence) -> list:
         """As the call, with up to ``max_concurrency`` batches in flight; rewards in the rows' order.
         ``trainer_state.global_step`` (when given) goes as ``global_step``; keywords that are not one
-        value per row are not sent."""
+        value per row are not sent, nor ``environments`` (the episodes' environment objects, TRL's keyword: objects
+        of this process, not data)."""
         n = len(prompts)
         if len(completions) != n:
             raise ValueError(f"{self.name}: {n} prompts but {len(completions)} completions")

@@ -91,6 +91,17 @@ def test_the_request_body_is_the_documented_protocol():
     assert seen[1] == {"prompts": PROMPTS[2:3], "completions": COMPLETIONS[2:3], "columns": {}}  # messages: no query
 
 
+def test_the_episodes_environment_objects_are_not_sent():
+    # score_shard hands every reward function TRL's `environments` keyword (one object per row) in an environment run;
+    # they are objects of this process, not data: sending them was "columns.environments cannot be sent as JSON"
+    app, seen = scripted_app(ok)
+    with running(app) as url:
+        remote = RemoteReward(f"{url}/score")
+        assert remote(["a"], ["bc"], environments=[object()], answer=["1"]) == [2.0]
+        assert asyncio.run(remote.acall(["a"], ["bc"], environments=[object()])) == [2.0]
+    assert seen[0]["columns"] == {"answer": ["1"]} and seen[1]["columns"] == {}
+
+
 def test_only_the_chosen_columns_are_sent_and_a_missing_or_unserialisable_one_is_an_error():
     app, seen = scripted_app(ok)
     with running(app) as url:
