@@ -284,7 +284,8 @@ def test_reward_functions_get_the_episodes_environments_as_trl_passes_them(tiny_
     # its state, or `type(e) is Class`); they got no such keyword (TypeError: missing argument 'environments')
     seen = []
 
-    def lookups_made(completions, environments, **kwargs):
+    def lookups_made(completions, environments, answer, **kwargs):
+        assert [e.answer for e in environments] == answer  # each row's own environment, in the rows' order (the row's answer column)
         seen.append([(type(e), e.lookups, e.answer) for e in environments])
         return [float(e.lookups) for e in environments]
 
