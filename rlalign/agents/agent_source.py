@@ -16,7 +16,7 @@ dict with another key) is an error naming the agent and the prompt, as a reward 
 return is. The reward terms score the answer against the record's
 columns (as the last completion of a single-turn rollout); a returned ``reward`` is added as the term
 "agent"; one that is not a number or not finite is an error naming the agent and the prompt
-(:func:`rlalign.agents.environment.checked_reward`). An episode that raises, times out or passes
+(:func:`rlalign.agents.env_calls.checked_reward`). An episode that raises, times out or passes
 ``max_calls`` fails (metric agent/failed): it is marked :data:`AGENT_FAILED` and leaves training like
 an unscored row (advantage 0, no loss tokens, not in its group's baseline), never scored as a 0.
 The endpoint samples every call at the run's ``sampling`` settings (a request asking for another
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from rlalign.agents.agent_config import AgentConfig
-from rlalign.agents.environment import checked_reward
+from rlalign.agents.env_calls import checked_reward
 from rlalign.agents.openai_server import CallRecord, PolicyServer
 from rlalign.config import ConfigError
 from rlalign.lm.data import PromptExample

@@ -50,7 +50,6 @@ record's ``prompt``; the episode ends at the final answer; rewards come from the
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib
 import inspect
@@ -58,12 +57,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
+from rlalign.agents.env_calls import call_on_loop, checked_reward
 from rlalign.agents.tool_calls import ToolCall, call_id, tool_message, tool_schemas, typed_arguments
-from rlalign.lm.reward_calls import RewardFunctionError, _as_number, check_finite
 
-__all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object", "checked_reward"]
+__all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object"]
 
 Message = dict[str, Any]
 
@@ -84,22 +81,6 @@ def load_object(spec: str) -> Any:
     except (ImportError, AttributeError) as err:
         raise ValueError(f"{spec!r} cannot be imported: {err}") from None
     return obj
-
-
-def checked_reward(value: Any, who: str, prompt: Any) -> float | None:
-    """An environment's or agent's own reward as a float (None: it gave none), by the reward terms' convention
-    (:mod:`rlalign.lm.reward_calls`: a number, a bool, a NumPy scalar or a one-element tensor).
-
-    Raises:
-        RewardFunctionError: naming ``who`` and ``prompt`` when it is not a number, or not finite in float32.
-    """
-    value = _as_number(value)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)):
-        raise RewardFunctionError(f"{who} returned {value!r:.80} for prompt {prompt!r}: expected a finite number, or None for no reward")
-    check_finite(torch.tensor([float(value)]), f"{who} returned", [prompt], "expected a finite number in float32, the dtype rewards are trained in")
-    return float(value)
 
 
 def environment_factory(env: str | type | Callable[[], Any] | Mapping[str, Callable[[], Any]]) -> Callable[[], Any]:
@@ -135,14 +116,6 @@ class FunctionTools:
         if name in functions:
             return functions[name]
         raise AttributeError(name)
-
-
-async def _call(fn: Callable, *args, **kwargs) -> Any:
-    """``fn(*args, **kwargs)``: awaited when it is a coroutine function, else run in the loop's thread pool."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    result = await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
-    return await result if inspect.isawaitable(result) else result
 
 
 class EnvRunner:
@@ -204,7 +177,7 @@ class EnvRunner:
         return self._typed[name]
 
     async def reset(self, record: Mapping[str, Any]) -> str | list[Message]:
-        prompt = await _call(self.env.reset, record)
+        prompt = await call_on_loop(self.env.reset, record)
         if getattr(self.env, "tool_functions", None) is not None:
             self._bind_tools()  # chosen at reset (TRL's environments by the record's environment column)
         self.prompt = record.get("prompt", prompt) if isinstance(record, Mapping) else prompt
@@ -217,7 +190,7 @@ class EnvRunner:
         calls = [c if c.id else replace(c, id=call_id(row, turn, i)) for i, c in enumerate(calls)]
         if self.has_step and not self.tools:
             try:
-                out = await _call(self.env.step, list(calls))
+                out = await call_on_loop(self.env.step, list(calls))
             except Exception as err:  # as a tool's: the policy's observation
                 out = f"error: {type(err).__name__}: {err}"
             messages = [{"role": "tool", "content": out}] if isinstance(out, str) else list(out)
@@ -244,7 +217,7 @@ class EnvRunner:
         except TypeError as err:
             return f"error: bad arguments for {call.name}: {err}"
         try:
-            result = await _call(fn, **arguments)
+            result = await call_on_loop(fn, **arguments)
         except Exception as err:  # a tool failing is the policy's observation, not the trainer's crash
             return f"error: {type(err).__name__}: {err}"
         text = result if isinstance(result, str) else str(result)
@@ -254,7 +227,7 @@ class EnvRunner:
         fn = getattr(self.env, "reward", None)
         if not callable(fn):
             return None
-        return checked_reward(await _call(fn, answer), f"environment {type(self.env).__name__}.reward", self.prompt)
+        return checked_reward(await call_on_loop(fn, answer), f"environment {type(self.env).__name__}.reward", self.prompt)
 
     @property
     def done(self) -> bool:

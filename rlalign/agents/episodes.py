@@ -90,6 +90,7 @@ class Episodes:
     conversations: list[list[Message]]  # (B,) the episode as messages (prompt, turns, tool replies)
     completions: list[list[Message] | None]  # (B,) the episode after the prompt as TRL's reward functions get it; None: a text prompt
     environments: list[Any]  # (B,) each episode's environment object, as given (TRL's reward functions get them as `environments`)
+    prompts: list[Any]  # (B,) each episode's prompt as its reset made it (text, or messages), what the policy saw
     env_rewards: list[float | None]  # (B,) the environment's reward, None when it gives none
     turns: Tensor  # (B,) assistant turns taken
     tool_calls: Tensor  # (B,) calls made (malformed included)
@@ -346,12 +347,12 @@ def run_episodes(
         loop.close()  # its thread pool is shut down without waiting: a tool past the time limit finishes on its own
     completions = [completions[r] if chat[r] else None for r in range(B)]
     environments = [runner.given for runner in runners]
-    return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, completions, environments, rewards, turns, n_calls,
-                    n_bad, finished, timed_out)
+    return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, completions, environments,
+                    [resets[r][0] for r in range(B)], rewards, turns, n_calls, n_bad, finished, timed_out)
 
 
-def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, conversations, completions, environments, rewards, turns, n_calls, n_bad,
-             finished, timed_out) -> Episodes:
+def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, conversations, completions, environments, reset_prompts, rewards, turns,
+             n_calls, n_bad, finished, timed_out) -> Episodes:
     width = max(1, max(len(x) for x in ids))
 
     def right_pad(values: list[list], fill, dtype) -> Tensor:
@@ -364,7 +365,7 @@ def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, co
         torch.arange(n_records).repeat_interleave(group_size), unfinished,
     )
     return Episodes(
-        rollout, right_pad(sampled, 0, torch.long), final, conversations, completions, environments, rewards, torch.tensor(turns), torch.tensor(n_calls),
+        rollout, right_pad(sampled, 0, torch.long), final, conversations, completions, environments, reset_prompts, rewards, torch.tensor(turns), torch.tensor(n_calls),
         torch.tensor(n_bad),
         torch.tensor(finished), torch.tensor(timed_out),
     )

@@ -40,7 +40,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlalign.agents.environment import _call, checked_reward
+from rlalign.agents.env_calls import call_on_loop, checked_reward
 from rlalign.agents.tool_calls import tool_schemas
 
 __all__ = ["TRLEnvironment", "protocol", "adapt", "trl_tools"]
@@ -170,7 +170,7 @@ class TRLEnvironment:
         """
         if not _has_function(self.env, "get_reward"):
             return None
-        return checked_reward(await _call(self.env.get_reward), f"environment {type(self.env).__name__}.get_reward", self.prompt)
+        return checked_reward(await call_on_loop(self.env.get_reward), f"environment {type(self.env).__name__}.get_reward", self.prompt)
 
     def __getattr__(self, name: str) -> Any:
         env = self.__dict__.get("env")

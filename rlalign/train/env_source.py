@@ -44,7 +44,7 @@ from rlalign.lm.model_modes import attention_kernel, evaluating
 from rlalign.train import distributed
 from rlalign.train.common import forward_precision
 from rlalign.train.rl_eval import pass_at_ks
-from rlalign.train.rollouts import RewardTerm, prompt_batch, score_shard
+from rlalign.train.rollouts import EpisodeRows, RewardTerm, prompt_batch, score_shard
 from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_generator
 
 __all__ = [
@@ -86,6 +86,11 @@ def _turn_params(sampling, env_cfg: EnvironmentConfig) -> SamplingParams:
     return params if env_cfg.max_new_tokens is None else dataclasses.replace(params, max_new_tokens=env_cfg.max_new_tokens)
 
 
+def episode_rows(episodes: Episodes) -> EpisodeRows:
+    """What the reward functions get of ``episodes`` in place of the records' own: TRL's prompts, completions and environments."""
+    return EpisodeRows(episodes.prompts, episodes.completions, episodes.environments)
+
+
 @dataclass
 class EnvironmentSource(SampledSource):
     """Multi-turn episodes against ``env`` (a class or zero-argument maker; ``env_cfg.cls`` when None)."""
@@ -110,7 +115,7 @@ class EnvironmentSource(SampledSource):
         return Sampled(
             state.step, examples, episodes.rollout, episodes.final_texts, episodes.assistant_mask.clone(), time.perf_counter() - t0, episodes.env_rewards,
             global_episode_metrics(episodes, self.scorer.world), failed={TIMED_OUT: episodes.timed_out.clone()},  # every step, so every rank has the entry
-            messages=episodes.completions, environments=episodes.environments,
+            episodes=episode_rows(episodes),
         )
 
 
@@ -137,7 +142,7 @@ def evaluate_episodes(
                 generator=generator, timeout_s=env_cfg.timeout_s, max_result_chars=env_cfg.max_result_chars,
             )
         scored = score_shard(rewards, tokenizer, batch, episodes.rollout, episodes.final_texts, num_samples, distributed.World(), step=step + 1,
-                             max_steps=max_steps, messages=episodes.completions, environments=episodes.environments)
+                             max_steps=max_steps, episodes=episode_rows(episodes))
         total = scored.scores + torch.tensor([0.0 if r is None else r for r in episodes.env_rewards])  # (B,) rewards checked by EnvRunner.reward
         totals.append(total)
         parts.append(episodes)

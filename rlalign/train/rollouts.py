@@ -373,6 +373,16 @@ def logged_means(logged: dict[str, list[float]]) -> dict[str, float]:
     return {name: sum(values) / len(values) for name, values in logged.items() if values}
 
 
+@dataclass
+class EpisodeRows:
+    """This rank's rows as multi-turn episodes: what reward functions get in place of the records' own, as TRL's
+    ``GRPOTrainer`` gives them (:class:`rlalign.agents.episodes.Episodes`)."""
+
+    prompts: list  # (B,) each episode's prompt as its environment's reset made it (what the policy saw: TRL adds reset's text)
+    messages: list[list[dict] | None]  # (B,) the episode after the prompt as messages (TRL's completions); None for a text prompt
+    environments: list  # (B,) each episode's environment object, TRL's ``environments`` keyword
+
+
 def reward_completion(prompt, text: str, messages: list[dict] | None = None):
     """What reward functions get as one row's completion, as TRL gives it: the text for a text prompt; for a
     conversational one the episode's messages after the prompt where the row is an episode (``messages``:
@@ -385,7 +395,7 @@ def reward_completion(prompt, text: str, messages: list[dict] | None = None):
 def score_shard(
     rewards: Sequence[RewardTerm], tokenizer, batch: Sequence[PromptExample], rollout: Rollout, completions: list[str], group_size: int,
     world: distributed.World, missing_eos_penalty: float | None = None, *, step: int, max_steps: int, uneven: bool = False,
-    messages: Sequence[list[dict] | None] | None = None, environments: Sequence | None = None,
+    episodes: EpisodeRows | None = None,
 ) -> ScoredRollout:
     """Score this rank's rows of the global prompt ``batch`` (their decoded ``completions``): the weighted
     reward terms, each row with its own record's columns, minus ``missing_eos_penalty`` for completions
@@ -394,14 +404,13 @@ def score_shard(
     ``global_step`` = ``step``, the steps done (an evaluation after step s gives s + 1, as TRL's), ``max_steps`` = ``max_steps``,
     the run's steps: every caller gives both) and TRL's
     ``log_metric`` and ``log_extra`` (:class:`RewardLog`).
-    ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``. ``messages``:
-    this rank's rows as multi-turn episodes (None: single turns), given to the reward functions by :func:`reward_completion`;
-    ``completions`` are then each episode's final answer (the samples table's). ``environments``: this rank's rows' environment
-    objects, given to reward functions as TRL's ``environments`` keyword (None: not given)."""
+    ``uneven``: this rank's prompts are ``world.split(len(batch))``, not an even ``world.shard``. ``episodes``: this rank's rows
+    as multi-turn episodes (None: single turns): the reward functions get each episode's prompt as its reset made it, its
+    messages (:func:`reward_completion`) and TRL's ``environments``; ``completions`` are then each episode's final answer."""
     rows = [ex for ex in batch[world.split(len(batch)) if uneven else world.shard(len(batch))] for _ in range(group_size)]  # (B,) groups adjacent
-    prompts = [ex.prompt for ex in rows]  # text or messages, as in the data (TRL's convention)
-    episodes = messages if messages is not None else [None] * len(rows)
-    as_messages = [reward_completion(ex.prompt, text, episode) for ex, text, episode in zip(rows, completions, episodes, strict=True)]
+    prompts = [ex.prompt for ex in rows] if episodes is None else list(episodes.prompts)  # text or messages (TRL's convention)
+    messages = [None] * len(rows) if episodes is None else episodes.messages
+    as_messages = [reward_completion(p, text, episode) for p, text, episode in zip(prompts, completions, messages, strict=True)]
     columns = {key: [ex.metadata.get(key) for ex in rows] for key in sorted({key for ex in rows for key in ex.metadata})}
     columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
     from transformers import TrainerState  # imports peft: only where a batch is scored
@@ -409,8 +418,8 @@ def score_shard(
     log = RewardLog()
     state = TrainerState(global_step=step, max_steps=max_steps, epoch=None)  # TRL hands its TrainerState; counted in rlalign's steps
     context = {"trainer_state": state, "log_metric": log.log_metric, "log_extra": log.log_extra}
-    if environments is not None:
-        context["environments"] = list(environments)  # (B,) TRL's, when an environment runs the episodes
+    if episodes is not None:
+        context["environments"] = list(episodes.environments)  # (B,) TRL's, when an environment runs the episodes
     local_scores, local_per_term, local_failed = score_rollout(rewards, prompts, as_messages, columns, context)  # (B,)
     if missing_eos_penalty is not None:
         local_scores = local_scores - missing_eos_penalty * rollout.truncated.float()

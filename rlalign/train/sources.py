@@ -49,7 +49,8 @@ from rlalign.lm.rollout import Rollout
 from rlalign.lm.tools import ToolRegistry
 from rlalign.train import distributed
 from rlalign.train.rollouts import (
-    NO_TERM_APPLIES, RewardTerm, ScoredRollout, add_score_term, concat_scored, prompt_batch, sample_shard, score_shard, select_rows, trusted_rows,
+    NO_TERM_APPLIES, EpisodeRows, RewardTerm, ScoredRollout, add_score_term, concat_scored, prompt_batch, sample_shard, score_shard, select_rows,
+    trusted_rows,
 )
 from rlalign.train.seeding import batch_order, reseed_for_step, restore_rng_state, rng_state
 from rlalign.train.tool_rollout import ToolRollout, sample_tool_shard, tool_registry
@@ -128,14 +129,12 @@ class Scorer:
     max_steps: int = 0  # the run's steps, the reward functions' trainer_state.max_steps
 
     def __call__(self, examples: list[PromptExample], rollout: Rollout, completions: list[str], step: int, env_rewards: Sequence[float | None] | None = None,
-                 failed: dict[str, Tensor] | None = None, messages: Sequence[list[dict] | None] | None = None,
-                 environments: Sequence | None = None) -> ScoredRollout:
+                 failed: dict[str, Tensor] | None = None, episodes: EpisodeRows | None = None) -> ScoredRollout:
         """``env_rewards``: this rank's rows' environment rewards (None: none given); ``failed``: name -> this rank's rows
         (B,) bool that the source could not finish, left out of training (:func:`mark_failed`; every rank passes the same names);
-        ``messages``: this rank's rows as episodes, what the reward functions get (:func:`rlalign.train.rollouts.score_shard`), and
-        ``environments`` their environment objects."""
+        ``episodes``: this rank's rows as episodes, what the reward functions get of them (:func:`rlalign.train.rollouts.score_shard`)."""
         scored = score_shard(self.rewards, self.tokenizer, examples, rollout, completions, self.group_size, self.world, self.missing_eos_penalty, step=step,
-                             max_steps=self.max_steps, messages=messages, environments=environments)
+                             max_steps=self.max_steps, episodes=episodes)
         if env_rewards is not None and NO_TERM_APPLIES not in scored.failed:  # no reward terms: a row the environment gives no reward has none
             scored = replace(scored, failed={**scored.failed, NO_TERM_APPLIES: torch.ones(len(scored.scores), dtype=torch.bool)})
         if env_rewards is not None and distributed.any_rank(any(r is not None for r in env_rewards), self.world):  # an environment's own reward
@@ -204,8 +203,7 @@ class SampledSource:
     def score(self, sampled: Sampled) -> ScoredBatch:
         """The sampled step, scored by the reward terms (and the trainer's shaping)."""
         t0 = time.perf_counter()
-        scored = self.scorer(sampled.examples, sampled.rollout, sampled.completions, sampled.step, sampled.env_rewards, sampled.failed, sampled.messages,
-                             sampled.environments)
+        scored = self.scorer(sampled.examples, sampled.rollout, sampled.completions, sampled.step, sampled.env_rewards, sampled.failed, sampled.episodes)
         return ScoredBatch(
             sampled.examples, sampled.rollout, scored, sampled.token_mask, dict(sampled.metrics), sampled.step, sampled.generate_s, time.perf_counter() - t0,
         )
@@ -254,8 +252,7 @@ class Sampled:
     env_rewards: Sequence[float | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     failed: dict[str, Tensor] | None = None  # name -> (B,) bool: rows the source could not finish (left out of training)
-    messages: list[list[dict] | None] | None = None  # (B,) conversational episodes after the prompt, TRL's completions for reward functions (Episodes.completions)
-    environments: list | None = None  # (B,) the episodes' environment objects, TRL's `environments` keyword for reward functions
+    episodes: EpisodeRows | None = None  # multi-turn rows: what reward functions get of them (TRL's prompts, completions, environments)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from rlalign.lm.judge import JudgeReward
 from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama
 from rlalign.train import distributed
 from rlalign.train.rl_config import RewardConfig
+from rlalign.train.env_source import episode_rows
 from rlalign.train.rollouts import RewardTerm, build_rewards, score_shard
 from tests.agents.families import family_tokenizer
 
@@ -68,7 +69,7 @@ def rewards_seen(terms_fns: dict, tokenizer, out: ep.Episodes, prompt=QUESTION, 
     seen = []
     terms = [RewardTerm(name, 1.0, lambda completions, _fn=fn, **kw: seen.append(completions) or _fn(completions)) for name, fn in terms_fns.items()]
     scored = score_shard(terms, tokenizer, [PromptExample(prompt, metadata or {})], out.rollout, out.final_texts, 1, distributed.World(), step=1,
-                         max_steps=1, messages=out.completions)
+                         max_steps=1, episodes=episode_rows(out))
     return seen[0], {name: float(values[0]) for name, values in scored.per_term.items()}
 
 
@@ -129,7 +130,7 @@ def test_a_pickled_sampled_step_scores_as_the_episode_it_came_from(monkeypatch):
 
     tokenizer = family_tokenizer("hermes")
     out = episode(monkeypatch, tokenizer, [CALL % '{"a": 3, "b": 4}' + "<|im_end|>", "12<|im_end|>"])
-    sampled = Sampled(0, [PromptExample(QUESTION, {})], out.rollout, out.final_texts, out.assistant_mask, 0.0, out.env_rewards, messages=out.completions)
+    sampled = Sampled(0, [PromptExample(QUESTION, {})], out.rollout, out.final_texts, out.assistant_mask, 0.0, out.env_rewards, episodes=episode_rows(out))
     scorer = Scorer([RewardTerm("used_tool", 1.0, used_tool)], tokenizer, 1, max_steps=1)
     batch = SampledSource(None, scorer, [], 1, 0, None, None).score(pickle.loads(pickle.dumps(sampled)))
     assert batch.scored.per_term["used_tool"].tolist() == [1.0] and batch.scored.completions == ["12"]
@@ -143,7 +144,7 @@ def test_builtin_terms_and_the_judge_score_the_final_answer(monkeypatch):
     specs = [RewardConfig(function="exact_match"), RewardConfig(function="math_answer")]
     examples = [PromptExample(QUESTION, {"answer": "12"})]
     terms = build_rewards(specs, examples, tokenizer, None)
-    scored = score_shard(terms, tokenizer, examples, out.rollout, out.final_texts, 1, distributed.World(), step=1, max_steps=1, messages=out.completions)
+    scored = score_shard(terms, tokenizer, examples, out.rollout, out.final_texts, 1, distributed.World(), step=1, max_steps=1, episodes=episode_rows(out))
     assert {name: values.tolist() for name, values in scored.per_term.items()} == {"exact_match": [1.0], "math_answer": [1.0]}
     judge = JudgeReward(lambda conversations: ["Score: 10"] * len(conversations), template="{completion}")
     assert judge.conversations([QUESTION], out.completions, {}) == [[{"role": "user", "content": "12"}]]
@@ -178,7 +179,7 @@ def test_an_episode_the_environment_ends_scores_its_last_assistant_turn(monkeypa
     assert [m["role"] for m in out.completions[0]] == ["assistant", "tool"] and out.finished.tolist() == [True]
     examples = [PromptExample(QUESTION, {"answer": "12"})]
     terms = build_rewards([RewardConfig(function="exact_match"), RewardConfig(function="math_answer")], examples, tokenizer, None)
-    scored = score_shard(terms, tokenizer, examples, out.rollout, out.final_texts, 1, distributed.World(), step=1, max_steps=1, messages=out.completions)
+    scored = score_shard(terms, tokenizer, examples, out.rollout, out.final_texts, 1, distributed.World(), step=1, max_steps=1, episodes=episode_rows(out))
     assert {name: values.tolist() for name, values in scored.per_term.items()} == {"exact_match": [1.0], "math_answer": [1.0]}
     judge = JudgeReward(lambda conversations: ["Score: 10"] * len(conversations), template="{completion}")
     assert judge.conversations([QUESTION], out.completions, {}) == [[{"role": "user", "content": "12"}]]

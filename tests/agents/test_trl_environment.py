@@ -300,3 +300,22 @@ def test_reward_functions_get_the_episodes_environments_as_trl_passes_them(tiny_
     answers = [r["answer"] for r in records]
     assert all(answer in answers for _, _, answer in seen[0])  # each episode's own instance, reset with its row
     assert history["reward/lookups_made/mean"] == pytest.approx(sum(n for _, n, _ in seen[0]) / 4)
+
+
+def test_reward_functions_get_the_prompt_as_reset_made_it(tmp_path, qwen, monkeypatch):
+    # TRL scores the prompt it generated from, reset's text appended; the reward functions got the record's prompt
+    from rlalign.lm.data import PromptExample
+    from rlalign.train import distributed
+    from rlalign.train.env_source import episode_rows
+    from rlalign.train.rollouts import RewardTerm, score_shard
+
+    tokenizer, model = qwen
+    rows = [{"prompt": [{"role": "user", "content": "count"}], "start": 4}]
+    scripted(monkeypatch, tokenizer, ["done<|im_end|>"])
+    out = ep.run_episodes(model, tokenizer, rows, environment_factory(Counter), SamplingParams(max_new_tokens=20, temperature=1.0), max_turns=2)
+    seen = []
+    term = RewardTerm("seen", 1.0, lambda prompts, completions, **kw: seen.extend(prompts) or [0.0] * len(prompts))
+    scored = score_shard([term], tokenizer, [PromptExample(rows[0]["prompt"], {"start": 4})], out.rollout, out.final_texts, 1, distributed.World(),
+                         step=1, max_steps=1, episodes=episode_rows(out))
+    assert seen == [[{"role": "user", "content": "count Start at 4."}]]  # what the policy saw, as TRL passes it
+    assert "Start at 4." in scored.prompts[0]  # the samples table shows it too
