@@ -37,13 +37,13 @@ whose ``reset`` leaves no state behind behaves the same).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlalign.agents.env_calls import call_on_loop, checked_reward
 from rlalign.agents.tool_calls import tool_schemas
 
-__all__ = ["TRLEnvironment", "protocol", "adapt", "trl_tools"]
+__all__ = ["TRLEnvironment", "protocol", "adapt", "trl_tools", "with_standalone_tools"]
 
 RESERVED = ("reset", "get_reward")  # functions of a TRL environment that are not tools
 
@@ -103,6 +103,24 @@ def adapt(env: Any) -> Any:
     return TRLEnvironment(env) if protocol(env) == "trl" else env
 
 
+def with_standalone_tools(make_env: Callable[[], Any], tools: Sequence[Callable]) -> Any:
+    """An environment from ``make_env`` with TRL's standalone ``tools`` (``GRPOTrainer(tools=..., environment_factory=...)``)
+    shown before its own methods, as TRL lists them.
+
+    Raises:
+        ValueError: the environment speaks rlalign's protocol, whose tools are its own ``tools`` list (names the class).
+    """
+    env = make_env()
+    if isinstance(env, TRLEnvironment):  # TRL's dict of factories
+        env.standalone = list(tools)
+        env._bind()
+        return env
+    if protocol(env) != "trl":
+        raise ValueError(f"tools=[...] beside environment {type(env).__name__}: only TRL's environment classes take tools given apart "
+                         "(TRL's GRPOTrainer(tools=..., environment_factory=...)); list them in its tools instead")
+    return TRLEnvironment(env, standalone=tools)
+
+
 def with_observation(prompt: Any, observation: Any) -> Any:
     """``prompt`` with ``reset``'s ``observation`` appended to its last message, as TRL's ``_generate_and_score_completions`` builds it."""
     if observation is None:
@@ -130,14 +148,15 @@ class TRLEnvironment:
 
     done = False  # TRL ends an episode at an answer without calls, never on the environment's word
 
-    def __init__(self, env: Any = None, factories: Mapping[Any, Callable[[], Any]] | None = None):
+    def __init__(self, env: Any = None, factories: Mapping[Any, Callable[[], Any]] | None = None, standalone: Sequence[Callable] = ()):
         if (env is None) == (factories is None):
             raise ValueError("TRLEnvironment takes an environment or a dict of factories, not both")
         self.env, self.factories, self.prompt = env, factories, None
+        self.standalone = list(standalone)  # TRL's GRPOTrainer(tools=...) beside an environment: shown first, in every environment
         self._bind()
 
     def _bind(self) -> None:
-        self.methods = trl_tools(self.env) if self.env is not None else []
+        self.methods = self.standalone + (trl_tools(self.env) if self.env is not None else [])  # TRL's tools + methods
         self.tool_functions = {fn.__name__: fn for fn in self.methods}  # TRL calls them by __name__
 
     def reset(self, record: Mapping[str, Any]) -> Any:

@@ -35,6 +35,7 @@ import torch
 
 from rlalign.agents.env_config import EnvironmentConfig
 from rlalign.agents.environment import FunctionTools, environment_factory
+from rlalign.agents.trl_environment import with_standalone_tools
 from rlalign.agents.tool_calls import tool_schemas
 from rlalign.config import ConfigError
 from rlalign.agents.episodes import Episodes, episode_metrics, episode_sums, metrics_of_sums, run_episodes
@@ -178,11 +179,14 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
     """``(tools, environment)`` for ``train``: a mapping of one-string functions is the ``tools:`` section's; a
     list of typed functions with docstrings (TRL's ``GRPOTrainer(tools=[fn])``) runs as the environment
     :class:`FunctionTools` of an ``environment:`` section (``environment.max_turns`` = TRL's
-    ``max_tool_calling_iterations`` + 1), its calls and tool replies written by the chat template, as TRL's.
+    ``max_tool_calling_iterations`` + 1), its calls and tool replies written by the chat template, as TRL's. Beside a
+    TRL environment class (``environment`` or ``environment.class``: TRL's ``tools=`` with ``environment_factory=``) the
+    list is shown before the environment's methods, in every environment
+    (:func:`rlalign.agents.trl_environment.with_standalone_tools`; an rlalign environment refuses them when made).
 
     Raises:
-        ConfigError: tools without the section they need, a list next to an environment, or a function the
-            chat template cannot be shown (no type hints or no docstring with an Args section).
+        ConfigError: tools without the section they need, or a function the chat template cannot be shown (no
+            type hints or no docstring with an Args section).
     """
     if not tools or isinstance(tools, Mapping):
         if tools and cfg.tools is None:
@@ -192,10 +196,11 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
     if cfg.environment is None:
         raise ConfigError("tools=[...] (typed functions, TRL's GRPOTrainer(tools=...)) run in episodes of the environment section: set "
                           "environment.max_turns (TRL's max_tool_calling_iterations + 1); a {name: function of one string} mapping goes with tools:")
-    if environment is not None or cfg.environment.cls is not None:
-        raise ConfigError("tools=[...] and an environment were both given: give the tools as methods of the environment, or drop it")
     try:
         tool_schemas(tools)  # each must be describable to the chat template: fail before the run starts
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    given = environment if environment is not None else cfg.environment.cls
+    if given is not None:  # TRL's tools=... beside environment_factory=...: shown first, in every environment
+        return None, functools.partial(with_standalone_tools, environment_factory(given), tools)
     return None, functools.partial(FunctionTools, tools)

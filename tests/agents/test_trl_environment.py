@@ -108,7 +108,7 @@ def qwen():
     return tokenizer, build_tiny_llama(tokenizer, spec).eval()
 
 
-def trl_prompts(tmp_path, tokenizer, model, factory, rows):
+def trl_prompts(tmp_path, tokenizer, model, factory, rows, tools=None):
     """TRL's trainer with ``environment_factory=factory``: its tools per environment, and the prompt ids its
     ``_generate_and_score_completions`` builds for ``rows`` (reset, the text appended, the per-row schemas)."""
     from datasets import Dataset
@@ -117,7 +117,7 @@ def trl_prompts(tmp_path, tokenizer, model, factory, rows):
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), num_generations=len(rows), max_completion_length=8,
                       report_to="none", use_cpu=True, save_strategy="no")
     trainer = GRPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                          reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], environment_factory=factory)
+                          reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], environment_factory=factory, tools=tools)
     seen = {}
 
     class Stop(Exception):
@@ -319,3 +319,25 @@ def test_reward_functions_get_the_prompt_as_reset_made_it(tmp_path, qwen, monkey
                          step=1, max_steps=1, episodes=episode_rows(out))
     assert seen == [[{"role": "user", "content": "count Start at 4."}]]  # what the policy saw, as TRL passes it
     assert "Start at 4." in scored.prompts[0]  # the samples table shows it too
+
+
+def test_tools_given_beside_a_trl_environment_come_first_as_trls(tmp_path, qwen, monkeypatch):
+    # TRL's GRPOTrainer(tools=[...], environment_factory=...): the standalone tools, then the environment's methods, in
+    # every prompt's schema; it was refused ("tools=[...] and an environment were both given")
+    from transformers.utils import get_json_schema
+
+    from rlalign.agents.trl_environment import with_standalone_tools
+    from rlalign.train.env_source import train_tools
+
+    tokenizer, model = qwen
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]}] * 2
+    trainer, trl_ids = trl_prompts(tmp_path, tokenizer, model, Busy, rows, tools=[L.lookup])
+    _, make_env = train_tools(load_config(grpo.GRPOConfig, None, {"environment.max_turns": 2}), [L.lookup], Busy)
+    runner = EnvRunner(make_env())
+    assert [t.__name__ for t in trainer._env_tools[None]] == list(runner.tools) == ["lookup", "add", "shout"]
+    assert runner.schemas() == [get_json_schema(t) for t in trainer._env_tools[None]]
+    scripted(monkeypatch, tokenizer, ["done<|im_end|>", "done<|im_end|>"])
+    out = ep.run_episodes(model, tokenizer, rows, make_env, SamplingParams(max_new_tokens=20, temperature=1.0), max_turns=2)
+    assert rlalign_prompt_ids(out) == [list(ids) for ids in trl_ids]
+    with pytest.raises(ValueError, match="only TRL's environment classes take tools given apart"):
+        with_standalone_tools(L.LookupEnvironment, [L.lookup])
