@@ -182,11 +182,11 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
     ``max_tool_calling_iterations`` + 1), its calls and tool replies written by the chat template, as TRL's. Beside a
     TRL environment class (``environment`` or ``environment.class``: TRL's ``tools=`` with ``environment_factory=``) the
     list is shown before the environment's methods, in every environment
-    (:func:`rlalign.agents.trl_environment.with_standalone_tools`; an rlalign environment refuses them when made).
+    (:func:`rlalign.agents.trl_environment.with_standalone_tools`; one instance is made to check it, as TRL's trainer does).
 
     Raises:
-        ConfigError: tools without the section they need, or a function the chat template cannot be shown (no
-            type hints or no docstring with an Args section).
+        ConfigError: tools without the section they need, a list beside an rlalign environment (whose tools are
+            its own list), or a function the chat template cannot be shown (no type hints or no docstring with an Args section).
     """
     if not tools or isinstance(tools, Mapping):
         if tools and cfg.tools is None:
@@ -202,5 +202,10 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
         raise ConfigError(str(err)) from None
     given = environment if environment is not None else cfg.environment.cls
     if given is not None:  # TRL's tools=... beside environment_factory=...: shown first, in every environment
-        return None, functools.partial(with_standalone_tools, environment_factory(given), tools)
+        make = functools.partial(with_standalone_tools, environment_factory(given), tools)
+        try:
+            make()  # one instance, as TRL's trainer probes one: an rlalign environment refuses the list before the run starts
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return None, make
     return None, functools.partial(FunctionTools, tools)

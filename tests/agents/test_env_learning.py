@@ -98,8 +98,8 @@ def test_trls_list_of_tools_needs_the_environment_section_and_describable_functi
     assert make().tools == ["lookup"] and train_tools(with_env, None, Scripted) == (None, Scripted)
     with pytest.raises(ConfigError, match="max_tool_calling_iterations"):
         train_tools(load_config(grpo.GRPOConfig, None, {}), [L.lookup], None)
-    with pytest.raises(ConfigError, match="both given"):
-        train_tools(with_env, [L.lookup], Scripted)
+    with pytest.raises(ConfigError, match="beside environment Scripted: only TRL's environment classes take tools given apart"):
+        train_tools(with_env, [L.lookup], Scripted)  # an rlalign environment lists its tools itself (a TRL one: test_trl_environment)
     with pytest.raises(ConfigError, match="needs type hints and a docstring"):
         train_tools(with_env, [lambda name: name], None)
     with pytest.raises(ConfigError, match="cfg.tools is null"):
