@@ -195,6 +195,16 @@ def test_forward_kl_fit_matches_moments_and_reverse_fit_seeks_a_mode():
     assert res.reverse_kl_values[1] < res.reverse_kl_values[0]
 
 
+def test_kl_fits_hold_at_the_far_end_of_the_page_sliders():
+    # modes at +-4 of width 0.3, the page's 120 Adam steps at lr 0.15. On a grid ending at +-6 the forward fit had no
+    # optimum (E_p[x^2] = 16.09 > 12.2, the grid's uniform second moment: sigma ran off to 11.6, E_q[x^2] = 11.8) and the
+    # reverse fit stalled on a flat q with KL(q||p) = 20.2 nats, both drawn as the "argmin"
+    res = kl_divergence.compute(mode_distance=4.0, mode_sigma=0.3, n_fit_steps=120, lr=0.15, n_samples=500)
+    assert abs(res.q_forward_moments[0]) < 0.1 and res.q_forward_moments[1] == pytest.approx(res.p_moments[1], rel=0.03)
+    assert res.reverse_kl_values[1] == pytest.approx(math.log(2), abs=0.01)  # on one mode, missing the other's half
+    assert abs(res.reverse_params[0]) == pytest.approx(4.0, abs=0.05) and res.reverse_params[1] == pytest.approx(0.3, abs=0.02)
+
+
 def test_kl_estimators_bias_and_spread():
     res = result_of(kl_divergence)
     kl = res.true_kl
