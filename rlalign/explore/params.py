@@ -104,8 +104,14 @@ def defaults(params: Sequence[Param]) -> dict[str, Any]:
 
 
 def parse_params(params: Sequence[Param], query: Mapping[str, str]) -> dict[str, Any]:
-    """``compute()`` keywords from a request's ``query``: every declared parameter, missing ones at their default."""
+    """``compute()`` keywords from a request's ``query``: every declared parameter, missing ones at their default.
+    A name given twice (``?eps=0.1&eps=0.3``, in a multi-valued query such as Starlette's) is refused, not resolved
+    by silently keeping one of the values."""
     by_name = {p.name: p for p in params}
+    names = [name for name, _ in query.multi_items()] if hasattr(query, "multi_items") else list(query)
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ParamError(f"parameter {repeated[0][:40]!r} is given {names.count(repeated[0])} times; give it once")
     unknown = sorted(set(query) - set(by_name))
     if unknown:
         allowed = ", ".join(by_name) or "none"

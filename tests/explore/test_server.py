@@ -312,6 +312,9 @@ def test_assets_come_from_installed_packages(client):
     ("/api/kl-penalty-tradeoff/download.json", {"beta": "0.3"}, 400, "must be one of 0.1, 0.15"),
     ("/explorer/gae-lambda-sweep", {"lam": "2"}, 400, "lam='2' is out of range"),
     ("/api/no-such/figure", {}, 404, "unknown explorer 'no-such'"),
+    # a repeated name was answered 200 with the last value kept
+    ("/api/ppo-loss-decomposition/figure", [("eps", "0.1"), ("eps", "0.3")], 400, "parameter 'eps' is given 2 times; give it once"),
+    ("/explorer/maze-values", [("policy", "uniform"), ("policy", "greedy")], 400, "parameter 'policy' is given 2 times"),
     ("/explorer/..%2F..%2Fetc%2Fpasswd", {}, 404, "Not Found"),
     ("/explorer/%2e%2e", {}, 404, "unknown explorer '..'"),
     ("/static/%2e%2e/server.py", {}, 404, "Not Found"),
