@@ -279,6 +279,7 @@ def run_episodes(
         tools = [schemas.get(runner.schema_key) for runner in runners]
         chat = [isinstance(resets[r][0], list) for r in range(B)]
         conversations: list[list[Message]] = [list(resets[r][0]) if chat[r] else [{"role": "user", "content": resets[r][0]}] for r in range(B)]
+        reset_prompts = [list(resets[r][0]) if chat[r] else resets[r][0] for r in range(B)]  # as reset made them: an environment may grow the list it returned
         completions: list[list[Message]] = [[] for _ in range(B)]  # TRL's view of each row's episode after the prompt
         special = list(tokenizer.all_special_tokens)
         prompts = [_encode(tokenizer, _render(tokenizer, conversations[r], tools[r], True)) if chat[r] else tokenizer(resets[r][0])["input_ids"] for r in range(B)]
@@ -348,7 +349,7 @@ def run_episodes(
     completions = [completions[r] if chat[r] else None for r in range(B)]
     environments = [runner.given for runner in runners]
     return _collect(prompts, ids, sampled, logps, pad, group_size, len(records), final, conversations, completions, environments,
-                    [resets[r][0] for r in range(B)], rewards, turns, n_calls, n_bad, finished, timed_out)
+                    reset_prompts, rewards, turns, n_calls, n_bad, finished, timed_out)
 
 
 def _collect(prompts, ids, sampled, logps, pad, group_size, n_records, final, conversations, completions, environments, reset_prompts, rewards, turns,

@@ -185,6 +185,40 @@ def test_an_episode_the_environment_ends_scores_its_last_assistant_turn(monkeypa
     assert judge.conversations([QUESTION], out.completions, {}) == [[{"role": "user", "content": "12"}]]
 
 
+class Logged:
+    """An rlalign environment that returns its own log of the conversation from reset and keeps writing to it."""
+
+    tools = ["multiply"]
+
+    def reset(self, record):
+        self.log = list(record["prompt"])
+        return self.log
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.log.append({"role": "user", "content": f"(multiplied {a} and {b})"})
+        return a * b
+
+
+def test_the_prompt_reward_functions_get_is_the_one_reset_returned_not_the_list_grown_since(monkeypatch):
+    # Episodes.prompts held the very list reset returned: what the environment appended to it during the episode
+    # reached the reward functions and the samples table as part of the prompt
+    tokenizer = family_tokenizer("hermes")
+    script(monkeypatch, [ids_of(tokenizer, CALL % '{"a": 3, "b": 4}' + "<|im_end|>12<|im_end|>")])
+    out = ep.run_episodes(build_tiny_llama(tokenizer, SPEC).eval(), tokenizer, [{"prompt": QUESTION}], Logged,
+                          SamplingParams(max_new_tokens=200, temperature=1.0), max_turns=3)
+    assert out.environments[0].log[-1]["content"] == "(multiplied 3 and 4)"  # the tool ran and grew the environment's list
+    seen = []
+    scored = score_shard([RewardTerm("seen", 1.0, lambda prompts, **kw: seen.extend(prompts) or [0.0])], tokenizer, [PromptExample(QUESTION, {})],
+                         out.rollout, out.final_texts, 1, distributed.World(), step=1, max_steps=1, episodes=episode_rows(out))
+    assert seen == [QUESTION] and "multiplied" not in scored.prompts[0]
+
+
 def test_a_text_prompt_and_a_single_turn_keep_their_completions(monkeypatch):
     # TRL's completions are texts for text prompts: the episode's final text, as before
     tokenizer = family_tokenizer("hermes")
