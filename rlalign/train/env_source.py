@@ -182,7 +182,8 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
     ``max_tool_calling_iterations`` + 1), its calls and tool replies written by the chat template, as TRL's. Beside a
     TRL environment class (``environment`` or ``environment.class``: TRL's ``tools=`` with ``environment_factory=``) the
     list is shown before the environment's methods, in every environment
-    (:func:`rlalign.agents.trl_environment.with_standalone_tools`; one instance is made to check it, as TRL's trainer does).
+    (:func:`rlalign.agents.trl_environment.with_standalone_tools`; one instance is made to check it, as TRL's trainer does,
+    except for a dict of factories, each of which is made at its first episode).
 
     Raises:
         ConfigError: tools without the section they need, a list beside an rlalign environment (whose tools are
