@@ -32,7 +32,10 @@ TRL's environment classes (``GRPOTrainer(environment_factory=...)``: every publi
 
 A reward that is not a number (None: no reward; a bool, a NumPy scalar or a one-element tensor counts as
 its value, as for reward terms) or not finite is a :class:`rlalign.lm.reward_calls.RewardFunctionError`
-naming the environment and the prompt (:func:`checked_reward`), never a NaN in the scores.
+naming the environment and the prompt (:func:`rlalign.agents.env_calls.checked_reward`), never a NaN in the
+scores; so is an exception the reward method raises. An environment that cannot be made (its ``__init__`` raised)
+or cannot start an episode (``reset`` raised or returned no prompt) stops the run with a
+:class:`rlalign.agents.env_calls.EnvironmentFailed` naming the class, the method and the prompt.
 
 Tool errors never reach the trainer: an unknown tool, arguments that do not fit the signature, an
 exception in the tool become the text of the tool message ("error: ..."), which the policy reads.
@@ -53,20 +56,22 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rlalign.agents.env_calls import call_on_loop, checked_reward
+from rlalign.agents.env_calls import call_on_loop, called_reward, failure
 from rlalign.agents.tool_calls import ToolCall, call_id, tool_message, tool_schemas, typed_arguments
 
-__all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object"]
+__all__ = ["FunctionTools", "EnvRunner", "environment_factory", "load_object", "new_runner"]
 
 Message = dict[str, Any]
 
 
 def load_object(spec: str) -> Any:
-    """The object ``module:attribute`` names.
+    """The object ``module:attribute`` names, the current directory importable (as ``python -m`` makes it).
 
     Raises:
         ValueError: a spec without ":", or one that cannot be imported (the cause in the message).
@@ -74,6 +79,8 @@ def load_object(spec: str) -> Any:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"expected module:attribute, got {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the `rlalign` script, unlike `python -m`, lacks the current directory
+        sys.path.insert(0, os.getcwd())
     try:
         obj = importlib.import_module(module)
         for part in attr.split("."):
@@ -98,6 +105,25 @@ def environment_factory(env: str | type | Callable[[], Any] | Mapping[str, Calla
     if not callable(obj):
         raise ValueError(f"environment {env!r} is not a class or a callable")
     return obj
+
+
+def new_runner(make_env: Callable[[], Any], max_result_chars: int = 1000) -> EnvRunner:
+    """An :class:`EnvRunner` of a fresh environment from ``make_env``.
+
+    Raises:
+        EnvironmentFailed: ``make_env`` raised, or what it made is no environment (names the maker).
+    """
+    try:
+        return EnvRunner(make_env(), max_result_chars)
+    except Exception as err:
+        raise failure(err, f"environment {_maker_name(make_env):.120}") from err
+
+
+def _maker_name(make_env: Any) -> str:
+    """What made the environments: a class's or function's name (through a ``functools.partial`` of it)."""
+    while isinstance(make_env, functools.partial):
+        make_env = make_env.args[0] if make_env.args and callable(make_env.args[0]) else make_env.func
+    return getattr(make_env, "__qualname__", None) or repr(make_env)
 
 
 class FunctionTools:
@@ -176,13 +202,28 @@ class EnvRunner:
                 self._typed[name] = {}
         return self._typed[name]
 
+    @property
+    def name(self) -> str:
+        """The environment's class as its messages name it (the given one's; a dict of factories before its first reset: their names)."""
+        given = self.given
+        return repr(self.env) if given is None else type(given).__name__
+
     async def reset(self, record: Mapping[str, Any]) -> str | list[Message]:
-        prompt = await call_on_loop(self.env.reset, record)
-        if getattr(self.env, "tool_functions", None) is not None:
-            self._bind_tools()  # chosen at reset (TRL's environments by the record's environment column)
+        """The episode's prompt.
+
+        Raises:
+            EnvironmentFailed: ``reset`` raised, or returned no prompt (names the class and the record's prompt).
+        """
+        self.prompt = record.get("prompt") if isinstance(record, Mapping) else None
+        try:
+            prompt = await call_on_loop(self.env.reset, record)
+            if getattr(self.env, "tool_functions", None) is not None:
+                self._bind_tools()  # chosen at reset (TRL's environments by the record's environment column)
+        except Exception as err:
+            raise failure(err, f"environment {self.name}.reset", self.prompt) from err
         self.prompt = record.get("prompt", prompt) if isinstance(record, Mapping) else prompt
         if not isinstance(prompt, (str, list)) or not prompt:
-            raise ValueError(f"environment {type(self.env).__name__}.reset returned {prompt!r:.80}; expected a non-empty text or list of messages")
+            raise failure(ValueError(f"returned {prompt!r:.80}; expected a non-empty text or list of messages"), f"environment {self.name}.reset", self.prompt)
         return prompt
 
     async def respond(self, calls: Sequence[ToolCall], row: int = 0, turn: int = 0) -> list[Message]:
@@ -227,7 +268,7 @@ class EnvRunner:
         fn = getattr(self.env, "reward", None)
         if not callable(fn):
             return None
-        return checked_reward(await call_on_loop(fn, answer), f"environment {type(self.env).__name__}.reward", self.prompt)
+        return await called_reward(fn, f"environment {type(self.env).__name__}.reward", self.prompt, answer)
 
     @property
     def done(self) -> bool:

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from rlalign.agents.environment import EnvRunner
+from rlalign.agents.environment import new_runner
 from rlalign.agents.tool_calls import TAGS, CallFormat, call_format, parsed_reply, parsed_turn
 from rlalign.lm.decode import SamplingParams, _draw
 from rlalign.lm.models import cache_argument
@@ -263,7 +263,7 @@ def run_episodes(
     stop_ids = end_of_turn_ids(tokenizer)
     rows = [record for record in records for _ in range(group_size)]  # (B,)
     B = len(rows)
-    runners = [EnvRunner(make_env(), max_result_chars) for _ in rows]
+    runners = [new_runner(make_env, max_result_chars) for _ in rows]
     loop = asyncio.new_event_loop()
     loop.set_default_executor(ThreadPoolExecutor(max_workers=min(32, B)))
     start = time.monotonic()

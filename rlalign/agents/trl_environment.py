@@ -40,7 +40,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rlalign.agents.env_calls import call_on_loop, checked_reward
+from rlalign.agents.env_calls import called_reward
 from rlalign.agents.tool_calls import tool_schemas
 
 __all__ = ["TRLEnvironment", "protocol", "adapt", "trl_tools", "with_standalone_tools"]
@@ -125,6 +125,8 @@ def with_observation(prompt: Any, observation: Any) -> Any:
     """``prompt`` with ``reset``'s ``observation`` appended to its last message, as TRL's ``_generate_and_score_completions`` builds it."""
     if observation is None:
         return prompt
+    if not isinstance(observation, (str, list)):
+        raise ValueError(f"reset returned {observation!r:.80}; expected text or a list of content parts to append to the prompt, or None")
     if isinstance(prompt, str):
         if not isinstance(observation, str):
             raise ValueError(f"reset returned {observation!r:.80} for a text prompt; expected text or None")
@@ -162,6 +164,7 @@ class TRLEnvironment:
     def reset(self, record: Mapping[str, Any]) -> Any:
         row = dict(record)
         if self.factories is not None:
+            self.env = None  # until the record's is made: an error names the dict, not the last episode's class
             name = row.pop("environment", None)  # a control column: not passed to reset (TRL)
             if name not in self.factories:
                 raise ValueError(f"record has environment={name!r}, which is not among the environments given: expected one of {list(self.factories)}")
@@ -174,6 +177,8 @@ class TRLEnvironment:
         self.prompt = row["prompt"]
         observation = self.env.reset(**row)
         if inspect.isawaitable(observation):
+            if inspect.iscoroutine(observation):
+                observation.close()  # never to be awaited: no "coroutine was never awaited" warning
             raise ValueError(f"environment {type(self.env).__name__}.reset is async; TRL calls reset synchronously")
         return with_observation(row["prompt"], observation)
 
@@ -185,11 +190,11 @@ class TRLEnvironment:
         """``get_reward()`` of the episode's environment (awaited when async; run in the loop's thread pool when not); None without one.
 
         Raises:
-            RewardFunctionError: not a finite number or None (names the environment's class and the prompt).
+            RewardFunctionError: it raised, or gave neither a finite number nor None (names the environment's class and the prompt).
         """
         if not _has_function(self.env, "get_reward"):
             return None
-        return checked_reward(await call_on_loop(self.env.get_reward), f"environment {type(self.env).__name__}.get_reward", self.prompt)
+        return await called_reward(self.env.get_reward, f"environment {type(self.env).__name__}.get_reward", self.prompt)
 
     def __getattr__(self, name: str) -> Any:
         env = self.__dict__.get("env")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ from typing import Any
 import torch
 
 from rlalign.agents.env_config import EnvironmentConfig
-from rlalign.agents.environment import FunctionTools, environment_factory
-from rlalign.agents.trl_environment import with_standalone_tools
+from rlalign.agents.environment import EnvRunner, FunctionTools, environment_factory, load_object
+from rlalign.agents.trl_environment import TRLEnvironment, protocol, trl_tools, with_standalone_tools
 from rlalign.agents.tool_calls import tool_schemas
 from rlalign.config import ConfigError
 from rlalign.agents.episodes import Episodes, episode_metrics, episode_sums, metrics_of_sums, run_episodes
@@ -50,7 +51,7 @@ from rlalign.train.sources import Sampled, SampledSource, make_scorer, sampling_
 
 __all__ = [
     "TIMED_OUT", "EnvironmentSource", "make_environment_source", "sample_episodes", "global_episode_metrics", "evaluate_episodes", "episode_evaluator",
-    "train_tools",
+    "train_tools", "check_environment",
 ]
 
 TIMED_OUT = "environment_timeout"  # the failed rows' entry of episodes past environment.timeout_s (reward/environment_timeout/failed)
@@ -187,11 +188,14 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
 
     Raises:
         ConfigError: tools without the section they need, a list beside an rlalign environment (whose tools are
-            its own list), or a function the chat template cannot be shown (no type hints or no docstring with an Args section).
+            its own list), a function the chat template cannot be shown (no type hints or no docstring with an Args section),
+            or an environment :func:`check_environment` refuses.
     """
     if not tools or isinstance(tools, Mapping):
         if tools and cfg.tools is None:
             raise ConfigError("tools were given but cfg.tools is null: set tools (e.g. tools.max_turns=3) to use them")
+        if cfg.environment is not None:
+            check_environment(environment if environment is not None else cfg.environment.cls)
         return tools, environment
     tools = list(tools)
     if cfg.environment is None:
@@ -203,6 +207,7 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
         raise ConfigError(str(err)) from None
     given = environment if environment is not None else cfg.environment.cls
     if given is not None:  # TRL's tools=... beside environment_factory=...: shown first, in every environment
+        check_environment(given)
         make = functools.partial(with_standalone_tools, environment_factory(given), tools)
         try:
             make()  # one instance, as TRL's trainer probes one: an rlalign environment refuses the list before the run starts
@@ -210,3 +215,37 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
             raise ConfigError(str(err)) from None
         return None, make
     return None, functools.partial(FunctionTools, tools)
+
+
+def check_environment(given: Any) -> None:
+    """Make one instance of the environment ``given`` (``module:Class``, a class, a maker, or a dict of them: one of
+    each) and check it before the run starts, as TRL's trainer probes one: it can be made, its protocol is told
+    apart, and a TRL environment's ``reset`` is synchronous and its methods can be shown to the chat template.
+
+    Raises:
+        ConfigError: no environment given, one that cannot be imported or made, or one that cannot run (names the class).
+    """
+    if given is None:
+        raise ConfigError("environment: set environment.class (module:Class) or pass the environment to train(environment=...)")
+    try:
+        obj = load_object(given) if isinstance(given, str) else given
+        environment_factory(obj)  # a dict's factories, or one, callable
+    except ValueError as err:
+        raise ConfigError(f"environment.class: {err}" if isinstance(given, str) else str(err)) from None
+    for factory in obj.values() if isinstance(obj, Mapping) else [obj]:
+        name = getattr(factory, "__qualname__", None) or repr(factory)
+        try:
+            env = factory()
+        except Exception as err:
+            raise ConfigError(f"environment {name:.120} could not be made: {type(err).__name__}: {err}") from err
+        if isinstance(env, TRLEnvironment):
+            continue
+        name = type(env).__name__
+        try:
+            if protocol(env) == "trl":
+                if inspect.iscoroutinefunction(getattr(type(env), "reset", None)):
+                    raise ValueError(f"environment {name}.reset is async; TRL calls reset synchronously: make it a plain def")
+                tool_schemas(trl_tools(env))  # TRL's chat template shows each public method
+            EnvRunner(env)  # its tools (rlalign's), or the wrapper's checks (TRL's)
+        except ValueError as err:
+            raise ConfigError(f"environment {name}: {err}" if name not in str(err) else str(err)) from None
