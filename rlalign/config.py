@@ -163,7 +163,7 @@ def _format_error(cls: type[BaseModel], err: ValidationError, source: str) -> st
             name, colon, value = str(loc[-1]).partition(":")
             if colon and name in allowed:  # {function:arithmetic} is YAML for the key "function:arithmetic"
                 hint = f" Did you mean {f'{name}: {value}'!r} (YAML needs a space after the colon)?"
-            trl = trl_hint(trl_trainer(cls), str(loc[-1]), allowed=allowed) if len(loc) == 1 else None
+            trl = trl_hint(trl_trainer(cls), str(loc[-1]), allowed=allowed)
             if trl is not None:  # TRL's name for a field called otherwise here: the spelling's neighbour would mislead
                 hint = f" {trl}."
             lines.append(f"  unknown key {key!r}.{hint} Allowed here: {', '.join(allowed)}")

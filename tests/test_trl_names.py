@@ -128,3 +128,13 @@ def test_trls_tool_settings_name_the_turns_and_the_per_turn_length(trainer):
     with pytest.raises(ConfigError, match=r"TRL's max_tool_calling_iterations: environment.max_turns = TRL's max_tool_calling_iterations \+ 1"):
         load_config(trainer, None, ["max_tool_calling_iterations=2"])
     assert "each assistant turn's, where TRL's bounds the whole episode" in trl_hint(trainer.__name__, "max_completion_length")
+
+
+def test_a_trl_name_inside_a_section_gets_its_hint_too():
+    # `sampling: {num_generations: 8}` or `optim: {learning_rate: ...}` got only "Allowed here: ..." (hints were top-level only)
+    for override, hint in [("sampling.num_generations=8", "TRL's num_generations: group_size."), ("optim.learning_rate=1e-5", "TRL's learning_rate: optim.lr.")]:
+        with pytest.raises(ConfigError) as err:
+            load_config(grpo.GRPOConfig, None, [override])
+        assert hint in str(err.value) and "Did you mean" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"unknown key 'model.torch_dtype'. TRL's torch_dtype: model.dtype."):
+        load_config(grpo.GRPOConfig, None, ["model.torch_dtype=bfloat16"])
