@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import importlib.resources as pkg_resources
 import pickle
-from collections import deque
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from rlalign.train.rl_config import RewardConfig
 from rlalign.train.env_source import episode_rows
 from rlalign.train.rollouts import RewardTerm, build_rewards, score_shard
 from tests.agents.families import family_tokenizer
+from tests.agents.scripted import ids_of, script
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64, max_position_embeddings=2048)
@@ -39,21 +39,6 @@ def multiply(a: int, b: int) -> int:
         b: The second integer.
     """
     return a * b
-
-
-def script(monkeypatch, per_row: list[list[int]]):
-    """Every row draws its own ids in order (whatever the logits); the log-prob is the model's."""
-    queues = [deque(ids) for ids in per_row]
-
-    def draw(logits, params, uniform, alive):
-        tokens = torch.tensor([queues[r].popleft() if alive[r] and queues[r] else 0 for r in range(len(queues))])
-        return tokens, torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
-
-    monkeypatch.setattr(ep, "_draw_token", draw)
-
-
-def ids_of(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def episode(monkeypatch, tokenizer, turns: list[str], prompt=QUESTION, max_turns: int = 3) -> ep.Episodes:

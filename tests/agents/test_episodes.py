@@ -5,7 +5,6 @@ errors, time limit and rewards."""
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
 import pytest
 import torch
@@ -20,24 +19,10 @@ from rlalign.tasks.lookup import LookupEnvironment, lookup, prompt_records
 from rlalign.tasks.tiny_model import TinyModelSpec, build_tiny_llama
 from rlalign.train.passes import rollout_token_logprobs
 from tests.agents.families import HERMES_TEMPLATE, family_tokenizer
+from tests.agents.scripted import ids_of, script
 
 torch.set_num_threads(1)
 SPEC = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64, max_position_embeddings=1024)
-
-
-def script(monkeypatch, per_row: list[list[int]]):
-    """Every row draws its own ids in order (whatever the logits); the log-prob is the model's."""
-    queues = [deque(ids) for ids in per_row]
-
-    def draw(logits, params, uniform, alive):
-        tokens = torch.tensor([queues[r].popleft() if alive[r] and queues[r] else 0 for r in range(len(queues))])
-        return tokens, torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
-
-    monkeypatch.setattr(ep, "_draw_token", draw)
-
-
-def ids_of(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"name": "%s"}}\n</tool_call><|im_end|>'

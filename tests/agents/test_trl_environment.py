@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib.resources as pkg_resources
 import os
-from collections import deque
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from rlalign.lm.decode import SamplingParams  # noqa: E402
 from rlalign.tasks import lookup as L  # noqa: E402
 from rlalign.tasks.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_llama  # noqa: E402
 from rlalign.train import grpo  # noqa: E402
+from tests.agents.scripted import script_texts  # noqa: E402
 
 torch.set_num_threads(1)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -133,17 +133,6 @@ def trl_prompts(tmp_path, tokenizer, model, factory, rows, tools=None):
     return trainer, seen["ids"]
 
 
-def scripted(monkeypatch, tokenizer, per_row: list[str]):
-    """rlalign's sampler draws each row's scripted text, token by token."""
-    queues = [deque(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in per_row]
-
-    def draw(logits, params, uniform, alive):
-        tokens = torch.tensor([queues[r].popleft() if alive[r] and queues[r] else 0 for r in range(len(queues))])
-        return tokens, torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, None]).squeeze(-1)
-
-    monkeypatch.setattr(ep, "_draw_token", draw)
-
-
 def rlalign_prompt_ids(out) -> list[list[int]]:
     return [out.rollout.prompt_ids[r][out.rollout.prompt_mask[r].bool()].tolist() for r in range(out.rollout.prompt_ids.shape[0])]
 
@@ -185,7 +174,7 @@ def test_prompt_ids_tool_calls_and_reward_of_an_episode_equal_trls(start, tmp_pa
     rows = [{"prompt": [{"role": "user", "content": "count"}], "start": start}] * 2
     _, trl_ids = trl_prompts(tmp_path, tokenizer, model, Counter, rows)
     call = '<tool_call>\n{"name": "increment", "arguments": {"step": 3}}\n</tool_call><|im_end|>'
-    scripted(monkeypatch, tokenizer, [call + "done<|im_end|>", "done<|im_end|>"])
+    script_texts(monkeypatch, tokenizer, [call + "done<|im_end|>", "done<|im_end|>"])
     out = ep.run_episodes(model, tokenizer, rows, environment_factory(Counter), SamplingParams(max_new_tokens=80, temperature=1.0), max_turns=3)
     assert rlalign_prompt_ids(out) == [list(ids) for ids in trl_ids]
     assert ("Start at 4." in tokenizer.decode(trl_ids[0])) == (start == 4)
@@ -215,7 +204,7 @@ def test_a_dict_of_environments_picks_each_rows_by_its_environment_column(tmp_pa
     rows = [{"prompt": [{"role": "user", "content": "go"}], "environment": name, "start": 2} for name in ("counter", "echo")]
     factories = {"counter": Counter, "echo": Echo}
     _, trl_ids = trl_prompts(tmp_path, tokenizer, model, factories, rows)
-    scripted(monkeypatch, tokenizer, ["ok<|im_end|>"] * 2)
+    script_texts(monkeypatch, tokenizer, ["ok<|im_end|>"] * 2)
     out = ep.run_episodes(model, tokenizer, rows, environment_factory(factories), SamplingParams(max_new_tokens=8, temperature=1.0), max_turns=1)
     assert rlalign_prompt_ids(out) == [list(ids) for ids in trl_ids]
     assert out.env_rewards == [2.0, None]  # Echo has no get_reward: no reward, as TRL's None
@@ -311,7 +300,7 @@ def test_reward_functions_get_the_prompt_as_reset_made_it(tmp_path, qwen, monkey
 
     tokenizer, model = qwen
     rows = [{"prompt": [{"role": "user", "content": "count"}], "start": 4}]
-    scripted(monkeypatch, tokenizer, ["done<|im_end|>"])
+    script_texts(monkeypatch, tokenizer, ["done<|im_end|>"])
     out = ep.run_episodes(model, tokenizer, rows, environment_factory(Counter), SamplingParams(max_new_tokens=20, temperature=1.0), max_turns=2)
     seen = []
     term = RewardTerm("seen", 1.0, lambda prompts, completions, **kw: seen.extend(prompts) or [0.0] * len(prompts))
@@ -336,7 +325,7 @@ def test_tools_given_beside_a_trl_environment_come_first_as_trls(tmp_path, qwen,
     runner = EnvRunner(make_env())
     assert [t.__name__ for t in trainer._env_tools[None]] == list(runner.tools) == ["lookup", "add", "shout"]
     assert runner.schemas() == [get_json_schema(t) for t in trainer._env_tools[None]]
-    scripted(monkeypatch, tokenizer, ["done<|im_end|>", "done<|im_end|>"])
+    script_texts(monkeypatch, tokenizer, ["done<|im_end|>", "done<|im_end|>"])
     out = ep.run_episodes(model, tokenizer, rows, make_env, SamplingParams(max_new_tokens=20, temperature=1.0), max_turns=2)
     assert rlalign_prompt_ids(out) == [list(ids) for ids in trl_ids]
     with pytest.raises(ValueError, match="only TRL's environment classes take tools given apart"):
