@@ -179,22 +179,27 @@ def model_generate(model, tokenizer) -> Generate:
 
 
 def _stop_cut(tokenizer, ids: list[int], text: str, stop: Sequence[str]) -> tuple[int, int, str] | None:
-    """(tokens to keep, characters of content, the stop string) when a stop string occurs in ``text``: the one
-    decoding completes first (the earliest end; of two ending together, the first listed, as vLLM checks them), the
-    shortest prefix of ``ids`` whose text contains it, and the text before it; None when none occurs."""
-    found = [(text.find(s) + len(s), order, s) for order, s in enumerate(stop) if s in text]
+    """(tokens to keep, characters of content, the stop string) when a stop string occurs in ``text``, as vLLM stops:
+    after each token it checks the stop strings in the order listed, so the stop is the one completed by the earliest
+    token (of those that token completes, the first listed, even one ending later in its text); the tokens kept are
+    that shortest prefix of ``ids``, the content the text before the stop string. None when none occurs."""
+    found = [(_tokens_holding(tokenizer, ids, s), order, s) for order, s in enumerate(stop) if s in text]
     if not found:
         return None
-    _, _, s = min(found)
-    at = text.find(s)
-    low, high = 1, len(ids)  # containment grows with the prefix: bisect for the first prefix that holds it
+    kept, _, s = min(found)
+    return kept, text.find(s), s
+
+
+def _tokens_holding(tokenizer, ids: list[int], s: str) -> int:
+    """The fewest leading tokens of ``ids`` whose text holds ``s`` (containment grows with the prefix: bisected)."""
+    low, high = 1, len(ids)
     while low < high:
         mid = (low + high) // 2
         if s in tokenizer.decode(ids[:mid], skip_special_tokens=True):
             high = mid
         else:
             low = mid + 1
-    return low, at, s
+    return low
 
 
 def _without_special(tokenizer, text: str | None) -> str | None:

@@ -157,6 +157,17 @@ def test_the_stop_string_completed_first_ends_the_reply(tiny):
     assert _stop_cut(tok, ids, text, ["cdef", "bcdef"]) == (8, 4, "cdef")  # both end at 8: the first listed (vLLM's order)
     assert _stop_cut(tok, ids, text, ["zz"]) is None
 
+    class Pieces:  # a tokenizer whose tokens are "xxab", "cdef", "yy": one token completes both "cd" and "abcdef"
+        pieces = ["xxab", "cdef", "yy"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(self.pieces[i] for i in ids)
+
+    # vLLM checks the stop strings in the order listed after each token: the first listed that token completes wins,
+    # though "cd" ends earlier in its text (the earliest end alone kept "xxab" where vLLM's content is "xx")
+    assert _stop_cut(Pieces(), [0, 1, 2], text, ["abcdef", "cd"]) == (2, 2, "abcdef")
+    assert _stop_cut(Pieces(), [0, 1, 2], text, ["cd", "abcdef"]) == (2, 4, "cd")
+
 
 def test_tools_rendered_calls_parsed_and_sent_back_through_the_template(tiny):
     """The tiny template has no tool syntax, so calls are the tag format: the reply's call becomes
