@@ -207,20 +207,16 @@ def train_tools(cfg, tools: Mapping[str, Callable] | Sequence[Callable] | None, 
         raise ConfigError(str(err)) from None
     given = environment if environment is not None else cfg.environment.cls
     if given is not None:  # TRL's tools=... beside environment_factory=...: shown first, in every environment
-        check_environment(given)
-        make = functools.partial(with_standalone_tools, environment_factory(given), tools)
-        try:
-            make()  # one instance, as TRL's trainer probes one: an rlalign environment refuses the list before the run starts
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        return None, make
+        check_environment(given, tools)  # its one probe instance also refuses the list where it is an rlalign environment
+        return None, functools.partial(with_standalone_tools, environment_factory(given), tools)
     return None, functools.partial(FunctionTools, tools)
 
 
-def check_environment(given: Any) -> None:
+def check_environment(given: Any, tools: Sequence[Callable] = ()) -> None:
     """Make one instance of the environment ``given`` (``module:Class``, a class, a maker, or a dict of them: one of
     each) and check it before the run starts, as TRL's trainer probes one: it can be made, its protocol is told
-    apart, and a TRL environment's ``reset`` is synchronous and its methods can be shown to the chat template.
+    apart, and a TRL environment's ``reset`` is synchronous and its methods can be shown to the chat template;
+    with ``tools`` (TRL's standalone tools), that it takes them (:func:`with_standalone_tools`).
 
     Raises:
         ConfigError: no environment given, one that cannot be imported or made, or one that cannot run (names the class).
@@ -247,5 +243,7 @@ def check_environment(given: Any) -> None:
                     raise ValueError(f"environment {name}.reset is async; TRL calls reset synchronously: make it a plain def")
                 tool_schemas(trl_tools(env))  # TRL's chat template shows each public method
             EnvRunner(env)  # its tools (rlalign's), or the wrapper's checks (TRL's)
+            if tools:
+                with_standalone_tools(lambda: env, tools)  # an rlalign environment lists its tools itself
         except ValueError as err:
             raise ConfigError(f"environment {name}: {err}" if name not in str(err) else str(err)) from None
